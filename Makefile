@@ -1,0 +1,34 @@
+# The two commands of the quick start: `make demo` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.dtrain-installed
+
+.PHONY: demo test test-slow bench lint clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch is pinned here (a CPU build is available locally); the package itself asks for torch>=2.4.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dtrain train
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(VENV)/bin/dtrain run -n 2 benchmarks/dp_vs_ddp.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

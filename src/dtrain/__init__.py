@@ -1,0 +1,45 @@
+"""dtrain: train PyTorch models across many processes, machines and GPUs.
+
+    world = dtrain.init()                 # rank, world_size, local_rank, ... from the launcher
+    mesh = dtrain.Mesh(dp=world.world_size)
+    model = dtrain.DataParallel(model, group=mesh.group("dp"))
+
+Launch with `dtrain run -n 2 script.py`; `dtrain train` runs the built-in training job.
+Names are imported on first use, so the `dtrain` command starts without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "ConfigError": "dtrain.errors",
+    "DtrainError": "dtrain.errors",
+    "LaunchError": "dtrain.errors",
+    "Mesh": "dtrain.mesh",
+    "DataParallel": "dtrain.parallel.data_parallel",
+    "ShardedSampler": "dtrain.train.sampler",
+    "World": "dtrain.world",
+    "init": "dtrain.world",
+    "shutdown": "dtrain.world",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from dtrain.errors import ConfigError, DtrainError, LaunchError
+    from dtrain.mesh import Mesh
+    from dtrain.parallel.data_parallel import DataParallel
+    from dtrain.train.sampler import ShardedSampler
+    from dtrain.world import World, init, shutdown
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dtrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

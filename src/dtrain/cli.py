@@ -1,0 +1,102 @@
+"""The `dtrain` command: `dtrain run` starts ranks, `dtrain train` trains a model.
+
+Errors a user can fix print as one line (`dtrain: error: ...`) with a non-zero exit code;
+tracebacks are for dtrain's own bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from dtrain.errors import ConfigError, DtrainError
+
+
+def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> None:
+    p.add_argument("-n", "--nproc", type=int, default=default_nproc,
+                   help="processes (ranks) on this machine")
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 hosts)")
+    p.add_argument("--master", metavar="HOST:PORT",
+                   help="address of node 0's rendezvous store (needed with --nnodes > 1)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart all ranks up to K times after a failure (default 0)")
+    p.add_argument("--join-timeout", type=int, default=120, metavar="SECONDS",
+                   help="how long machines wait for each other to join (default 120)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dtrain", description="Train PyTorch models across processes, machines and GPUs."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run", help="start N ranks of a script", description=(
+            "Start N ranks of a Python script on this machine (and others with --nnodes). "
+            "Each rank finds its place with dtrain.init(); output lines carry the rank."
+        ),
+    )
+    _add_launch_flags(run, default_nproc=1)
+    run.add_argument("-m", dest="module", action="store_true",
+                     help="run SCRIPT as a module, like python -m")
+    run.add_argument("script", help="the Python script (or module with -m) each rank runs")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    train = sub.add_parser(
+        "train", help="train a model from a TOML config (the built-in GPT by default)",
+        description=(
+            "Train from a TOML config; with none, a small byte-level GPT on Python's own "
+            "standard library sources, on 2 local ranks with data parallelism."
+        ),
+    )
+    train.add_argument("config", nargs="?", help="TOML config file (default: built-in)")
+    train.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="override a config key, e.g. train.steps=50")
+    train.add_argument("--metrics", metavar="PATH", help="write per-step metrics as JSON lines")
+    _add_launch_flags(train, default_nproc=None)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> None:
+    from dtrain.launch.runner import LaunchSpec, launch
+
+    if args.module:
+        command = [sys.executable, "-u", "-m", args.script, *args.args]
+    else:
+        if not os.path.isfile(args.script):
+            raise ConfigError(f"script {args.script!r} not found (run from its folder or give a path)")
+        command = [sys.executable, "-u", args.script, *args.args]
+    launch(LaunchSpec(
+        command=command, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+        master=args.master, max_restarts=args.max_restarts, join_timeout=args.join_timeout,
+    ))
+
+
+def _train(args: argparse.Namespace) -> None:
+    from dtrain.train.launch import train_command
+
+    train_command(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `dtrain` console script; returns the process exit code."""
+    args = _parser().parse_args(argv)
+    # The launcher's own C++ warnings (socket polls while machines join) would bury the
+    # one-line errors; ranks get the user's level back (see launch.runner).
+    os.environ["DTRAIN_USER_CPP_LOG_LEVEL"] = os.environ.get("TORCH_CPP_LOG_LEVEL", "WARNING")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        {"run": _run, "train": _train}[args.command](args)
+    except DtrainError as exc:
+        print(f"dtrain: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("dtrain: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

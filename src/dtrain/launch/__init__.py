@@ -1,0 +1,1 @@
+"""Starting ranks: dtrain's launcher on torch's elastic agent."""

@@ -1,0 +1,129 @@
+"""A small GPT (decoder-only transformer), byte-level by default.
+
+The same architecture as GPT-2 (pre-norm blocks of causal self-attention and an MLP,
+learned positions, tied input/output embeddings), kept small enough to train on a few CPU
+cores. The demo, the tests and the benchmarks use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the model.
+
+    Attributes:
+        vocab_size: number of token ids (256 for bytes).
+        block_size: longest context, in tokens.
+        n_layer: transformer blocks.
+        n_head: attention heads per block; must divide n_embd.
+        n_embd: width of the residual stream.
+        dropout: dropout probability (0 keeps runs deterministic).
+    """
+
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer returning logits, or (logits, loss) given targets."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_head={cfg.n_head} does not divide n_embd={cfg.n_embd}")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # tied embeddings, as in GPT-2
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        t = idx.shape[1]
+        if t > self.cfg.block_size:
+            raise ValueError(f"sequence of {t} tokens exceeds block_size={self.cfg.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Append `new_tokens` sampled tokens to each row of `idx`."""
+        for _ in range(new_tokens):
+            logits = self(idx[:, -self.cfg.block_size :])[:, -1, :] / temperature
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx

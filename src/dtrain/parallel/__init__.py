@@ -1,0 +1,1 @@
+"""Parallel strategies; each module is one strategy."""

@@ -1,0 +1,96 @@
+"""Gradient buckets: parameters packed into flat buffers that are communicated as one.
+
+One collective per parameter pays the per-message latency dozens of times a step; one
+collective for the whole model cannot start until backward ends. Buckets of a few MB are
+the middle road (Li et al., "PyTorch Distributed", VLDB 2020): a bucket is sent as soon as
+all its gradients exist, while backward keeps computing the rest.
+
+Parameters are assigned in reverse registration order, which approximates the order in
+which backward produces their gradients. Each bucket's buffer ends with one *presence
+flag* per parameter (1 where this rank produced that gradient), reduced together with the
+gradients: after a sum, a flag of 0 means no rank used the parameter this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    """A group of parameters whose gradients travel in one flat buffer."""
+
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    buffer: torch.Tensor  # numel gradient elements, then len(params) presence flags
+    ready: list[bool] = field(default_factory=list)
+    pending: int = 0
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget which gradients arrived; called after every synchronized backward."""
+        self.ready = [False] * len(self.params)
+        self.pending = len(self.params)
+
+    def slot(self, i: int) -> torch.Tensor:
+        """The view of the buffer that holds parameter i's gradient, shaped like it."""
+        p = self.params[i]
+        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+    @property
+    def flags(self) -> torch.Tensor:
+        """Presence flags, one per parameter, after the gradients in the buffer."""
+        return self.buffer[self.numel :]
+
+    @property
+    def grads(self) -> torch.Tensor:
+        """All gradient elements of the bucket, flat."""
+        return self.buffer[: self.numel]
+
+
+def build_buckets(
+    params: list[nn.Parameter], bucket_bytes: int, grad_dtype: torch.dtype | None
+) -> list[Bucket]:
+    """Pack `params` (in the given order) into buckets of about `bucket_bytes` each.
+
+    A bucket never mixes devices or parameter dtypes, and a parameter larger than the cap
+    gets a bucket of its own.
+
+    Args:
+        params: parameters in the order their gradients are expected.
+        bucket_bytes: cap on a bucket's gradient bytes (in the communication dtype).
+        grad_dtype: dtype of the communicated gradients; None keeps each parameter's dtype.
+    """
+    groups: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        dtype = grad_dtype or p.dtype
+        nbytes = p.numel() * dtype.itemsize
+        current = groups[-1] if groups else None
+        fits = current is not None and size + nbytes <= bucket_bytes
+        same_kind = current is not None and (
+            current[0].device == p.device and current[0].dtype == p.dtype
+        )
+        if fits and same_kind:
+            current.append(p)
+            size += nbytes
+        else:
+            groups.append([p])
+            size = nbytes
+    buckets = []
+    for index, group in enumerate(groups):
+        offsets, total = [], 0
+        for p in group:
+            offsets.append(total)
+            total += p.numel()
+        dtype = grad_dtype or group[0].dtype
+        buffer = torch.zeros(total + len(group), dtype=dtype, device=group[0].device)
+        buckets.append(Bucket(index, group, offsets, total, buffer))
+    return buckets

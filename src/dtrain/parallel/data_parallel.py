@@ -1,0 +1,217 @@
+"""Synchronous data parallelism: every rank holds the whole model, gradients are averaged.
+
+Each rank runs forward and backward on its own slice of the global batch. Gradients are
+averaged across the data-parallel group with allreduce, bucket by bucket, launched from
+autograd hooks the moment a bucket is complete, so communication overlaps the rest of
+backward. After `loss.backward()` returns, every rank holds the same averaged gradients,
+so the same optimizer step keeps the replicas identical — the result equals one process
+training on the concatenated batch.
+
+Run it with `dtrain run -n 2 train.py`, where train.py does::
+
+    world = dtrain.init()
+    model = dtrain.DataParallel(MyModel())
+    ...
+    loss.backward()      # gradients averaged across ranks here
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain import world as world_mod
+from dtrain.errors import DtrainError
+from dtrain.parallel.buckets import Bucket, build_buckets
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    """Accept a torch dtype or its short name ("bf16", "fp16", "fp32"); None stays None."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise DtrainError(f"unknown dtype {value!r}: use one of {', '.join(_DTYPES)}")
+    return _DTYPES[value]
+
+
+def _check_same_model(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Fail with the first disagreeing rank if replicas differ in parameter count or shapes."""
+    shapes = ";".join(f"{tuple(p.shape)}{p.dtype}" for p in params)
+    signature = torch.tensor(
+        [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode())],
+        dtype=torch.int64,
+    )
+    everyone = [torch.empty_like(signature) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, signature, group=group)
+    for group_rank, other in enumerate(everyone):
+        if not torch.equal(other, everyone[0]):
+            rank = dist.get_global_rank(group, group_rank)
+            first = dist.get_global_rank(group, 0)
+            raise DtrainError(
+                f"DataParallel: rank {rank} has a different model than rank {first} "
+                f"({other[0]} parameters / {other[1]} elements vs {everyone[0][0]} / "
+                f"{everyone[0][1]}, or different shapes): build the same model on every rank"
+            )
+
+
+class DataParallel(nn.Module):
+    """Wrap a module so its gradients are averaged across a data-parallel group.
+
+    Args:
+        module: the model; its parameters and buffers are broadcast from the group's first
+            rank at wrap time so all replicas start identical.
+        group: the data-parallel process group (e.g. `mesh.group("dp")`); default the world.
+        bucket_mb: cap on a gradient bucket's size in MB; smaller buckets start
+            communicating earlier, larger ones pay less per-message latency.
+        grad_dtype: communicate gradients in this dtype ("bf16", "fp16" or a torch dtype)
+            to halve the bytes sent; gradients are cast back to the parameter dtype.
+
+    Parameters that receive no gradient in a step (unused branches) are fine: their slots
+    are sent as zeros, and a parameter no rank used keeps `grad = None`, as in one process.
+
+    Raises:
+        DtrainError: ranks hold models with different parameters.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None = None,
+        bucket_mb: float = 25.0,
+        grad_dtype: torch.dtype | str | None = None,
+    ) -> None:
+        super().__init__()
+        if bucket_mb <= 0:
+            raise DtrainError(f"bucket_mb={bucket_mb} must be positive")
+        self.module = module
+        world_mod.current()
+        self.group = group if group is not None else dist.group.WORLD
+        self.size = dist.get_world_size(self.group)
+        self.grad_dtype = parse_dtype(grad_dtype)
+        self._sync = True
+        self._finalize_queued = False
+        self._next_launch = 0
+        self._works: list[Any] = []
+        params = [p for p in module.parameters() if p.requires_grad]
+        self._buckets = build_buckets(
+            list(reversed(params)), int(bucket_mb * 1024 * 1024), self.grad_dtype
+        )
+        self._hooks = []
+        for bucket in self._buckets:
+            for i, p in enumerate(bucket.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    self._make_hook(bucket, i)
+                ))
+        if self.size > 1:
+            _check_same_model(params, self.group)
+            self._broadcast_state()
+
+    # ----------------------------------------------------------------- set-up
+    @torch.no_grad()
+    def _broadcast_state(self) -> None:
+        src = dist.get_global_rank(self.group, 0)
+        for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            dist.broadcast(tensor.data, src=src, group=self.group)
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication, inside this context.
+
+        The first backward outside it averages everything accumulated so far, so k-1
+        micro-batches under `no_sync()` plus one outside equal one batch k times larger.
+        """
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # ----------------------------------------------------------------- backward
+    def _make_hook(self, bucket: Bucket, i: int):
+        def hook(param: torch.Tensor) -> None:
+            if not self._sync or self.size == 1:
+                return
+            if not self._finalize_queued:
+                self._finalize_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            self._fill_slot(bucket, i, param)
+            bucket.ready[i] = True
+            bucket.pending -= 1
+            self._launch_ready()
+
+        return hook
+
+    @torch.no_grad()
+    def _fill_slot(self, bucket: Bucket, i: int, param: torch.Tensor) -> None:
+        """Copy param's local gradient into its slot, pre-divided by the group size."""
+        slot = bucket.slot(i)
+        if param.grad is None:
+            slot.zero_()
+            bucket.flags[i] = 0
+            return
+        if param.grad.data_ptr() == slot.data_ptr() and param.grad.dtype == slot.dtype:
+            slot.mul_(1.0 / self.size)  # accumulated in place in the bucket already
+        else:
+            torch.mul(param.grad, 1.0 / self.size, out=slot)
+            if self.grad_dtype is None:
+                param.grad = slot  # later steps accumulate straight into the bucket
+        bucket.flags[i] = 1
+
+    def _launch_ready(self) -> None:
+        # Buckets go out strictly in order, so every rank issues the same sequence of
+        # collectives even when ranks use different parameters.
+        while self._next_launch < len(self._buckets):
+            bucket = self._buckets[self._next_launch]
+            if bucket.pending:
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
+        self._next_launch += 1
+
+    @torch.no_grad()
+    def _finalize(self) -> None:
+        """At the end of backward: send what is left, wait, hand out averaged gradients."""
+        for bucket in self._buckets[self._next_launch :]:
+            for i, p in enumerate(bucket.params):
+                if not bucket.ready[i]:
+                    self._fill_slot(bucket, i, p)
+            self._launch(bucket)
+        for work in self._works:
+            work.wait()
+        for bucket in self._buckets:
+            for i, p in enumerate(bucket.params):
+                if bucket.flags[i] == 0:
+                    continue  # no rank had a gradient: it stays None, as in one process
+                if self.grad_dtype is None:
+                    p.grad = bucket.slot(i)
+                else:
+                    p.grad = bucket.slot(i).to(p.dtype)
+            bucket.reset()
+        self._works.clear()
+        self._next_launch = 0
+        self._finalize_queued = False
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict, without a wrapper prefix."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
+        """Load into the wrapped module (keys as produced by `state_dict`)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

@@ -1,0 +1,1 @@
+"""The training front end: config, data, trainer, checkpoints, metrics."""

@@ -1,0 +1,274 @@
+"""The training config: TOML sections mapped onto dataclasses, checked strictly.
+
+Every key has a default, so an empty file (or none) trains the built-in job. Unknown keys,
+wrong types and values out of range are errors that name the key and say what fits;
+`--set section.key=value` overrides any key (the value is read as TOML, else as a string).
+
+    [model]     n_layer = 4, n_head = 4, n_embd = 128, block_size = 128
+    [data]      path = "corpus/"        # text file or folder; default: Python's stdlib
+    [optimizer] name = "adamw", lr = 3e-3, warmup_steps = 20
+    [train]     steps = 400, batch_size = 32, eval_every = 100, out_dir = "runs/default"
+    [parallel]  nproc = 2, bucket_mb = 25, grad_dtype = "fp32"
+    [checkpoint] every = 0, keep_last = 2
+    [logging]   metrics = "metrics.jsonl", log_every = 10
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 128
+    """Width of the residual stream."""
+    block_size: int = 128
+    """Context length in bytes (tokens)."""
+    dropout: float = 0.0
+    """Dropout probability; 0 keeps runs reproducible."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """A text file or a folder of them; empty means the Python standard library's .py files."""
+    max_bytes: int = 4_000_000
+    """Read at most this many bytes of the corpus."""
+    val_fraction: float = 0.05
+    """Share of the corpus held out for evaluation (its end)."""
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    """One of adamw, adam, sgd."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (adamw) or L2 penalty (adam, sgd)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam's beta1 and beta2."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    warmup_steps: int = 20
+    """Linear warm-up from 0 to lr over this many steps."""
+    schedule: str = "cosine"
+    """After warm-up: cosine (decay to min_lr_ratio * lr) or constant."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr, for cosine."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 400
+    """Optimizer steps to run."""
+    batch_size: int = 32
+    """Global batch in sequences, split evenly across data-parallel ranks."""
+    grad_accum: int = 1
+    """Micro-batches per step on each rank (gradients accumulated without communication)."""
+    seed: int = 1337
+    """Seed for the model's initialization and the data order."""
+    eval_every: int = 100
+    """Evaluate on the held-out split every this many steps (and at the end); 0: only at the end."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation."""
+    out_dir: str = "runs/default"
+    """Where the resolved config, checkpoints and (by default) nothing else are written."""
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = 2
+    """Ranks started on this machine by `dtrain train` (ignored under another launcher)."""
+    dp: int = 0
+    """Data-parallel degree; 0 means all ranks."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size for data parallelism, in MB."""
+    grad_dtype: str = "fp32"
+    """Dtype gradients are communicated in: fp32, bf16 or fp16."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (NCCL with CUDA, else gloo), gloo or nccl."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every this many steps; 0 saves only at the end."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints."""
+
+
+@dataclass
+class LoggingConfig:
+    metrics: str = ""
+    """Path of a JSON-lines file with one record per step (and per evaluation)."""
+    log_every: int = 10
+    """Print a progress line every this many steps."""
+    sample_tokens: int = 200
+    """Bytes of text to generate at the end; 0 skips the sample."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+CHOICES = {
+    "optimizer.name": ("adamw", "adam", "sgd"),
+    "optimizer.schedule": ("cosine", "constant"),
+    "parallel.grad_dtype": ("fp32", "bf16", "fp16"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+}
+POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
+            "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
+            "train.eval_batches", "parallel.nproc", "parallel.bucket_mb", "checkpoint.keep_last",
+            "optimizer.lr", "logging.log_every"}
+NON_NEGATIVE = {"model.dropout", "optimizer.weight_decay", "optimizer.momentum",
+                "optimizer.warmup_steps", "optimizer.min_lr_ratio", "optimizer.grad_clip",
+                "train.eval_every", "parallel.dp", "checkpoint.every", "logging.sample_tokens"}
+
+
+def _suggest(name: str, options: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _check_type(key: str, value: Any, kind: Any) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    origin = typing.get_origin(kind)
+    if origin is list:
+        (item,) = typing.get_args(kind)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} = {value!r} must be a list")
+        return [_check_type(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} = {value!r} must be {kind.__name__}, not {type(value).__name__}")
+    return value
+
+
+def _apply(config: Config, values: dict[str, Any], origin: str) -> None:
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    for section, body in values.items():
+        if not isinstance(body, dict):
+            types = typing.get_type_hints(Config)
+            homes = [s for s in sections if section in typing.get_type_hints(types[s])]
+            where = f": put it under [{homes[0]}]" if homes else ""
+            raise ConfigError(f"{origin}: key '{section}' is outside any [section]{where}")
+        if section not in sections:
+            raise ConfigError(f"{origin}: unknown section [{section}]{_suggest(section, sections)}")
+        target = getattr(config, section)
+        hints = typing.get_type_hints(type(target))
+        for key, value in body.items():
+            dotted = f"{section}.{key}"
+            if key not in hints:
+                known = [f"{section}.{k}" for k in hints]
+                raise ConfigError(f"{origin}: unknown key '{dotted}'{_suggest(dotted, known)}")
+            setattr(target, key, _check_type(dotted, value, hints[key]))
+
+
+def _validate(config: Config) -> None:
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(getattr(config, section.name)):
+            key, value = f"{section.name}.{f.name}", getattr(getattr(config, section.name), f.name)
+            if key in CHOICES and value not in CHOICES[key]:
+                raise ConfigError(f"{key} = {value!r} must be one of {', '.join(CHOICES[key])}")
+            if key in POSITIVE and value <= 0:
+                raise ConfigError(f"{key} = {value!r} must be positive")
+            if key in NON_NEGATIVE and value < 0:
+                raise ConfigError(f"{key} = {value!r} must not be negative")
+    m = config.model
+    if m.n_embd % m.n_head:
+        raise ConfigError(
+            f"model.n_head = {m.n_head} does not divide model.n_embd = {m.n_embd}: "
+            "choose a head count that divides the width"
+        )
+    if len(config.optimizer.betas) != 2:
+        raise ConfigError("optimizer.betas must have two numbers, e.g. [0.9, 0.95]")
+
+
+def per_rank_batch(config: Config, dp_size: int) -> int:
+    """Sequences per micro-batch on each data-parallel rank.
+
+    Raises:
+        ConfigError: the global batch does not split evenly into ranks and micro-batches.
+    """
+    parts = dp_size * config.train.grad_accum
+    if config.train.batch_size % parts:
+        raise ConfigError(
+            f"train.batch_size = {config.train.batch_size} does not split into {dp_size} ranks x "
+            f"{config.train.grad_accum} micro-batches: make it a multiple of {parts}"
+        )
+    return config.train.batch_size // parts
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Split `section.key=value`; the value is read as TOML, falling back to a string."""
+    key, sep, raw = text.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not section or not name:
+        raise ConfigError(f"--set {text!r} is not section.key=value (e.g. train.steps=50)")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, name, value
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Read a TOML file (or the defaults) and apply `--set` overrides, then validate.
+
+    Raises:
+        ConfigError: the file is missing or malformed, or a key or value is invalid.
+    """
+    config = Config()
+    if path:
+        try:
+            values = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path!r} not found") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config {path!r}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        _apply(config, values, path)
+    for text in overrides:
+        section, name, value = parse_override(text)
+        _apply(config, {section: {name: value}}, "--set")
+    _validate(config)
+    return config
+
+
+def config_from_dict(values: dict[str, Any]) -> Config:
+    """Rebuild a Config from `Config.to_dict()` output (how ranks receive it)."""
+    config = Config()
+    _apply(config, values, "config")
+    _validate(config)
+    return config

@@ -1,0 +1,54 @@
+"""`dtrain train`: read the config, then train here or start the ranks that will.
+
+Under a launcher (dtrain run, torchrun, srun, mpirun) this process is already one rank and
+trains directly. Started by hand, it validates the config first (so a typo costs no
+process start-up), writes it to `out_dir/config.json`, and launches `parallel.nproc` ranks
+of `python -m dtrain.train.worker` on the elastic agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from dtrain.errors import ConfigError
+from dtrain.mesh import resolve_layout
+from dtrain.train.config import load_config, per_rank_batch
+
+
+def train_command(args: argparse.Namespace) -> None:
+    """Run `dtrain train` as parsed by the CLI."""
+    overrides = list(args.overrides)
+    if args.nproc is not None:
+        overrides.append(f"parallel.nproc={args.nproc}")
+    config = load_config(args.config, overrides)
+    if args.metrics:
+        config.logging.metrics = args.metrics
+
+    from dtrain.world import detect
+
+    if detect(os.environ).source != "single" or (config.parallel.nproc == 1 and args.nnodes == 1):
+        from dtrain.train.trainer import train
+
+        train(config)
+        return
+
+    from dtrain.launch.runner import LaunchSpec, launch
+
+    world_size = config.parallel.nproc * args.nnodes
+    layout = resolve_layout(world_size, config.parallel.dp or None, 1, 1)
+    per_rank_batch(config, layout.dp)
+    out_dir = Path(config.train.out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(config.to_json())
+    except OSError as exc:
+        raise ConfigError(f"train.out_dir {str(out_dir)!r} is not writable: {exc}") from None
+    launch(LaunchSpec(
+        command=[sys.executable, "-u", "-m", "dtrain.train.worker", str(out_dir / "config.json")],
+        nproc=config.parallel.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+        master=args.master, max_restarts=args.max_restarts, join_timeout=args.join_timeout,
+        raw_local_rank0=True,
+    ))

@@ -1,0 +1,79 @@
+"""What rank 0 shows and records: a progress bar or progress lines, and JSON-lines metrics."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}:{seconds:02d}"
+
+
+class Progress:
+    """A tqdm bar when the output is a terminal, else a plain line every `log_every` steps.
+
+    Args:
+        total: steps planned.
+        log_every: steps between printed lines.
+        enabled: False on every rank but 0.
+        stream: where to write (default stdout).
+    """
+
+    def __init__(self, total: int, log_every: int, enabled: bool, stream: TextIO | None = None):
+        self.total, self.log_every, self.enabled = total, log_every, enabled
+        self.stream = stream or sys.stdout
+        self.start = time.perf_counter()
+        self.bar = None
+        if enabled and self.stream.isatty():
+            self.bar = tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=True)
+
+    def step(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+        elif step % self.log_every == 0 or step == self.total:
+            elapsed = time.perf_counter() - self.start
+            eta = elapsed / step * (self.total - step)
+            self.write(f"step {step:>5}/{self.total}  loss {loss:.4f}  "
+                       f"{tokens_per_s:,.0f} tok/s  elapsed {_clock(elapsed)}  eta {_clock(eta)}")
+
+    def write(self, line: str) -> None:
+        """Print a line without breaking the bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class MetricsLog:
+    """Append one JSON object per line to `path` (no-op when path is empty or disabled)."""
+
+    def __init__(self, path: str, enabled: bool) -> None:
+        self.file = None
+        if path and enabled:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()

@@ -1,0 +1,179 @@
+"""The training loop of `dtrain train`: one rank's view of a data-parallel run.
+
+    dtrain train                                  # built-in GPT on 2 local ranks
+    dtrain train my.toml --set train.steps=500    # your config, one key overridden
+
+Every rank builds the same model, takes its shard of each global batch, and averages
+gradients through DataParallel. Rank 0 prints progress, writes metrics and checkpoints,
+and finally prints a sample of generated text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain import world as world_mod
+from dtrain.mesh import Mesh
+from dtrain.models.gpt import GPT, GPTConfig
+from dtrain.parallel.data_parallel import DataParallel
+from dtrain.train import checkpoint
+from dtrain.train.config import Config, OptimizerConfig, per_rank_batch
+from dtrain.train.data import ByteSequences, batches, read_corpus, split
+from dtrain.train.metrics import MetricsLog, Progress
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """Weight decay on matrices only (not on biases, norms), as in GPT-2 training."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+    optimizer = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
+    return optimizer(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+
+
+def lr_factor(step: int, total: int, cfg: OptimizerConfig) -> float:
+    """Linear warm-up, then cosine decay to `min_lr_ratio` (or constant)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _mean_over(value: float, group: dist.ProcessGroup) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: ByteSequences, batch_size: int, n_batches: int,
+             mesh_dp: tuple[int, int, dist.ProcessGroup], device: torch.device) -> float:
+    """Mean loss over the first `n_batches` held-out batches of every rank's shard."""
+    dp_size, dp_rank, group = mesh_dp
+    model.eval()
+    stream = batches(data, batch_size, dp_size, dp_rank, seed=0, shuffle=False)
+    total = 0.0
+    for _, (x, y) in zip(range(n_batches), stream, strict=False):
+        total += model(x.to(device), y.to(device))[1].item()
+    model.train()
+    return _mean_over(total / n_batches, group)
+
+
+def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
+    """Run the configured job on this rank; returns a summary (losses, checkpoint path).
+
+
+    Raises:
+        ConfigError: the batch does not divide across ranks, or the data is too small.
+    """
+    backend = None if config.parallel.backend == "auto" else config.parallel.backend
+    world = world_mod.init(backend=backend)
+    mesh = Mesh(dp=config.parallel.dp or None)
+    dp_size, dp_rank, dp_group = mesh.size("dp"), mesh.coords["dp"], mesh.group("dp")
+    tc, mc = config.train, config.model
+    per_rank = per_rank_batch(config, dp_size)
+
+    train_bytes, val_bytes = split(
+        read_corpus(config.data.path, config.data.max_bytes), config.data.val_fraction,
+        mc.block_size,
+    )
+    train_data = ByteSequences(train_bytes, mc.block_size)
+    val_data = ByteSequences(val_bytes, mc.block_size)
+    stream = batches(train_data, per_rank, dp_size, dp_rank, tc.seed, shuffle=True)
+
+    torch.manual_seed(tc.seed)
+    gpt = GPT(GPTConfig(block_size=mc.block_size, n_layer=mc.n_layer, n_head=mc.n_head,
+                        n_embd=mc.n_embd, dropout=mc.dropout)).to(world.device)
+    model = DataParallel(gpt, group=dp_group, bucket_mb=config.parallel.bucket_mb,
+                         grad_dtype=config.parallel.grad_dtype)
+    optimizer = build_optimizer(model, config.optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, tc.steps, config.optimizer)
+    )
+
+    out_dir = Path(tc.out_dir)
+    progress = Progress(tc.steps, config.logging.log_every, enabled=world.is_main)
+    metrics = MetricsLog(metrics_path or config.logging.metrics, enabled=world.is_main)
+    n_params = sum(p.numel() for p in gpt.parameters())
+    progress.write(
+        f"dtrain: {world.world_size} rank(s), data parallel over {dp_size}; GPT "
+        f"{n_params / 1e6:.2f}M parameters; {len(train_data):,} training sequences of "
+        f"{mc.block_size} bytes; global batch {tc.batch_size}"
+    )
+    tokens_per_step = tc.batch_size * mc.block_size
+    losses: list[float] = []
+    eval_losses: list[tuple[int, float]] = []
+
+    def run_eval(step: int) -> None:
+        loss = evaluate(model, val_data, per_rank, tc.eval_batches, (dp_size, dp_rank, dp_group),
+                        world.device)
+        eval_losses.append((step, loss))
+        progress.write(f"step {step:>5}: held-out loss {loss:.4f}")
+        metrics.write({"step": step, "eval_loss": loss})
+
+    for step in range(1, tc.steps + 1):
+        start = time.perf_counter()
+        for micro in range(tc.grad_accum):
+            x, y = (t.to(world.device) for t in next(stream))
+            last = micro == tc.grad_accum - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = model(x, y)[1] / tc.grad_accum
+                loss.backward()
+        if config.optimizer.grad_clip > 0:
+            # Gradients are already averaged, hence identical on every rank.
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = _mean_over(loss.item() * tc.grad_accum, dp_group)
+        elapsed = time.perf_counter() - start
+        losses.append(step_loss)
+        progress.step(step, step_loss, tokens_per_step / elapsed)
+        metrics.write({"step": step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
+                       "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed})
+        if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+            run_eval(step)
+        if config.checkpoint.every and step % config.checkpoint.every == 0 and step < tc.steps:
+            save_checkpoint(out_dir, step, model, optimizer, config, world.is_main)
+    progress.close()
+    run_eval(tc.steps)
+    path = save_checkpoint(out_dir, tc.steps, model, optimizer, config, world.is_main)
+    if world.is_main:
+        progress.write(f"checkpoint: {path}")
+        if config.logging.sample_tokens:
+            progress.write("sample:\n" + sample(gpt, config.logging.sample_tokens, world.device))
+    metrics.close()
+    return {"losses": losses, "eval_losses": eval_losses, "checkpoint": str(path)}
+
+
+def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, config: Config, is_main: bool) -> Path:
+    """Rank 0 writes the (replicated) state; the others wait so nobody reads a half file."""
+    folder = out_dir / "checkpoints"
+    path = folder / f"step-{step:08d}.pt"
+    if is_main:
+        state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "config": config.to_dict()}
+        path = checkpoint.save(folder, step, state, config.checkpoint.keep_last)
+    dist.barrier()
+    return path
+
+
+def sample(model: GPT, n_tokens: int, device: torch.device, prompt: str = "def ") -> str:
+    """Generate `n_tokens` bytes after `prompt` and decode them as text."""
+    model.eval()
+    idx = torch.tensor([list(prompt.encode())], dtype=torch.long, device=device)
+    out = model.generate(idx, n_tokens, generator=torch.Generator(device).manual_seed(0))
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")

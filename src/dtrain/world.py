@@ -1,0 +1,254 @@
+"""The world: which process this is among how many, and the process group joining them.
+
+`init()` reads the environment of whichever launcher started the process (dtrain's own,
+torchrun, SLURM's srun, OpenMPI's or MPICH's mpirun), initializes `torch.distributed`
+(gloo on CPU, NCCL when CUDA is used) with a timeout, and returns a `World`. Started by
+none of them, a script is a one-process world and runs unchanged.
+
+Terms (as in MPI): the *rank* numbers a process among all of them (0..world_size-1); the
+*local rank* numbers it among the processes on its own machine (it picks the GPU); the
+*node rank* numbers the machine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dtrain.errors import DtrainError
+from dtrain.launch.exits import record_exit_time
+
+DEFAULT_TIMEOUT_S = 180.0
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands among all processes of the job.
+
+    Attributes:
+        rank: global index of this process, 0..world_size-1.
+        world_size: number of processes in the job.
+        local_rank: index of this process among those on its machine.
+        local_world_size: number of processes on this machine.
+        node_rank: index of this machine among the job's machines.
+        role: "worker", or "server" for parameter-server processes.
+        source: whose environment described the world: "dtrain", "torchrun", "slurm",
+            "openmpi", "mpich" or "single".
+        master_addr, master_port: where rank 0's rendezvous store listens.
+        backend: the torch.distributed backend ("gloo" or "nccl"); empty before `init()`.
+        device: the device this process computes on.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    role: str = "worker"
+    source: str = "single"
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MASTER_PORT
+    backend: str = ""
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that prints, logs and writes shared files."""
+        return self.rank == 0
+
+
+_WORLD: World | None = None
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise DtrainError(f"environment variable {key}={env[key]!r} is not an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """Return the first host of a SLURM node list such as ``node[01-04,07],gpu5``."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
+
+    def first_of_bracket(match: re.Match[str]) -> str:
+        return match.group(1).split(",")[0].split("-")[0]
+
+    return re.sub(r"\[([^\]]*)\]", first_of_bracket, first)
+
+
+def detect(env: Mapping[str, str]) -> World:
+    """Describe the world from a launcher's environment variables (no side effects).
+
+    Checked in order: dtrain's launcher and torchrun (RANK, WORLD_SIZE, LOCAL_RANK, ...),
+    SLURM (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), OpenMPI (OMPI_COMM_WORLD_*), MPICH
+    and Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID). With none, a one-process world.
+
+    Raises:
+        DtrainError: a variable is not an integer, or an MPI world has no MASTER_ADDR.
+    """
+    role = env.get("DTRAIN_ROLE", "worker")
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_MASTER_PORT
+    addr = env.get("MASTER_ADDR", "127.0.0.1")
+
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
+        local_size = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else size
+        node = _int(env, "GROUP_RANK") if "GROUP_RANK" in env else rank // local_size
+        source = "dtrain" if "DTRAIN_RUN_ID" in env else "torchrun"
+        return World(rank, size, local, local_size, node, role, source, addr, port)
+
+    if all(k in env for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")):
+        rank, size = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local = _int(env, "SLURM_LOCALID")
+        per_node = env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", ""))
+        match = re.match(r"\d+", per_node)
+        local_size = int(match.group()) if match else size
+        node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else rank // local_size
+        nodelist = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))
+        if "MASTER_ADDR" not in env and nodelist:
+            addr = first_slurm_host(nodelist)
+        if "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
+            port = 10000 + _int(env, "SLURM_JOB_ID") % 20000
+        return World(rank, size, local, local_size, node, role, "slurm", addr, port)
+
+    mpi = {
+        "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                    "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    }
+    for source, (k_rank, k_size, k_local, k_local_size) in mpi.items():
+        if k_rank in env and k_size in env:
+            rank, size = _int(env, k_rank), _int(env, k_size)
+            local = _int(env, k_local) if k_local in env else 0
+            local_size = _int(env, k_local_size) if k_local_size in env else size
+            if size > 1 and "MASTER_ADDR" not in env:
+                raise DtrainError(
+                    f"{source} started {size} ranks but MASTER_ADDR is not set: export "
+                    "MASTER_ADDR=<host of rank 0> (and MASTER_PORT) for every rank"
+                )
+            node = rank // local_size
+            return World(rank, size, local, local_size, node, role, source, addr, port)
+
+    return World(role=role)
+
+
+def _timeout_s(timeout: float | None) -> float:
+    if timeout is not None:
+        return float(timeout)
+    raw = os.environ.get("DTRAIN_TIMEOUT", "")
+    try:
+        return float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise DtrainError(f"DTRAIN_TIMEOUT={raw!r} is not a number of seconds") from None
+
+
+def _init_process_group(world: World, timeout: timedelta) -> None:
+    if world.world_size == 1:
+        # A private in-memory store: no port, yet every collective works on the group of one.
+        dist.init_process_group(
+            world.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        return
+    where = f"{world.master_addr}:{world.master_port}"
+    if world.source in ("dtrain", "torchrun"):
+        init_method = "env://"  # honours the launcher's own store (TORCHELASTIC_USE_AGENT_STORE)
+    else:
+        init_method = f"tcp://{where}"
+    try:
+        dist.init_process_group(
+            world.backend,
+            init_method=init_method,
+            rank=world.rank,
+            world_size=world.world_size,
+            timeout=timeout,
+        )
+    except (RuntimeError, dist.DistError) as exc:
+        text = str(exc)
+        if "address already in use" in text.lower() or "EADDRINUSE" in text:
+            raise DtrainError(
+                f"port {world.master_port} on {world.master_addr} is in use: pick another "
+                "master port (MASTER_PORT or --master HOST:PORT)"
+            ) from None
+        if world.rank != 0 and ("timed out" in text.lower() or "timeout" in text.lower()):
+            raise DtrainError(
+                f"rank {world.rank} could not reach the master at {where} within "
+                f"{timeout.total_seconds():.0f}s: check that rank 0 runs and the address is "
+                "reachable"
+            ) from None
+        raise
+
+
+def init(backend: str | None = None, timeout: float | None = None) -> World:
+    """Join the job's process group and return this process's `World`.
+
+    Args:
+        backend: "gloo" or "nccl"; by default NCCL when CUDA is available, else gloo.
+        timeout: seconds any collective may wait before failing (default: env
+            DTRAIN_TIMEOUT, else 180).
+
+    Returns:
+        The world; calling `init()` again returns the same one.
+
+    Raises:
+        DtrainError: the environment is inconsistent, the master is unreachable, or its
+            port is in use.
+    """
+    global _WORLD
+    if _WORLD is not None:
+        if backend is not None and backend != _WORLD.backend:
+            raise DtrainError(
+                f"dtrain.init(backend={backend!r}) after the world was initialized with "
+                f"{_WORLD.backend!r}: call dtrain.shutdown() first"
+            )
+        return _WORLD
+    world = detect(os.environ)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise DtrainError(f"unknown backend {backend!r}: use 'gloo' or 'nccl'")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", world.local_rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+    world = replace(world, backend=backend, device=device)
+    if not dist.is_initialized():
+        excepthook = sys.excepthook
+        _init_process_group(world, timedelta(seconds=_timeout_s(timeout)))
+        if world.source == "dtrain":
+            sys.excepthook = excepthook  # dtrain run prefixes every line with the rank already
+        atexit.register(_shutdown_at_exit)
+    record_exit_time(world.rank)  # registered last, so it runs first at exit
+    _WORLD = world
+    return world
+
+
+def current() -> World:
+    """The initialized world (calls `init()` with defaults if nobody has yet)."""
+    return _WORLD if _WORLD is not None else init()
+
+
+def _shutdown_at_exit() -> None:
+    # This rank is exiting on its own. The launcher sends SIGTERM to every rank once it sees
+    # another one fail; during this short teardown that must not replace our exit status.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    shutdown()
+
+
+def shutdown() -> None:
+    """Leave the process group and forget the world; safe to call more than once."""
+    global _WORLD
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _WORLD = None

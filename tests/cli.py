@@ -1,0 +1,23 @@
+"""Running the `dtrain` command as a user would, in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def dtrain(*args: str, timeout: float = 120, cwd: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "dtrain.cli", *args], capture_output=True, text=True,
+        timeout=timeout, env=env, cwd=cwd,
+    )
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    """The single `dtrain: error:` line of stderr; fails if there is a traceback."""
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("dtrain: error:")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]

@@ -1,0 +1,94 @@
+"""One helper to run a function on N ranks, as real processes on gloo, with a timeout.
+
+The test process hosts the rendezvous store itself on a port the OS picks (so no two tests
+race for a port) and its children join it the way ranks under torchrun join the agent's
+store. A rank that raises, dies or outlives the timeout fails the test with its rank named.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, out) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        import dtrain
+
+        dtrain.init()
+        result = fn(*args)
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        out.put((rank, "ok", buffer.getvalue()))
+        dtrain.shutdown()
+    except BaseException:  # the parent reports it with the rank
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 90.0,
+    collective_timeout: float = 30.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run `fn(*args)` on `world_size` ranks after `dtrain.init()`; return each rank's result.
+
+    `fn` must be importable (defined at module level). Results travel via torch.save.
+    """
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = []
+    for rank in range(world_size):
+        child_env = {
+            "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "DTRAIN_TIMEOUT": str(collective_timeout), "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
+        proc = ctx.Process(target=_child, args=(fn, rank, child_env, args, out), daemon=True)
+        proc.start()
+        procs.append(proc)
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            try:
+                rank, status, payload = out.get(timeout=0.2)
+            except queue.Empty:
+                for r, proc in enumerate(procs):
+                    if r not in results and proc.exitcode not in (None, 0):
+                        raise AssertionError(f"rank {r} died with exit code {proc.exitcode}")
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise AssertionError(f"ranks {missing} did not finish within {timeout}s")
+                continue
+            if status == "error":
+                raise AssertionError(f"rank {rank} raised:\n{payload}")
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [results[r] for r in range(world_size)]

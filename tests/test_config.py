@@ -1,0 +1,59 @@
+"""The training config: defaults, overrides, and one clear error per mistake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dtrain.errors import ConfigError
+from dtrain.train.config import Config, config_from_dict, load_config, per_rank_batch
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_and_file_and_overrides(tmp_path: Path) -> None:
+    assert load_config(None) == Config()
+    path = write(tmp_path, "[train]\nsteps = 7\n[optimizer]\nlr = 1\n")
+    config = load_config(path, ["model.n_layer=2", "data.path=some/dir", "optimizer.betas=[0.8, 0.9]"])
+    assert config.train.steps == 7 and config.optimizer.lr == 1.0
+    assert config.model.n_layer == 2 and config.data.path == "some/dir"
+    assert config.optimizer.betas == [0.8, 0.9]
+    assert config_from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    ("[train]\nstepz = 3\n", [], "unknown key 'train.stepz' (did you mean 'train.steps'?)"),
+    ("[trian]\nsteps = 3\n", [], "unknown section [trian] (did you mean 'train'?)"),
+    ("[train]\nsteps = 'ten'\n", [], "train.steps = 'ten' must be int, not str"),
+    ("[train]\nsteps = -1\n", [], "train.steps = -1 must be positive"),
+    ("[train]\nsteps = true\n", [], "must be int, not bool"),
+    ("[model]\nn_head = 3\n", [], "model.n_head = 3 does not divide model.n_embd = 128"),
+    ("[optimizer]\nname = 'lamb'\n", [], "must be one of adamw, adam, sgd"),
+    ("steps = 3\n", [], "key 'steps' is outside any [section]: put it under [train]"),
+    ("[train\n", [], "not valid TOML"),
+    ("", ["train.steps"], "is not section.key=value"),
+    ("", ["train.steps=-5"], "must be positive"),
+    ("", ["optimizer.betas=[0.9]"], "two numbers"),
+])
+def test_mistakes_are_named(tmp_path: Path, text: str, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), overrides)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("/nonexistent/x.toml")
+
+
+def test_batch_must_split_across_ranks_and_micro_batches() -> None:
+    config = load_config(None, ["train.batch_size=12", "train.grad_accum=2"])
+    assert per_rank_batch(config, 3) == 2
+    with pytest.raises(ConfigError, match="make it a multiple of 8"):
+        per_rank_batch(config, 4)

@@ -1,0 +1,162 @@
+"""DataParallel on N ranks equals one process training on the concatenated batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dtrain
+from tests.distributed import run_ranks
+
+STEPS = 4
+PER_RANK = 4
+
+
+class Net(nn.Module):
+    """An MLP with a branch used only on request and a layer never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 3)
+        self.extra = nn.Linear(8, 3)
+        self.never = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        out = self.head(self.body(x))
+        return out + self.extra(x) if use_extra else out
+
+
+def make_model() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def global_batch(step: int, world_size: int, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    n = world_size * PER_RANK * accum
+    return torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def uses_extra(rank: int, case: str) -> bool:
+    return case == "partly_unused" and rank == 0
+
+
+def make_optimizer(params, case: str) -> torch.optim.Optimizer:
+    if case == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def last_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def train_ranks(case: str, bucket_mb: float, accum: int) -> dict:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    grad_dtype = "bf16" if case == "bf16" else None
+    model = dtrain.DataParallel(make_model(), bucket_mb=bucket_mb, grad_dtype=grad_dtype)
+    opt = make_optimizer(model.parameters(), case)
+    losses = []
+    for step in range(STEPS):
+        x, y = global_batch(step, world_size, accum)
+        mine = slice(rank * PER_RANK * accum, (rank + 1) * PER_RANK * accum)
+        xs, ys = x[mine].chunk(accum), y[mine].chunk(accum)
+        opt.zero_grad()
+        total = 0.0
+        for micro in range(accum):
+            out = model(xs[micro], use_extra=uses_extra(rank, case))
+            loss = nn.functional.cross_entropy(out, ys[micro]) / accum
+            if micro < accum - 1:
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            total += loss.item()
+        reduced = torch.tensor(total)
+        dist.all_reduce(reduced)
+        losses.append(reduced.item() / world_size)
+        grads = last_grads(model.module)
+        opt.step()
+    return {"losses": losses, "state": model.state_dict(), "grads": grads}
+
+
+def train_reference(case: str, world_size: int, accum: int) -> dict:
+    model = make_model()
+    opt = make_optimizer(model.parameters(), case)
+    losses = []
+    for step in range(STEPS):
+        x, y = global_batch(step, world_size, accum)
+        opt.zero_grad()
+        parts = [
+            nn.functional.cross_entropy(model(xr, use_extra=uses_extra(r, case)), yr)
+            for r, (xr, yr) in enumerate(zip(x.chunk(world_size), y.chunk(world_size), strict=True))
+        ]
+        loss = torch.stack(parts).mean()
+        loss.backward()
+        losses.append(loss.item())
+        grads = last_grads(model)
+        opt.step()
+    return {"losses": losses, "state": model.state_dict(), "grads": grads}
+
+
+def assert_matches(results: list[dict], reference: dict, tol: float | None = None) -> None:
+    kw = {} if tol is None else {"atol": tol, "rtol": tol}
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["losses"]),
+                                   torch.tensor(reference["losses"]), **kw)
+        for name, value in reference["state"].items():
+            torch.testing.assert_close(result["state"][name], value, msg=name, **kw)
+        for name, grad in reference["grads"].items():
+            if grad is None:
+                assert result["grads"][name] is None, name
+            else:
+                torch.testing.assert_close(result["grads"][name], grad, msg=name, **kw)
+    first = results[0]["state"]
+    for result in results[1:]:  # replicas are bitwise identical
+        for name, value in first.items():
+            assert torch.equal(result["state"][name], value), name
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("bucket_mb", [1e-5, 0.002, 25.0])
+def test_equals_single_process(world_size: int, bucket_mb: float) -> None:
+    results = run_ranks(train_ranks, world_size, "plain", bucket_mb, 1)
+    assert_matches(results, train_reference("plain", world_size, 1))
+
+
+def test_adam_equals_single_process() -> None:
+    results = run_ranks(train_ranks, 3, "adam", 0.002, 1)
+    assert_matches(results, train_reference("adam", 3, 1))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_no_sync_accumulation_equals_large_batch(world_size: int) -> None:
+    results = run_ranks(train_ranks, world_size, "plain", 0.002, 3)
+    assert_matches(results, train_reference("plain", world_size, 3))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_parameter_unused_on_some_or_all_ranks(world_size: int) -> None:
+    results = run_ranks(train_ranks, world_size, "partly_unused", 0.002, 1)
+    reference = train_reference("partly_unused", world_size, 1)
+    assert reference["grads"]["never.weight"] is None
+    assert reference["grads"]["extra.weight"] is not None
+    assert_matches(results, reference)
+
+
+def test_bf16_gradient_communication() -> None:
+    results = run_ranks(train_ranks, 2, "bf16", 0.002, 1)
+    assert_matches(results, train_reference("bf16", 2, 1), tol=2e-2)
+
+
+def _different_models() -> None:
+    width = 4 + dist.get_rank()
+    dtrain.DataParallel(nn.Linear(width, 2))
+
+
+def test_different_models_on_ranks_named() -> None:
+    with pytest.raises(AssertionError, match="rank 1 has a different model than rank 0"):
+        run_ranks(_different_models, 2)

@@ -1,0 +1,148 @@
+"""`dtrain run`: ranks start, output is prefixed, failures are named, nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from dtrain.launch.runner import free_port
+from tests.cli import dtrain, one_error_line
+
+HELLO = """
+import dtrain, torch, torch.distributed as dist
+w = dtrain.init()
+t = torch.tensor([float(w.rank)])
+dist.all_reduce(t)
+print(f"rank={w.rank} size={w.world_size} local={w.local_rank} node={w.node_rank} sum={t.item()}")
+"""
+
+
+def script(tmp_path: Path, body: str, name: str = "job.py") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_ranks_run_with_prefixed_output(tmp_path: Path) -> None:
+    result = dtrain("run", "-n", "3", script(tmp_path, HELLO))
+    assert result.returncode == 0, result.stderr
+    for rank in range(3):
+        assert f"[rank{rank}] rank={rank} size=3 local={rank} node=0 sum=3.0" in result.stdout
+
+
+def test_failed_rank_is_named_and_all_stop_quickly(tmp_path: Path) -> None:
+    body = """
+    import time, dtrain, torch.distributed as dist
+    w = dtrain.init()
+    dist.barrier()
+    if w.rank == 1:
+        raise SystemExit(3)
+    time.sleep(600)   # rank 0 is busy elsewhere: the launcher must stop it
+    """
+    start = time.monotonic()
+    result = dtrain("run", "-n", "2", script(tmp_path, body), timeout=60)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 3
+    assert "rank 1 exited with code 3" in one_error_line(result)
+    assert elapsed < 10 + 15  # 10 s to stop, generous start-up on a loaded 2-core machine
+
+
+def test_exception_in_rank_shows_its_traceback_once_prefixed(tmp_path: Path) -> None:
+    body = """
+    import dtrain
+    w = dtrain.init()
+    if w.rank == 0:
+        raise ValueError("bad batch")
+    """
+    result = dtrain("run", "-n", "2", script(tmp_path, body), timeout=60)
+    assert result.returncode == 1
+    assert "[rank0] ValueError: bad batch" in result.stderr
+    assert "[rank0] [rank0]" not in result.stderr
+    assert result.stderr.strip().endswith("rank 0 exited with code 1; its output is above")
+
+
+def test_missing_script_is_one_line(tmp_path: Path) -> None:
+    result = dtrain("run", "-n", "2", str(tmp_path / "nope.py"))
+    assert result.returncode == 2
+    assert "not found" in one_error_line(result)
+
+
+def test_bad_flags_are_one_line(tmp_path: Path) -> None:
+    path = script(tmp_path, HELLO)
+    for args, text in [
+        (["-n", "0"], "at least 1"),
+        (["--nnodes", "2", "-n", "1"], "needs --master HOST:PORT"),
+        (["--nnodes", "2", "--node-rank", "2", "--master", "127.0.0.1:1", "-n", "1"],
+         "must be in [0, 2)"),
+        (["--nnodes", "2", "--master", "nohost", "-n", "1"], "is not HOST:PORT"),
+    ]:
+        result = dtrain("run", *args, path)
+        assert result.returncode == 2, args
+        assert text in one_error_line(result), args
+
+
+def test_two_nodes_on_loopback(tmp_path: Path) -> None:
+    path, master = script(tmp_path, HELLO), f"127.0.0.1:{free_port()}"
+    flags = ["--nnodes", "2", "--master", master, "-n", "2", "--join-timeout", "60"]
+    other = subprocess.Popen(
+        [sys.executable, "-m", "dtrain.cli", "run", "--node-rank", "1", *flags, path],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    first = dtrain("run", "--node-rank", "0", *flags, path)
+    out, err = other.communicate(timeout=60)
+    assert first.returncode == 0 and other.returncode == 0, first.stderr + err
+    assert "[rank2] rank=2 size=4 local=0 node=1 sum=6.0" in out
+    assert "[rank1] rank=1 size=4 local=1 node=0 sum=6.0" in first.stdout
+
+
+def test_unreachable_master_is_one_line(tmp_path: Path) -> None:
+    master = f"127.0.0.1:{free_port()}"
+    result = dtrain("run", "--nnodes", "2", "--node-rank", "1", "--master", master,
+                    "--join-timeout", "2", "-n", "1", script(tmp_path, HELLO), timeout=60)
+    assert result.returncode != 0
+    assert "could not reach the master" in one_error_line(result)
+
+
+def test_port_in_use_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        master = f"127.0.0.1:{busy.getsockname()[1]}"
+        result = dtrain("run", "--nnodes", "2", "--node-rank", "0", "--master", master,
+                        "--join-timeout", "5", "-n", "1", script(tmp_path, HELLO), timeout=60)
+    assert result.returncode != 0
+    assert "is in use" in one_error_line(result)
+
+
+def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
+    marker = tmp_path / "pids"
+    marker.mkdir()
+    body = f"""
+    import os, time, dtrain
+    w = dtrain.init()
+    open(os.path.join({str(marker)!r}, str(os.getpid())), "w").close()
+    time.sleep(600)
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dtrain.cli", "run", "-n", "2", script(tmp_path, body)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    deadline = time.monotonic() + 60
+    while len(list(marker.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(p.name) for p in marker.iterdir()]
+    assert len(pids) == 2
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "stopped by SIGINT" in err
+    time.sleep(0.5)
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()

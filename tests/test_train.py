@@ -1,0 +1,84 @@
+"""`dtrain train` end to end on a tiny config, and its answers to bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dtrain.train import checkpoint
+from tests.cli import dtrain, one_error_line
+
+TINY = """
+[model]
+n_layer = 1
+n_head = 2
+n_embd = 32
+block_size = 32
+
+[data]
+max_bytes = 200000
+
+[optimizer]
+lr = 1e-2
+warmup_steps = 5
+
+[train]
+steps = 40
+batch_size = 16
+eval_every = 20
+eval_batches = 2
+
+[logging]
+log_every = 10
+sample_tokens = 20
+"""
+
+
+def test_tiny_run_learns_and_records(tmp_path: Path) -> None:
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    metrics = tmp_path / "metrics.jsonl"
+    result = dtrain("train", str(config), "--set", f"train.out_dir='{tmp_path / 'run'}'",
+                    "--metrics", str(metrics), timeout=170)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    assert [r["step"] for r in records if "eval_loss" in r] == [20, 40]
+    saved = checkpoint.load(tmp_path / "run" / "checkpoints")
+    assert saved["step"] == 40 and "wte.weight" in saved["model"]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["steps"] == 40
+    assert "sample:" in result.stdout and "step    40/40" in result.stdout
+    assert "[rank1]" not in result.stdout  # rank 1 trains silently
+
+
+@pytest.mark.parametrize("args, message, code", [
+    (["--set", "train.stepz=3"], "did you mean 'train.steps'", 2),
+    (["--set", "train.batch_size=15"], "make it a multiple of 2", 2),
+    (["--set", "parallel.dp=3"], "make the product equal 2", 2),
+    (["--set", "data.path='/nonexistent/corpus'", "-n", "1"], "does not exist", 2),
+    (["/nonexistent/config.toml"], "not found", 2),
+])
+def test_bad_input_is_one_line(args: list[str], message: str, code: int) -> None:
+    result = dtrain("train", *args)
+    assert result.returncode == code
+    assert message in one_error_line(result)
+
+
+def test_malformed_toml_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[train\nsteps = 3")
+    result = dtrain("train", str(config))
+    assert result.returncode == 2
+    assert "not valid TOML" in one_error_line(result)
+
+
+def test_binary_corpus_is_refused(tmp_path: Path) -> None:
+    corpus = tmp_path / "data.bin"
+    corpus.write_bytes(bytes(range(256)) * 10)
+    result = dtrain("train", "-n", "1", "--set", f"data.path='{corpus}'")
+    assert result.returncode == 2
+    assert "looks binary" in one_error_line(result)

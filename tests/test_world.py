@@ -1,0 +1,130 @@
+"""Reading the world from each launcher's environment, and the Mesh's layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dtrain
+from dtrain.errors import ConfigError, DtrainError
+from dtrain.mesh import Layout, resolve_layout
+from dtrain.world import detect, first_slurm_host
+from tests.distributed import run_ranks
+
+
+def test_no_launcher_is_a_one_process_world() -> None:
+    world = detect({})
+    assert (world.rank, world.world_size, world.local_rank, world.node_rank) == (0, 1, 0, 0)
+    assert world.source == "single" and world.role == "worker"
+
+
+def test_torchrun_env() -> None:
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+           "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
+    world = detect(env)
+    assert (world.rank, world.world_size, world.local_rank, world.local_world_size) == (5, 8, 1, 4)
+    assert (world.node_rank, world.master_addr, world.master_port) == (1, "10.0.0.1", 1234)
+    assert world.source == "torchrun"
+    assert detect({**env, "DTRAIN_RUN_ID": "x", "DTRAIN_ROLE": "server"}).source == "dtrain"
+    assert detect({**env, "DTRAIN_ROLE": "server"}).role == "server"
+
+
+def test_slurm_env() -> None:
+    env = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2",
+           "SLURM_NTASKS_PER_NODE": "4", "SLURM_NODEID": "1",
+           "SLURM_JOB_NODELIST": "gpu[07-08],cpu1", "SLURM_JOB_ID": "123456"}
+    world = detect(env)
+    assert (world.rank, world.world_size, world.local_rank, world.local_world_size) == (6, 8, 2, 4)
+    assert world.node_rank == 1 and world.source == "slurm"
+    assert world.master_addr == "gpu07"
+    assert world.master_port == 10000 + 123456 % 20000
+    assert detect({**env, "MASTER_PORT": "777", "MASTER_ADDR": "h"}).master_port == 777
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node01", "node01"), ("node[01-04,07],gpu5", "node01"), ("a[3,5]-b[10-12]", "a3-b10"),
+    ("gpu5,node[1-2]", "gpu5"),
+])
+def test_first_slurm_host(nodelist: str, first: str) -> None:
+    assert first_slurm_host(nodelist) == first
+
+
+def test_openmpi_env() -> None:
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+           "MASTER_ADDR": "host0"}
+    world = detect(env)
+    assert (world.rank, world.world_size, world.local_rank, world.node_rank) == (3, 4, 1, 1)
+    assert world.source == "openmpi" and world.master_addr == "host0"
+
+
+def test_mpich_env() -> None:
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
+           "MASTER_ADDR": "h"}
+    world = detect(env)
+    assert (world.rank, world.world_size, world.local_rank, world.source) == (1, 2, 1, "mpich")
+
+
+def test_mpi_without_master_addr_says_what_to_set() -> None:
+    with pytest.raises(DtrainError, match="MASTER_ADDR is not set"):
+        detect({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
+
+
+def test_malformed_variable_is_named() -> None:
+    with pytest.raises(DtrainError, match="WORLD_SIZE='two'"):
+        detect({"RANK": "0", "WORLD_SIZE": "two"})
+
+
+def test_layout_is_tp_innermost_then_dp_then_pp() -> None:
+    layout = Layout(dp=2, tp=2, pp=2)
+    assert layout.coords(0) == {"tp": 0, "dp": 0, "pp": 0}
+    assert layout.coords(1) == {"tp": 1, "dp": 0, "pp": 0}
+    assert layout.coords(2) == {"tp": 0, "dp": 1, "pp": 0}
+    assert layout.coords(5) == {"tp": 1, "dp": 0, "pp": 1}
+    assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for rank in range(8):
+        assert layout.rank_of(layout.coords(rank)) == rank
+
+
+def test_layout_errors_say_what_to_change() -> None:
+    assert resolve_layout(8, None, 2, 2).dp == 2
+    with pytest.raises(ConfigError, match="tp\\*pp = 3\\*1 = 3 does not divide the world size 8"):
+        resolve_layout(8, None, 3, 1)
+    with pytest.raises(ConfigError, match="make the product equal 8"):
+        resolve_layout(8, 3, 2, 1)
+    with pytest.raises(ConfigError, match="tp=0 must be a positive integer"):
+        resolve_layout(8, None, 0, 1)
+
+
+def _mesh_sums() -> dict:
+    mesh = dtrain.Mesh(tp=2)
+    out = {"coords": mesh.coords, "ranks": {a: mesh.ranks(a) for a in ("dp", "tp", "pp")}}
+    for axis in ("dp", "tp", "pp"):
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t, group=mesh.group(axis))
+        out[axis] = t.item()
+    return out
+
+
+def test_mesh_groups_reduce_only_within_themselves() -> None:
+    results = run_ranks(_mesh_sums, 4)
+    # tp groups {0,1},{2,3}; dp groups {0,2},{1,3}; pp groups are single ranks.
+    assert [r["tp"] for r in results] == [1, 1, 5, 5]
+    assert [r["dp"] for r in results] == [2, 4, 2, 4]
+    assert [r["pp"] for r in results] == [0, 1, 2, 3]
+    assert results[3]["coords"] == {"tp": 1, "dp": 1, "pp": 0}
+    assert results[2]["ranks"]["dp"] == [0, 2]
+
+
+def test_single_process_world_runs_collectives() -> None:
+    world = dtrain.init()
+    try:
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert world.world_size == 1 and torch.equal(t, torch.ones(3))
+        assert dtrain.Mesh().size("dp") == 1
+    finally:
+        dtrain.shutdown()
