@@ -37,6 +37,15 @@ def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, 
         out.put((rank, "error", traceback.format_exc()))
 
 
+def _check_alive(procs: list, results: dict, deadline: float, timeout: float) -> None:
+    for rank, proc in enumerate(procs):
+        if rank not in results and proc.exitcode not in (None, 0):
+            raise AssertionError(f"rank {rank} died with exit code {proc.exitcode}")
+    if time.monotonic() > deadline:
+        missing = sorted(set(range(len(procs))) - set(results))
+        raise AssertionError(f"ranks {missing} did not finish within {timeout}s")
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -75,12 +84,7 @@ def run_ranks(
             try:
                 rank, status, payload = out.get(timeout=0.2)
             except queue.Empty:
-                for r, proc in enumerate(procs):
-                    if r not in results and proc.exitcode not in (None, 0):
-                        raise AssertionError(f"rank {r} died with exit code {proc.exitcode}")
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(results))
-                    raise AssertionError(f"ranks {missing} did not finish within {timeout}s")
+                _check_alive(procs, results, deadline, timeout)
                 continue
             if status == "error":
                 raise AssertionError(f"rank {rank} raised:\n{payload}")

@@ -19,7 +19,8 @@ def write(tmp_path: Path, text: str) -> str:
 def test_defaults_and_file_and_overrides(tmp_path: Path) -> None:
     assert load_config(None) == Config()
     path = write(tmp_path, "[train]\nsteps = 7\n[optimizer]\nlr = 1\n")
-    config = load_config(path, ["model.n_layer=2", "data.path=some/dir", "optimizer.betas=[0.8, 0.9]"])
+    overrides = ["model.n_layer=2", "data.path=some/dir", "optimizer.betas=[0.8, 0.9]"]
+    config = load_config(path, overrides)
     assert config.train.steps == 7 and config.optimizer.lr == 1.0
     assert config.model.n_layer == 2 and config.data.path == "some/dir"
     assert config.optimizer.betas == [0.8, 0.9]

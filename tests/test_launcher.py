@@ -145,4 +145,13 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
     assert "stopped by SIGINT" in err
     time.sleep(0.5)
     for pid in pids:
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+        status = Path(f"/proc/{pid}/status")
+        assert not status.exists() or "zombie" in status.read_text()
+
+
+def test_readme_example_trains() -> None:
+    example = Path(__file__).parent.parent / "examples" / "data_parallel.py"
+    result = dtrain("run", "-n", "2", str(example))
+    assert result.returncode == 0, result.stderr
+    last = [line for line in result.stdout.splitlines() if "epoch 4" in line]
+    assert len(last) == 1 and float(last[0].rsplit(" ", 1)[1]) > 0.95

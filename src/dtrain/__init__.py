@@ -27,7 +27,10 @@ _EXPORTS = {
     "shutdown": "dtrain.world",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ConfigError", "DataParallel", "DtrainError", "LaunchError", "Mesh", "ShardedSampler",
+    "World", "init", "shutdown",
+]
 
 if TYPE_CHECKING:
     from dtrain.errors import ConfigError, DtrainError, LaunchError

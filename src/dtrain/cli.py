@@ -66,7 +66,9 @@ def _run(args: argparse.Namespace) -> None:
         command = [sys.executable, "-u", "-m", args.script, *args.args]
     else:
         if not os.path.isfile(args.script):
-            raise ConfigError(f"script {args.script!r} not found (run from its folder or give a path)")
+            raise ConfigError(
+                f"script {args.script!r} not found (run from its folder or give a path)"
+            )
         command = [sys.executable, "-u", args.script, *args.args]
     launch(LaunchSpec(
         command=command, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,

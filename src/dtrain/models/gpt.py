@@ -14,25 +14,22 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@dataclass(frozen=True)
+@dataclass
 class GPTConfig:
-    """Shape of the model.
-
-    Attributes:
-        vocab_size: number of token ids (256 for bytes).
-        block_size: longest context, in tokens.
-        n_layer: transformer blocks.
-        n_head: attention heads per block; must divide n_embd.
-        n_embd: width of the residual stream.
-        dropout: dropout probability (0 keeps runs deterministic).
-    """
+    """Shape of the model; the `[model]` section of `dtrain train`'s config."""
 
     vocab_size: int = 256
+    """Number of token ids; 256 covers every byte."""
     block_size: int = 128
+    """Longest context, in tokens."""
     n_layer: int = 4
+    """Transformer blocks."""
     n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
     n_embd: int = 128
+    """Width of the residual stream."""
     dropout: float = 0.0
+    """Dropout probability; 0 keeps runs reproducible."""
 
 
 class CausalSelfAttention(nn.Module):

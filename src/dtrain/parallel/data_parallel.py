@@ -212,6 +212,8 @@ class DataParallel(nn.Module):
         """The wrapped module's state dict, without a wrapper prefix."""
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
+    def load_state_dict(
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ):
         """Load into the wrapped module (keys as produced by `state_dict`)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

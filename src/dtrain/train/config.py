@@ -25,20 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import ConfigError
-
-
-@dataclass
-class ModelConfig:
-    n_layer: int = 4
-    """Transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block; must divide n_embd."""
-    n_embd: int = 128
-    """Width of the residual stream."""
-    block_size: int = 128
-    """Context length in bytes (tokens)."""
-    dropout: float = 0.0
-    """Dropout probability; 0 keeps runs reproducible."""
+from dtrain.models.gpt import GPTConfig
 
 
 @dataclass
@@ -125,7 +112,7 @@ class LoggingConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -146,7 +133,7 @@ CHOICES = {
     "parallel.grad_dtype": ("fp32", "bf16", "fp16"),
     "parallel.backend": ("auto", "gloo", "nccl"),
 }
-POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
+POSITIVE = {"model.vocab_size", "model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
             "train.eval_batches", "parallel.nproc", "parallel.bucket_mb", "checkpoint.keep_last",
             "optimizer.lr", "logging.log_every"}
@@ -210,6 +197,8 @@ def _validate(config: Config) -> None:
             f"model.n_head = {m.n_head} does not divide model.n_embd = {m.n_embd}: "
             "choose a head count that divides the width"
         )
+    if m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size = {m.vocab_size} must be at least 256 (bytes)")
     if len(config.optimizer.betas) != 2:
         raise ConfigError("optimizer.betas must have two numbers, e.g. [0.9, 0.95]")
 

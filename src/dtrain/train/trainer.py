@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from dtrain import world as world_mod
 from dtrain.mesh import Mesh
-from dtrain.models.gpt import GPT, GPTConfig
+from dtrain.models.gpt import GPT
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.train import checkpoint
 from dtrain.train.config import Config, OptimizerConfig, per_rank_batch
@@ -94,8 +94,7 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     stream = batches(train_data, per_rank, dp_size, dp_rank, tc.seed, shuffle=True)
 
     torch.manual_seed(tc.seed)
-    gpt = GPT(GPTConfig(block_size=mc.block_size, n_layer=mc.n_layer, n_head=mc.n_head,
-                        n_embd=mc.n_embd, dropout=mc.dropout)).to(world.device)
+    gpt = GPT(mc).to(world.device)
     model = DataParallel(gpt, group=dp_group, bucket_mb=config.parallel.bucket_mb,
                          grad_dtype=config.parallel.grad_dtype)
     optimizer = build_optimizer(model, config.optimizer)

@@ -1,0 +1,148 @@
+"""dtrain's DataParallel against torch's DistributedDataParallel, side by side in one run.
+
+    dtrain run -n 2 benchmarks/dp_vs_ddp.py [--rounds 15 --steps 5 --write]
+
+Both wrap the same GPT (the `dtrain train` default) with the same initial weights, see the
+same batches and use the same optimizer and bucket size. Timing alternates between the two
+in rounds (order flipped every round) so machine noise hits both alike; the figure is the
+median per-step time over rounds. With --write, rank 0 replaces this benchmark's section
+of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import dtrain
+from dtrain.models.gpt import GPT, GPTConfig
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+BEGIN, END = "<!-- dp_vs_ddp:begin -->", "<!-- dp_vs_ddp:end -->"
+
+
+def bf16_hook(_state, bucket):  # no annotations: DDP inspects them at run time
+    """DDP's bf16_compress_hook, which refuses CPU tensors: cast, allreduce, cast back."""
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size())
+    future = dist.all_reduce(compressed, async_op=True).get_future()
+    return future.then(lambda f: buffer.copy_(f.value()[0]))
+
+
+def make_pair(grad_dtype: str | None, bucket_mb: float):
+    torch.manual_seed(0)
+    ours = dtrain.DataParallel(GPT(GPTConfig()), bucket_mb=bucket_mb, grad_dtype=grad_dtype)
+    torch.manual_seed(0)
+    theirs = DistributedDataParallel(GPT(GPTConfig()), bucket_cap_mb=bucket_mb)
+    if grad_dtype == "bf16":
+        theirs.register_comm_hook(None, bf16_hook)
+    return ours, theirs
+
+
+def step_fn(model, optimizer, batch):
+    x, y = batch
+
+    def step() -> None:
+        loss = model(x, y)[1]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_steps(step, n: int) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    dist.barrier()
+    return (time.perf_counter() - start) / n
+
+
+def compare(grad_dtype: str | None, args: argparse.Namespace) -> dict:
+    world = dtrain.init()
+    ours, theirs = make_pair(grad_dtype, args.bucket_mb)
+    g = torch.Generator().manual_seed(world.rank)
+    batch = (torch.randint(0, 256, (args.batch, 128), generator=g),
+             torch.randint(0, 256, (args.batch, 128), generator=g))
+    steps = {
+        "dtrain": step_fn(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3), batch),
+        "ddp": step_fn(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-3), batch),
+    }
+    for step in steps.values():
+        time_steps(step, 3)  # warm-up
+    times = {name: [] for name in steps}
+    for r in range(args.rounds):
+        order = list(steps) if r % 2 == 0 else list(reversed(steps))
+        for name in order:
+            times[name].append(time_steps(steps[name], args.steps))
+    # Same work: both models took the same steps on the same data from the same weights.
+    drift = max((a - b).abs().max().item() for a, b in
+                zip(ours.module.parameters(), theirs.module.parameters(), strict=True))
+    median = {name: statistics.median(t) for name, t in times.items()}
+    return {"grad_dtype": grad_dtype or "fp32", "dtrain_ms": median["dtrain"] * 1e3,
+            "ddp_ms": median["ddp"] * 1e3, "ratio": median["dtrain"] / median["ddp"],
+            "max_param_diff": drift}
+
+
+def write_results(rows: list[dict], args: argparse.Namespace, world_size: int) -> None:
+    lines = [
+        BEGIN,
+        "## DataParallel vs torch DDP (step time, 2 ranks)",
+        "",
+        f"Command: `dtrain run -n {world_size} benchmarks/dp_vs_ddp.py --rounds {args.rounds} "
+        f"--steps {args.steps} --write`  ",
+        f"Machine: {os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}, "
+        f"gloo; model: default GPT (0.84M params), {args.batch} sequences x 128 bytes per rank, "
+        f"AdamW, bucket {args.bucket_mb} MB; median of {args.rounds} rounds x {args.steps} steps.",
+        "",
+        "| gradients | dtrain ms/step | DDP ms/step | ratio (dtrain / DDP) | max param diff |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['grad_dtype']} | {r['dtrain_ms']:.1f} | {r['ddp_ms']:.1f} | "
+                     f"**{r['ratio']:.3f}** | {r['max_param_diff']:.1e} |")
+    lines += ["", "Target: ratio at most 1.05.", END]
+    section = "\n".join(lines)
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    if BEGIN in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + section + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    RESULTS.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=16, help="sequences per rank")
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    world = dtrain.init()
+    rows = [compare(None, args), compare("bf16", args)]
+    if world.is_main:
+        for r in rows:
+            print(f"{r['grad_dtype']}: dtrain {r['dtrain_ms']:.1f} ms  DDP {r['ddp_ms']:.1f} ms  "
+                  f"ratio {r['ratio']:.3f}  max param diff {r['max_param_diff']:.1e}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        if args.write:
+            write_results(rows, args, world.world_size)
+
+
+if __name__ == "__main__":
+    main()
