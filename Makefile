@@ -10,9 +10,8 @@ $(PY):
 
 # torch is pinned here (a CPU build is available locally); the package itself asks for torch>=2.4.
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install -qq "torch==2.13.0"
+	$(PY) -m pip install -qq -e ".[test]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -20,7 +20,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dtrain.errors import ConfigError, LaunchError
 from dtrain.launch import exits
@@ -39,7 +39,6 @@ class LaunchSpec:
         node_rank: this machine's index; node 0 hosts the rendezvous.
         master: HOST:PORT of node 0's store; a free local port when None (one machine).
         max_restarts: times the agent restarts all ranks after a failure.
-        env: extra environment for every rank.
         raw_local_rank0: local rank 0 writes straight to this terminal, unprefixed, so it
             can draw a progress bar; the other ranks are still prefixed.
         join_timeout: seconds to wait for all machines to join.
@@ -51,7 +50,6 @@ class LaunchSpec:
     node_rank: int = 0
     master: str | None = None
     max_restarts: int = 0
-    env: dict[str, str] = field(default_factory=dict)
     raw_local_rank0: bool = False
     join_timeout: int = 120
 
@@ -88,9 +86,9 @@ def validate(spec: LaunchSpec) -> None:
 
 
 def _rank_env(spec: LaunchSpec, run_id: str, exit_dir: str) -> dict[str, str]:
-    env = {"DTRAIN_RUN_ID": run_id, "PYTHONUNBUFFERED": "1", exits.ENV: exit_dir, **spec.env}
+    env = {"DTRAIN_RUN_ID": run_id, "PYTHONUNBUFFERED": "1", exits.ENV: exit_dir}
     env["TORCH_CPP_LOG_LEVEL"] = os.environ.get("DTRAIN_USER_CPP_LOG_LEVEL", "WARNING")
-    if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:
+    if "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; more threads than cores makes every rank slower.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.nproc))
     return env

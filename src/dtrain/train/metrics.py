@@ -67,7 +67,7 @@ class MetricsLog:
         self.file = None
         if path and enabled:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            self.file = open(path, "w", encoding="utf-8")  # closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
         if self.file is not None:
