@@ -24,6 +24,8 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
                    help="restart all ranks up to K times after a failure (default 0)")
     p.add_argument("--join-timeout", type=int, default=120, metavar="SECONDS",
                    help="how long machines wait for each other to join (default 120)")
+    p.add_argument("--debug", action="store_true",
+                   help="check every collective's arguments across ranks (DTRAIN_DEBUG=1)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> None:
     from dtrain.launch.runner import LaunchSpec, launch
 
+    if args.debug:
+        os.environ["DTRAIN_DEBUG"] = "1"  # inherited by every rank
     if args.module:
         command = [sys.executable, "-u", "-m", args.script, *args.args]
     else:

@@ -1,0 +1,268 @@
+"""dtrain's collective API: one flat function per operation, the same keywords everywhere.
+
+Every function takes `group=` (a torch process group, a dtrain Group, or None for the
+world), and where they apply `op=` ("sum", "avg", "max", "min", "prod"), `async_op=` and
+`algorithm=` ("auto", "native", "ring", "tree", "halving_doubling"). Synchronous calls
+return the result; with `async_op=True` they return a handle whose `wait()` returns it.
+Ranks (`src`, `dst`) are ranks within the group. A group of one returns at once.
+
+Shape-changing operations work on the flattened tensor: `reduce_scatter`, `scatter` and
+`all_to_all` split it into `size` contiguous shards, the first `numel % size` one element
+longer (`dtrain.comm.shard_sizes`), so any length works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dtrain.comm import debug, select
+from dtrain.comm.group import Done, Group, Handle
+from dtrain.comm.groups import resolve
+from dtrain.comm import halving_doubling, ring, tree
+from dtrain.comm.ops import ReduceOp, finish_, shard_sizes, shards
+
+GroupLike = Any  # dist.ProcessGroup | Group | None
+
+AVAILABLE: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("native", "ring", "tree", "halving_doubling"),
+    "broadcast": ("native", "tree"),
+    "reduce": ("native", "tree"),
+    "all_gather": ("native", "ring"),
+    "reduce_scatter": ("native", "ring"),
+    "scatter": ("native",),
+    "gather": ("native",),
+    "all_to_all": ("native",),
+    "barrier": ("native",),
+}
+
+
+class Result:
+    """Handle of an async collective: `wait()` completes it and returns its result."""
+
+    def __init__(self, handle: Handle, g: Group, what: str, seq: int,
+                 finish: Callable[[], Any]) -> None:
+        self._handle, self._g, self._what, self._seq, self._finish = handle, g, what, seq, finish
+
+    def wait(self) -> Any:
+        debug.wait_or_diagnose(self._handle, self._g, self._what, self._seq)
+        return self._finish()
+
+
+def _run(what: str, g: Group, tensor: torch.Tensor, algorithm: str, async_op: bool,
+         native: Callable[[], Handle], algorithms: dict[str, Callable[[], None]],
+         finish: Callable[[], Any], **details: Any) -> Any:
+    """Choose the algorithm, check consistency, run it on the right thread, and wait."""
+    name = select.choose(what, tensor, g, algorithm, AVAILABLE[what])
+    g.seq += 1
+    if debug.enabled():
+        debug.check(g, what, tensor, name, details)
+    if name == "native":
+        handle = native()
+    elif async_op:
+        handle = g.executor.submit(algorithms[name])
+    else:
+        g.executor.run(algorithms[name])
+        handle = Done()
+    result = Result(handle, g, what, g.seq, finish)
+    return result if async_op else result.wait()
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError("dtrain.comm needs a contiguous tensor: pass tensor.contiguous()")
+    return tensor.view(-1)
+
+
+def _trivial(value: Any, async_op: bool) -> Any:
+    return Result(Done(), None, "", 0, lambda: value) if async_op else value  # type: ignore[arg-type]
+
+
+def all_reduce(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: GroupLike = None,
+               async_op: bool = False, algorithm: str = "auto") -> Any:
+    """Combine `tensor` across the group, in place on every rank; returns `tensor`.
+
+    Results are bitwise identical on every rank for every algorithm.
+    """
+    g, op = resolve(group), ReduceOp.parse(op)
+    if g.size == 1:
+        return _trivial(tensor, async_op)
+    flat = _flat(tensor)
+
+    def native() -> Handle:
+        handle = g.native("all_reduce", tensor, op)
+        if op is ReduceOp.AVG:
+            handle.wait()
+            finish_(tensor, op, g.size)
+        return handle
+
+    algorithms = {
+        "ring": lambda: ring.all_reduce(g, flat, op),
+        "tree": lambda: tree.all_reduce(g, flat, op),
+        "halving_doubling": lambda: halving_doubling.all_reduce(g, flat, op),
+    }
+    return _run("all_reduce", g, tensor, algorithm, async_op, native, algorithms,
+                lambda: tensor, op=op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: GroupLike = None,
+              async_op: bool = False, algorithm: str = "auto") -> Any:
+    """Copy group rank `src`'s `tensor` into every rank's `tensor`; returns `tensor`."""
+    g = resolve(group)
+    if g.size == 1:
+        return _trivial(tensor, async_op)
+    flat = _flat(tensor)
+    return _run("broadcast", g, tensor, algorithm, async_op,
+                lambda: g.native("broadcast", tensor, src),
+                {"tree": lambda: tree.broadcast(g, flat, src)}, lambda: tensor, root=src)
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOp | str = "sum",
+           group: GroupLike = None, async_op: bool = False, algorithm: str = "auto") -> Any:
+    """Combine `tensor` across the group into rank `dst`'s `tensor` (others' stay as they were)."""
+    g, op = resolve(group), ReduceOp.parse(op)
+    if g.size == 1:
+        return _trivial(tensor, async_op)
+    _flat(tensor)
+    work = tensor if g.rank == dst else tensor.clone()
+
+    def native() -> Handle:
+        handle = g.native("reduce", work, dst, op)
+        if op is ReduceOp.AVG and g.rank == dst:
+            handle.wait()
+            finish_(tensor, op, g.size)
+        return handle
+
+    return _run("reduce", g, tensor, algorithm, async_op, native,
+                {"tree": lambda: tree.reduce(g, work.view(-1), dst, op)}, lambda: tensor,
+                op=op, root=dst)
+
+
+def all_gather(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = False,
+               algorithm: str = "auto") -> Any:
+    """Concatenate every rank's `tensor` (same shape everywhere) along dim 0, in rank order."""
+    g = resolve(group)
+    shape = (g.size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (g.size,)
+    out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    if g.size == 1:
+        out.copy_(tensor.reshape(shape))
+        return _trivial(out, async_op)
+    flat_in, flat_out = _flat(tensor), out.view(-1)
+
+    def by_ring() -> None:
+        shards(flat_out, g.size)[g.rank].copy_(flat_in)
+        ring.all_gather_inplace(g, flat_out)
+
+    return _run("all_gather", g, tensor, algorithm, async_op,
+                lambda: g.native("all_gather", flat_out, flat_in), {"ring": by_ring},
+                lambda: out)
+
+
+def reduce_scatter(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: GroupLike = None,
+                   async_op: bool = False, algorithm: str = "auto") -> Any:
+    """Combine `tensor` across the group; return this rank's shard of the flattened result."""
+    g, op = resolve(group), ReduceOp.parse(op)
+    flat = _flat(tensor)
+    if g.size == 1:
+        return _trivial(flat.clone(), async_op)
+    sizes = shard_sizes(flat.numel(), g.size)
+    width = sizes[0]
+    out = torch.empty(width, dtype=tensor.dtype, device=tensor.device)
+    work = flat.clone()
+
+    def native() -> Handle:
+        padded = torch.zeros(width * g.size, dtype=tensor.dtype, device=tensor.device)
+        for r, piece in enumerate(shards(flat, g.size)):
+            padded[r * width : r * width + piece.numel()] = piece
+        handle = g.native("reduce_scatter", out, padded, op)
+        if op is ReduceOp.AVG:
+            handle.wait()
+            finish_(out, op, g.size)
+        return handle
+
+    def by_ring() -> None:
+        out[: sizes[g.rank]].copy_(ring.reduce_scatter(g, work, op))
+
+    return _run("reduce_scatter", g, tensor, algorithm, async_op, native, {"ring": by_ring},
+                lambda: out[: sizes[g.rank]], op=op)
+
+
+def scatter(tensor: torch.Tensor, src: int = 0, group: GroupLike = None,
+            async_op: bool = False, algorithm: str = "auto") -> Any:
+    """Give each rank its shard of rank `src`'s flattened `tensor`.
+
+    Every rank passes a tensor of the same shape and dtype; only `src`'s contents matter.
+    """
+    g = resolve(group)
+    flat = _flat(tensor)
+    if g.size == 1:
+        return _trivial(flat.clone(), async_op)
+    sizes = shard_sizes(flat.numel(), g.size)
+    out = torch.empty(sizes[0], dtype=tensor.dtype, device=tensor.device)
+    chunks = None
+    if g.rank == src:
+        chunks = [torch.zeros_like(out) for _ in range(g.size)]
+        for chunk, piece in zip(chunks, shards(flat, g.size), strict=True):
+            chunk[: piece.numel()] = piece
+    return _run("scatter", g, tensor, algorithm, async_op,
+                lambda: g.native("scatter", out, chunks, src), {},
+                lambda: out[: sizes[g.rank]], root=src)
+
+
+def gather(tensor: torch.Tensor, dst: int = 0, group: GroupLike = None,
+           async_op: bool = False, algorithm: str = "auto") -> Any:
+    """Concatenate every rank's `tensor` along dim 0 on rank `dst`; other ranks get None."""
+    g = resolve(group)
+    shape = (g.size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (g.size,)
+    out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device) if g.rank == dst else None
+    if g.size == 1:
+        out.copy_(tensor.reshape(shape))
+        return _trivial(out, async_op)
+    chunks = list(out.view(g.size, -1).unbind(0)) if out is not None else None
+    return _run("gather", g, tensor, algorithm, async_op,
+                lambda: g.native("gather", _flat(tensor), chunks, dst), {}, lambda: out,
+                root=dst)
+
+
+def all_to_all(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = False,
+               algorithm: str = "auto") -> Any:
+    """Send shard j of the flattened `tensor` to rank j; return the shards received, in rank order.
+
+    Every rank passes the same number of elements; the result has size * shard_sizes[rank].
+    """
+    g = resolve(group)
+    flat = _flat(tensor)
+    if g.size == 1:
+        return _trivial(flat.clone(), async_op)
+    sizes = shard_sizes(flat.numel(), g.size)
+    out = torch.empty(g.size * sizes[g.rank], dtype=tensor.dtype, device=tensor.device)
+    return _run("all_to_all", g, tensor, algorithm, async_op,
+                lambda: g.native("all_to_all", out, flat, sizes), {}, lambda: out)
+
+
+def barrier(group: GroupLike = None, async_op: bool = False) -> Any:
+    """Wait until every rank of the group has reached this call."""
+    g = resolve(group)
+    if g.size == 1:
+        return _trivial(None, async_op)
+    token = torch.zeros(1)
+    return _run("barrier", g, token, "auto", async_op, lambda: g.native("barrier"), {},
+                lambda: None)
+
+
+def send(tensor: torch.Tensor, dst: int, group: GroupLike = None, async_op: bool = False) -> Any:
+    """Send `tensor` to group rank `dst` (which must call `recv` with a same-shaped tensor)."""
+    g = resolve(group)
+    handle = g.isend(_flat(tensor), dst)
+    result = Result(handle, g, f"send to rank {dst}", g.seq, lambda: None)
+    return result if async_op else result.wait()
+
+
+def recv(tensor: torch.Tensor, src: int, group: GroupLike = None, async_op: bool = False) -> Any:
+    """Receive into `tensor` from group rank `src`; returns `tensor`."""
+    g = resolve(group)
+    handle = g.irecv(_flat(tensor), src)
+    result = Result(handle, g, f"recv from rank {src}", g.seq, lambda: tensor)
+    return result if async_op else result.wait()

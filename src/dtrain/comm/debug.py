@@ -1,0 +1,124 @@
+"""No silent hangs, no garbage: consistency checks and timeouts that name the rank.
+
+Debug mode (`DTRAIN_DEBUG=1`, or `dtrain run --debug`): before every collective the group
+first agrees on (sequence number, operation, dtype, shape, algorithm, reduce op, root).
+When a rank differs, every rank raises `CollectiveMismatch` naming that rank and the field
+that differs, instead of hanging or returning a wrong result. It costs one small native
+all-gather per collective, so it is off by default.
+
+Always on, at no cost until it is needed: when a wait times out, the rank publishes which
+collective it is stuck in through the job's store, gives the others a moment to do the
+same, and raises `CollectiveTimeout` naming the ranks that never arrived.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from dtrain.comm.group import Group, Handle
+from dtrain.comm.threads import CollectiveTimeout
+
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "scatter",
+       "gather", "all_to_all", "barrier")
+ALGORITHMS = ("native", "ring", "tree", "halving_doubling")
+REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64, torch.bool)
+MAX_DIMS = 8
+FIELDS = ("sequence number", "operation", "dtype", "algorithm", "reduce op", "root", "ndim",
+          *(f"size of dim {i}" for i in range(MAX_DIMS)))
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks called different collectives, or the same one with different arguments."""
+
+
+def enabled() -> bool:
+    return os.environ.get("DTRAIN_DEBUG", "") not in ("", "0")
+
+
+def _fingerprint(g: Group, what: str, tensor: torch.Tensor, algorithm: str,
+                 details: dict[str, Any]) -> torch.Tensor:
+    op = details.get("op")
+    shape = list(tensor.shape)[:MAX_DIMS]
+    values = [
+        g.seq, OPS.index(what), DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else -1,
+        ALGORITHMS.index(algorithm), REDUCE_OPS.index(op.value) if op is not None else -1,
+        details.get("root", -1), tensor.dim(), *shape, *[-1] * (MAX_DIMS - len(shape)),
+    ]
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _describe(field: int, value: int) -> str:
+    names = {1: OPS, 2: DTYPES, 3: ALGORITHMS, 4: REDUCE_OPS}
+    if field in names and 0 <= value < len(names[field]):
+        return str(names[field][value])
+    return "none" if value == -1 else str(value)
+
+
+def check(g: Group, what: str, tensor: torch.Tensor, algorithm: str,
+          details: dict[str, Any]) -> None:
+    """Agree on the call across the group, or raise the same CollectiveMismatch everywhere."""
+    mine = _fingerprint(g, what, tensor, algorithm, details)
+    everyone = torch.empty(g.size * mine.numel(), dtype=torch.int64)
+    handle = g.native("all_gather", everyone, mine)
+    wait_or_diagnose(handle, g, f"{what} (debug check)", g.seq)
+    rows = everyone.view(g.size, -1)
+    for rank in range(1, g.size):
+        differs = (rows[rank] != rows[0]).nonzero()
+        if differs.numel():
+            field = int(differs[0])
+            raise CollectiveMismatch(
+                f"collective #{int(rows[0][0])} on group {g.name!r}: rank {g.global_rank(rank)} "
+                f"has {FIELDS[field]} {_describe(field, int(rows[rank][field]))} but rank "
+                f"{g.global_rank(0)} has {_describe(field, int(rows[0][field]))} "
+                f"(rank {g.global_rank(rank)} called {OPS[int(rows[rank][1])]}, rank "
+                f"{g.global_rank(0)} called {OPS[int(rows[0][1])]})"
+            )
+
+
+def _timed_out(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+
+
+def wait_or_diagnose(handle: Handle, g: Group, what: str, seq: int) -> None:
+    """Wait for `handle`; if it times out, raise CollectiveTimeout naming the missing ranks."""
+    try:
+        handle.wait()
+    except CollectiveTimeout:
+        raise
+    except (RuntimeError, TimeoutError) as exc:
+        if g is None or not _timed_out(exc):
+            raise
+        raise CollectiveTimeout(diagnose(g, what, seq)) from exc
+
+
+def diagnose(g: Group, what: str, seq: int, grace_s: float = 3.0) -> str:
+    """Publish where this rank is stuck, read where the others are, and say who is missing."""
+    prefix = f"at/{g.name}/"
+    try:
+        g.store_set(f"{prefix}{g.rank}", f"{seq} {what}")
+        deadline = time.monotonic() + grace_s
+        seen: dict[int, str | None] = {}
+        while time.monotonic() < deadline:
+            seen = {r: g.store_get(f"{prefix}{r}") for r in range(g.size)}
+            if all(v is not None for v in seen.values()):
+                break
+            time.sleep(0.1)
+    except RuntimeError as exc:  # the store itself is gone: the job is coming down
+        return (f"{what} #{seq} on group {g.name!r} timed out after "
+                f"{g.timeout.total_seconds():.0f}s (the job's store is unreachable: {exc})")
+    missing = []
+    for r, value in seen.items():
+        if value is None:
+            missing.append(f"rank {g.global_rank(r)} (no report: dead or still computing)")
+        elif int(value.split()[0]) < seq:
+            missing.append(f"rank {g.global_rank(r)} (stuck in #{value})")
+    who = ", ".join(missing) if missing else "none found (every rank reached it: slow network?)"
+    return (f"{what} #{seq} on group {g.name!r} timed out after "
+            f"{g.timeout.total_seconds():.0f}s; never arrived: {who}")

@@ -1,0 +1,246 @@
+"""Groups: the ranks a collective runs over, and the transport beneath them.
+
+A `Group` offers point-to-point messages (what dtrain's own algorithms are written with),
+the backend's native collectives, a key-value store, and a serial executor. Two kinds:
+
+- `TorchGroup` wraps a `torch.distributed` process group (gloo, NCCL): real processes.
+- `ThreadGroup` (dtrain.comm.threads) joins threads of one process through queues, so
+  code built on dtrain.comm can be tested in milliseconds (see `dtrain.testing`).
+
+Ordering. Collectives must be issued in the same order on every rank. Native collectives
+go to the backend at once, in program order. Algorithms made of point-to-point messages
+run on the group's executor, one at a time in submission order: inline when nothing is
+queued, otherwise after the queued work, so the messages of two collectives never mix.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from dtrain.comm.ops import ReduceOp
+
+
+class Handle(Protocol):
+    """What an async collective returns: `wait()` blocks until the result is in place."""
+
+    def wait(self) -> Any: ...
+
+
+class Done:
+    """A handle that is already complete."""
+
+    def wait(self) -> None:
+        return None
+
+
+class Future:
+    """A handle completed by the group's executor thread."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def set(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._event.set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+
+
+class SerialExecutor:
+    """Runs a group's point-to-point jobs one at a time, in the order they were submitted."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.Queue[tuple[Callable[[], None], Future] | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> Future:
+        """Queue `job`; the returned future completes (or raises) when it has run."""
+        future = Future()
+        with self._idle:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name=f"dtrain-comm-{self._name}")
+            self._thread.start()
+        self._jobs.put((job, future))
+        return future
+
+    def run(self, job: Callable[[], None]) -> None:
+        """Run `job` now in this thread, after everything already queued."""
+        self.drain()
+        job()
+
+    def drain(self) -> None:
+        """Block until all queued jobs have run."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, future = item
+            try:
+                job()
+                future.set()
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set(exc)
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+
+
+class Group:
+    """The interface dtrain's collectives need from a transport.
+
+    Attributes:
+        rank: this member's index in the group (0..size-1).
+        size: number of members.
+        name: identical on every member; keys caches and diagnostics.
+        backend: "gloo", "nccl" or "threads".
+        timeout: how long any single wait may block.
+    """
+
+    rank: int
+    size: int
+    name: str
+    backend: str
+    timeout: timedelta
+    executor: SerialExecutor
+    seq: int = 0  # collectives issued on this group so far (for diagnostics)
+    cost_models: dict  # op -> algorithm -> cost line (dtrain.comm.select)
+
+    def global_rank(self, group_rank: int) -> int:
+        raise NotImplementedError
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> Handle:
+        raise NotImplementedError
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> Handle:
+        raise NotImplementedError
+
+    def native(self, op: str, *args: Any, **kwargs: Any) -> Handle:
+        """Start the backend's own collective `op` (names as in dtrain.comm)."""
+        raise NotImplementedError
+
+    def store_set(self, key: str, value: str) -> None:
+        raise NotImplementedError
+
+    def store_get(self, key: str) -> str | None:
+        """The value of `key`, or None if nobody has set it."""
+        raise NotImplementedError
+
+
+class TorchGroup(Group):
+    """A `torch.distributed` process group seen through dtrain's Group interface."""
+
+    def __init__(self, pg: dist.ProcessGroup) -> None:
+        self.pg = pg
+        self.rank = dist.get_rank(pg)
+        self.size = dist.get_world_size(pg)
+        self.name = pg.group_name if hasattr(pg, "group_name") else str(id(pg))
+        self.backend = dist.get_backend(pg)
+        self.timeout = _pg_timeout(pg)
+        self.executor = SerialExecutor(self.name)
+        self.cost_models = {}
+        self._globals = [dist.get_global_rank(pg, r) for r in range(self.size)]
+        self._store: dist.Store | None = None
+
+    def global_rank(self, group_rank: int) -> int:
+        return self._globals[group_rank]
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> Handle:
+        return dist.isend(tensor, dst=self._globals[peer], group=self.pg)
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> Handle:
+        return dist.irecv(tensor, src=self._globals[peer], group=self.pg)
+
+    def native(self, op: str, *args: Any, **kwargs: Any) -> Handle:
+        return _TORCH_NATIVE[op](self, *args, **kwargs)
+
+    def _kv(self) -> dist.Store:
+        if self._store is None:
+            # The store every rank joined at init (TCPStore or the launcher's), under a prefix.
+            self._store = dist.PrefixStore("dtrain/comm/", dist.distributed_c10d._get_default_store())
+        return self._store
+
+    def store_set(self, key: str, value: str) -> None:
+        self._kv().set(key, value)
+
+    def store_get(self, key: str) -> str | None:
+        store = self._kv()
+        return store.get(key).decode() if store.check([key]) else None
+
+
+def _pg_timeout(pg: dist.ProcessGroup) -> timedelta:
+    try:
+        return dist.distributed_c10d._get_pg_default_timeout(pg)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return timedelta(seconds=180)
+
+
+def _all_reduce(g: TorchGroup, tensor: torch.Tensor, op: ReduceOp) -> Handle:
+    return dist.all_reduce(tensor, op=op.to_torch(), group=g.pg, async_op=True)
+
+
+def _all_gather(g: TorchGroup, out: torch.Tensor, tensor: torch.Tensor) -> Handle:
+    return dist.all_gather_into_tensor(out, tensor, group=g.pg, async_op=True)
+
+
+def _reduce_scatter(g: TorchGroup, out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp) -> Handle:
+    return dist.reduce_scatter_tensor(out, tensor, op=op.to_torch(), group=g.pg, async_op=True)
+
+
+def _broadcast(g: TorchGroup, tensor: torch.Tensor, root: int) -> Handle:
+    return dist.broadcast(tensor, src=g.global_rank(root), group=g.pg, async_op=True)
+
+
+def _reduce(g: TorchGroup, tensor: torch.Tensor, root: int, op: ReduceOp) -> Handle:
+    return dist.reduce(tensor, dst=g.global_rank(root), op=op.to_torch(), group=g.pg,
+                       async_op=True)
+
+
+def _scatter(g: TorchGroup, out: torch.Tensor, chunks: list[torch.Tensor] | None,
+             root: int) -> Handle:
+    return dist.scatter(out, chunks, src=g.global_rank(root), group=g.pg, async_op=True)
+
+
+def _gather(g: TorchGroup, tensor: torch.Tensor, chunks: list[torch.Tensor] | None,
+            root: int) -> Handle:
+    return dist.gather(tensor, chunks, dst=g.global_rank(root), group=g.pg, async_op=True)
+
+
+def _all_to_all(g: TorchGroup, out: torch.Tensor, tensor: torch.Tensor,
+                sizes: list[int]) -> Handle:
+    return dist.all_to_all_single(out, tensor, output_split_sizes=[sizes[g.rank]] * g.size,
+                                  input_split_sizes=sizes, group=g.pg, async_op=True)
+
+
+def _barrier(g: TorchGroup) -> Handle:
+    return dist.barrier(group=g.pg, async_op=True)
+
+
+_TORCH_NATIVE: dict[str, Callable[..., Handle]] = {
+    "all_reduce": _all_reduce, "all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
+    "broadcast": _broadcast, "reduce": _reduce, "scatter": _scatter, "gather": _gather,
+    "all_to_all": _all_to_all, "barrier": _barrier,
+}

@@ -1,0 +1,82 @@
+"""Reduction operators and the flat sharding every collective uses.
+
+A tensor is treated as its flattened elements. When its length does not divide by the
+group size, the first `numel % size` shards are one element longer (as in MPI's block
+distribution); `shard_sizes` and `shard_offsets` say exactly where each shard lies.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+
+
+class ReduceOp(enum.Enum):
+    """How values from different ranks combine."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
+
+    @classmethod
+    def parse(cls, op: ReduceOp | str) -> ReduceOp:
+        if isinstance(op, ReduceOp):
+            return op
+        try:
+            return cls(op.lower())
+        except (ValueError, AttributeError):
+            names = ", ".join(o.value for o in cls)
+            raise ValueError(f"unknown reduce op {op!r}: use one of {names}") from None
+
+    def to_torch(self) -> dist.ReduceOp:
+        """The torch op; AVG maps to SUM (dtrain divides itself, gloo has no AVG)."""
+        return {
+            ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM,
+            ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN,
+            ReduceOp.PROD: dist.ReduceOp.PRODUCT,
+        }[self]
+
+
+def combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
+    """acc <- acc (op) other, in place. AVG sums; `finish_` divides at the end."""
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        acc.add_(other)
+    elif op is ReduceOp.MAX:
+        torch.maximum(acc, other, out=acc)
+    elif op is ReduceOp.MIN:
+        torch.minimum(acc, other, out=acc)
+    else:
+        acc.mul_(other)
+
+
+def finish_(tensor: torch.Tensor, op: ReduceOp, size: int) -> None:
+    """Turn a sum into an average for AVG (integer tensors: truncating division)."""
+    if op is ReduceOp.AVG:
+        if tensor.is_floating_point():
+            tensor.div_(size)
+        else:
+            tensor.copy_(torch.div(tensor, size, rounding_mode="trunc"))
+
+
+def shard_sizes(numel: int, parts: int) -> list[int]:
+    """Lengths of `parts` contiguous shards of `numel` elements, the longer ones first."""
+    base, extra = divmod(numel, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def shard_offsets(numel: int, parts: int) -> list[int]:
+    """Start offset of each shard (plus the end, so shard i is [off[i], off[i+1]))."""
+    offsets = [0]
+    for n in shard_sizes(numel, parts):
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
+def shards(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """Views of `flat` as `parts` contiguous shards."""
+    off = shard_offsets(flat.numel(), parts)
+    return [flat[off[i] : off[i + 1]] for i in range(parts)]
