@@ -1,4 +1,5 @@
-"""The `dtrain` command: `dtrain run` starts ranks, `dtrain train` trains a model.
+"""The `dtrain` command: `dtrain run` starts ranks, `dtrain train` trains a model,
+`dtrain bench comm` measures the collectives.
 
 Errors a user can fix print as one line (`dtrain: error: ...`) with a non-zero exit code;
 tracebacks are for dtrain's own bugs.
@@ -58,6 +59,24 @@ def _parser() -> argparse.ArgumentParser:
                        metavar="KEY=VALUE", help="override a config key, e.g. train.steps=50")
     train.add_argument("--metrics", metavar="PATH", help="write per-step metrics as JSON lines")
     _add_launch_flags(train, default_nproc=None)
+
+    bench = sub.add_parser(
+        "bench", help="measure dtrain's parts (bench comm: the collectives)",
+        description="Benchmarks of dtrain's building blocks; each prints a table from rank 0.",
+    )
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    comm = benchmarks.add_parser(
+        "comm", help="time each collective per algorithm and message size, like nccl-tests",
+        description=(
+            "Time dtrain.comm's collectives for each algorithm and message size on N local "
+            "ranks (or as one rank under dtrain run / torchrun / srun). Rank 0 prints, per "
+            "operation, time, algorithm bandwidth (bytes / time) and bus bandwidth (algbw "
+            "scaled by the share of data each rank moves, as in nccl-tests)."
+        ),
+    )
+    from dtrain.tools.comm_bench import add_arguments
+
+    add_arguments(comm)
     return parser
 
 
@@ -86,6 +105,12 @@ def _train(args: argparse.Namespace) -> None:
     train_command(args)
 
 
+def _bench(args: argparse.Namespace) -> None:
+    from dtrain.tools.comm_bench import bench_command
+
+    bench_command(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dtrain` console script; returns the process exit code."""
     args = _parser().parse_args(argv)
@@ -94,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["DTRAIN_USER_CPP_LOG_LEVEL"] = os.environ.get("TORCH_CPP_LOG_LEVEL", "WARNING")
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     try:
-        {"run": _run, "train": _train}[args.command](args)
+        {"run": _run, "train": _train, "bench": _bench}[args.command](args)
     except DtrainError as exc:
         print(f"dtrain: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -68,6 +68,13 @@ class World:
 
 
 _WORLD: World | None = None
+_AT_SHUTDOWN: list = []  # callbacks of layers above that keep per-world state
+
+
+def at_shutdown(callback) -> None:
+    """Call `callback()` when the world shuts down (for state tied to its process groups)."""
+    if callback not in _AT_SHUTDOWN:
+        _AT_SHUTDOWN.append(callback)
 
 
 def _int(env: Mapping[str, str], key: str) -> int:
@@ -249,6 +256,8 @@ def _shutdown_at_exit() -> None:
 def shutdown() -> None:
     """Leave the process group and forget the world; safe to call more than once."""
     global _WORLD
+    for callback in _AT_SHUTDOWN:
+        callback()
     if dist.is_initialized():
         dist.destroy_process_group()
     _WORLD = None

@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
-from dtrain.comm import debug, select
-from dtrain.comm.group import Done, Group, Handle
+from dtrain.comm import debug, halving_doubling, ring, select, tree
+from dtrain.comm.group import Done, Group, Handle, Then
 from dtrain.comm.groups import resolve
-from dtrain.comm import halving_doubling, ring, tree
 from dtrain.comm.ops import ReduceOp, finish_, shard_sizes, shards
 
 GroupLike = Any  # dist.ProcessGroup | Group | None
@@ -51,21 +50,32 @@ class Result:
         return self._finish()
 
 
+class _Inline:
+    """A synchronous point-to-point algorithm: runs (after queued work) when waited on."""
+
+    def __init__(self, g: Group, job: Callable[[], None]) -> None:
+        self._g, self._job = g, job
+
+    def wait(self) -> None:
+        self._g.executor.run(self._job)
+
+
 def _run(what: str, g: Group, tensor: torch.Tensor, algorithm: str, async_op: bool,
          native: Callable[[], Handle], algorithms: dict[str, Callable[[], None]],
          finish: Callable[[], Any], **details: Any) -> Any:
     """Choose the algorithm, check consistency, run it on the right thread, and wait."""
-    name = select.choose(what, tensor, g, algorithm, AVAILABLE[what])
     g.seq += 1
-    if debug.enabled():
-        debug.check(g, what, tensor, name, details)
+    if debug.enabled():  # before choosing: auto's first choice measures, itself collectively
+        debug.check(g, what, tensor, algorithm, details)
+    name = select.choose(what, tensor, g, algorithm, AVAILABLE[what])
+    if tensor.numel() == 0 and what != "barrier":  # same length on every rank: nothing to send
+        return _trivial(finish(), async_op)
     if name == "native":
         handle = native()
     elif async_op:
         handle = g.executor.submit(algorithms[name])
     else:
-        g.executor.run(algorithms[name])
-        handle = Done()
+        handle = _Inline(g, algorithms[name])
     result = Result(handle, g, what, g.seq, finish)
     return result if async_op else result.wait()
 
@@ -92,11 +102,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: GroupLik
     flat = _flat(tensor)
 
     def native() -> Handle:
-        handle = g.native("all_reduce", tensor, op)
-        if op is ReduceOp.AVG:
-            handle.wait()
-            finish_(tensor, op, g.size)
-        return handle
+        return Then(g.native("all_reduce", tensor, op), lambda: finish_(tensor, op, g.size))
 
     algorithms = {
         "ring": lambda: ring.all_reduce(g, flat, op),
@@ -130,10 +136,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOp | str = "sum",
 
     def native() -> Handle:
         handle = g.native("reduce", work, dst, op)
-        if op is ReduceOp.AVG and g.rank == dst:
-            handle.wait()
-            finish_(tensor, op, g.size)
-        return handle
+        return Then(handle, lambda: finish_(tensor, op, g.size)) if g.rank == dst else handle
 
     return _run("reduce", g, tensor, algorithm, async_op, native,
                 {"tree": lambda: tree.reduce(g, work.view(-1), dst, op)}, lambda: tensor,
@@ -176,11 +179,8 @@ def reduce_scatter(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: Grou
         padded = torch.zeros(width * g.size, dtype=tensor.dtype, device=tensor.device)
         for r, piece in enumerate(shards(flat, g.size)):
             padded[r * width : r * width + piece.numel()] = piece
-        handle = g.native("reduce_scatter", out, padded, op)
-        if op is ReduceOp.AVG:
-            handle.wait()
-            finish_(out, op, g.size)
-        return handle
+        return Then(g.native("reduce_scatter", out, padded, op),
+                    lambda: finish_(out, op, g.size))
 
     def by_ring() -> None:
         out[: sizes[g.rank]].copy_(ring.reduce_scatter(g, work, op))

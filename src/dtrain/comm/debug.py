@@ -24,7 +24,7 @@ from dtrain.comm.threads import CollectiveTimeout
 
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "scatter",
        "gather", "all_to_all", "barrier")
-ALGORITHMS = ("native", "ring", "tree", "halving_doubling")
+ALGORITHMS = ("auto", "native", "ring", "tree", "halving_doubling")
 REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool)
@@ -45,10 +45,13 @@ def _fingerprint(g: Group, what: str, tensor: torch.Tensor, algorithm: str,
                  details: dict[str, Any]) -> torch.Tensor:
     op = details.get("op")
     shape = list(tensor.shape)[:MAX_DIMS]
+    def code(value: Any, table: tuple) -> int:
+        return table.index(value) if value in table else -1
+
     values = [
-        g.seq, OPS.index(what), DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else -1,
-        ALGORITHMS.index(algorithm), REDUCE_OPS.index(op.value) if op is not None else -1,
-        details.get("root", -1), tensor.dim(), *shape, *[-1] * (MAX_DIMS - len(shape)),
+        g.seq, code(what, OPS), code(tensor.dtype, DTYPES), code(algorithm, ALGORITHMS),
+        code(op.value if op is not None else None, REDUCE_OPS), details.get("root", -1),
+        tensor.dim(), *shape, *[-1] * (MAX_DIMS - len(shape)),
     ]
     return torch.tensor(values, dtype=torch.int64)
 

@@ -40,6 +40,19 @@ class Done:
         return None
 
 
+class Then:
+    """A handle that runs `after` once, when `handle` has completed (e.g. AVG's division)."""
+
+    def __init__(self, handle: Handle, after: Callable[[], None]) -> None:
+        self._handle, self._after = handle, after
+
+    def wait(self) -> None:
+        if self._after is not None:
+            self._handle.wait()
+            after, self._after = self._after, None
+            after()
+
+
 class Future:
     """A handle completed by the group's executor thread."""
 
@@ -180,7 +193,8 @@ class TorchGroup(Group):
     def _kv(self) -> dist.Store:
         if self._store is None:
             # The store every rank joined at init (TCPStore or the launcher's), under a prefix.
-            self._store = dist.PrefixStore("dtrain/comm/", dist.distributed_c10d._get_default_store())
+            default = dist.distributed_c10d._get_default_store()
+            self._store = dist.PrefixStore("dtrain/comm/", default)
         return self._store
 
     def store_set(self, key: str, value: str) -> None:
@@ -202,12 +216,17 @@ def _all_reduce(g: TorchGroup, tensor: torch.Tensor, op: ReduceOp) -> Handle:
     return dist.all_reduce(tensor, op=op.to_torch(), group=g.pg, async_op=True)
 
 
+# torch 2.13 renamed these (the old names warn); torch 2.4 has only the old ones.
+_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 def _all_gather(g: TorchGroup, out: torch.Tensor, tensor: torch.Tensor) -> Handle:
-    return dist.all_gather_into_tensor(out, tensor, group=g.pg, async_op=True)
+    return _gather_single(out, tensor, group=g.pg, async_op=True)
 
 
 def _reduce_scatter(g: TorchGroup, out: torch.Tensor, tensor: torch.Tensor, op: ReduceOp) -> Handle:
-    return dist.reduce_scatter_tensor(out, tensor, op=op.to_torch(), group=g.pg, async_op=True)
+    return _scatter_single(out, tensor, op=op.to_torch(), group=g.pg, async_op=True)
 
 
 def _broadcast(g: TorchGroup, tensor: torch.Tensor, root: int) -> Handle:

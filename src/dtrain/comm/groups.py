@@ -41,10 +41,13 @@ def resolve(group: Any) -> Group:
         world_mod.current()
         group = dist.group.WORLD
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch ProcessGroup, a dtrain Group or None, not {group!r}")
+        raise TypeError(
+            f"group must be a torch ProcessGroup, a dtrain Group or None, not {group!r}"
+        )
     wrapped = _wrapped.get(id(group))
     if wrapped is None or wrapped.pg is not group:
         wrapped = _wrapped[id(group)] = TorchGroup(group)
+        world_mod.at_shutdown(forget_all)
     return wrapped
 
 

@@ -24,10 +24,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from dtrain import world as world_mod
+from dtrain import comm
 from dtrain.errors import DtrainError
 from dtrain.parallel.buckets import Bucket, build_buckets
 
@@ -44,19 +43,17 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     return _DTYPES[value]
 
 
-def _check_same_model(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+def _check_same_model(params: list[nn.Parameter], group: comm.Group) -> None:
     """Fail with the first disagreeing rank if replicas differ in parameter count or shapes."""
     shapes = ";".join(f"{tuple(p.shape)}{p.dtype}" for p in params)
     signature = torch.tensor(
         [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode())],
         dtype=torch.int64,
     )
-    everyone = [torch.empty_like(signature) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, signature, group=group)
+    everyone = comm.all_gather(signature.view(1, -1), group=group)
     for group_rank, other in enumerate(everyone):
         if not torch.equal(other, everyone[0]):
-            rank = dist.get_global_rank(group, group_rank)
-            first = dist.get_global_rank(group, 0)
+            rank, first = group.global_rank(group_rank), group.global_rank(0)
             raise DtrainError(
                 f"DataParallel: rank {rank} has a different model than rank {first} "
                 f"({other[0]} parameters / {other[1]} elements vs {everyone[0][0]} / "
@@ -70,11 +67,12 @@ class DataParallel(nn.Module):
     Args:
         module: the model; its parameters and buffers are broadcast from the group's first
             rank at wrap time so all replicas start identical.
-        group: the data-parallel process group (e.g. `mesh.group("dp")`); default the world.
+        group: the data-parallel group (e.g. `mesh.group("dp")`); default the world.
         bucket_mb: cap on a gradient bucket's size in MB; smaller buckets start
             communicating earlier, larger ones pay less per-message latency.
         grad_dtype: communicate gradients in this dtype ("bf16", "fp16" or a torch dtype)
             to halve the bytes sent; gradients are cast back to the parameter dtype.
+        algorithm: the allreduce algorithm for gradient buckets (see `dtrain.comm`).
 
     Parameters that receive no gradient in a step (unused branches) are fine: their slots
     are sent as zeros, and a parameter no rank used keeps `grad = None`, as in one process.
@@ -86,17 +84,18 @@ class DataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        group: dist.ProcessGroup | None = None,
+        group: Any = None,
         bucket_mb: float = 25.0,
         grad_dtype: torch.dtype | str | None = None,
+        algorithm: str = "auto",
     ) -> None:
         super().__init__()
         if bucket_mb <= 0:
             raise DtrainError(f"bucket_mb={bucket_mb} must be positive")
         self.module = module
-        world_mod.current()
-        self.group = group if group is not None else dist.group.WORLD
-        self.size = dist.get_world_size(self.group)
+        self.group = comm.resolve(group)
+        self.size = self.group.size
+        self.algorithm = algorithm
         self.grad_dtype = parse_dtype(grad_dtype)
         self._sync = True
         self._finalize_queued = False
@@ -119,9 +118,8 @@ class DataParallel(nn.Module):
     # ----------------------------------------------------------------- set-up
     @torch.no_grad()
     def _broadcast_state(self) -> None:
-        src = dist.get_global_rank(self.group, 0)
         for tensor in [*self.module.parameters(), *self.module.buffers()]:
-            dist.broadcast(tensor.data, src=src, group=self.group)
+            comm.broadcast(tensor.data, src=0, group=self.group)
 
     # ----------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -181,7 +179,8 @@ class DataParallel(nn.Module):
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        self._works.append(dist.all_reduce(bucket.buffer, group=self.group, async_op=True))
+        self._works.append(comm.all_reduce(bucket.buffer, group=self.group, async_op=True,
+                                           algorithm=self.algorithm))
         self._next_launch += 1
 
     @torch.no_grad()

@@ -1,0 +1,120 @@
+"""The collective test matrix, shared by the thread and the process backends.
+
+`exercise(rank, size, cases)` runs every case on one rank and returns its results;
+`check(results, size, cases)` compares them with a reference computed locally from the
+same deterministic inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from dtrain import comm
+from dtrain.comm.ops import ReduceOp, combine_, finish_, shards
+
+FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+INTS = (torch.int32, torch.int64)
+REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
+
+
+def make_input(rank: int, length: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    if dtype.is_floating_point:
+        return torch.randn(length, generator=g).to(dtype)
+    return torch.randint(-3, 4, (length,), generator=g).to(dtype)
+
+
+def cases(dtypes, lengths, big_dtypes=(torch.float32,)) -> list[tuple]:
+    """(op, algorithm, dtype, length, reduce op, root) for every combination worth running."""
+    out = []
+    for (op, algorithms), dtype, length in itertools.product(
+        comm.AVAILABLE.items(), dtypes, lengths
+    ):
+        if op == "barrier" or (length > 1000 and dtype not in big_dtypes):
+            continue
+        reduce_ops = REDUCE_OPS if op in ("all_reduce", "reduce", "reduce_scatter") else ("-",)
+        if length > 1000:
+            reduce_ops = reduce_ops[:1]
+        for algorithm, reduce_op in itertools.product((*algorithms, "auto"), reduce_ops):
+            if reduce_op == "prod" and dtype in (torch.bfloat16, torch.float16):
+                continue  # a product of several values rounds too far apart between orders
+            out.append((op, algorithm, dtype, length, reduce_op, 1 if op != "all_reduce" else 0))
+    return out
+
+
+def exercise(rank: int, size: int, todo: list[tuple], group=None) -> list:
+    results = []
+    for salt, (op, algorithm, dtype, length, reduce_op, root) in enumerate(todo):
+        root %= size
+        x = make_input(rank, length, dtype, salt)
+        kw = {"group": group, "algorithm": algorithm}
+        if op == "all_reduce":
+            results.append(comm.all_reduce(x, op=reduce_op, **kw))
+        elif op == "reduce":
+            results.append(comm.reduce(x, dst=root, op=reduce_op, **kw))
+        elif op == "reduce_scatter":
+            results.append(comm.reduce_scatter(x, op=reduce_op, **kw))
+        elif op == "broadcast":
+            results.append(comm.broadcast(x, src=root, **kw))
+        elif op == "scatter":
+            results.append(comm.scatter(x, src=root, **kw))
+        elif op in ("all_gather", "gather", "all_to_all"):
+            extra = {"dst": root} if op == "gather" else {}
+            results.append(getattr(comm, op)(x, **extra, **kw))
+    comm.barrier(group=group)
+    return results
+
+
+def _reduce(inputs: list[torch.Tensor], reduce_op: str) -> torch.Tensor:
+    op = ReduceOp.parse(reduce_op)
+    total = inputs[0].clone()
+    for other in inputs[1:]:
+        combine_(total, other, op)
+    finish_(total, op, len(inputs))
+    return total
+
+
+def _tolerance(dtype: torch.dtype, size: int) -> dict:
+    if dtype in (torch.bfloat16, torch.float16):
+        return {"atol": 0.05 * size, "rtol": 0.05}
+    return {}
+
+
+def expected(rank: int, size: int, case: tuple, salt: int) -> torch.Tensor | None:
+    op, _algorithm, dtype, length, reduce_op, root = case
+    root %= size
+    inputs = [make_input(r, length, dtype, salt) for r in range(size)]
+    if op == "all_reduce":
+        return _reduce(inputs, reduce_op)
+    if op == "reduce":
+        return _reduce(inputs, reduce_op) if rank == root else inputs[rank]
+    if op == "reduce_scatter":
+        return shards(_reduce(inputs, reduce_op), size)[rank]
+    if op == "broadcast":
+        return inputs[root]
+    if op == "scatter":
+        return shards(inputs[root], size)[rank]
+    if op == "all_gather":
+        return torch.cat(inputs)
+    if op == "gather":
+        return torch.cat(inputs) if rank == root else None
+    return torch.cat([shards(x, size)[rank] for x in inputs])  # all_to_all
+
+
+def check(results: list[list], size: int, todo: list[tuple]) -> None:
+    for salt, case in enumerate(todo):
+        for rank in range(size):
+            got, want = results[rank][salt], expected(rank, size, case, salt)
+            label = f"{case} on rank {rank} of {size}"
+            if want is None:
+                assert got is None, label
+                continue
+            if want.dtype.is_floating_point:
+                torch.testing.assert_close(got, want, msg=label, **_tolerance(want.dtype, size))
+            else:
+                assert torch.equal(got, want), label
+        if case[0] == "all_reduce":  # every rank holds bitwise the same result
+            for rank in range(1, size):
+                assert torch.equal(results[rank][salt], results[0][salt]), case
