@@ -247,7 +247,8 @@ def barrier(group: GroupLike = None, async_op: bool = False) -> Any:
     g = resolve(group)
     if g.size == 1:
         return _trivial(None, async_op)
-    token = torch.zeros(1)
+    # Only its metadata is used (the debug fingerprint), on the device NCCL can send.
+    token = torch.zeros(1, device="cuda" if g.backend == "nccl" else "cpu")
     return _run("barrier", g, token, "auto", async_op, lambda: g.native("barrier"), {},
                 lambda: None)
 

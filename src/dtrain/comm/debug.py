@@ -53,7 +53,7 @@ def _fingerprint(g: Group, what: str, tensor: torch.Tensor, algorithm: str,
         code(op.value if op is not None else None, REDUCE_OPS), details.get("root", -1),
         tensor.dim(), *shape, *[-1] * (MAX_DIMS - len(shape)),
     ]
-    return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.int64, device=tensor.device)
 
 
 def _describe(field: int, value: int) -> str:
@@ -67,10 +67,10 @@ def check(g: Group, what: str, tensor: torch.Tensor, algorithm: str,
           details: dict[str, Any]) -> None:
     """Agree on the call across the group, or raise the same CollectiveMismatch everywhere."""
     mine = _fingerprint(g, what, tensor, algorithm, details)
-    everyone = torch.empty(g.size * mine.numel(), dtype=torch.int64)
+    everyone = torch.empty(g.size * mine.numel(), dtype=torch.int64, device=mine.device)
     handle = g.native("all_gather", everyone, mine)
     wait_or_diagnose(handle, g, f"{what} (debug check)", g.seq)
-    rows = everyone.view(g.size, -1)
+    rows = everyone.view(g.size, -1).cpu()
     for rank in range(1, g.size):
         differs = (rows[rank] != rows[0]).nonzero()
         if differs.numel():

@@ -83,20 +83,23 @@ def save_models(models: dict[str, dict[str, Line]]) -> Path:
     return path
 
 
-def measure(g: Group, op: str, candidates: tuple[str, ...]) -> dict[str, Line]:
+def measure(g: Group, op: str, candidates: tuple[str, ...],
+            device: torch.device | str = "cpu") -> dict[str, Line]:
     """Time every candidate of `op` on `g` (a collective call: all ranks must make it)."""
     from dtrain.comm import collectives  # the calls being measured
 
-    timings = torch.zeros(len(candidates), len(PROBE_BYTES), dtype=torch.float64)
+    timings = torch.zeros(len(candidates), len(PROBE_BYTES), dtype=torch.float64, device=device)
     for j, nbytes in enumerate(PROBE_BYTES):
-        tensor = torch.ones(max(g.size, nbytes // 4), dtype=torch.float32)
+        tensor = torch.ones(max(g.size, nbytes // 4), dtype=torch.float32, device=device)
         for i, name in enumerate(candidates):
             call = _probe(collectives, op, tensor, g, name)
             call()  # warm-up
             collectives.barrier(group=g)
+            _sync(device)
             start = time.perf_counter()
             for _ in range(REPEATS):
                 call()
+            _sync(device)
             timings[i, j] = (time.perf_counter() - start) / REPEATS
     collectives.broadcast(timings, src=0, group=g, algorithm="native")
     small, big = (max(g.size, n // 4) * 4 for n in PROBE_BYTES)
@@ -108,19 +111,25 @@ def measure(g: Group, op: str, candidates: tuple[str, ...]) -> dict[str, Line]:
     return lines
 
 
+def _sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _probe(collectives, op: str, tensor: torch.Tensor, g: Group, name: str):
     if op in ("broadcast", "reduce"):
         return lambda: getattr(collectives, op)(tensor, 0, group=g, algorithm=name)
     return lambda: getattr(collectives, op)(tensor, group=g, algorithm=name)
 
 
-def models(g: Group, op: str, candidates: tuple[str, ...]) -> dict[str, Line]:
+def models(g: Group, op: str, candidates: tuple[str, ...],
+           device: torch.device | str = "cpu") -> dict[str, Line]:
     """The cost lines of `op` on `g`, from the group, the calibration file, or measurement."""
     cache = g.cost_models
     if op not in cache:
         lines = _load_cached(cache_key(g, op))
         if lines is None or set(lines) != set(candidates):
-            lines = measure(g, op, candidates)
+            lines = measure(g, op, candidates, device)
         cache[op] = lines
     return cache[op]
 
@@ -140,12 +149,12 @@ def choose(op: str, tensor: torch.Tensor, g: Group, algorithm: str,
         return algorithm
     if len(available) == 1:
         return available[0]
-    lines = models(g, op, available)
+    lines = models(g, op, available, tensor.device)
     nbytes = tensor.numel() * tensor.element_size()
     return min(available, key=lambda name: lines[name].predict(nbytes))
 
 
-def explain(op: str, nbytes: int, group=None) -> Choice:
+def explain(op: str, nbytes: int, group=None, device: torch.device | str = "cpu") -> Choice:
     """Which algorithm `algorithm="auto"` would use for `op` on `nbytes`, and why.
 
     A collective call the first time (it may measure): call it on every rank.
@@ -157,7 +166,7 @@ def explain(op: str, nbytes: int, group=None) -> Choice:
     available = AVAILABLE[op]
     if len(available) == 1:
         return Choice(op, nbytes, available[0], {}, f"{op} has only the native algorithm")
-    lines = models(g, op, available)
+    lines = models(g, op, available, device)
     predicted = {name: lines[name].predict(nbytes) * 1e6 for name in available}
     best = min(predicted, key=predicted.__getitem__)
     runner_up = sorted(predicted.values())[1]
