@@ -43,7 +43,7 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 DEFAULT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "auto")
 BACKENDS = ("gloo", "nccl")
-SECONDS_PER_POINT = 0.25  # timed calls per row: about this long, at most --iters
+SECONDS_PER_POINT = 0.5  # timed calls per row: about this long, at most --iters
 WARMUP_SECONDS = 0.1  # warm-up calls after the first: about this long, at most --warmup - 1
 ROUNDS = 10  # the timed calls of the algorithms at one size take turns in this many rounds
 ELEMENT_BYTES = 4  # float32
@@ -218,8 +218,11 @@ def options(args: argparse.Namespace) -> Options:
     if args.segment_bytes is not None:
         segment = parse_size(args.segment_bytes, "--segment-bytes")
     if not any(algs for _, algs in plan(ops, algorithms)):
-        raise ConfigError(f"nothing to measure: {', '.join(ops)} have none of the algorithms "
-                          f"{', '.join(algorithms)}")
+        from dtrain.comm import AVAILABLE
+
+        have = "; ".join(f"{op}: {', '.join(AVAILABLE[op])}, auto" for op in ops)
+        raise ConfigError(f"nothing to measure: --algorithms {','.join(algorithms)} fits none "
+                          f"of --ops {','.join(ops)} ({have})")
     json_path = str(Path(args.json).absolute()) if args.json else None
     return Options(args.nproc, ops, algorithms, backends, min_bytes, max_bytes, args.factor,
                    args.iters, args.warmup, json_path, args.calibrate, segment)
@@ -298,7 +301,7 @@ def bench(opts: Options) -> list[Record]:
         show(f"# time: the slowest rank's mean over up to {opts.iters} calls after up to "
              f"{opts.warmup} warm-up calls (fewer for big messages), algorithms taking turns")
         if opts.calibrate:
-            show(f"# calibration saved to {calibrate(group)}")
+            show(f"# calibration saved to {calibrate(group, device)}")
         for op, algorithms in plan(opts.ops, opts.algorithms):
             if algorithms:
                 records += _bench_op(op, algorithms, group, backend, device, opts, show)
@@ -308,7 +311,7 @@ def bench(opts: Options) -> list[Record]:
     return records
 
 
-def calibrate(group: Group) -> Path | None:
+def calibrate(group: Group, device: torch.device) -> Path | None:
     """Measure the cost models of every operation with a choice of algorithm and use them
     in this run; rank 0 saves them and returns where (the other ranks return None)."""
     from dtrain.comm import AVAILABLE, select
@@ -316,7 +319,7 @@ def calibrate(group: Group) -> Path | None:
     models = {}
     for op, candidates in AVAILABLE.items():
         if len(candidates) > 1:
-            lines = select.measure(group, op, candidates)  # rank 0's timings, on every rank
+            lines = select.measure(group, op, candidates, device)  # rank 0's, on every rank
             group.cost_models[op] = lines  # so auto needs no file, which rank 0 is writing
             models[select.cache_key(group, op)] = lines
     return select.save_models(models) if group.rank == 0 else None
@@ -346,7 +349,8 @@ def _bench_op(op: str, algorithms: list[str], group: Group, backend: str,
         tensor = torch.zeros(count // n if op == "all_gather" else count, device=device)
         labels = dict(zip(algorithms, algorithms, strict=True))
         if "auto" in labels:  # may measure the cost models: before any clock starts
-            choice = comm.explain(op, tensor.numel() * ELEMENT_BYTES, group).algorithm
+            nbytes_in = tensor.numel() * ELEMENT_BYTES
+            choice = comm.explain(op, nbytes_in, group, device).algorithm
             labels["auto"] = f"auto ({choice})"
         calls = {a: _call(op, tensor, group, a) for a in algorithms}
         times = time_calls(calls, group, device, opts.iters, opts.warmup)

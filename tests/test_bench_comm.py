@@ -1,0 +1,85 @@
+"""`dtrain bench comm`: every algorithm measured, nccl-tests' bandwidths, clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dtrain.comm import AVAILABLE
+from dtrain.errors import ConfigError
+from dtrain.tools.comm_bench import element_count, message_sizes, parse_size
+from tests.cli import dtrain, one_error_line
+
+KEYS = {"op", "backend", "algorithm", "world_size", "bytes", "time_us", "algbw_gbps",
+        "busbw_gbps"}
+BUS_FACTOR_2_RANKS = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5,
+                      "broadcast": 1.0}
+QUICK = ("--iters", "2", "--warmup", "1")
+
+
+def test_json_has_every_algorithm_with_nccl_tests_bandwidths(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = dtrain("bench", "comm", "-n", "2", "--max-bytes", "64K", *QUICK, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "busbw(GB/s)" in result.stdout
+    records = json.loads(out.read_text())
+    assert records and all(set(r) == KEYS for r in records)
+    sizes = message_sizes(4, 64 << 10, 4)
+    for op, factor in BUS_FACTOR_2_RANKS.items():
+        mine = [r for r in records if r["op"] == op]
+        assert {r["algorithm"] for r in mine} == {*AVAILABLE[op], "auto"}
+        for algorithm in {*AVAILABLE[op], "auto"}:
+            measured = sorted(r["bytes"] for r in mine if r["algorithm"] == algorithm)
+            assert measured == [element_count(op, s, 2) * 4 for s in sizes]
+        for r in mine:
+            assert (r["backend"], r["world_size"]) == ("gloo", 2)
+            assert r["time_us"] > 0
+            assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_us"] / 1e3)
+            assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor)
+
+
+@pytest.mark.parametrize(("flag", "value", "named"), [
+    ("--ops", "all_reduce,allreduce", "'allreduce'"),
+    ("--algorithms", "fastest", "'fastest'"),
+    ("--max-bytes", "12X", "'12X'"),
+    ("--backend", "shm", "'shm'"),
+])
+def test_bad_option_is_one_error_line(flag: str, value: str, named: str) -> None:
+    result = dtrain("bench", "comm", flag, value)
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert flag in line and named in line
+
+
+def test_sizes_parse_in_powers_of_1024() -> None:
+    assert parse_size("4") == 4
+    assert parse_size("4K") == 4096
+    assert parse_size("64k") == 64 << 10
+    assert parse_size("16M") == 16 << 20
+    assert parse_size("256MiB") == 256 << 20
+    assert parse_size("1G") == 1 << 30
+    assert parse_size("8B") == 8
+    for bad in ("", "0", "-4", "4X", "1.5M", "M"):
+        with pytest.raises(ConfigError, match="not a size"):
+            parse_size(bad)
+    assert message_sizes(4, 256, 4) == [4, 16, 64, 256]
+    assert element_count("all_gather", 4, 2) == 2  # one float32 for each rank
+
+
+def test_calibrate_under_dtrain_run_saves_the_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calibration = tmp_path / "calibration.json"
+    monkeypatch.setenv("DTRAIN_CALIBRATION", str(calibration))
+    result = dtrain("run", "-n", "2", "-m", "dtrain.cli", "bench", "comm", "--calibrate",
+                    "--ops", "all_reduce", "--max-bytes", "1K", *QUICK)
+    assert result.returncode == 0, result.stderr
+    assert str(calibration) in result.stdout
+    saved = json.loads(calibration.read_text())
+    for op, algorithms in AVAILABLE.items():
+        if len(algorithms) > 1:
+            lines = saved[f"gloo/size2/{op}"]
+            assert set(lines) == set(algorithms)
+            assert all(len(line) == 2 for line in lines.values())
