@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from dtrain.comm import AVAILABLE
+from dtrain.comm.select import PROBE_BYTES
 from dtrain.errors import ConfigError
 from dtrain.tools.comm_bench import element_count, message_sizes, parse_size
 from tests.cli import dtrain, one_error_line
 
 KEYS = {"op", "backend", "algorithm", "world_size", "bytes", "time_us", "algbw_gbps",
-        "busbw_gbps"}
+        "busbw_gbps", "chosen"}
 BUS_FACTOR_2_RANKS = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5,
                       "broadcast": 1.0}
 QUICK = ("--iters", "2", "--warmup", "1")
@@ -38,6 +39,10 @@ def test_json_has_every_algorithm_with_nccl_tests_bandwidths(tmp_path: Path) -> 
             assert r["time_us"] > 0
             assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_us"] / 1e3)
             assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor)
+            if r["algorithm"] == "auto":
+                assert r["chosen"] in AVAILABLE[op]
+            else:
+                assert r["chosen"] == ""
 
 
 @pytest.mark.parametrize(("flag", "value", "named"), [
@@ -80,6 +85,8 @@ def test_calibrate_under_dtrain_run_saves_the_models(
     saved = json.loads(calibration.read_text())
     for op, algorithms in AVAILABLE.items():
         if len(algorithms) > 1:
-            lines = saved[f"gloo/size2/{op}"]
-            assert set(lines) == set(algorithms)
-            assert all(len(line) == 2 for line in lines.values())
+            curves = saved[f"gloo/size2/{op}"]
+            assert set(curves) == set(algorithms)
+            for points in curves.values():  # [bytes, seconds] at each probe size
+                assert [b for b, _ in points] == list(PROBE_BYTES)
+                assert all(seconds > 0 for _, seconds in points)

@@ -13,7 +13,7 @@ from dtrain import comm
 from tests.comm_cases import cases, check, exercise
 from tests.distributed import run_ranks
 
-DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.int64)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 LENGTHS = (0, 1, 7, 1_000_003)
 
 

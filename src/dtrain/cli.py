@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from dtrain.errors import ConfigError, DtrainError
+from dtrain.errors import ConfigError, exit_code_of
 
 
 def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> None:
@@ -119,14 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["DTRAIN_USER_CPP_LOG_LEVEL"] = os.environ.get("TORCH_CPP_LOG_LEVEL", "WARNING")
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     try:
-        {"run": _run, "train": _train, "bench": _bench}[args.command](args)
-    except DtrainError as exc:
-        print(f"dtrain: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        command = {"run": _run, "train": _train, "bench": _bench}[args.command]
+        return exit_code_of(lambda: command(args))
     except KeyboardInterrupt:
         print("dtrain: interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

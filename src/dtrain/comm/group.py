@@ -15,6 +15,7 @@ queued, otherwise after the queued work, so the messages of two collectives neve
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from collections.abc import Callable
@@ -89,6 +90,7 @@ class SerialExecutor:
             self._thread = threading.Thread(target=self._loop, daemon=True,
                                             name=f"dtrain-comm-{self._name}")
             self._thread.start()
+            atexit.register(self.close)  # also when the world was not started by dtrain
         self._jobs.put((job, future))
         return future
 
@@ -118,8 +120,16 @@ class SerialExecutor:
                 self._idle.notify_all()
 
     def close(self) -> None:
+        """Finish queued jobs and stop the thread.
+
+        Joined, not just signalled: a thread still alive when the interpreter finalizes is
+        killed mid-call, which aborts the process ("terminate called without an active
+        exception") instead of letting it exit with its own status.
+        """
         if self._thread is not None:
             self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
 
 
 class Group:
@@ -138,9 +148,26 @@ class Group:
     name: str
     backend: str
     timeout: timedelta
-    executor: SerialExecutor
-    seq: int = 0  # collectives issued on this group so far (for diagnostics)
-    cost_models: dict  # op -> algorithm -> cost line (dtrain.comm.select)
+
+    def __init__(self, executor_name: str) -> None:
+        self.executor = SerialExecutor(executor_name)
+        self.seq = 0  # collectives issued on this group so far (for diagnostics)
+        self.cost_models: dict = {}  # op -> algorithm -> cost curve (dtrain.comm.select)
+        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A work buffer shaped like flat `like`, reused between calls.
+
+        Fresh memory of many MB is page-faulted in on first touch at every call; one buffer
+        per group, grown to the largest message, avoids that. Only the executor (one job at
+        a time) uses it.
+        """
+        key = (like.dtype, like.device)
+        buffer = self._scratch.get(key)
+        if buffer is None or buffer.numel() < like.numel():
+            buffer = self._scratch[key] = torch.empty(like.numel(), dtype=like.dtype,
+                                                      device=like.device)
+        return buffer[: like.numel()]
 
     def global_rank(self, group_rank: int) -> int:
         raise NotImplementedError
@@ -173,8 +200,7 @@ class TorchGroup(Group):
         self.name = pg.group_name if hasattr(pg, "group_name") else str(id(pg))
         self.backend = dist.get_backend(pg)
         self.timeout = _pg_timeout(pg)
-        self.executor = SerialExecutor(self.name)
-        self.cost_models = {}
+        super().__init__(self.name)
         self._globals = [dist.get_global_rank(pg, r) for r in range(self.size)]
         self._store: dist.Store | None = None
 

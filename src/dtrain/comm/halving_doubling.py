@@ -40,7 +40,7 @@ def all_reduce(g: Group, flat: torch.Tensor, op: ReduceOp) -> None:
             g.isend(flat, rank + 1).wait()
             g.irecv(flat, rank + 1).wait()
             return
-        scratch = torch.empty_like(flat)
+        scratch = g.scratch(flat)
         g.irecv(scratch, rank - 1).wait()
         combine_(flat, scratch, op)
         new = rank // 2
@@ -52,7 +52,7 @@ def all_reduce(g: Group, flat: torch.Tensor, op: ReduceOp) -> None:
 
     bounds = shard_offsets(flat.numel(), p2)
     lo, hi = 0, p2  # block range this rank is responsible for
-    scratch = torch.empty_like(flat)
+    scratch = g.scratch(flat)
     mask = p2 // 2
     while mask:
         mid = (lo + hi) // 2

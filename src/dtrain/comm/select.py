@@ -1,14 +1,18 @@
 """Choosing an algorithm: a cost model per group, measured once, the same on every rank.
 
 For each operation and each algorithm that implements it, the time of one call is modelled
-as `a + b * bytes` — `a` the latency (alpha: per-message cost times the algorithm's number
-of rounds) and `b` the inverse bandwidth (beta, plus reduction cost). Both are measured on
-the group itself the first time `algorithm="auto"` meets that operation: every candidate
-is timed at a small and a large message and the line through the two points is the model.
-Rank 0's measurements are broadcast, so every rank makes the same choice — ranks choosing
-differently would deadlock. `dtrain bench comm --calibrate` measures ahead of time and
-saves the models to a file (DTRAIN_CALIBRATION, default ~/.cache/dtrain/calibration.json)
-that later runs load instead of measuring.
+as a curve through measured points: latency-bound at small messages (alpha times the
+algorithm's rounds), bandwidth-bound at large ones (beta per byte, plus reduction), joined
+piecewise-linearly and extended past the largest probe with its last slope. The points
+are measured on the group itself the first time `algorithm="auto"` meets that operation:
+every candidate is timed at 4 KiB, 1 MiB and 16 MiB, the candidates taking turns call by
+call so a slow moment of the machine hits all alike, and each point is the median of its
+calls (15, or 5 at 16 MiB: a single slow call must not decide). Rank 0's medians are
+broadcast, so every rank makes the same choice — ranks choosing differently would deadlock.
+
+`dtrain bench comm --calibrate` measures ahead of time and saves the curves to a file
+(DTRAIN_CALIBRATION, default ~/.cache/dtrain/calibration.json) that later runs load
+instead of measuring.
 
 `explain(op, nbytes, group)` says which algorithm a call would use and why.
 """
@@ -25,20 +29,23 @@ import torch
 
 from dtrain.comm.group import Group
 
-ALGORITHMS = ("native", "ring", "tree", "halving_doubling")
-PROBE_BYTES = (4096, 1 << 20)
-REPEATS = 3
+PROBE_BYTES = (4096, 1 << 20, 16 << 20)
+REPEATS = (15, 15, 5)  # calls per point: many where they are cheap, few at 16 MiB
 
 
 @dataclass(frozen=True)
-class Line:
-    """Predicted seconds for one call: latency + seconds_per_byte * bytes."""
+class Curve:
+    """Predicted seconds of one call as a function of its bytes, through measured points."""
 
-    latency: float
-    seconds_per_byte: float
+    points: tuple[tuple[int, float], ...]  # (bytes, seconds), bytes increasing
 
     def predict(self, nbytes: int) -> float:
-        return self.latency + self.seconds_per_byte * nbytes
+        points = self.points
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        k = next((k for k in range(1, len(points)) if nbytes <= points[k][0]), len(points) - 1)
+        (b0, t0), (b1, t1) = points[k - 1], points[k]
+        return t0 + max(0.0, (t1 - t0) / (b1 - b0)) * (nbytes - b0)
 
 
 @dataclass(frozen=True)
@@ -61,54 +68,54 @@ def cache_key(g: Group, op: str) -> str:
     return f"{g.backend}/size{g.size}/{op}"
 
 
-def _load_cached(key: str) -> dict[str, Line] | None:
+def _load_cached(key: str) -> dict[str, Curve] | None:
     try:
         entry = json.loads(_cache_path().read_text())[key]
-        return {name: Line(*values) for name, values in entry.items()}
+        return {name: Curve(tuple((int(b), float(t)) for b, t in points))
+                for name, points in entry.items()}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def save_models(models: dict[str, dict[str, Line]]) -> Path:
-    """Merge measured models (cache key -> algorithm -> line) into the calibration file."""
+def save_models(models: dict[str, dict[str, Curve]]) -> Path:
+    """Merge measured models (cache key -> algorithm -> curve) into the calibration file."""
     path = _cache_path()
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
     for key, lines in models.items():
-        data[key] = {name: [line.latency, line.seconds_per_byte] for name, line in lines.items()}
+        data[key] = {name: [list(p) for p in curve.points] for name, curve in lines.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
     return path
 
 
 def measure(g: Group, op: str, candidates: tuple[str, ...],
-            device: torch.device | str = "cpu") -> dict[str, Line]:
+            device: torch.device | str = "cpu") -> dict[str, Curve]:
     """Time every candidate of `op` on `g` (a collective call: all ranks must make it)."""
     from dtrain.comm import collectives  # the calls being measured
 
-    timings = torch.zeros(len(candidates), len(PROBE_BYTES), dtype=torch.float64, device=device)
+    medians = torch.zeros(len(candidates), len(PROBE_BYTES), dtype=torch.float64, device=device)
     for j, nbytes in enumerate(PROBE_BYTES):
-        tensor = torch.ones(max(g.size, nbytes // 4), dtype=torch.float32, device=device)
-        for i, name in enumerate(candidates):
-            call = _probe(collectives, op, tensor, g, name)
+        tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        calls = [_probe(collectives, op, tensor, g, name) for name in candidates]
+        for call in calls:
             call()  # warm-up
-            collectives.barrier(group=g)
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(REPEATS):
+        samples: list[list[float]] = [[] for _ in candidates]
+        collectives.barrier(group=g)
+        for _ in range(REPEATS[j]):
+            for i, call in enumerate(calls):
+                _sync(device)
+                start = time.perf_counter()
                 call()
-            _sync(device)
-            timings[i, j] = (time.perf_counter() - start) / REPEATS
-    collectives.broadcast(timings, src=0, group=g, algorithm="native")
-    small, big = (max(g.size, n // 4) * 4 for n in PROBE_BYTES)
-    lines = {}
-    for i, name in enumerate(candidates):
-        t_small, t_big = timings[i].tolist()
-        slope = max(0.0, (t_big - t_small) / (big - small))
-        lines[name] = Line(max(0.0, t_small - slope * small), slope)
-    return lines
+                _sync(device)
+                samples[i].append(time.perf_counter() - start)
+        for i, taken in enumerate(samples):
+            medians[i, j] = sorted(taken)[len(taken) // 2]
+    collectives.broadcast(medians, src=0, group=g, algorithm="native")
+    return {name: Curve(tuple(zip(PROBE_BYTES, medians[i].tolist(), strict=True)))
+            for i, name in enumerate(candidates)}
 
 
 def _sync(device: torch.device | str) -> None:
@@ -123,7 +130,7 @@ def _probe(collectives, op: str, tensor: torch.Tensor, g: Group, name: str):
 
 
 def models(g: Group, op: str, candidates: tuple[str, ...],
-           device: torch.device | str = "cpu") -> dict[str, Line]:
+           device: torch.device | str = "cpu") -> dict[str, Curve]:
     """The cost lines of `op` on `g`, from the group, the calibration file, or measurement."""
     cache = g.cost_models
     if op not in cache:
@@ -172,5 +179,6 @@ def explain(op: str, nbytes: int, group=None, device: torch.device | str = "cpu"
     runner_up = sorted(predicted.values())[1]
     reason = (f"{best} predicted {predicted[best]:.0f} us for {nbytes} bytes on {g.size} ranks "
               f"({runner_up / max(predicted[best], 1e-9):.2f}x faster than the next best); "
-              f"model per algorithm: latency + bytes / bandwidth, measured on this group")
+              f"each algorithm's time was measured on this group at "
+              f"{', '.join(str(b) for b in PROBE_BYTES)} bytes and interpolated")
     return Choice(op, nbytes, best, predicted, reason)

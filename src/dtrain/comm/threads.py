@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dtrain.comm.group import Done, Group, SerialExecutor
+from dtrain.comm.group import Done, Group
 from dtrain.comm.ops import ReduceOp, combine_, shards
 
 
@@ -87,8 +87,7 @@ class ThreadGroup(Group):
         self.size = len(members)
         self.name = name
         self.timeout = timedelta(seconds=fabric.timeout)
-        self.executor = SerialExecutor(f"{name}-{rank}")
-        self.cost_models = {}
+        super().__init__(f"{name}-{rank}")
         self._native_seq = 0
 
     def global_rank(self, group_rank: int) -> int:

@@ -23,7 +23,7 @@ def reduce(g: Group, flat: torch.Tensor, root: int, op: ReduceOp) -> None:
     """Reduce `flat` onto `root` in place (other ranks' buffers end partially reduced)."""
     p = g.size
     v = (g.rank - root) % p
-    scratch = torch.empty_like(flat)
+    scratch = g.scratch(flat)
     mask = 1
     while mask < p:
         if v & mask:

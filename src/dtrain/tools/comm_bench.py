@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dtrain.errors import ConfigError, DtrainError
+from dtrain.errors import ConfigError, exit_code_of
 
 if TYPE_CHECKING:  # torch is imported on use, so `dtrain --help` starts without it
     import torch
@@ -155,6 +155,8 @@ class Record:
     time_us: float
     algbw_gbps: float
     busbw_gbps: float
+    chosen: str = ""  # for algorithm "auto": the algorithm it ran
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -348,6 +350,7 @@ def _bench_op(op: str, algorithms: list[str], group: Group, backend: str,
         size = count * ELEMENT_BYTES
         tensor = torch.zeros(count // n if op == "all_gather" else count, device=device)
         labels = dict(zip(algorithms, algorithms, strict=True))
+        choice = ""
         if "auto" in labels:  # may measure the cost models: before any clock starts
             nbytes_in = tensor.numel() * ELEMENT_BYTES
             choice = comm.explain(op, nbytes_in, group, device).algorithm
@@ -357,7 +360,7 @@ def _bench_op(op: str, algorithms: list[str], group: Group, backend: str,
         for algorithm, seconds in times.items():
             algbw = size / seconds / 1e9
             records.append(Record(op, backend, algorithm, n, size, seconds * 1e6, algbw,
-                                  algbw * factor))
+                                  algbw * factor, choice if algorithm == "auto" else ""))
             show(f"  {size:>12} {count:>11}  {labels[algorithm]:<24} {seconds * 1e6:>11.1f} "
                  f"{algbw:>12.3f} {algbw * factor:>12.3f}")
         others = {a: t for a, t in times.items() if a != "auto"}
@@ -461,12 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     """One rank that `dtrain bench comm` started: `python -m dtrain.tools.comm_bench ARGS`."""
     parser = argparse.ArgumentParser(prog="dtrain bench comm")
     add_arguments(parser)
-    try:
-        bench(options(parser.parse_args(argv)))
-    except DtrainError as exc:
-        print(f"dtrain: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return 0
+    return exit_code_of(lambda: bench(options(parser.parse_args(argv))))
 
 
 if __name__ == "__main__":

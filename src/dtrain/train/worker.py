@@ -5,19 +5,15 @@ from __future__ import annotations
 import json
 import sys
 
-from dtrain.errors import DtrainError
+from dtrain.errors import exit_code_of
 from dtrain.train.config import config_from_dict
 from dtrain.train.trainer import train
 
 
 def main(argv: list[str]) -> int:
-    try:
-        with open(argv[0], encoding="utf-8") as f:
-            train(config_from_dict(json.load(f)))
-    except DtrainError as exc:
-        print(f"dtrain: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    return 0
+    with open(argv[0], encoding="utf-8") as f:
+        config = json.load(f)
+    return exit_code_of(lambda: train(config_from_dict(config)))
 
 
 if __name__ == "__main__":
