@@ -26,11 +26,10 @@ from dtrain.comm.collectives import (
     send,
 )
 from dtrain.comm.debug import CollectiveMismatch
-from dtrain.comm.group import Group
+from dtrain.comm.group import CollectiveTimeout, Group
 from dtrain.comm.groups import resolve
 from dtrain.comm.ops import ReduceOp, shard_sizes
 from dtrain.comm.select import explain
-from dtrain.comm.threads import CollectiveTimeout
 
 __all__ = [
     "AVAILABLE", "CollectiveMismatch", "CollectiveTimeout", "Group", "ReduceOp", "all_gather",

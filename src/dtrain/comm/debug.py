@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from dtrain.comm.group import Group, Handle
-from dtrain.comm.threads import CollectiveTimeout
+from dtrain.comm.group import CollectiveTimeout, Group, Handle
 
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "scatter",
        "gather", "all_to_all", "barrier")

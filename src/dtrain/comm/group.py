@@ -28,6 +28,10 @@ import torch.distributed as dist
 from dtrain.comm.ops import ReduceOp
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than the group's timeout; the message names who is missing."""
+
+
 class Handle(Protocol):
     """What an async collective returns: `wait()` blocks until the result is in place."""
 

@@ -14,12 +14,8 @@ from typing import Any
 
 import torch
 
-from dtrain.comm.group import Done, Group
+from dtrain.comm.group import CollectiveTimeout, Done, Group
 from dtrain.comm.ops import ReduceOp, combine_, shards
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective waited longer than the group's timeout; the message names who is missing."""
 
 
 class Fabric:
