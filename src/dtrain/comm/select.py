@@ -154,7 +154,7 @@ def choose(op: str, tensor: torch.Tensor, g: Group, algorithm: str,
                 f"{op} has no algorithm {algorithm!r}: use auto or one of {', '.join(available)}"
             )
         return algorithm
-    if len(available) == 1:
+    if len(available) == 1 or tensor.numel() == 0:  # an empty tensor sends nothing anyway
         return available[0]
     lines = models(g, op, available, tensor.device)
     nbytes = tensor.numel() * tensor.element_size()
