@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import comm
 from dtrain import world as world_mod
 from dtrain.mesh import Mesh
 from dtrain.models.gpt import GPT
@@ -51,10 +52,9 @@ def lr_factor(step: int, total: int, cfg: OptimizerConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _mean_over(value: float, group: dist.ProcessGroup) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    return t.item() / dist.get_world_size(group)
+def _mean_over(value: float, group: dist.ProcessGroup, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    return comm.all_reduce(t, op="avg", group=group).item()
 
 
 @torch.no_grad()
@@ -68,7 +68,7 @@ def evaluate(model: torch.nn.Module, data: ByteSequences, batch_size: int, n_bat
     for _, (x, y) in zip(range(n_batches), stream, strict=False):
         total += model(x.to(device), y.to(device))[1].item()
     model.train()
-    return _mean_over(total / n_batches, group)
+    return _mean_over(total / n_batches, group, device)
 
 
 def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
@@ -136,7 +136,7 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        step_loss = _mean_over(loss.item() * tc.grad_accum, dp_group)
+        step_loss = _mean_over(loss.item() * tc.grad_accum, dp_group, world.device)
         elapsed = time.perf_counter() - start
         losses.append(step_loss)
         progress.step(step, step_loss, tokens_per_step / elapsed)
@@ -166,7 +166,7 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module,
         state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "config": config.to_dict()}
         path = checkpoint.save(folder, step, state, config.checkpoint.keep_last)
-    dist.barrier()
+    comm.barrier()
     return path
 
 
