@@ -7,8 +7,9 @@ piecewise-linearly and extended past the largest probe with its last slope. The 
 are measured on the group itself the first time `algorithm="auto"` meets that operation:
 every candidate is timed at 4 KiB, 1 MiB and 16 MiB, the candidates taking turns call by
 call so a slow moment of the machine hits all alike, and each point is the median of its
-calls (15, or 5 at 16 MiB: a single slow call must not decide). Rank 0's medians are
-broadcast, so every rank makes the same choice — ranks choosing differently would deadlock.
+calls (15, or 5 at 16 MiB: a single slow call must not decide). Each point is the slowest
+rank's median, agreed by an allreduce, so every rank makes the same choice — ranks
+choosing differently would deadlock.
 
 `dtrain bench comm --calibrate` measures ahead of time and saves the curves to a file
 (DTRAIN_CALIBRATION, default ~/.cache/dtrain/calibration.json) that later runs load
@@ -113,7 +114,10 @@ def measure(g: Group, op: str, candidates: tuple[str, ...],
                 samples[i].append(time.perf_counter() - start)
         for i, taken in enumerate(samples):
             medians[i, j] = sorted(taken)[len(taken) // 2]
-    collectives.broadcast(medians, src=0, group=g, algorithm="native")
+    # The slowest rank's view: a sender's call can end before its peer has the data, so one
+    # rank alone flatters the algorithms where it only sends (a tree's root, say). The max
+    # is the same on every rank, so every rank makes the same choice.
+    collectives.all_reduce(medians, op="max", group=g, algorithm="native")
     return {name: Curve(tuple(zip(PROBE_BYTES, medians[i].tolist(), strict=True)))
             for i, name in enumerate(candidates)}
 
