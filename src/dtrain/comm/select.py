@@ -6,10 +6,9 @@ algorithm's rounds), bandwidth-bound at large ones (beta per byte, plus reductio
 piecewise-linearly and extended past the largest probe with its last slope. The points
 are measured on the group itself the first time `algorithm="auto"` meets that operation:
 every candidate is timed at 4 KiB, 1 MiB and 16 MiB, the candidates taking turns call by
-call so a slow moment of the machine hits all alike, and each point is the median of its
-calls (15, or 5 at 16 MiB: a single slow call must not decide). Each point is the slowest
-rank's median, agreed by an allreduce, so every rank makes the same choice — ranks
-choosing differently would deadlock.
+call so a slow moment of the machine hits all alike. Each point is the mean of 15 calls
+(5 at 16 MiB) on the slowest rank — what a training run pays — agreed by an allreduce, so
+every rank makes the same choice (ranks choosing differently would deadlock).
 
 `dtrain bench comm --calibrate` measures ahead of time and saves the curves to a file
 (DTRAIN_CALIBRATION, default ~/.cache/dtrain/calibration.json) that later runs load
@@ -97,7 +96,7 @@ def measure(g: Group, op: str, candidates: tuple[str, ...],
     """Time every candidate of `op` on `g` (a collective call: all ranks must make it)."""
     from dtrain.comm import collectives  # the calls being measured
 
-    medians = torch.zeros(len(candidates), len(PROBE_BYTES), dtype=torch.float64, device=device)
+    means = torch.zeros(len(candidates), len(PROBE_BYTES), dtype=torch.float64, device=device)
     for j, nbytes in enumerate(PROBE_BYTES):
         tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         calls = [_probe(collectives, op, tensor, g, name) for name in candidates]
@@ -113,12 +112,14 @@ def measure(g: Group, op: str, candidates: tuple[str, ...],
                 _sync(device)
                 samples[i].append(time.perf_counter() - start)
         for i, taken in enumerate(samples):
-            medians[i, j] = sorted(taken)[len(taken) // 2]
+            # The mean, not the median: an algorithm with frequent slow calls (gloo's small
+            # messages here) costs its mean in a training run, tail included.
+            means[i, j] = sum(taken) / len(taken)
     # The slowest rank's view: a sender's call can end before its peer has the data, so one
     # rank alone flatters the algorithms where it only sends (a tree's root, say). The max
     # is the same on every rank, so every rank makes the same choice.
-    collectives.all_reduce(medians, op="max", group=g, algorithm="native")
-    return {name: Curve(tuple(zip(PROBE_BYTES, medians[i].tolist(), strict=True)))
+    collectives.all_reduce(means, op="max", group=g, algorithm="native")
+    return {name: Curve(tuple(zip(PROBE_BYTES, means[i].tolist(), strict=True)))
             for i, name in enumerate(candidates)}
 
 
