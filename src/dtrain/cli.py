@@ -83,8 +83,6 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> None:
     from dtrain.launch.runner import LaunchSpec, launch
 
-    if args.debug:
-        os.environ["DTRAIN_DEBUG"] = "1"  # inherited by every rank
     if args.module:
         command = [sys.executable, "-u", "-m", args.script, *args.args]
     else:
@@ -119,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["DTRAIN_USER_CPP_LOG_LEVEL"] = os.environ.get("TORCH_CPP_LOG_LEVEL", "WARNING")
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     try:
+        if getattr(args, "debug", False):
+            os.environ["DTRAIN_DEBUG"] = "1"  # read by dtrain.comm in every rank started here
         command = {"run": _run, "train": _train, "bench": _bench}[args.command]
         return exit_code_of(lambda: command(args))
     except KeyboardInterrupt:

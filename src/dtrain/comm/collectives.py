@@ -21,21 +21,10 @@ import torch
 from dtrain.comm import debug, halving_doubling, ring, select, tree
 from dtrain.comm.group import Done, Group, Handle, Then
 from dtrain.comm.groups import resolve
-from dtrain.comm.ops import ReduceOp, finish_, shard_sizes, shards
+from dtrain.comm.ops import AVAILABLE, ReduceOp, finish_, shard_sizes, shards
 
 GroupLike = Any  # dist.ProcessGroup | Group | None
 
-AVAILABLE: dict[str, tuple[str, ...]] = {
-    "all_reduce": ("native", "ring", "tree", "halving_doubling"),
-    "broadcast": ("native", "tree"),
-    "reduce": ("native", "tree"),
-    "all_gather": ("native", "ring"),
-    "reduce_scatter": ("native", "ring"),
-    "scatter": ("native",),
-    "gather": ("native",),
-    "all_to_all": ("native",),
-    "barrier": ("native",),
-}
 
 
 class Result:
@@ -84,6 +73,11 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise ValueError("dtrain.comm needs a contiguous tensor: pass tensor.contiguous()")
     return tensor.view(-1)
+
+
+def _stacked_shape(tensor: torch.Tensor, size: int) -> tuple[int, ...]:
+    """Shape of `size` tensors like `tensor` concatenated along dim 0 (scalars: a vector)."""
+    return (size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (size,)
 
 
 def _trivial(value: Any, async_op: bool) -> Any:
@@ -147,7 +141,7 @@ def all_gather(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = F
                algorithm: str = "auto") -> Any:
     """Concatenate every rank's `tensor` (same shape everywhere) along dim 0, in rank order."""
     g = resolve(group)
-    shape = (g.size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (g.size,)
+    shape = _stacked_shape(tensor, g.size)
     out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
     if g.size == 1:
         out.copy_(tensor.reshape(shape))
@@ -173,7 +167,6 @@ def reduce_scatter(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: Grou
     sizes = shard_sizes(flat.numel(), g.size)
     width = sizes[0]
     out = torch.empty(width, dtype=tensor.dtype, device=tensor.device)
-    work = flat.clone()
 
     def native() -> Handle:
         padded = torch.zeros(width * g.size, dtype=tensor.dtype, device=tensor.device)
@@ -182,8 +175,8 @@ def reduce_scatter(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: Grou
         return Then(g.native("reduce_scatter", out, padded, op),
                     lambda: finish_(out, op, g.size))
 
-    def by_ring() -> None:
-        out[: sizes[g.rank]].copy_(ring.reduce_scatter(g, work, op))
+    def by_ring() -> None:  # on a copy: the ring leaves its input partially reduced
+        out[: sizes[g.rank]].copy_(ring.reduce_scatter(g, flat.clone(), op))
 
     return _run("reduce_scatter", g, tensor, algorithm, async_op, native, {"ring": by_ring},
                 lambda: out[: sizes[g.rank]], op=op)
@@ -215,7 +208,7 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: GroupLike = None,
            async_op: bool = False, algorithm: str = "auto") -> Any:
     """Concatenate every rank's `tensor` along dim 0 on rank `dst`; other ranks get None."""
     g = resolve(group)
-    shape = (g.size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (g.size,)
+    shape = _stacked_shape(tensor, g.size)
     out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device) if g.rank == dst else None
     if g.size == 1:
         out.copy_(tensor.reshape(shape))

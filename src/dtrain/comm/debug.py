@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 
+from dtrain.comm import ops
 from dtrain.comm.group import CollectiveTimeout, Group, Handle
+from dtrain.comm.ops import AVAILABLE
 
-OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "scatter",
-       "gather", "all_to_all", "barrier")
-ALGORITHMS = ("auto", "native", "ring", "tree", "halving_doubling")
-REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
+OPS = tuple(AVAILABLE)
+ALGORITHMS = ("auto", *ops.ALGORITHMS)
+REDUCE_OPS = tuple(op.value for op in ops.ReduceOp)
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool)
 MAX_DIMS = 8
@@ -103,6 +104,7 @@ def wait_or_diagnose(handle: Handle, g: Group, what: str, seq: int) -> None:
 def diagnose(g: Group, what: str, seq: int, grace_s: float = 3.0) -> str:
     """Publish where this rank is stuck, read where the others are, and say who is missing."""
     prefix = f"at/{g.name}/"
+    head = f"{what} #{seq} on group {g.name!r} timed out after {g.timeout.total_seconds():.0f}s"
     try:
         g.store_set(f"{prefix}{g.rank}", f"{seq} {what}")
         deadline = time.monotonic() + grace_s
@@ -113,8 +115,7 @@ def diagnose(g: Group, what: str, seq: int, grace_s: float = 3.0) -> str:
                 break
             time.sleep(0.1)
     except RuntimeError as exc:  # the store itself is gone: the job is coming down
-        return (f"{what} #{seq} on group {g.name!r} timed out after "
-                f"{g.timeout.total_seconds():.0f}s (the job's store is unreachable: {exc})")
+        return f"{head} (the job's store is unreachable: {exc})"
     missing = []
     for r, value in seen.items():
         if value is None:
@@ -122,5 +123,4 @@ def diagnose(g: Group, what: str, seq: int, grace_s: float = 3.0) -> str:
         elif int(value.split()[0]) < seq:
             missing.append(f"rank {g.global_rank(r)} (stuck in #{value})")
     who = ", ".join(missing) if missing else "none found (every rank reached it: slow network?)"
-    return (f"{what} #{seq} on group {g.name!r} timed out after "
-            f"{g.timeout.total_seconds():.0f}s; never arrived: {who}")
+    return f"{head}; never arrived: {who}"

@@ -1,4 +1,4 @@
-"""Reduction operators and the flat sharding every collective uses.
+"""Names of the collectives and their algorithms, reduction operators, and flat sharding.
 
 A tensor is treated as its flattened elements. When its length does not divide by the
 group size, the first `numel % size` shards are one element longer (as in MPI's block
@@ -11,6 +11,21 @@ import enum
 
 import torch
 import torch.distributed as dist
+
+ALGORITHMS = ("native", "ring", "tree", "halving_doubling")
+
+# The algorithms each collective has (dtrain.comm.collectives implements them).
+AVAILABLE: dict[str, tuple[str, ...]] = {
+    "all_reduce": ALGORITHMS,
+    "broadcast": ("native", "tree"),
+    "reduce": ("native", "tree"),
+    "all_gather": ("native", "ring"),
+    "reduce_scatter": ("native", "ring"),
+    "scatter": ("native",),
+    "gather": ("native",),
+    "all_to_all": ("native",),
+    "barrier": ("native",),
+}
 
 
 class ReduceOp(enum.Enum):

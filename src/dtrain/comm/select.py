@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 from dtrain.comm.group import Group
+from dtrain.comm.groups import resolve
+from dtrain.comm.ops import AVAILABLE
 
 PROBE_BYTES = (4096, 1 << 20, 16 << 20)
 REPEATS = (15, 15, 5)  # calls per point: many where they are cheap, few at 16 MiB
@@ -171,8 +173,6 @@ def explain(op: str, nbytes: int, group=None, device: torch.device | str = "cpu"
 
     A collective call the first time (it may measure): call it on every rank.
     """
-    from dtrain.comm.collectives import AVAILABLE
-    from dtrain.comm.groups import resolve
 
     g = resolve(group)
     available = AVAILABLE[op]

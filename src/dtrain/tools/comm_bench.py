@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # torch is imported on use, so `dtrain --help` starts without
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 DEFAULT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "auto")
+ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "auto")  # no torch import for --help
 BACKENDS = ("gloo", "nccl")
 SECONDS_PER_POINT = 0.5  # timed calls per row: about this long, at most --iters
 WARMUP_SECONDS = 0.1  # warm-up calls after the first: about this long, at most --warmup - 1

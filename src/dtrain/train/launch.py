@@ -37,8 +37,6 @@ def train_command(args: argparse.Namespace) -> None:
 
     from dtrain.launch.runner import LaunchSpec, launch
 
-    if args.debug:
-        os.environ["DTRAIN_DEBUG"] = "1"  # inherited by every rank
     world_size = config.parallel.nproc * args.nnodes
     layout = resolve_layout(world_size, config.parallel.dp or None, 1, 1)
     per_rank_batch(config, layout.dp)
