@@ -89,7 +89,7 @@ def section(paths: list[str]) -> str:
         f"benchmarks/data/comm-run*.json --write` — {len(paths)} runs (raw data in "
         f"benchmarks/data/), every figure the median of the runs.  ",
         f"Machine: {os.cpu_count()} cores, {platform.machine()}, gloo over loopback. Each cell: "
-        "time in us (slowest rank's mean) / busbw in GB/s (all_reduce busbw = algbw x "
+        "time in us (slowest rank's median round) / busbw in GB/s (all_reduce busbw = algbw x "
         "2(n-1)/n).",
         "",
         "| all_reduce | " + " | ".join(ALGORITHMS) + " | auto / fastest |",

@@ -5,10 +5,11 @@ as a curve through measured points: latency-bound at small messages (alpha times
 algorithm's rounds), bandwidth-bound at large ones (beta per byte, plus reduction), joined
 piecewise-linearly and extended past the largest probe with its last slope. The points
 are measured on the group itself the first time `algorithm="auto"` meets that operation:
-every candidate is timed at 4 KiB, 1 MiB and 16 MiB, the candidates taking turns call by
-call so a slow moment of the machine hits all alike. Each point is the mean of 15 calls
-(5 at 16 MiB) on the slowest rank — what a training run pays — agreed by an allreduce, so
-every rank makes the same choice (ranks choosing differently would deadlock).
+every candidate is timed at 4 KiB, 1 MiB, 4 MiB and 16 MiB (under a second on gloo for
+two ranks), the way `dtrain bench comm` times them (dtrain.comm.timing): taking turns in
+rounds, the median round's mean time per call, on the slowest rank. Those figures are
+agreed by an allreduce, so every rank makes the same choice (ranks choosing differently
+would deadlock).
 
 `dtrain bench comm --calibrate` measures ahead of time and saves the curves to a file
 (DTRAIN_CALIBRATION, default ~/.cache/dtrain/calibration.json) that later runs load
@@ -21,18 +22,20 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from dtrain.comm import timing
 from dtrain.comm.group import Group
 from dtrain.comm.groups import resolve
 from dtrain.comm.ops import AVAILABLE
 
-PROBE_BYTES = (4096, 1 << 20, 16 << 20)
-REPEATS = (15, 15, 5)  # calls per point: many where they are cheap, few at 16 MiB
+PROBE_BYTES = (4096, 1 << 20, 4 << 20, 16 << 20)
+CALLS = (30, 15, 10, 10)  # calls per point: many where they are cheap, fewer when large
+WARMUP = 3  # untimed calls per point first: a process's first calls are slow
+ROUNDS = 5  # the candidates take turns in this many rounds (see dtrain.comm.timing)
 
 
 @dataclass(frozen=True)
@@ -98,36 +101,18 @@ def measure(g: Group, op: str, candidates: tuple[str, ...],
     """Time every candidate of `op` on `g` (a collective call: all ranks must make it)."""
     from dtrain.comm import collectives  # the calls being measured
 
-    means = torch.zeros(len(candidates), len(PROBE_BYTES), dtype=torch.float64, device=device)
-    for j, nbytes in enumerate(PROBE_BYTES):
+    seconds: dict[str, list[float]] = {name: [] for name in candidates}
+    for nbytes, count in zip(PROBE_BYTES, CALLS, strict=True):
         tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        calls = [_probe(collectives, op, tensor, g, name) for name in candidates]
-        for call in calls:
-            call()  # warm-up
-        samples: list[list[float]] = [[] for _ in candidates]
-        collectives.barrier(group=g)
-        for _ in range(REPEATS[j]):
-            for i, call in enumerate(calls):
-                _sync(device)
-                start = time.perf_counter()
+        calls = {name: _probe(collectives, op, tensor, g, name) for name in candidates}
+        for call in calls.values():
+            for _ in range(WARMUP):
                 call()
-                _sync(device)
-                samples[i].append(time.perf_counter() - start)
-        for i, taken in enumerate(samples):
-            # The mean, not the median: an algorithm with frequent slow calls (gloo's small
-            # messages here) costs its mean in a training run, tail included.
-            means[i, j] = sum(taken) / len(taken)
-    # The slowest rank's view: a sender's call can end before its peer has the data, so one
-    # rank alone flatters the algorithms where it only sends (a tree's root, say). The max
-    # is the same on every rank, so every rank makes the same choice.
-    collectives.all_reduce(means, op="max", group=g, algorithm="native")
-    return {name: Curve(tuple(zip(PROBE_BYTES, means[i].tolist(), strict=True)))
-            for i, name in enumerate(candidates)}
-
-
-def _sync(device: torch.device | str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+        timed = timing.time_turns(calls, dict.fromkeys(candidates, count), ROUNDS, g, device)
+        for name, taken in timed.items():
+            seconds[name].append(taken)
+    return {name: Curve(tuple(zip(PROBE_BYTES, seconds[name], strict=True)))
+            for name in candidates}
 
 
 def _probe(collectives, op: str, tensor: torch.Tensor, g: Group, name: str):

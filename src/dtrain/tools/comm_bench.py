@@ -45,7 +45,7 @@ ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "auto")  # no torch 
 BACKENDS = ("gloo", "nccl")
 SECONDS_PER_POINT = 0.5  # timed calls per row: about this long, at most --iters
 WARMUP_SECONDS = 0.1  # warm-up calls after the first: about this long, at most --warmup - 1
-ROUNDS = 10  # the timed calls of the algorithms at one size take turns in this many rounds
+ROUNDS = 20  # the timed calls of the algorithms at one size take turns in this many rounds
 ELEMENT_BYTES = 4  # float32
 
 _SIZE = re.compile(r"(\d+)(?:([kmg])(i?b)?|b)?", re.IGNORECASE)
@@ -300,8 +300,9 @@ def bench(opts: Options) -> list[Record]:
         device = _device(backend, world.local_rank)
         show(f"# dtrain bench comm: {group.size} ranks, {backend}, float32 (op sum, root 0), "
              f"ring segments of {ring.SEGMENT_BYTES} B")
-        show(f"# time: the slowest rank's mean over up to {opts.iters} calls after up to "
-             f"{opts.warmup} warm-up calls (fewer for big messages), algorithms taking turns")
+        show(f"# time: up to {opts.iters} calls after up to {opts.warmup} warm-up calls (fewer "
+             f"for big messages), algorithms taking turns in {ROUNDS} rounds; the slowest "
+             f"rank's median round")
         if opts.calibrate:
             show(f"# calibration saved to {calibrate(group, device)}")
         for op, algorithms in plan(opts.ops, opts.algorithms):
@@ -387,18 +388,16 @@ def _call(op: str, tensor: torch.Tensor, group: Group, algorithm: str) -> Callab
 
 def time_calls(calls: dict[str, Callable[[], Any]], group: Group, device: torch.device,
                iters: int, warmup: int) -> dict[str, float]:
-    """Seconds per call of each collective: the slowest rank's mean over up to `iters` calls.
+    """Seconds per call of each collective, timed as dtrain.comm.timing describes.
 
     The first warm-up call of each estimates its time, and every rank adopts the slowest
     rank's estimates so that all make the same calls: up to `warmup - 1` more warm-up
     calls in about WARMUP_SECONDS, then up to `iters` timed calls in about
-    SECONDS_PER_POINT. The timed calls run in up to ROUNDS rounds taking turns between
-    the collectives, each turn after a barrier, so a slow moment of the machine hurts
-    them alike.
+    SECONDS_PER_POINT, in up to ROUNDS rounds.
     """
-    from dtrain import comm
+    from dtrain.comm import timing
 
-    sync = _synchronizer(device)
+    sync = timing.synchronizer(device)
     first = []
     for call in calls.values():
         start = time.perf_counter()
@@ -406,42 +405,13 @@ def time_calls(calls: dict[str, Callable[[], Any]], group: Group, device: torch.
         sync()
         first.append(time.perf_counter() - start)
     counts = {}
-    for (name, call), estimate in zip(calls.items(), _slowest(first, group, device), strict=True):
+    for (name, call), estimate in zip(calls.items(), timing.slowest(first, group, device),
+                                      strict=True):
         estimate = max(estimate, 1e-9)
         for _ in range(min(warmup - 1, int(WARMUP_SECONDS / estimate))):
             call()
         counts[name] = max(1, min(iters, int(SECONDS_PER_POINT / estimate)))
-    rounds = min(ROUNDS, *counts.values())
-    elapsed = dict.fromkeys(calls, 0.0)
-    for i in range(rounds):
-        for name, call in calls.items():
-            turn = counts[name] // rounds + (i < counts[name] % rounds)
-            comm.barrier(group=group)
-            start = time.perf_counter()
-            for _ in range(turn):
-                call()
-            sync()
-            elapsed[name] += time.perf_counter() - start
-    means = [elapsed[name] / counts[name] for name in calls]
-    return dict(zip(calls, _slowest(means, group, device), strict=True))
-
-
-def _slowest(seconds: list[float], group: Group, device: torch.device) -> list[float]:
-    import torch
-
-    from dtrain import comm
-
-    values = torch.tensor(seconds, dtype=torch.float64, device=device)
-    comm.all_reduce(values, op="max", group=group, algorithm="native")
-    return values.tolist()
-
-
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    import torch
-
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
+    return timing.time_turns(calls, counts, min(ROUNDS, *counts.values()), group, device)
 
 
 def _device(backend: str, local_rank: int) -> torch.device:
