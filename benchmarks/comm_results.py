@@ -19,8 +19,9 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
-BEGIN, END = "<!-- bench_comm:begin -->", "<!-- bench_comm:end -->"
+from results_md import markers, replace_section
+
+BEGIN, END = markers("bench_comm")
 ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "auto")
 Key = tuple[str, str, int]  # op, algorithm, bytes
 
@@ -150,12 +151,7 @@ def main() -> None:
     text = section(args.runs)
     print(text)
     if args.write:
-        old = RESULTS.read_text()
-        if BEGIN in old:
-            head, rest = old.split(BEGIN, 1)
-            RESULTS.write_text(head + text + rest.split(END, 1)[1])
-        else:
-            RESULTS.write_text(old.rstrip() + "\n\n" + text + "\n")
+        replace_section("bench_comm", text.splitlines()[1:-1])
 
 
 if __name__ == "__main__":

@@ -21,13 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from results_md import replace_section
 from torch.nn.parallel import DistributedDataParallel
 
 import dtrain
 from dtrain.models.gpt import GPT, GPTConfig
-
-RESULTS = Path(__file__).with_name("RESULTS.md")
-BEGIN, END = "<!-- dp_vs_ddp:begin -->", "<!-- dp_vs_ddp:end -->"
 
 
 def bf16_hook(_state, bucket):  # no annotations: DDP inspects them at run time
@@ -97,7 +95,6 @@ def compare(grad_dtype: str | None, args: argparse.Namespace) -> dict:
 
 def write_results(rows: list[dict], args: argparse.Namespace, world_size: int) -> None:
     lines = [
-        BEGIN,
         "## DataParallel vs torch DDP (step time, 2 ranks)",
         "",
         f"Command: `dtrain run -n {world_size} benchmarks/dp_vs_ddp.py --rounds {args.rounds} "
@@ -112,15 +109,8 @@ def write_results(rows: list[dict], args: argparse.Namespace, world_size: int) -
     for r in rows:
         lines.append(f"| {r['grad_dtype']} | {r['dtrain_ms']:.1f} | {r['ddp_ms']:.1f} | "
                      f"**{r['ratio']:.3f}** | {r['max_param_diff']:.1e} |")
-    lines += ["", "Target: ratio at most 1.05.", END]
-    section = "\n".join(lines)
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if BEGIN in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    RESULTS.write_text(text)
+    lines += ["", "Target: ratio at most 1.05."]
+    replace_section("dp_vs_ddp", lines)
 
 
 def main() -> None:

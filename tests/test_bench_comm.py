@@ -45,11 +45,22 @@ def test_json_has_every_algorithm_with_nccl_tests_bandwidths(tmp_path: Path) -> 
                 assert r["chosen"] == ""
 
 
+def test_shm_and_gloo_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = dtrain("bench", "comm", "-n", "2", "--backend", "shm,gloo", "--ops", "all_reduce",
+                    "--algorithms", "native", "--max-bytes", "1M", *QUICK, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    records = json.loads(out.read_text())
+    expected = [element_count("all_reduce", s, 2) * 4 for s in message_sizes(4, 1 << 20, 4)]
+    for backend in ("shm", "gloo"):
+        assert [r["bytes"] for r in records if r["backend"] == backend] == expected
+
+
 @pytest.mark.parametrize(("flag", "value", "named"), [
     ("--ops", "all_reduce,allreduce", "'allreduce'"),
     ("--algorithms", "fastest", "'fastest'"),
     ("--max-bytes", "12X", "'12X'"),
-    ("--backend", "shm", "'shm'"),
+    ("--backend", "tcp", "'tcp'"),
 ])
 def test_bad_option_is_one_error_line(flag: str, value: str, named: str) -> None:
     result = dtrain("bench", "comm", flag, value)

@@ -25,6 +25,9 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
                    help="restart all ranks up to K times after a failure (default 0)")
     p.add_argument("--join-timeout", type=int, default=120, metavar="SECONDS",
                    help="how long machines wait for each other to join (default 120)")
+    p.add_argument("--backend", choices=("gloo", "nccl", "shm"),
+                   help="collective backend for dtrain.init() in every rank (DTRAIN_BACKEND); "
+                        "shm: shared memory between the ranks of a host")
     p.add_argument("--debug", action="store_true",
                    help="check every collective's arguments across ranks (DTRAIN_DEBUG=1)")
 
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "debug", False):
             os.environ["DTRAIN_DEBUG"] = "1"  # read by dtrain.comm in every rank started here
+        if args.command == "run" and args.backend:
+            os.environ["DTRAIN_BACKEND"] = args.backend  # read by dtrain.init in every rank
         command = {"run": _run, "train": _train, "bench": _bench}[args.command]
         return exit_code_of(lambda: command(args))
     except KeyboardInterrupt:

@@ -29,6 +29,7 @@ from dtrain.launch.exits import record_exit_time
 
 DEFAULT_TIMEOUT_S = 180.0
 DEFAULT_MASTER_PORT = 29500
+BACKENDS = ("gloo", "nccl", "shm")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class World:
         source: whose environment described the world: "dtrain", "torchrun", "slurm",
             "openmpi", "mpich" or "single".
         master_addr, master_port: where rank 0's rendezvous store listens.
-        backend: the torch.distributed backend ("gloo" or "nccl"); empty before `init()`.
+        backend: "gloo", "nccl", or "shm" (dtrain's shared memory between the ranks of a
+            host, over a gloo process group); empty before `init()`.
         device: the device this process computes on.
     """
 
@@ -161,11 +163,16 @@ def _timeout_s(timeout: float | None) -> float:
         raise DtrainError(f"DTRAIN_TIMEOUT={raw!r} is not a number of seconds") from None
 
 
+def _torch_backend(world: World) -> str:
+    return "gloo" if world.backend == "shm" else world.backend  # shm bootstraps over gloo
+
+
 def _init_process_group(world: World, timeout: timedelta) -> None:
     if world.world_size == 1:
         # A private in-memory store: no port, yet every collective works on the group of one.
         dist.init_process_group(
-            world.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            _torch_backend(world), store=dist.HashStore(), rank=0, world_size=1,
+            timeout=timeout,
         )
         return
     where = f"{world.master_addr}:{world.master_port}"
@@ -175,7 +182,7 @@ def _init_process_group(world: World, timeout: timedelta) -> None:
         init_method = f"tcp://{where}"
     try:
         dist.init_process_group(
-            world.backend,
+            _torch_backend(world),
             init_method=init_method,
             rank=world.rank,
             world_size=world.world_size,
@@ -201,7 +208,9 @@ def init(backend: str | None = None, timeout: float | None = None) -> World:
     """Join the job's process group and return this process's `World`.
 
     Args:
-        backend: "gloo" or "nccl"; by default NCCL when CUDA is available, else gloo.
+        backend: "gloo", "nccl" or "shm" (collectives through shared memory between the
+            ranks of each host, dtrain.comm.shm); by default env DTRAIN_BACKEND (which
+            `dtrain run --backend` sets), else NCCL when CUDA is available, else gloo.
         timeout: seconds any collective may wait before failing (default: env
             DTRAIN_TIMEOUT, else 180).
 
@@ -222,9 +231,11 @@ def init(backend: str | None = None, timeout: float | None = None) -> World:
         return _WORLD
     world = detect(os.environ)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise DtrainError(f"unknown backend {backend!r}: use 'gloo' or 'nccl'")
+        backend = os.environ.get("DTRAIN_BACKEND") or (
+            "nccl" if torch.cuda.is_available() else "gloo"
+        )
+    if backend not in BACKENDS:
+        raise DtrainError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", world.local_rank % max(1, torch.cuda.device_count()))

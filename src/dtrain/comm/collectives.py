@@ -59,12 +59,11 @@ def _run(what: str, g: Group, tensor: torch.Tensor, algorithm: str, async_op: bo
     name = select.choose(what, tensor, g, algorithm, AVAILABLE[what])
     if tensor.numel() == 0 and what != "barrier":  # same length on every rank: nothing to send
         return _trivial(finish(), async_op)
-    if name == "native":
+    if name == "native" and not g.native_blocks:
         handle = native()
-    elif async_op:
-        handle = g.executor.submit(algorithms[name])
     else:
-        handle = _Inline(g, algorithms[name])
+        job = algorithms[name] if name != "native" else lambda: native().wait()
+        handle = g.executor.submit(job) if async_op else _Inline(g, job)
     result = Result(handle, g, what, g.seq, finish)
     return result if async_op else result.wait()
 

@@ -103,6 +103,10 @@ class SerialExecutor:
         self.drain()
         job()
 
+    def on_worker(self) -> bool:
+        """Whether the caller is this executor's own thread (running one of its jobs)."""
+        return threading.current_thread() is self._thread
+
     def drain(self) -> None:
         """Block until all queued jobs have run."""
         with self._idle:
@@ -143,8 +147,12 @@ class Group:
         rank: this member's index in the group (0..size-1).
         size: number of members.
         name: identical on every member; keys caches and diagnostics.
-        backend: "gloo", "nccl" or "threads".
+        backend: "gloo", "nccl", "shm", "shm+torch" or "threads".
         timeout: how long any single wait may block.
+        native_blocks: True where `native` does the work itself before it returns (shared
+            memory) instead of handing it to a backend: dtrain.comm then runs native
+            collectives on the group's executor, like its own algorithms, so that async
+            calls still overlap with the caller.
     """
 
     rank: int
@@ -152,6 +160,7 @@ class Group:
     name: str
     backend: str
     timeout: timedelta
+    native_blocks = False
 
     def __init__(self, executor_name: str) -> None:
         self.executor = SerialExecutor(executor_name)
@@ -172,6 +181,10 @@ class Group:
             buffer = self._scratch[key] = torch.empty(like.numel(), dtype=like.dtype,
                                                       device=like.device)
         return buffer[: like.numel()]
+
+    def close(self) -> None:
+        """Stop this group's executor (and its sub-groups'); the world is shutting down."""
+        self.executor.close()
 
     def global_rank(self, group_rank: int) -> int:
         raise NotImplementedError
@@ -220,18 +233,23 @@ class TorchGroup(Group):
     def native(self, op: str, *args: Any, **kwargs: Any) -> Handle:
         return _TORCH_NATIVE[op](self, *args, **kwargs)
 
-    def _kv(self) -> dist.Store:
+    @property
+    def below(self) -> TorchGroup:
+        """The torch process group's own Group: this one."""
+        return self
+
+    def kv(self) -> dist.Store:
+        """The job's key-value store (the one every rank joined at init), under a prefix."""
         if self._store is None:
-            # The store every rank joined at init (TCPStore or the launcher's), under a prefix.
             default = dist.distributed_c10d._get_default_store()
             self._store = dist.PrefixStore("dtrain/comm/", default)
         return self._store
 
     def store_set(self, key: str, value: str) -> None:
-        self._kv().set(key, value)
+        self.kv().set(key, value)
 
     def store_get(self, key: str) -> str | None:
-        store = self._kv()
+        store = self.kv()
         return store.get(key).decode() if store.check([key]) else None
 
 
@@ -293,3 +311,45 @@ _TORCH_NATIVE: dict[str, Callable[..., Handle]] = {
     "broadcast": _broadcast, "reduce": _reduce, "scatter": _scatter, "gather": _gather,
     "all_to_all": _all_to_all, "barrier": _barrier,
 }
+
+
+class OverTorch(Group):
+    """A transport of dtrain's own stacked on a torch group of the same ranks (`below`),
+    which carries what the transport does not: point-to-point messages and the store.
+
+    Subclasses implement `native` for the collectives they move themselves.
+    """
+
+    def __init__(self, below: TorchGroup, executor_name: str) -> None:
+        self.below = below
+        self.rank, self.size, self.name = below.rank, below.size, below.name
+        self.timeout = below.timeout
+        super().__init__(executor_name)
+
+    def close(self) -> None:
+        super().close()
+        self.below.close()
+
+    def global_rank(self, group_rank: int) -> int:
+        return self.below.global_rank(group_rank)
+
+    def isend(self, tensor: torch.Tensor, peer: int) -> Handle:
+        return self.below.isend(tensor, peer)
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> Handle:
+        return self.below.irecv(tensor, peer)
+
+    def store_set(self, key: str, value: str) -> None:
+        self.below.store_set(key, value)
+
+    def store_get(self, key: str) -> str | None:
+        return self.below.store_get(key)
+
+    def run_now(self, job: Callable[[], None]) -> None:
+        """Run `job` in this thread, after the work queued on this group (inline when
+        called from the group's own executor, whose queue holds the caller itself)."""
+        if self.executor.on_worker():
+            job()
+        else:
+            self.executor.run(job)
+

@@ -22,6 +22,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 
+from dtrain.comm import segment
 from dtrain.errors import ConfigError, LaunchError
 from dtrain.launch import exits
 
@@ -178,6 +179,7 @@ def launch(spec: LaunchSpec) -> None:
         finally:
             os.environ.clear()
             os.environ.update(saved)
+            segment.sweep(segment.sanitize(run_id))  # shm segments a killed rank left named
             sys.stdout.flush()
 
 

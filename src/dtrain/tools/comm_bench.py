@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # torch is imported on use, so `dtrain --help` starts without
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 DEFAULT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 ALGORITHMS = ("native", "ring", "tree", "halving_doubling", "auto")  # no torch import for --help
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "shm")
 SECONDS_PER_POINT = 0.5  # timed calls per row: about this long, at most --iters
 WARMUP_SECONDS = 0.1  # warm-up calls after the first: about this long, at most --warmup - 1
 ROUNDS = 20  # the timed calls of the algorithms at one size take turns in this many rounds
@@ -239,15 +239,15 @@ def parse_backends(text: str) -> tuple[str, ...]:
     backends = tuple(dict.fromkeys(b.strip() for b in text.split(",") if b.strip()))
     for backend in backends:
         if backend not in BACKENDS:
-            raise ConfigError(f"--backend {backend!r} is not available: use gloo, or nccl "
-                              "where CUDA is available")
+            raise ConfigError(f"--backend {backend!r} is not available: use gloo, shm, or "
+                              "nccl where CUDA is available")
     if "nccl" in backends:
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("--backend nccl needs CUDA, which this machine lacks: use gloo")
     if not backends:
-        raise ConfigError("--backend is empty: use gloo, or nccl where CUDA is available")
+        raise ConfigError("--backend is empty: use gloo, shm, or nccl where CUDA is available")
     return backends
 
 
@@ -295,8 +295,9 @@ def bench(opts: Options) -> list[Record]:
     show = _printer(world.rank == 0)
     records: list[Record] = []
     for backend in opts.backends:
-        pg = dist.group.WORLD if backend == world.backend else dist.new_group(backend=backend)
-        group = comm.resolve(pg)
+        pg = dist.group.WORLD if backend == world.backend else dist.new_group(
+            backend="gloo" if backend == "shm" else backend)
+        group = comm.wrap(pg, backend)
         device = _device(backend, world.local_rank)
         show(f"# dtrain bench comm: {group.size} ranks, {backend}, float32 (op sum, root 0), "
              f"ring segments of {ring.SEGMENT_BYTES} B")

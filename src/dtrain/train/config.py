@@ -89,7 +89,8 @@ class ParallelConfig:
     grad_dtype: str = "fp32"
     """Dtype gradients are communicated in: fp32, bf16 or fp16."""
     backend: str = "auto"
-    """torch.distributed backend: auto (NCCL with CUDA, else gloo), gloo or nccl."""
+    """Collective backend: auto (NCCL with CUDA, else gloo), gloo, nccl, or shm (shared
+    memory between the ranks of a host, hierarchical across hosts)."""
 
 
 @dataclass
@@ -131,7 +132,7 @@ CHOICES = {
     "optimizer.name": ("adamw", "adam", "sgd"),
     "optimizer.schedule": ("cosine", "constant"),
     "parallel.grad_dtype": ("fp32", "bf16", "fp16"),
-    "parallel.backend": ("auto", "gloo", "nccl"),
+    "parallel.backend": ("auto", "gloo", "nccl", "shm"),
 }
 POSITIVE = {"model.vocab_size", "model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",

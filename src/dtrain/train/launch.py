@@ -23,6 +23,8 @@ def train_command(args: argparse.Namespace) -> None:
     overrides = list(args.overrides)
     if args.nproc is not None:
         overrides.append(f"parallel.nproc={args.nproc}")
+    if args.backend is not None:
+        overrides.append(f"parallel.backend={args.backend}")
     config = load_config(args.config, overrides)
     if args.metrics:
         config.logging.metrics = args.metrics
