@@ -3,6 +3,7 @@
     world = dtrain.init()                 # rank, world_size, local_rank, ... from the launcher
     mesh = dtrain.Mesh(dp=world.world_size)
     model = dtrain.DataParallel(model, group=mesh.group("dp"))
+    model = dtrain.ZeRO(model, lambda p: torch.optim.AdamW(p), stage=3)   # or shard it
 
 Launch with `dtrain run -n 2 script.py`; `dtrain train` runs the built-in training job.
 Names are imported on first use, so the `dtrain` command starts without loading torch.
@@ -23,19 +24,21 @@ _EXPORTS = {
     "DataParallel": "dtrain.parallel.data_parallel",
     "ShardedSampler": "dtrain.train.sampler",
     "World": "dtrain.world",
+    "ZeRO": "dtrain.parallel.zero",
     "init": "dtrain.world",
     "shutdown": "dtrain.world",
 }
 
 __all__ = [
     "ConfigError", "DataParallel", "DtrainError", "LaunchError", "Mesh", "ShardedSampler",
-    "World", "init", "shutdown",
+    "World", "ZeRO", "init", "shutdown",
 ]
 
 if TYPE_CHECKING:
     from dtrain.errors import ConfigError, DtrainError, LaunchError
     from dtrain.mesh import Mesh
     from dtrain.parallel.data_parallel import DataParallel
+    from dtrain.parallel.zero import ZeRO
     from dtrain.train.sampler import ShardedSampler
     from dtrain.world import World, init, shutdown
 

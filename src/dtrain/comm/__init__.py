@@ -24,6 +24,7 @@ from dtrain.comm.collectives import (
     reduce_scatter,
     scatter,
     send,
+    traffic,
 )
 from dtrain.comm.debug import CollectiveMismatch
 from dtrain.comm.group import CollectiveTimeout, Group
@@ -34,5 +35,5 @@ from dtrain.comm.select import explain
 __all__ = [
     "AVAILABLE", "CollectiveMismatch", "CollectiveTimeout", "Group", "ReduceOp", "all_gather",
     "all_reduce", "all_to_all", "barrier", "broadcast", "explain", "gather", "recv", "reduce",
-    "reduce_scatter", "resolve", "scatter", "send", "shard_sizes", "wrap",
+    "reduce_scatter", "resolve", "scatter", "send", "shard_sizes", "traffic", "wrap",
 ]

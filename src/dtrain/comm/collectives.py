@@ -21,10 +21,24 @@ import torch
 from dtrain.comm import debug, halving_doubling, ring, select, tree
 from dtrain.comm.group import Done, Group, Handle, Then
 from dtrain.comm.groups import resolve
-from dtrain.comm.ops import AVAILABLE, ReduceOp, finish_, shard_sizes, shards
+from dtrain.comm.ops import AVAILABLE, ReduceOp, bus_factor, finish_, shard_sizes, shards
 
 GroupLike = Any  # dist.ProcessGroup | Group | None
 
+
+
+_PER_RANK_INPUT = ("all_gather", "gather")  # the whole buffer is size x the input
+
+
+def traffic(group: GroupLike = None, reset: bool = False) -> dict[str, int]:
+    """Bytes this rank has sent on `group` by collective, as a bandwidth-optimal algorithm
+    sends them (the whole buffer times `bus_factor`: 2(n-1)/n for all_reduce, (n-1)/n for
+    all_gather and reduce_scatter, ...), whatever algorithm ran. `reset` starts over."""
+    g = resolve(group)
+    counts = dict(g.traffic)
+    if reset:
+        g.traffic.clear()
+    return counts
 
 
 class Result:
@@ -54,6 +68,8 @@ def _run(what: str, g: Group, tensor: torch.Tensor, algorithm: str, async_op: bo
          finish: Callable[[], Any], **details: Any) -> Any:
     """Choose the algorithm, check consistency, run it on the right thread, and wait."""
     g.seq += 1
+    whole = tensor.numel() * tensor.element_size() * (g.size if what in _PER_RANK_INPUT else 1)
+    g.traffic[what] += int(bus_factor(what, g.size) * whole)
     if debug.enabled():  # before choosing: auto's first choice measures, itself collectively
         debug.check(g, what, tensor, algorithm, details)
     name = select.choose(what, tensor, g, algorithm, AVAILABLE[what])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
@@ -165,6 +166,7 @@ class Group:
     def __init__(self, executor_name: str) -> None:
         self.executor = SerialExecutor(executor_name)
         self.seq = 0  # collectives issued on this group so far (for diagnostics)
+        self.traffic: Counter[str] = Counter()  # op -> bytes this rank sent (dtrain.comm.traffic)
         self.cost_models: dict = {}  # op -> algorithm -> cost curve (dtrain.comm.select)
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 

@@ -28,6 +28,19 @@ AVAILABLE: dict[str, tuple[str, ...]] = {
 }
 
 
+def bus_factor(op: str, ranks: int) -> float:
+    """Bytes each rank sends per byte of the whole buffer, with a bandwidth-optimal algorithm
+    (nccl-tests' busbw / algbw): 2(n-1)/n for all_reduce, (n-1)/n where the buffer is split
+    into one piece per rank, 1 for broadcast and reduce."""
+    if op == "all_reduce":
+        return 2 * (ranks - 1) / ranks
+    if op in ("all_gather", "reduce_scatter", "scatter", "gather", "all_to_all"):
+        return (ranks - 1) / ranks
+    if op == "barrier":
+        return 0.0
+    return 1.0
+
+
 class ReduceOp(enum.Enum):
     """How values from different ranks combine."""
 

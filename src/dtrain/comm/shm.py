@@ -23,8 +23,8 @@ rank write the next step while slower ranks still read the last one.
   place in their own tensor (their part is an operand of the first operation only) and
   then copy the result to their slot, which spares a write to memory the cache lacks. The
   ranks reduce in parallel; each element is reduced by one rank, so all ranks hold
-  bitwise-identical results. C chunks take C+1 epochs; per rank about (n-1)/n m written in, m read and m/n
-  written by the reduction, m copied back: (C+1) alpha + ~3.5 m / B_mem.
+  bitwise-identical results. C chunks take C+1 epochs; per rank about (n-1)/n m written
+  in, m read and m/n written by the reduction, m copied back: (C+1) alpha + ~3 m / B_mem.
 - reduce_scatter, all_gather, broadcast: one epoch per chunk; barrier: one epoch.
 - reduce: all_reduce whose result only the root copies out.
 scatter, gather, all_to_all and point-to-point messages (which dtrain's ring, tree and

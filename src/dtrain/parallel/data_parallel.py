@@ -19,7 +19,6 @@ Run it with `dtrain run -n 2 train.py`, where train.py does::
 from __future__ import annotations
 
 import contextlib
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +28,7 @@ from torch import nn
 from dtrain import comm
 from dtrain.errors import DtrainError
 from dtrain.parallel.buckets import Bucket, build_buckets
+from dtrain.parallel.replicas import broadcast_state, check_same_model
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -41,24 +41,6 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
     if value not in _DTYPES:
         raise DtrainError(f"unknown dtype {value!r}: use one of {', '.join(_DTYPES)}")
     return _DTYPES[value]
-
-
-def _check_same_model(params: list[nn.Parameter], group: comm.Group) -> None:
-    """Fail with the first disagreeing rank if replicas differ in parameter count or shapes."""
-    shapes = ";".join(f"{tuple(p.shape)}{p.dtype}" for p in params)
-    signature = torch.tensor(
-        [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode())],
-        dtype=torch.int64,
-    )
-    everyone = comm.all_gather(signature.view(1, -1), group=group)
-    for group_rank, other in enumerate(everyone):
-        if not torch.equal(other, everyone[0]):
-            rank, first = group.global_rank(group_rank), group.global_rank(0)
-            raise DtrainError(
-                f"DataParallel: rank {rank} has a different model than rank {first} "
-                f"({other[0]} parameters / {other[1]} elements vs {everyone[0][0]} / "
-                f"{everyone[0][1]}, or different shapes): build the same model on every rank"
-            )
 
 
 class DataParallel(nn.Module):
@@ -112,14 +94,8 @@ class DataParallel(nn.Module):
                     self._make_hook(bucket, i)
                 ))
         if self.size > 1:
-            _check_same_model(params, self.group)
-            self._broadcast_state()
-
-    # ----------------------------------------------------------------- set-up
-    @torch.no_grad()
-    def _broadcast_state(self) -> None:
-        for tensor in [*self.module.parameters(), *self.module.buffers()]:
-            comm.broadcast(tensor.data, src=0, group=self.group)
+            check_same_model(params, self.group, "DataParallel", algorithm)
+            broadcast_state(module, self.group, algorithm)
 
     # ----------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

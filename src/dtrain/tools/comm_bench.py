@@ -100,15 +100,6 @@ def element_count(op: str, nbytes: int, ranks: int) -> int:
     return count
 
 
-def bus_factor(op: str, ranks: int) -> float:
-    """busbw / algbw for `op` on `ranks` ranks, as nccl-tests defines it."""
-    if op == "all_reduce":
-        return 2 * (ranks - 1) / ranks
-    if op in ("all_gather", "reduce_scatter"):
-        return (ranks - 1) / ranks
-    return 1.0
-
-
 @dataclass(frozen=True)
 class Options:
     """A checked `dtrain bench comm` command line."""
@@ -334,6 +325,7 @@ def _bench_op(op: str, algorithms: list[str], group: Group, backend: str,
     import torch
 
     from dtrain import comm
+    from dtrain.comm.ops import bus_factor
 
     n = group.size
     factor = bus_factor(op, n)

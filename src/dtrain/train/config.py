@@ -8,7 +8,7 @@ wrong types and values out of range are errors that name the key and say what fi
     [data]      path = "corpus/"        # text file or folder; default: Python's stdlib
     [optimizer] name = "adamw", lr = 3e-3, warmup_steps = 20
     [train]     steps = 400, batch_size = 32, eval_every = 100, out_dir = "runs/default"
-    [parallel]  nproc = 2, bucket_mb = 25, grad_dtype = "fp32"
+    [parallel]  nproc = 2, bucket_mb = 25, grad_dtype = "fp32", zero = 0
     [checkpoint] every = 0, keep_last = 2
     [logging]   metrics = "metrics.jsonl", log_every = 10
 """
@@ -91,6 +91,11 @@ class ParallelConfig:
     backend: str = "auto"
     """Collective backend: auto (NCCL with CUDA, else gloo), gloo, nccl, or shm (shared
     memory between the ranks of a host, hierarchical across hosts)."""
+    zero: int = 0
+    """Shard model state across the data-parallel ranks (dtrain.ZeRO): 1 optimizer state,
+    2 and gradients, 3 and parameters; 0 replicates it (DataParallel)."""
+    mixed_precision: str = "fp32"
+    """With zero > 0: compute and communicate in bf16 or fp16 over fp32 master weights."""
 
 
 @dataclass
@@ -133,6 +138,8 @@ CHOICES = {
     "optimizer.schedule": ("cosine", "constant"),
     "parallel.grad_dtype": ("fp32", "bf16", "fp16"),
     "parallel.backend": ("auto", "gloo", "nccl", "shm"),
+    "parallel.zero": (0, 1, 2, 3),
+    "parallel.mixed_precision": ("fp32", "bf16", "fp16"),
 }
 POSITIVE = {"model.vocab_size", "model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
@@ -187,7 +194,8 @@ def _validate(config: Config) -> None:
         for f in dataclasses.fields(getattr(config, section.name)):
             key, value = f"{section.name}.{f.name}", getattr(getattr(config, section.name), f.name)
             if key in CHOICES and value not in CHOICES[key]:
-                raise ConfigError(f"{key} = {value!r} must be one of {', '.join(CHOICES[key])}")
+                options = ", ".join(map(str, CHOICES[key]))
+                raise ConfigError(f"{key} = {value!r} must be one of {options}")
             if key in POSITIVE and value <= 0:
                 raise ConfigError(f"{key} = {value!r} must be positive")
             if key in NON_NEGATIVE and value < 0:
@@ -202,6 +210,13 @@ def _validate(config: Config) -> None:
         raise ConfigError(f"model.vocab_size = {m.vocab_size} must be at least 256 (bytes)")
     if len(config.optimizer.betas) != 2:
         raise ConfigError("optimizer.betas must have two numbers, e.g. [0.9, 0.95]")
+    p = config.parallel
+    if p.mixed_precision != "fp32" and not p.zero:
+        raise ConfigError(f"parallel.mixed_precision = {p.mixed_precision!r} needs parallel.zero "
+                          "= 1, 2 or 3 (DataParallel takes parallel.grad_dtype)")
+    if p.zero and p.grad_dtype != "fp32":
+        raise ConfigError("parallel.grad_dtype is for DataParallel; with parallel.zero set "
+                          "parallel.mixed_precision instead")
 
 
 def per_rank_batch(config: Config, dp_size: int) -> int:

@@ -4,8 +4,9 @@
     dtrain train my.toml --set train.steps=500    # your config, one key overridden
 
 Every rank builds the same model, takes its shard of each global batch, and averages
-gradients through DataParallel. Rank 0 prints progress, writes metrics and checkpoints,
-and finally prints a sample of generated text.
+gradients through DataParallel, or with `[parallel] zero = 1|2|3` shards the model state
+with dtrain.ZeRO (each rank then writes its own shard of every checkpoint). Rank 0 prints
+progress, writes metrics and checkpoints, and finally prints a sample of generated text.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dtrain import world as world_mod
 from dtrain.mesh import Mesh
 from dtrain.models.gpt import GPT
 from dtrain.parallel.data_parallel import DataParallel
+from dtrain.parallel.zero import ZeRO
 from dtrain.train import checkpoint
 from dtrain.train.config import Config, OptimizerConfig, per_rank_batch
 from dtrain.train.data import ByteSequences, batches, read_corpus, split
@@ -95,9 +97,16 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
 
     torch.manual_seed(tc.seed)
     gpt = GPT(mc).to(world.device)
-    model = DataParallel(gpt, group=dp_group, bucket_mb=config.parallel.bucket_mb,
-                         grad_dtype=config.parallel.grad_dtype)
-    optimizer = build_optimizer(model, config.optimizer)
+    pc = config.parallel
+    if pc.zero:
+        model = ZeRO(gpt, lambda _: build_optimizer(gpt, config.optimizer), stage=pc.zero,
+                     group=dp_group, bucket_mb=pc.bucket_mb,
+                     mixed_precision=None if pc.mixed_precision == "fp32" else pc.mixed_precision)
+        optimizer = model.optimizer
+    else:
+        model = DataParallel(gpt, group=dp_group, bucket_mb=pc.bucket_mb,
+                             grad_dtype=pc.grad_dtype)
+        optimizer = build_optimizer(model, config.optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, tc.steps, config.optimizer)
     )
@@ -106,8 +115,9 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     progress = Progress(tc.steps, config.logging.log_every, enabled=world.is_main)
     metrics = MetricsLog(metrics_path or config.logging.metrics, enabled=world.is_main)
     n_params = sum(p.numel() for p in gpt.parameters())
+    how = f"ZeRO stage {pc.zero}" if pc.zero else "data parallel"
     progress.write(
-        f"dtrain: {world.world_size} rank(s), data parallel over {dp_size}; GPT "
+        f"dtrain: {world.world_size} rank(s), {how} over {dp_size}; GPT "
         f"{n_params / 1e6:.2f}M parameters; {len(train_data):,} training sequences of "
         f"{mc.block_size} bytes; global batch {tc.batch_size}"
     )
@@ -128,14 +138,20 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
             x, y = (t.to(world.device) for t in next(stream))
             last = micro == tc.grad_accum - 1
             with contextlib.nullcontext() if last else model.no_sync():
-                loss = model(x, y)[1] / tc.grad_accum
-                loss.backward()
-        if config.optimizer.grad_clip > 0:
-            # Gradients are already averaged, hence identical on every rank.
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)
-        optimizer.step()
+                loss = model(x, y)[1].float() / tc.grad_accum
+                model.backward(loss) if pc.zero else loss.backward()
+        clip = config.optimizer.grad_clip
+        if pc.zero:
+            if clip > 0:
+                model.clip_grad_norm_(clip)  # the global norm, across the shards
+            model.step()
+            model.zero_grad()
+        else:
+            if clip > 0:  # gradients are already averaged, hence identical on every rank
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
         step_loss = _mean_over(loss.item() * tc.grad_accum, dp_group, world.device)
         elapsed = time.perf_counter() - start
         losses.append(step_loss)
@@ -149,6 +165,10 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     progress.close()
     run_eval(tc.steps)
     path = save_checkpoint(out_dir, tc.steps, model, optimizer, config, world.is_main)
+    if pc.zero and config.logging.sample_tokens:  # a whole copy to sample from
+        weights = model.state_dict()
+        gpt = GPT(mc).to(world.device)
+        gpt.load_state_dict(weights)
     if world.is_main:
         progress.write(f"checkpoint: {path}")
         if config.logging.sample_tokens:
@@ -159,8 +179,13 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
 
 def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, config: Config, is_main: bool) -> Path:
-    """Rank 0 writes the (replicated) state; the others wait so nobody reads a half file."""
+    """Rank 0 writes the (replicated) state; the others wait so nobody reads a half file.
+    Under ZeRO every rank writes its shard (dtrain.train.checkpoint.save_shards)."""
     folder = out_dir / "checkpoints"
+    if isinstance(model, ZeRO):
+        state = {"step": step, "zero": model.sharded_state_dict(), "config": config.to_dict()}
+        return checkpoint.save_shards(folder, step, state, config.checkpoint.keep_last,
+                                      model.group)
     path = folder / f"step-{step:08d}.pt"
     if is_main:
         state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),

@@ -1,0 +1,37 @@
+"""Replicas that start identical: the same model checked on every rank, state broadcast."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from dtrain import comm
+from dtrain.errors import DtrainError
+
+
+def check_same_model(params: list[nn.Parameter], group: comm.Group, who: str,
+                     algorithm: str = "auto") -> None:
+    """Fail with the first disagreeing rank if replicas differ in parameter count or shapes."""
+    shapes = ";".join(f"{tuple(p.shape)}{p.dtype}" for p in params)
+    signature = torch.tensor(
+        [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode())],
+        dtype=torch.int64,
+    )
+    everyone = comm.all_gather(signature.view(1, -1), group=group, algorithm=algorithm)
+    for group_rank, other in enumerate(everyone):
+        if not torch.equal(other, everyone[0]):
+            rank, first = group.global_rank(group_rank), group.global_rank(0)
+            raise DtrainError(
+                f"{who}: rank {rank} has a different model than rank {first} "
+                f"({other[0]} parameters / {other[1]} elements vs {everyone[0][0]} / "
+                f"{everyone[0][1]}, or different shapes): build the same model on every rank"
+            )
+
+
+@torch.no_grad()
+def broadcast_state(module: nn.Module, group: comm.Group, algorithm: str = "auto") -> None:
+    """Copy the group's first rank's parameters and buffers into every rank's module."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        comm.broadcast(tensor.data, src=0, group=group, algorithm=algorithm)

@@ -1,0 +1,208 @@
+"""ZeRO's state in and out: full (unsharded) for export, sharded for checkpoints.
+
+Every rank holds, per flat unit, one shard of the master weights and of each per-element
+optimizer state tensor (Adam's exp_avg and exp_avg_sq, SGD's momentum buffer). A shard
+covers pieces of a few parameters, so state is described per parameter as *segments*:
+(lo, hi, values) = elements [lo, hi) of the flattened parameter. That description does not
+depend on the number of ranks, which is what lets a sharded checkpoint written by N ranks
+be loaded by M: each new rank copies, for the elements it owns, whatever segments of the
+old shards overlap them.
+
+- full_state / full_optimizer_state: all-gather each unit and cut it into parameters;
+  the result has the keys and layout of the unwrapped module's state_dict and of the
+  original optimizer's state_dict (collective; every rank gets it).
+- sharded_state / load_sharded_state: this rank's segments, and loading from the
+  segments of all ranks of an earlier run (of any size).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dtrain import comm
+from dtrain.errors import DtrainError
+
+if TYPE_CHECKING:
+    from dtrain.parallel.zero import ZeRO, _Unit
+
+FORMAT = "dtrain.zero/1"
+Segments = dict[str, list[tuple[int, int, torch.Tensor]]]  # name -> (lo, hi, values)
+
+
+def per_element_keys(z: ZeRO) -> tuple[list[str], list[dict[str, torch.Tensor]]]:
+    """The optimizer's per-element state keys, and its per-group scalar state (e.g. step)."""
+    keys: dict[str, None] = {}
+    scalars: list[dict[str, torch.Tensor]] = [{} for _ in z.optimizer.param_groups]
+    for k, group in enumerate(z.optimizer.param_groups):
+        for piece in group["params"]:
+            for key, value in z.optimizer.state.get(piece, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if value.shape != piece.shape:
+                        raise DtrainError(f"ZeRO: optimizer state {key!r} is not per element; "
+                                          "use an element-wise optimizer (SGD, Adam, AdamW)")
+                    keys[key] = None
+                elif value is not None:
+                    scalars[k][key] = value if isinstance(value, torch.Tensor) \
+                        else torch.tensor(value)
+    return list(keys), scalars
+
+
+def _state_shard(unit: _Unit, z: ZeRO, key: str) -> torch.Tensor:
+    """Optimizer state `key` laid out like the unit's master shard (zeros where none)."""
+    out = torch.zeros_like(unit.master, dtype=torch.float32)
+    for _, lo, hi, piece in unit.pieces:
+        value = z.optimizer.state.get(piece, {}).get(key)
+        if value is not None:
+            out[lo:hi] = value
+    return out
+
+
+def _gather_unit(z: ZeRO, unit: _Unit, shard: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The unit's parameters (by name, flattened) from every rank's `shard`."""
+    whole = comm.all_gather(shard.contiguous(), group=z.group, algorithm=z.algorithm).view(-1)
+    return {span.name: whole[span.at : span.at + span.hi - span.lo]
+            for span in unit.flat.spans(0, unit.flat.numel)}
+
+
+@torch.no_grad()
+def full_state(z: ZeRO) -> dict[str, Any]:
+    """The unwrapped module's state_dict, parameters from the master weights."""
+    values: dict[str, torch.Tensor] = {}
+    for unit in z._units:
+        values.update(_gather_unit(z, unit, unit.master))
+    out = {}
+    for name, tensor in z.module.state_dict(keep_vars=True).items():
+        source = z.alias.get(name)
+        out[name] = (values[source].view(tensor.shape).to(z.param_dtype).clone()
+                     if source is not None else tensor.detach().clone())
+    return out
+
+
+@torch.no_grad()
+def full_optimizer_state(z: ZeRO) -> dict[str, Any]:
+    """The original optimizer's state_dict: parameters numbered in its groups' order."""
+    keys, scalars = per_element_keys(z)
+    gathered: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for unit in z._units:
+        for key in keys:
+            for name, value in _gather_unit(z, unit, _state_shard(unit, z, key)).items():
+                gathered[name][key] = value
+    state, groups, index = {}, [], 0
+    for k, names in enumerate(z.layout):
+        options = {key: v for key, v in z.optimizer.param_groups[k].items() if key != "params"}
+        groups.append({**options, "params": list(range(index, index + len(names)))})
+        for name in names:
+            if name in gathered:
+                shape = z.shapes[name]
+                state[index] = {**{key: v.clone() for key, v in scalars[k].items()},
+                                **{key: v.view(shape).clone()
+                                   for key, v in gathered[name].items()}}
+            index += 1
+    return {"state": state, "param_groups": groups}
+
+
+def sharded_state(z: ZeRO) -> dict[str, Any]:
+    """This rank's shards: master weights and optimizer state as per-parameter segments."""
+    keys, scalars = per_element_keys(z)
+    params: Segments = defaultdict(list)
+    state: dict[str, Segments] = {key: defaultdict(list) for key in keys}
+    for unit in z._units:
+        lo, hi = unit.flat.shard(z.rank)
+        shards = {key: _state_shard(unit, z, key) for key in keys}
+        for span in unit.flat.spans(lo, hi):
+            width = span.hi - span.lo
+            params[span.name].append((span.lo, span.hi,
+                                      unit.master[span.at : span.at + width].clone()))
+            for key in keys:
+                state[key][span.name].append((span.lo, span.hi,
+                                              shards[key][span.at : span.at + width].clone()))
+    return {
+        "format": FORMAT, "rank": z.rank, "world_size": z.size,
+        "params": dict(params), "state": {key: dict(v) for key, v in state.items()},
+        "scalars": scalars,
+        "param_groups": [{key: v for key, v in g.items() if key != "params"}
+                         for g in z.optimizer.param_groups],
+        "buffers": {name: b.clone() for name, b in z.module.named_buffers()},
+        "loss_scale": z.loss_scale,
+    }
+
+
+def _merge(shards: list[dict[str, Any]]) -> tuple[Segments, dict[str, Segments]]:
+    params: Segments = defaultdict(list)
+    state: dict[str, Segments] = defaultdict(lambda: defaultdict(list))
+    for shard in shards:
+        if shard.get("format") != FORMAT:
+            raise DtrainError("not a ZeRO sharded state (format missing or unknown)")
+        for name, segments in shard["params"].items():
+            params[name].extend(segments)
+        for key, per_name in shard["state"].items():
+            for name, segments in per_name.items():
+                state[key][name].extend(segments)
+    return params, state
+
+
+def _fill(unit: _Unit, rank: int, segments: Segments, out: torch.Tensor) -> None:
+    """Copy into `out` (laid out like the unit's shard) the elements `segments` hold."""
+    lo, hi = unit.flat.shard(rank)
+    for span in unit.flat.spans(lo, hi):
+        covered = 0
+        for s_lo, s_hi, values in segments.get(span.name, ()):
+            a, b = max(span.lo, s_lo), min(span.hi, s_hi)
+            if a < b:
+                out[span.at + a - span.lo : span.at + b - span.lo] = values[a - s_lo : b - s_lo]
+                covered += b - a
+        if covered < span.hi - span.lo:
+            raise DtrainError(f"ZeRO state is missing elements of parameter {span.name!r}: "
+                              "pass the shards of every rank of the run that saved it")
+
+
+@torch.no_grad()
+def load_segments(z: ZeRO, params: Segments, state: dict[str, Segments] | None,
+                  scalars: list[dict[str, torch.Tensor]] | None,
+                  param_groups: list[dict[str, Any]] | None) -> None:
+    """Set master weights (and optimizer state) from per-parameter segments."""
+    scalars = scalars or [{} for _ in z.optimizer.param_groups]
+    for unit in z._units:
+        _fill(unit, z.rank, params, unit.master)
+        if state is None:
+            continue
+        shards = {}
+        for key, segments in state.items():
+            shards[key] = torch.zeros_like(unit.master, dtype=torch.float32)
+            _fill(unit, z.rank, segments, shards[key])
+        for group, lo, hi, piece in unit.pieces:
+            z.optimizer.state[piece] = {
+                **{key: v.clone() for key, v in scalars[group].items()},
+                **{key: shards[key][lo:hi].to(piece.dtype).clone() for key in shards},
+            }
+    if state is not None:  # empty placeholder pieces carry the group's scalars too
+        for k, group in enumerate(z.optimizer.param_groups):
+            for piece in group["params"]:
+                if piece.numel() == 0:
+                    z.optimizer.state[piece] = {
+                        **{key: v.clone() for key, v in scalars[k].items()},
+                        **{key: piece.detach().clone() for key in state}}
+    if param_groups is not None:
+        for group, options in zip(z.optimizer.param_groups, param_groups, strict=True):
+            group.update(options)
+    z.refresh_parameters()
+
+
+def load_sharded_state(z: ZeRO, shards: list[dict[str, Any]]) -> None:
+    """Load the sharded states of all ranks of a run (any number of ranks)."""
+    params, state = _merge(shards)
+    first = shards[0]
+    load_segments(z, params, state, first["scalars"], first["param_groups"])
+    for name, buffer in z.module.named_buffers():
+        if name in first["buffers"]:
+            buffer.copy_(first["buffers"][name])
+    z.loss_scale = first["loss_scale"]
+
+
+def whole(tensors: dict[str, torch.Tensor], names: list[str]) -> Segments:
+    """Full tensors as segments covering each parameter entirely."""
+    return {name: [(0, tensors[name].numel(), tensors[name].reshape(-1))] for name in names
+            if name in tensors}
