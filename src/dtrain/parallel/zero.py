@@ -422,8 +422,7 @@ class ZeRO(nn.Module):
             self._good_steps += 1
             if self._good_steps % GROWTH_INTERVAL == 0:
                 self._scale *= 2
-        if self.stage < 3:
-            self.refresh_parameters()
+        self.refresh_parameters()
         return True
 
     @torch.no_grad()
@@ -512,7 +511,7 @@ class ZeRO(nn.Module):
         state = {key: zero_state.whole(values, names) for key, values in per_key.items()}
         options = [{key: v for key, v in g.items() if key != "params"}
                    for g in state_dict["param_groups"]]
-        masters = zero_state.sharded_state(self)["params"]  # kept as they are
+        masters = zero_state.master_segments(self)  # kept as they are
         zero_state.load_segments(self, masters, state, scalars, options)
 
     def sharded_state_dict(self) -> dict[str, Any]:

@@ -26,6 +26,9 @@ from dtrain import comm
 from dtrain.errors import DtrainError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from dtrain.parallel.flat import Span
     from dtrain.parallel.zero import ZeRO, _Unit
 
 FORMAT = "dtrain.zero/1"
@@ -104,24 +107,37 @@ def full_optimizer_state(z: ZeRO) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+def _own_spans(z: ZeRO) -> Iterator[tuple[_Unit, Span]]:
+    """(unit, span) for every parameter range this rank's shards hold."""
+    for unit in z._units:
+        for span in unit.flat.spans(*unit.flat.shard(z.rank)):
+            yield unit, span
+
+
+def _cut(shard: torch.Tensor, span: Span) -> tuple[int, int, torch.Tensor]:
+    """The part of `shard` that `span` locates, as a segment of its parameter."""
+    return span.lo, span.hi, shard[span.at : span.at + span.hi - span.lo].clone()
+
+
+def master_segments(z: ZeRO) -> Segments:
+    """This rank's master weights, per parameter."""
+    params: Segments = defaultdict(list)
+    for unit, span in _own_spans(z):
+        params[span.name].append(_cut(unit.master, span))
+    return dict(params)
+
+
 def sharded_state(z: ZeRO) -> dict[str, Any]:
     """This rank's shards: master weights and optimizer state as per-parameter segments."""
     keys, scalars = per_element_keys(z)
-    params: Segments = defaultdict(list)
     state: dict[str, Segments] = {key: defaultdict(list) for key in keys}
-    for unit in z._units:
-        lo, hi = unit.flat.shard(z.rank)
-        shards = {key: _state_shard(unit, z, key) for key in keys}
-        for span in unit.flat.spans(lo, hi):
-            width = span.hi - span.lo
-            params[span.name].append((span.lo, span.hi,
-                                      unit.master[span.at : span.at + width].clone()))
-            for key in keys:
-                state[key][span.name].append((span.lo, span.hi,
-                                              shards[key][span.at : span.at + width].clone()))
+    shards = {id(unit): {key: _state_shard(unit, z, key) for key in keys} for unit in z._units}
+    for unit, span in _own_spans(z):
+        for key in keys:
+            state[key][span.name].append(_cut(shards[id(unit)][key], span))
     return {
         "format": FORMAT, "rank": z.rank, "world_size": z.size,
-        "params": dict(params), "state": {key: dict(v) for key, v in state.items()},
+        "params": master_segments(z), "state": {key: dict(v) for key, v in state.items()},
         "scalars": scalars,
         "param_groups": [{key: v for key, v in g.items() if key != "params"}
                          for g in z.optimizer.param_groups],

@@ -166,9 +166,10 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     run_eval(tc.steps)
     path = save_checkpoint(out_dir, tc.steps, model, optimizer, config, world.is_main)
     if pc.zero and config.logging.sample_tokens:  # a whole copy to sample from
-        weights = model.state_dict()
-        gpt = GPT(mc).to(world.device)
-        gpt.load_state_dict(weights)
+        weights = model.state_dict()  # collective: every rank takes part
+        if world.is_main:
+            gpt = GPT(mc).to(world.device)
+            gpt.load_state_dict(weights)
     if world.is_main:
         progress.write(f"checkpoint: {path}")
         if config.logging.sample_tokens:
