@@ -3,6 +3,8 @@
 The test process hosts the rendezvous store itself on a port the OS picks (so no two tests
 race for a port) and its children join it the way ranks under torchrun join the agent's
 store. A rank that raises, dies or outlives the timeout fails the test with its rank named.
+Arguments travel as torch.save bytes, so each rank gets its own copy (pickled tensors would
+share memory with the parent and with every other rank).
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ import torch
 import torch.distributed as dist
 
 
-def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple, out) -> None:
+def _child(fn: Callable[..., Any], rank: int, env: dict[str, str], args: bytes, out) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
         import dtrain
 
         dtrain.init()
-        result = fn(*args)
+        result = fn(*torch.load(io.BytesIO(args), weights_only=False))
         buffer = io.BytesIO()
         torch.save(result, buffer)
         out.put((rank, "ok", buffer.getvalue()))
@@ -64,6 +66,8 @@ def run_ranks(
     )
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    packed = io.BytesIO()
+    torch.save(args, packed)
     procs = []
     for rank in range(world_size):
         child_env = {
@@ -74,7 +78,8 @@ def run_ranks(
             "DTRAIN_TIMEOUT": str(collective_timeout), "OMP_NUM_THREADS": "1",
             **(env or {}),
         }
-        proc = ctx.Process(target=_child, args=(fn, rank, child_env, args, out), daemon=True)
+        proc = ctx.Process(target=_child, args=(fn, rank, child_env, packed.getvalue(), out),
+                           daemon=True)
         proc.start()
         procs.append(proc)
     results: dict[int, Any] = {}

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dtrain.train import checkpoint
 from tests.cli import dtrain, one_error_line
@@ -73,12 +74,38 @@ def test_zero_stage_3_run_learns_and_writes_shards(tmp_path: Path) -> None:
     assert [s["zero"]["rank"] for s in shards] == [0, 1] and shards[0]["step"] == 20
 
 
+def test_dp2_tp2_run_equals_one_process(tmp_path: Path) -> None:
+    """[parallel] tp = 2 on 4 ranks (dp = 2 outside): the same losses and final weights as
+    one process on the global batch; the checkpoint holds the whole, unsplit model."""
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY.replace("steps = 40", "steps = 6").replace("eval_every = 20",
+                                                                       "eval_every = 0"))
+    runs = {}
+    for name, args in (("one", ["-n", "1"]), ("dp2tp2", ["-n", "4", "--set", "parallel.tp=2"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        result = dtrain("train", str(config), *args, "--set",
+                        f"train.out_dir='{tmp_path / name}'", "--set", "logging.sample_tokens=0",
+                        "--metrics", str(metrics), timeout=170)
+        assert result.returncode == 0, result.stdout + result.stderr
+        losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines())
+                  if "loss" in r]
+        runs[name] = (losses, checkpoint.load(tmp_path / name / "checkpoints"), result.stdout)
+    assert "tensor parallel over 2 x data parallel over 2" in runs["dp2tp2"][2]
+    torch.testing.assert_close(runs["dp2tp2"][0], runs["one"][0])
+    torch.testing.assert_close(runs["dp2tp2"][1]["model"], runs["one"][1]["model"])
+    torch.testing.assert_close(runs["dp2tp2"][1]["optimizer"]["state"],
+                               runs["one"][1]["optimizer"]["state"])
+
+
 @pytest.mark.parametrize("args, message, code", [
     (["--set", "train.stepz=3"], "did you mean 'train.steps'", 2),
     (["--set", "train.batch_size=15"], "make it a multiple of 2", 2),
     (["--set", "parallel.dp=3"], "make the product equal 2", 2),
     (["--set", "parallel.zero=4"], "must be one of 0, 1, 2, 3", 2),
     (["--set", "parallel.mixed_precision='bf16'"], "needs parallel.zero", 2),
+    (["--set", "parallel.tp=3"], "parallel.tp = 3 does not divide model.n_head = 4", 2),
+    (["--set", "parallel.tp=4"], "does not divide the world size 2", 2),
+    (["--set", "parallel.tp=2", "--set", "parallel.zero=2"], "not supported yet", 2),
     (["--set", "data.path='/nonexistent/corpus'", "-n", "1"], "does not exist", 2),
     (["/nonexistent/config.toml"], "not found", 2),
 ])

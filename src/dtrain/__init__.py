@@ -4,6 +4,7 @@
     mesh = dtrain.Mesh(dp=world.world_size)
     model = dtrain.DataParallel(model, group=mesh.group("dp"))
     model = dtrain.ZeRO(model, lambda p: torch.optim.AdamW(p), stage=3)   # or shard it
+    dtrain.tensor_parallel.parallelize(model, plan, mesh.group("tp"))     # or split layers
 
 Launch with `dtrain run -n 2 script.py`; `dtrain train` runs the built-in training job.
 Names are imported on first use, so the `dtrain` command starts without loading torch.
@@ -28,6 +29,7 @@ _EXPORTS = {
     "init": "dtrain.world",
     "shutdown": "dtrain.world",
 }
+_SUBPACKAGES = ("comm", "tensor_parallel", "testing")
 
 __all__ = [
     "ConfigError", "DataParallel", "DtrainError", "LaunchError", "Mesh", "ShardedSampler",
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"dtrain.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'dtrain' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)

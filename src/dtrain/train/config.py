@@ -8,7 +8,7 @@ wrong types and values out of range are errors that name the key and say what fi
     [data]      path = "corpus/"        # text file or folder; default: Python's stdlib
     [optimizer] name = "adamw", lr = 3e-3, warmup_steps = 20
     [train]     steps = 400, batch_size = 32, eval_every = 100, out_dir = "runs/default"
-    [parallel]  nproc = 2, bucket_mb = 25, grad_dtype = "fp32", zero = 0
+    [parallel]  nproc = 2, tp = 1, bucket_mb = 25, grad_dtype = "fp32", zero = 0
     [checkpoint] every = 0, keep_last = 2
     [logging]   metrics = "metrics.jsonl", log_every = 10
 """
@@ -83,7 +83,10 @@ class ParallelConfig:
     nproc: int = 2
     """Ranks started on this machine by `dtrain train` (ignored under another launcher)."""
     dp: int = 0
-    """Data-parallel degree; 0 means all ranks."""
+    """Data-parallel degree; 0 means all ranks left after tp."""
+    tp: int = 1
+    """Tensor-parallel degree: each layer's weights split across this many consecutive
+    ranks (dtrain.tensor_parallel); data parallelism runs over the rest."""
     bucket_mb: float = 25.0
     """Gradient bucket size for data parallelism, in MB."""
     grad_dtype: str = "fp32"
@@ -143,8 +146,8 @@ CHOICES = {
 }
 POSITIVE = {"model.vocab_size", "model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
-            "train.eval_batches", "parallel.nproc", "parallel.bucket_mb", "checkpoint.keep_last",
-            "optimizer.lr", "logging.log_every"}
+            "train.eval_batches", "parallel.nproc", "parallel.tp", "parallel.bucket_mb",
+            "checkpoint.keep_last", "optimizer.lr", "logging.log_every"}
 NON_NEGATIVE = {"model.dropout", "optimizer.weight_decay", "optimizer.momentum",
                 "optimizer.warmup_steps", "optimizer.min_lr_ratio", "optimizer.grad_clip",
                 "train.eval_every", "parallel.dp", "checkpoint.every", "logging.sample_tokens"}
@@ -214,6 +217,13 @@ def _validate(config: Config) -> None:
     if p.mixed_precision != "fp32" and not p.zero:
         raise ConfigError(f"parallel.mixed_precision = {p.mixed_precision!r} needs parallel.zero "
                           "= 1, 2 or 3 (DataParallel takes parallel.grad_dtype)")
+    for count, what in ((m.n_head, "model.n_head"), (m.vocab_size, "model.vocab_size")):
+        if count % p.tp:
+            raise ConfigError(f"parallel.tp = {p.tp} does not divide {what} = {count}: choose "
+                              f"a tensor-parallel degree that divides {count}")
+    if p.tp > 1 and p.zero:
+        raise ConfigError("parallel.zero with parallel.tp > 1 is not supported yet: use "
+                          "parallel.zero = 0 (DataParallel over the dp axis) with tp")
     if p.zero and p.grad_dtype != "fp32":
         raise ConfigError("parallel.grad_dtype is for DataParallel; with parallel.zero set "
                           "parallel.mixed_precision instead")

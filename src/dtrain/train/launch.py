@@ -40,7 +40,7 @@ def train_command(args: argparse.Namespace) -> None:
     from dtrain.launch.runner import LaunchSpec, launch
 
     world_size = config.parallel.nproc * args.nnodes
-    layout = resolve_layout(world_size, config.parallel.dp or None, 1, 1)
+    layout = resolve_layout(world_size, config.parallel.dp or None, config.parallel.tp, 1)
     per_rank_batch(config, layout.dp)
     out_dir = Path(config.train.out_dir)
     try:

@@ -5,7 +5,9 @@
 
 Every rank builds the same model, takes its shard of each global batch, and averages
 gradients through DataParallel, or with `[parallel] zero = 1|2|3` shards the model state
-with dtrain.ZeRO (each rank then writes its own shard of every checkpoint). Rank 0 prints
+with dtrain.ZeRO (each rank then writes its own shard of every checkpoint). With
+`[parallel] tp = N` each layer is first split across N consecutive ranks
+(dtrain.tensor_parallel; tp inside, data parallel outside over the rest). Rank 0 prints
 progress, writes metrics and checkpoints, and finally prints a sample of generated text.
 """
 
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain import comm
+from dtrain import comm, tensor_parallel
 from dtrain import world as world_mod
 from dtrain.mesh import Mesh
 from dtrain.models.gpt import GPT
@@ -82,7 +84,7 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     """
     backend = None if config.parallel.backend == "auto" else config.parallel.backend
     world = world_mod.init(backend=backend)
-    mesh = Mesh(dp=config.parallel.dp or None)
+    mesh = Mesh(dp=config.parallel.dp or None, tp=config.parallel.tp)
     dp_size, dp_rank, dp_group = mesh.size("dp"), mesh.coords["dp"], mesh.group("dp")
     tc, mc = config.train, config.model
     per_rank = per_rank_batch(config, dp_size)
@@ -98,6 +100,9 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     torch.manual_seed(tc.seed)
     gpt = GPT(mc).to(world.device)
     pc = config.parallel
+    n_params = sum(p.numel() for p in gpt.parameters())
+    if pc.tp > 1:
+        tensor_parallel.parallelize(gpt, tensor_parallel.gpt_plan(mc), mesh.group("tp"))
     if pc.zero:
         model = ZeRO(gpt, lambda _: build_optimizer(gpt, config.optimizer), stage=pc.zero,
                      group=dp_group, bucket_mb=pc.bucket_mb,
@@ -114,8 +119,9 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     out_dir = Path(tc.out_dir)
     progress = Progress(tc.steps, config.logging.log_every, enabled=world.is_main)
     metrics = MetricsLog(metrics_path or config.logging.metrics, enabled=world.is_main)
-    n_params = sum(p.numel() for p in gpt.parameters())
     how = f"ZeRO stage {pc.zero}" if pc.zero else "data parallel"
+    if pc.tp > 1:
+        how = f"tensor parallel over {pc.tp} x {how}"
     progress.write(
         f"dtrain: {world.world_size} rank(s), {how} over {dp_size}; GPT "
         f"{n_params / 1e6:.2f}M parameters; {len(train_data):,} training sequences of "
@@ -147,8 +153,8 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
             model.step()
             model.zero_grad()
         else:
-            if clip > 0:  # gradients are already averaged, hence identical on every rank
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if clip > 0:  # averaged gradients: the same norm on every data-parallel rank
+                tensor_parallel.clip_grad_norm_(gpt, clip)  # split layers counted whole
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         scheduler.step()
@@ -165,8 +171,8 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     progress.close()
     run_eval(tc.steps)
     path = save_checkpoint(out_dir, tc.steps, model, optimizer, config, world.is_main)
-    if pc.zero and config.logging.sample_tokens:  # a whole copy to sample from
-        weights = model.state_dict()  # collective: every rank takes part
+    if (pc.zero or pc.tp > 1) and config.logging.sample_tokens:  # a whole copy to sample from
+        weights = model.state_dict() if pc.zero else tensor_parallel.full_state_dict(gpt)
         if world.is_main:
             gpt = GPT(mc).to(world.device)
             gpt.load_state_dict(weights)
@@ -181,15 +187,20 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
 def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, config: Config, is_main: bool) -> Path:
     """Rank 0 writes the (replicated) state; the others wait so nobody reads a half file.
-    Under ZeRO every rank writes its shard (dtrain.train.checkpoint.save_shards)."""
+    Under ZeRO every rank writes its shard (dtrain.train.checkpoint.save_shards); under
+    tensor parallelism the split tensors are gathered first, so the checkpoint holds the
+    whole model and optimizer state by the unsplit model's names."""
     folder = out_dir / "checkpoints"
     if isinstance(model, ZeRO):
         state = {"step": step, "zero": model.sharded_state_dict(), "config": config.to_dict()}
         return checkpoint.save_shards(folder, step, state, config.checkpoint.keep_last,
                                       model.group)
     path = folder / f"step-{step:08d}.pt"
+    inner = model.module  # DataParallel's; tensor_parallel's gathers are collective
+    weights = tensor_parallel.full_state_dict(inner)
+    optimizer_state = tensor_parallel.full_optimizer_state(inner, optimizer)
     if is_main:
-        state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        state = {"step": step, "model": weights, "optimizer": optimizer_state,
                  "config": config.to_dict()}
         path = checkpoint.save(folder, step, state, config.checkpoint.keep_last)
     comm.barrier()

@@ -1,0 +1,51 @@
+"""dtrain.tensor_parallel: Megatron-style tensor parallelism on dtrain.comm.
+
+Split each big layer's weights across the ranks of a tensor-parallel group, so a model too
+big for one device trains at all, and every rank computes a slice of every layer:
+
+    mesh = dtrain.Mesh(tp=2)                      # or Mesh(dp=2, tp=2): tp inside, dp outside
+    model = GPT(cfg)                              # the whole model, same seed on every rank
+    tensor_parallel.parallelize(model, tensor_parallel.gpt_plan(cfg), mesh.group("tp"))
+    model = dtrain.DataParallel(model, group=mesh.group("dp"))   # optional, over dp
+    ...
+    loss.backward()
+    tensor_parallel.clip_grad_norm_(model, 1.0)   # the norm of the whole gradient
+    state = tensor_parallel.full_state_dict(model)   # loads into the plain GPT
+
+Layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, and the
+vocab-parallel cross-entropy; their communication is in `functions` (Megatron's f and g).
+"""
+
+from dtrain.tensor_parallel.functions import (
+    copy_to_group,
+    gather_last,
+    reduce_from_group,
+    scatter_last,
+)
+from dtrain.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from dtrain.tensor_parallel.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from dtrain.tensor_parallel.parallelize import Colwise, Rowwise, Vocab, VocabLoss, parallelize
+from dtrain.tensor_parallel.plans import bert_plan, gpt_plan
+from dtrain.tensor_parallel.split import Split
+from dtrain.tensor_parallel.state import (
+    clip_grad_norm_,
+    full_grads,
+    full_optimizer_state,
+    full_state_dict,
+    load_full_state_dict,
+    parameter_bytes,
+    placements,
+)
+
+__all__ = [
+    "Colwise", "ColumnParallelLinear", "RowParallelLinear", "Rowwise", "Split", "Vocab",
+    "VocabLoss", "VocabParallelCrossEntropy", "VocabParallelEmbedding", "bert_plan",
+    "clip_grad_norm_", "copy_to_group", "full_grads", "full_optimizer_state",
+    "full_state_dict", "gather_last", "gpt_plan", "load_full_state_dict", "parallelize",
+    "parameter_bytes", "placements", "reduce_from_group", "scatter_last",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,177 @@
+"""Layers whose weight is split across a tensor-parallel group (Megatron-LM, section 3).
+
+    ColumnParallelLinear   Y_i = X A_i       output features split; gather optional
+    RowParallelLinear      Y = sum_i X_i A_i  input features split; all-reduce, bias once
+    VocabParallelEmbedding rows of the table split; ids outside a rank's rows give zeros
+
+A column-parallel layer followed by a row-parallel one (an MLP, or attention's QKV and
+output projection) communicates once forward and once backward. Each layer's `splits`
+says how its parameters are cut (dtrain.tensor_parallel.split), which is what
+`parallelize`, the state functions and gradient clipping read.
+
+Built directly, a layer initializes its own block like the torch layer it replaces;
+`parallelize` instead copies the blocks of an existing model's weights.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtrain import comm
+from dtrain.errors import ConfigError
+from dtrain.tensor_parallel.functions import (
+    copy_to_group,
+    gather_last,
+    reduce_from_group,
+    scatter_last,
+)
+from dtrain.tensor_parallel.split import Split
+
+
+def per_rank(total: int, size: int, what: str, chunks: int = 1) -> int:
+    """`total / size`, or a ConfigError naming `what` when the degree does not divide it."""
+    if total % (chunks * size):
+        parts = f" in {chunks} fused parts" if chunks > 1 else ""
+        raise ConfigError(f"tp={size} does not divide the {total // chunks} {what}{parts}: "
+                          f"choose a tensor-parallel degree that divides {total // chunks}")
+    return total // size
+
+
+def _uniform_(tensor: torch.Tensor, fan_in: int) -> None:
+    """nn.Linear's default initialization, with the fan-in of the whole layer."""
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    nn.init.uniform_(tensor, -bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """`y = x A^T + b` with the output features of A and b split across `group`.
+
+    Args:
+        in_features, out_features: the sizes of the whole layer.
+        bias: add a (split) bias.
+        gather_output: return the whole output (all-gather) instead of this rank's block.
+        group: the tensor-parallel group (e.g. `mesh.group("tp")`); default the world.
+        chunks: the output is `chunks` fused parts (3 for attention's QKV); each part is
+            split on its own so every rank gets whole heads of Q, K and V.
+        algorithm: the dtrain.comm algorithm for this layer's collectives.
+
+    Raises:
+        ConfigError: the group size does not divide the output features (of each part).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 gather_output: bool = False, group: Any = None, chunks: int = 1,
+                 algorithm: str = "auto", device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.group, self.algorithm = comm.resolve(group), algorithm
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        local = per_rank(out_features, self.group.size, "output features", chunks)
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(local, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(local, **kw)) if bias else None
+        self.splits = {"weight": Split(0, chunks), "bias": Split(0, chunks)}
+        _uniform_(self.weight, in_features)
+        if self.bias is not None:
+            _uniform_(self.bias, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_group(x, self.group, self.algorithm), self.weight, self.bias)
+        return gather_last(y, self.group, self.algorithm) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"({self.weight.shape[0]} here), gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """`y = x A^T + b` with the input features of A split across `group`.
+
+    Each rank multiplies its block of the input by its block of A; the partial products are
+    summed with one all-reduce, and the bias (replicated) is added once, after the sum.
+
+    Args:
+        in_features, out_features: the sizes of the whole layer.
+        bias: add a bias (the same on every rank).
+        input_is_parallel: the input is already this rank's block (the output of a
+            ColumnParallelLinear); if False the whole input is given and split here.
+        group, algorithm: as for ColumnParallelLinear.
+
+    Raises:
+        ConfigError: the group size does not divide the input features.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 input_is_parallel: bool = True, group: Any = None, algorithm: str = "auto",
+                 device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.group, self.algorithm = comm.resolve(group), algorithm
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        local = per_rank(in_features, self.group.size, "input features")
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, local, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        self.splits = {"weight": Split(1)}
+        _uniform_(self.weight, in_features)
+        if self.bias is not None:
+            _uniform_(self.bias, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_last(x, self.group, self.algorithm)
+        y = reduce_from_group(F.linear(x, self.weight), self.group, self.algorithm)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} ({self.weight.shape[1]} here), "
+                f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table whose rows (the vocabulary) are split across `group`.
+
+    Rank r holds rows [r*V/n, (r+1)*V/n). Each rank looks up the ids in its range, writes
+    zeros for the others, and one all-reduce sums the lookups: every id is found on exactly
+    one rank, so the sum is the whole table's lookup. `padding_idx`, as in nn.Embedding:
+    that row gets no gradient (on the rank that holds it).
+
+    Raises:
+        ConfigError: the group size does not divide the vocabulary.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+                 group: Any = None, algorithm: str = "auto", device: Any = None,
+                 dtype: Any = None) -> None:
+        super().__init__()
+        self.group, self.algorithm = comm.resolve(group), algorithm
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        local = per_rank(num_embeddings, self.group.size, "vocabulary entries")
+        self.first = self.group.rank * local
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim, device=device, dtype=dtype))
+        self.splits = {"weight": Split(0)}
+        self.padding_idx = padding_idx
+        here = padding_idx is not None and self.first <= padding_idx < self.first + local
+        self.local_padding_idx = padding_idx - self.first if here else None
+        nn.init.normal_(self.weight)
+        if here:
+            with torch.no_grad():
+                self.weight[self.local_padding_idx].zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(ids, self.weight, self.local_padding_idx)
+        outside = (ids < self.first) | (ids >= self.first + self.weight.shape[0])
+        rows = F.embedding((ids - self.first).masked_fill(outside, 0), self.weight,
+                           self.local_padding_idx)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_group(rows, self.group, self.algorithm)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}; rows {self.first}.."
+                f"{self.first + self.weight.shape[0] - 1} here")

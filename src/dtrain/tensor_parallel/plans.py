@@ -1,0 +1,52 @@
+"""Ready plans: dtrain's GPT, and Hugging Face's BERT as an example for a library model.
+
+A plan names, for each layer, how it is split. Attention follows Megatron-LM: Q, K and V
+split by heads (column-parallel), the output projection by its input (row-parallel), so a
+block costs two all-reduces forward (after attention, after the MLP) and two backward.
+"""
+
+from __future__ import annotations
+
+from dtrain.models.gpt import GPTConfig
+from dtrain.tensor_parallel.parallelize import Colwise, Style
+
+
+def gpt_plan(cfg: GPTConfig) -> dict[str, Style | str]:
+    """dtrain's GPT: vocab-parallel embedding, tied column-parallel head, vocab-parallel loss.
+
+    The head shares its weight with the embedding (tied, as in GPT-2); both split the
+    vocabulary the same way, so the tie survives and the logits are never gathered.
+    """
+    return {
+        "wte": "vocab",
+        "blocks.*.attn.qkv": Colwise(chunks=3, heads=cfg.n_head),
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.fc": "colwise",
+        "blocks.*.mlp.proj": "rowwise",
+        "head": "colwise",
+        "loss_fn": "vocab_loss",
+    }
+
+
+def bert_plan(num_attention_heads: int, prefix: str = "") -> dict[str, Style | str]:
+    """Hugging Face `transformers` BERT encoder (`BertModel`; pass `prefix="bert."` for a
+    `BertFor...` model): word embeddings by vocabulary, every layer's attention by heads and
+    its feed-forward network column- then row-parallel. Position and token-type embeddings,
+    LayerNorms and the pooler stay replicated.
+
+        model = BertModel(BertConfig(...))
+        parallelize(model, bert_plan(model.config.num_attention_heads), mesh.group("tp"))
+
+    BERT's attention reshapes to (-1 heads, head size), so it runs on its local heads as is.
+    """
+    layer = f"{prefix}encoder.layer.*."
+    heads = Colwise(heads=num_attention_heads)
+    return {
+        f"{prefix}embeddings.word_embeddings": "vocab",
+        f"{layer}attention.self.query": heads,
+        f"{layer}attention.self.key": heads,
+        f"{layer}attention.self.value": heads,
+        f"{layer}attention.output.dense": "rowwise",
+        f"{layer}intermediate.dense": "colwise",
+        f"{layer}output.dense": "rowwise",
+    }
