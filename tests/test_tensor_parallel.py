@@ -76,6 +76,25 @@ def test_conjugate_operators_and_their_gradients() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_gathered_column_and_whole_input_row_layers(chunks: int) -> None:
+    """gather_output puts fused parts back in the original order; a row-parallel layer
+    given the whole input splits it itself."""
+    torch.manual_seed(0)
+    lin, row = nn.Linear(6, 12), nn.Linear(12, 5)
+    x = torch.randn(4, 6)
+
+    def body(rank: int) -> torch.Tensor:
+        model = tp.parallelize(nn.Sequential(copy.deepcopy(lin), copy.deepcopy(row)),
+                               {"0": tp.Colwise(gather_output=True, chunks=chunks),
+                                "1": tp.Rowwise(input_is_parallel=False)}, algorithm=ALGORITHM)
+        return model(x).detach()
+
+    for out in run_threads(body, 2):
+        torch.testing.assert_close(out, row(lin(x)).detach())
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("size", [2, 4])
 def test_gpt_outputs_loss_and_gradients_equal_unsplit(size: int) -> None:
     base = gpt()

@@ -82,7 +82,13 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_group(x, self.group, self.algorithm), self.weight, self.bias)
-        return gather_last(y, self.group, self.algorithm) if self.gather_output else y
+        if not self.gather_output:
+            return y
+        y = gather_last(y, self.group, self.algorithm)  # [part 0, part 1, ..] of rank 0, ..
+        chunks = self.splits["weight"].chunks
+        if chunks > 1:  # back to [rank 0, rank 1, ..] of part 0, ..
+            y = y.unflatten(-1, (self.group.size, chunks, -1)).transpose(-3, -2).flatten(-3)
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
