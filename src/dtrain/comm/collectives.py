@@ -261,17 +261,21 @@ def barrier(group: GroupLike = None, async_op: bool = False) -> Any:
                 lambda: None)
 
 
-def send(tensor: torch.Tensor, dst: int, group: GroupLike = None, async_op: bool = False) -> Any:
-    """Send `tensor` to group rank `dst` (which must call `recv` with a same-shaped tensor)."""
+def send(tensor: torch.Tensor, dst: int, group: GroupLike = None, async_op: bool = False,
+         tag: int = 0) -> Any:
+    """Send `tensor` to group rank `dst` (which must call `recv` with a same-shaped tensor).
+    Messages with the same `tag` between two ranks arrive in the order sent."""
     g = resolve(group)
-    handle = g.isend(_flat(tensor), dst)
+    handle = g.isend(_flat(tensor), dst, tag)
     result = Result(handle, g, f"send to rank {dst}", g.seq, lambda: None)
     return result if async_op else result.wait()
 
 
-def recv(tensor: torch.Tensor, src: int, group: GroupLike = None, async_op: bool = False) -> Any:
-    """Receive into `tensor` from group rank `src`; returns `tensor`."""
+def recv(tensor: torch.Tensor, src: int, group: GroupLike = None, async_op: bool = False,
+         tag: int = 0) -> Any:
+    """Receive into `tensor` the next message with `tag` from group rank `src`; returns
+    `tensor`."""
     g = resolve(group)
-    handle = g.irecv(_flat(tensor), src)
+    handle = g.irecv(_flat(tensor), src, tag)
     result = Result(handle, g, f"recv from rank {src}", g.seq, lambda: tensor)
     return result if async_op else result.wait()

@@ -191,10 +191,13 @@ class Group:
     def global_rank(self, group_rank: int) -> int:
         raise NotImplementedError
 
-    def isend(self, tensor: torch.Tensor, peer: int) -> Handle:
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+        """Start sending `tensor` to group rank `peer`. Messages between two ranks with the
+        same `tag` arrive in the order sent; collectives use tag 0."""
         raise NotImplementedError
 
-    def irecv(self, tensor: torch.Tensor, peer: int) -> Handle:
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+        """Start receiving the next message with `tag` from group rank `peer` into `tensor`."""
         raise NotImplementedError
 
     def native(self, op: str, *args: Any, **kwargs: Any) -> Handle:
@@ -226,11 +229,11 @@ class TorchGroup(Group):
     def global_rank(self, group_rank: int) -> int:
         return self._globals[group_rank]
 
-    def isend(self, tensor: torch.Tensor, peer: int) -> Handle:
-        return dist.isend(tensor, dst=self._globals[peer], group=self.pg)
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+        return dist.isend(tensor, dst=self._globals[peer], group=self.pg, tag=tag)
 
-    def irecv(self, tensor: torch.Tensor, peer: int) -> Handle:
-        return dist.irecv(tensor, src=self._globals[peer], group=self.pg)
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+        return dist.irecv(tensor, src=self._globals[peer], group=self.pg, tag=tag)
 
     def native(self, op: str, *args: Any, **kwargs: Any) -> Handle:
         return _TORCH_NATIVE[op](self, *args, **kwargs)
@@ -335,11 +338,11 @@ class OverTorch(Group):
     def global_rank(self, group_rank: int) -> int:
         return self.below.global_rank(group_rank)
 
-    def isend(self, tensor: torch.Tensor, peer: int) -> Handle:
-        return self.below.isend(tensor, peer)
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+        return self.below.isend(tensor, peer, tag)
 
-    def irecv(self, tensor: torch.Tensor, peer: int) -> Handle:
-        return self.below.irecv(tensor, peer)
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+        return self.below.irecv(tensor, peer, tag)
 
     def store_set(self, key: str, value: str) -> None:
         self.below.store_set(key, value)

@@ -30,9 +30,9 @@ class Fabric:
         self._readers: dict[tuple[str, int], int] = {}
         self.store: dict[str, str] = {}
 
-    def mailbox(self, name: str, src: int, dst: int) -> queue.Queue[torch.Tensor]:
+    def mailbox(self, name: str, src: int, dst: int, tag: int = 0) -> queue.Queue[torch.Tensor]:
         with self._lock:
-            return self._mailboxes.setdefault((name, src, dst), queue.Queue())
+            return self._mailboxes.setdefault((name, src, dst, tag), queue.Queue())
 
     def meet(self, name: str, seq: int, rank: int, size: int, value: Any, what: str) -> list[Any]:
         """Deposit `value`; return everybody's once all `size` members have deposited."""
@@ -89,12 +89,12 @@ class ThreadGroup(Group):
     def global_rank(self, group_rank: int) -> int:
         return self.members[group_rank]
 
-    def isend(self, tensor: torch.Tensor, peer: int) -> Done:
-        self.fabric.mailbox(self.name, self.rank, peer).put(tensor.detach().clone())
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Done:
+        self.fabric.mailbox(self.name, self.rank, peer, tag).put(tensor.detach().clone())
         return Done()
 
-    def irecv(self, tensor: torch.Tensor, peer: int) -> _Recv:
-        box = self.fabric.mailbox(self.name, peer, self.rank)
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> _Recv:
+        box = self.fabric.mailbox(self.name, peer, self.rank, tag)
         what = f"recv from rank {peer} on group {self.name!r}"
         return _Recv(box, tensor, self.fabric.timeout, what)
 

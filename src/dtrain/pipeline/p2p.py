@@ -1,0 +1,71 @@
+"""Activations and their gradients between neighbouring stages, shape agreed once.
+
+The first message on a channel (a peer and a tag) carries a small header with the dtype
+and shape; later messages are the raw tensor only, received into a buffer of that shape.
+Every micro-batch must keep that shape; a change is refused on the sending side.
+Pipeline messages use tags of their own, so they never match a collective's (tag 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dtrain import comm
+from dtrain.errors import DtrainError
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.bool]
+_HEADER = 10  # ndim, dtype, then up to 8 sizes
+
+
+class Channels:
+    """Send and receive pipeline tensors over `group`, remembering each channel's shape."""
+
+    def __init__(self, group: comm.Group, device: torch.device) -> None:
+        self.group, self.device = group, device
+        self._sent: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
+        self._known: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        """Start sending `tensor` (not blocking); `flush()` waits for every send."""
+        tensor = tensor.detach().contiguous()
+        key, meta = (peer, tag), (tensor.shape, tensor.dtype)
+        if key not in self._sent:
+            if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+                raise DtrainError(f"pipeline: cannot send a {tensor.dim()}-d {tensor.dtype} "
+                                  "tensor between stages")
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+            self._post(header, peer, tag)
+            self._sent[key] = meta
+        elif self._sent[key] != meta:
+            raise DtrainError(f"pipeline: a stage output changed from {tuple(self._sent[key][0])} "
+                              f"{self._sent[key][1]} to {tuple(tensor.shape)} {tensor.dtype}; "
+                              "every micro-batch must have the same shape")
+        self._post(tensor, peer, tag)
+
+    def _post(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        self._pending.append((comm.send(tensor, peer, self.group, async_op=True, tag=tag),
+                              tensor))
+
+    def recv(self, peer: int, tag: int) -> torch.Tensor:
+        """The next tensor from `peer` with `tag` (waits for it)."""
+        key = (peer, tag)
+        if key not in self._known:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            comm.recv(header, peer, self.group, tag=tag)
+            ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+            self._known[key] = (torch.Size(header[2 : 2 + ndim].tolist()), dtype)
+        shape, dtype = self._known[key]
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        return comm.recv(out, peer, self.group, tag=tag)
+
+    def flush(self) -> None:
+        """Wait until every started send has completed."""
+        for handle, _ in self._pending:
+            handle.wait()
+        self._pending.clear()

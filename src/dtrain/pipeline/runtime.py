@@ -1,0 +1,196 @@
+"""Run a pipeline schedule on this rank: forwards, backwards, messages, the loss.
+
+    pipe = Pipeline(my_pieces, group=mesh.group("pp"), microbatches=8, schedule="1f1b",
+                    loss_fn=F.cross_entropy)
+    loss = pipe.step(inputs, targets)   # forward + backward of the whole batch
+    optimizer.step()                    # over this rank's pieces' parameters
+
+Each rank holds its chunks (virtual stages `chunk * pp + rank`). The batch is cut into
+micro-batches along dim 0: the first virtual stage reads `inputs`, the last computes
+`loss_fn(output, targets)` per micro-batch, divided by their number, so the accumulated
+gradients equal one backward of the whole batch's mean loss. The mean loss is returned
+on every rank of the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain import comm
+from dtrain.errors import ConfigError
+from dtrain.pipeline import schedules
+from dtrain.pipeline.p2p import Channels
+from dtrain.pipeline.schedules import Action
+
+_TIED_TAG = 1
+
+
+def _tag(kind: str, chunk: int) -> int:
+    """Activations into chunk c travel on tag 2 + 2c, gradients on 3 + 2c."""
+    return 2 + 2 * chunk + (kind == "grad")
+
+
+class Pipeline:
+    """This rank's part of a pipeline-parallel model and the schedule that drives it.
+
+    Args:
+        pieces: this rank's model pieces, one per chunk (a module or a list); piece c is
+            virtual stage `c * pp + rank` (see `pieces_for`).
+        group: the pipeline group (`mesh.group("pp")`), stages in rank order.
+        microbatches: micro-batches per step; the batch must divide into them.
+        schedule: "gpipe", "1f1b" or "interleaved".
+        loss_fn: `loss_fn(output, target)` on the last stage, a mean over the micro-batch.
+        tied: parameters shared with another stage (say input embedding and output head):
+            (this rank's parameter, the other stage's rank in `group`). Their gradients are
+            summed across both after every step, as one shared parameter's would be.
+        timeline: record (kind, micro, chunk, start, end) of every action of the last step
+            in `self.events` (for bubble measurements).
+
+    Raises:
+        ConfigError: an unknown schedule, or micro-batches/chunks it cannot use.
+    """
+
+    def __init__(self, pieces: nn.Module | Sequence[nn.Module], group: Any = None,
+                 microbatches: int = 1, schedule: str = "1f1b",
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 tied: Sequence[tuple[nn.Parameter, int]] = (), timeline: bool = False) -> None:
+        self.pieces = [pieces] if isinstance(pieces, nn.Module) else list(pieces)
+        self.group = comm.resolve(group)
+        self.pp, self.rank, self.chunks = self.group.size, self.group.rank, len(self.pieces)
+        self.microbatches, self.schedule, self.loss_fn = microbatches, schedule, loss_fn
+        self.actions = schedules.build(schedule, self.pp, self.rank, microbatches, self.chunks)
+        self.tied = list(tied)
+        self.timeline, self.events = timeline, []
+        self.peak_live = 0
+        first = next((p for piece in self.pieces for p in piece.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self._channels = Channels(self.group, self.device)
+        last_backward = {}
+        for i, action in enumerate(self.actions):
+            if action.kind == "B":
+                last_backward[action.chunk] = i
+        self._last_backward = last_backward
+
+    # ------------------------------------------------------------------ placement
+    def _stage(self, chunk: int) -> int:
+        return chunk * self.pp + self.rank
+
+    def _is_first(self, chunk: int) -> bool:
+        return self._stage(chunk) == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return self._stage(chunk) == self.pp * self.chunks - 1
+
+    def _split(self, batch: torch.Tensor | None, what: str) -> list[torch.Tensor]:
+        if batch is None:
+            raise ConfigError(f"pipeline: this rank holds the {what} stage: pass its {what}s")
+        if batch.shape[0] % self.microbatches:
+            raise ConfigError(f"pipeline: a batch of {batch.shape[0]} does not split into "
+                              f"{self.microbatches} micro-batches: make it a multiple")
+        return list(batch.chunk(self.microbatches))
+
+    def _needs(self, kind: str) -> bool:
+        return any((self._is_first if kind == "input" else self._is_last)(c)
+                   for c in range(self.chunks))
+
+    # ------------------------------------------------------------------ step
+    def step(self, inputs: torch.Tensor | None = None,
+             targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of the batch; gradients accumulate in the pieces'
+        parameters. Returns the mean loss (a 0-d tensor) on every rank."""
+        return self._run(self.actions, inputs, targets, backward=True)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor | None = None,
+                 targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean loss of the batch, forwards only."""
+        order = schedules.forward_only(self.pp, self.microbatches, self.chunks)
+        return self._run(order, inputs, targets, backward=False)
+
+    def _run(self, actions: list[Action], inputs: torch.Tensor | None,
+             targets: torch.Tensor | None, backward: bool) -> torch.Tensor:
+        micro_in = self._split(inputs, "input") if self._needs("input") else None
+        micro_tg = self._split(targets, "target") if self._needs("target") else None
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.events, self.peak_live = [], 0
+        origin = time.perf_counter()
+        for index, action in enumerate(actions):
+            start = time.perf_counter()
+            if action.kind == "F":
+                out, inp = self._forward(action, micro_in, micro_tg, backward)
+                if self._is_last(action.chunk):
+                    total += out.detach().double() * self.microbatches
+                if backward:
+                    saved[(action.micro, action.chunk)] = (inp, out)
+                    self.peak_live = max(self.peak_live, len(saved))
+            else:
+                inp, out = saved.pop((action.micro, action.chunk))
+                self._backward(action, inp, out, index)
+            if self.timeline:
+                self.events.append((action.kind, action.micro, action.chunk,
+                                    start - origin, time.perf_counter() - origin))
+        self._channels.flush()
+        if backward:
+            self._sum_tied()
+        return comm.all_reduce(total, group=self.group).float() / self.microbatches
+
+    def _forward(self, action: Action, micro_in, micro_tg,
+                 backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = action.chunk
+        if self._is_first(chunk):
+            inp = micro_in[action.micro]
+        else:
+            inp = self._channels.recv((self.rank - 1) % self.pp, _tag("act", chunk))
+            inp.requires_grad_(backward and inp.is_floating_point())
+        out = self.pieces[chunk](inp)
+        if self._is_last(chunk):
+            return self.loss_fn(out, micro_tg[action.micro]) / self.microbatches, inp
+        self._channels.send(out, (self.rank + 1) % self.pp,
+                            _tag("act", chunk + (self.rank == self.pp - 1)))
+        return out, inp
+
+    def _backward(self, action: Action, inp: torch.Tensor, out: torch.Tensor,
+                  index: int) -> None:
+        chunk = action.chunk
+        piece = self.pieces[chunk]
+        quiet = (piece.no_sync() if hasattr(piece, "no_sync")
+                 and index != self._last_backward[chunk] else contextlib.nullcontext())
+        with quiet:
+            if self._is_last(chunk):
+                out.backward()
+            else:
+                grad = self._channels.recv((self.rank + 1) % self.pp, _tag("grad", chunk))
+                torch.autograd.backward(out, grad)
+        if not self._is_first(chunk):
+            self._channels.send(inp.grad, (self.rank - 1) % self.pp,
+                                _tag("grad", chunk - (self.rank == 0)))
+
+    @torch.no_grad()
+    def _sum_tied(self) -> None:
+        """Both holders of a tied parameter end with the sum of their gradients, added in
+        stage order on both so they stay bitwise equal."""
+        for param, peer in self.tied:
+            mine = param.grad if param.grad is not None else torch.zeros_like(param)
+            theirs = torch.empty_like(mine)
+            handle = comm.send(mine.contiguous(), peer, self.group, async_op=True,
+                               tag=_TIED_TAG)
+            comm.recv(theirs, peer, self.group, tag=_TIED_TAG)
+            handle.wait()
+            param.grad = mine + theirs if self.rank < peer else theirs + mine
+
+
+def pieces_for(pieces: Sequence[nn.Module], group: Any = None) -> list[nn.Module]:
+    """This rank's pieces of a model cut into `pp * v` pieces: piece `c * pp + rank` for
+    each chunk c (one chunk per rank when there are pp pieces)."""
+    g = comm.resolve(group)
+    if len(pieces) % g.size:
+        raise ConfigError(f"{len(pieces)} pieces do not divide among pp={g.size} ranks: cut "
+                          f"the model into a multiple of {g.size}")
+    return [pieces[c * g.size + g.rank] for c in range(len(pieces) // g.size)]
