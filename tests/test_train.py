@@ -74,27 +74,41 @@ def test_zero_stage_3_run_learns_and_writes_shards(tmp_path: Path) -> None:
     assert [s["zero"]["rank"] for s in shards] == [0, 1] and shards[0]["step"] == 20
 
 
-def test_dp2_tp2_run_equals_one_process(tmp_path: Path) -> None:
-    """[parallel] tp = 2 on 4 ranks (dp = 2 outside): the same losses and final weights as
-    one process on the global batch; the checkpoint holds the whole, unsplit model."""
+@pytest.mark.parametrize("layout, banner", [
+    (["--set", "parallel.tp=2"], "tensor parallel over 2 x data parallel over 2"),
+    (["--set", "parallel.pp=2", "--set", "parallel.microbatches=2"],
+     "pipeline of 2 stages (1f1b, 2 micro-batches) x data parallel over 2"),
+])
+def test_model_parallel_run_equals_one_process(tmp_path: Path, layout: list[str],
+                                               banner: str) -> None:
+    """tp = 2 or pp = 2 on 4 ranks (dp = 2 outside): the same losses and final weights as
+    one process on the global batch. Tensor parallelism gathers the whole model and
+    optimizer state into its checkpoint; a pipeline's ranks write their own pieces."""
     config = tmp_path / "tiny.toml"
     config.write_text(TINY.replace("steps = 40", "steps = 6").replace("eval_every = 20",
                                                                        "eval_every = 0"))
     runs = {}
-    for name, args in (("one", ["-n", "1"]), ("dp2tp2", ["-n", "4", "--set", "parallel.tp=2"])):
+    for name, args in (("one", ["-n", "1"]), ("four", ["-n", "4", *layout])):
         metrics = tmp_path / f"{name}.jsonl"
-        result = dtrain("train", str(config), *args, "--set",
+        result = dtrain("train", str(config), *args, "--set", "model.n_layer=2", "--set",
                         f"train.out_dir='{tmp_path / name}'", "--set", "logging.sample_tokens=0",
                         "--metrics", str(metrics), timeout=170)
         assert result.returncode == 0, result.stdout + result.stderr
         losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines())
                   if "loss" in r]
-        runs[name] = (losses, checkpoint.load(tmp_path / name / "checkpoints"), result.stdout)
-    assert "tensor parallel over 2 x data parallel over 2" in runs["dp2tp2"][2]
-    torch.testing.assert_close(runs["dp2tp2"][0], runs["one"][0])
-    torch.testing.assert_close(runs["dp2tp2"][1]["model"], runs["one"][1]["model"])
-    torch.testing.assert_close(runs["dp2tp2"][1]["optimizer"]["state"],
-                               runs["one"][1]["optimizer"]["state"])
+        runs[name] = (losses, tmp_path / name / "checkpoints", result.stdout)
+    assert banner in runs["four"][2]
+    torch.testing.assert_close(runs["four"][0], runs["one"][0], rtol=1e-5, atol=1e-6)
+    one = checkpoint.load(runs["one"][1])
+    if "tp" in layout[1]:
+        four = checkpoint.load(runs["four"][1])
+        torch.testing.assert_close(four["optimizer"]["state"], one["optimizer"]["state"])
+        weights = four["model"]
+    else:
+        weights = {k: v for shard in checkpoint.load_shards(runs["four"][1])
+                   for k, v in shard["pipeline"]["model"].items()}
+        assert set(weights) == set(one["model"])
+    torch.testing.assert_close(weights, one["model"])
 
 
 @pytest.mark.parametrize("args, message, code", [
@@ -106,6 +120,11 @@ def test_dp2_tp2_run_equals_one_process(tmp_path: Path) -> None:
     (["--set", "parallel.tp=3"], "parallel.tp = 3 does not divide model.n_head = 4", 2),
     (["--set", "parallel.tp=4"], "does not divide the world size 2", 2),
     (["--set", "parallel.tp=2", "--set", "parallel.zero=2"], "not supported yet", 2),
+    (["--set", "parallel.pp=8"], "= 8 stages but the model has 4 layers", 2),
+    (["--set", "parallel.pp=2", "--set", "model.n_layer=2", "--set",
+      "parallel.schedule='interleaved'"], "needs at least 2 chunks", 2),
+    (["--set", "parallel.pp=2", "--set", "model.n_layer=2", "--set", "parallel.microbatches=3"],
+     "2 ranks x 3 micro-batches: make it a multiple of 6", 2),
     (["--set", "data.path='/nonexistent/corpus'", "-n", "1"], "does not exist", 2),
     (["/nonexistent/config.toml"], "not found", 2),
 ])

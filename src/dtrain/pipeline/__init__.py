@@ -15,10 +15,11 @@ messages between stages (`p2p`) and the executor (`runtime`) are separate module
 
 from dtrain.pipeline.gpt import GPTPiece, gpt_loss, gpt_pieces, tied_weights
 from dtrain.pipeline.partition import balanced_sizes, split, stage_sizes
-from dtrain.pipeline.runtime import Pipeline, pieces_for
+from dtrain.pipeline.runtime import Pipeline, full_state_dict, pieces_for
 from dtrain.pipeline.schedules import SCHEDULES, Action, build
 
 __all__ = [
-    "SCHEDULES", "Action", "GPTPiece", "Pipeline", "balanced_sizes", "build", "gpt_loss",
-    "gpt_pieces", "pieces_for", "split", "stage_sizes", "tied_weights",
+    "SCHEDULES", "Action", "GPTPiece", "Pipeline", "balanced_sizes", "build",
+    "full_state_dict", "gpt_loss", "gpt_pieces", "pieces_for", "split", "stage_sizes",
+    "tied_weights",
 ]

@@ -173,6 +173,23 @@ class Pipeline:
                                 _tag("grad", chunk - (self.rank == 0)))
 
     @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so the norm of the whole model's gradient (every stage's, a tied
+        parameter counted once) is at most `max_norm`; returns that norm (collective)."""
+        counted_elsewhere = {id(p) for p, peer in self.tied if peer < self.rank}
+        params = [p for p in nn.ModuleList(self.pieces).parameters() if p.grad is not None]
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in params:
+            if id(p) not in counted_elsewhere:
+                square += p.grad.double().pow(2).sum()
+        total = comm.all_reduce(square, group=self.group).sqrt().float()
+        scale = min(1.0, max_norm / (total.item() + 1e-6))
+        if scale < 1.0:
+            for p in params:
+                p.grad.mul_(scale)
+        return total
+
+    @torch.no_grad()
     def _sum_tied(self) -> None:
         """Both holders of a tied parameter end with the sum of their gradients, added in
         stage order on both so they stay bitwise equal."""
@@ -184,6 +201,23 @@ class Pipeline:
             comm.recv(theirs, peer, self.group, tag=_TIED_TAG)
             handle.wait()
             param.grad = mine + theirs if self.rank < peer else theirs + mine
+
+
+@torch.no_grad()
+def full_state_dict(whole: nn.Module, mine: Sequence[nn.Module],
+                    group: Any = None) -> dict[str, torch.Tensor]:
+    """The whole model's state_dict on every rank of the pipeline group (collective).
+
+    Every rank builds the whole model and trains only its pieces; each name is held by one
+    rank (a tied weight appears under its own name on each side), which contributes it
+    while the others contribute zeros, and an all-reduce sums them exactly.
+    """
+    held = {name for piece in mine for name in piece.state_dict()}
+    out = {}
+    for name, tensor in whole.state_dict().items():
+        mine_or_zero = tensor.clone() if name in held else torch.zeros_like(tensor)
+        out[name] = comm.all_reduce(mine_or_zero, group=group)
+    return out
 
 
 def pieces_for(pieces: Sequence[nn.Module], group: Any = None) -> list[nn.Module]:

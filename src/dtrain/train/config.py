@@ -87,6 +87,15 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree: each layer's weights split across this many consecutive
     ranks (dtrain.tensor_parallel); data parallelism runs over the rest."""
+    pp: int = 1
+    """Pipeline stages: the blocks cut into pp groups of consecutive layers on pp ranks,
+    micro-batches flowing through them (dtrain.pipeline); the outermost axis."""
+    microbatches: int = 4
+    """With pp > 1: micro-batches each data-parallel rank's batch is cut into."""
+    schedule: str = "1f1b"
+    """With pp > 1: gpipe, 1f1b, or interleaved (needs virtual_stages >= 2)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (the interleaved schedule's v)."""
     bucket_mb: float = 25.0
     """Gradient bucket size for data parallelism, in MB."""
     grad_dtype: str = "fp32"
@@ -142,11 +151,13 @@ CHOICES = {
     "parallel.grad_dtype": ("fp32", "bf16", "fp16"),
     "parallel.backend": ("auto", "gloo", "nccl", "shm"),
     "parallel.zero": (0, 1, 2, 3),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
     "parallel.mixed_precision": ("fp32", "bf16", "fp16"),
 }
 POSITIVE = {"model.vocab_size", "model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
-            "train.eval_batches", "parallel.nproc", "parallel.tp", "parallel.bucket_mb",
+            "train.eval_batches", "parallel.nproc", "parallel.tp", "parallel.pp",
+            "parallel.microbatches", "parallel.virtual_stages", "parallel.bucket_mb",
             "checkpoint.keep_last", "optimizer.lr", "logging.log_every"}
 NON_NEGATIVE = {"model.dropout", "optimizer.weight_decay", "optimizer.momentum",
                 "optimizer.warmup_steps", "optimizer.min_lr_ratio", "optimizer.grad_clip",
@@ -221,27 +232,53 @@ def _validate(config: Config) -> None:
         if count % p.tp:
             raise ConfigError(f"parallel.tp = {p.tp} does not divide {what} = {count}: choose "
                               f"a tensor-parallel degree that divides {count}")
-    if p.tp > 1 and p.zero:
-        raise ConfigError("parallel.zero with parallel.tp > 1 is not supported yet: use "
-                          "parallel.zero = 0 (DataParallel over the dp axis) with tp")
+    for name, degree in (("tp", p.tp), ("pp", p.pp)):
+        if degree > 1 and p.zero:
+            raise ConfigError(f"parallel.zero with parallel.{name} > 1 is not supported yet: "
+                              f"use parallel.zero = 0 (DataParallel over the dp axis) with {name}")
+    if p.tp > 1 and p.pp > 1:
+        raise ConfigError("parallel.tp and parallel.pp together are not supported yet: "
+                          "choose one of them (with data parallelism over the rest)")
+    if p.pp > 1:
+        _validate_pipeline(config)
     if p.zero and p.grad_dtype != "fp32":
         raise ConfigError("parallel.grad_dtype is for DataParallel; with parallel.zero set "
                           "parallel.mixed_precision instead")
 
 
+def _validate_pipeline(config: Config) -> None:
+    from dtrain.pipeline.schedules import check
+
+    p = config.parallel
+    if p.pp * p.virtual_stages > config.model.n_layer:
+        raise ConfigError(f"parallel.pp x parallel.virtual_stages = {p.pp * p.virtual_stages} "
+                          f"stages but the model has {config.model.n_layer} layers: use at most "
+                          f"{config.model.n_layer} stages")
+    if config.train.grad_accum != 1:
+        raise ConfigError("train.grad_accum with parallel.pp > 1: the pipeline accumulates "
+                          "over parallel.microbatches instead; set train.grad_accum = 1")
+    try:
+        check(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    except ConfigError as exc:
+        raise ConfigError(f"parallel.schedule = {p.schedule!r}: {exc}") from None
+
+
 def per_rank_batch(config: Config, dp_size: int) -> int:
-    """Sequences per micro-batch on each data-parallel rank.
+    """Sequences each data-parallel rank feeds per forward (a pipeline cuts them further
+    into `parallel.microbatches`).
 
     Raises:
         ConfigError: the global batch does not split evenly into ranks and micro-batches.
     """
-    parts = dp_size * config.train.grad_accum
+    micro = config.train.grad_accum * (config.parallel.microbatches
+                                       if config.parallel.pp > 1 else 1)
+    parts = dp_size * micro
     if config.train.batch_size % parts:
         raise ConfigError(
             f"train.batch_size = {config.train.batch_size} does not split into {dp_size} ranks x "
-            f"{config.train.grad_accum} micro-batches: make it a multiple of {parts}"
+            f"{micro} micro-batches: make it a multiple of {parts}"
         )
-    return config.train.batch_size // parts
+    return config.train.batch_size // (dp_size * config.train.grad_accum)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

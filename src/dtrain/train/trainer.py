@@ -7,7 +7,9 @@ Every rank builds the same model, takes its shard of each global batch, and aver
 gradients through DataParallel, or with `[parallel] zero = 1|2|3` shards the model state
 with dtrain.ZeRO (each rank then writes its own shard of every checkpoint). With
 `[parallel] tp = N` each layer is first split across N consecutive ranks
-(dtrain.tensor_parallel; tp inside, data parallel outside over the rest). Rank 0 prints
+(dtrain.tensor_parallel; tp inside, data parallel outside over the rest); with `pp = N` the
+blocks are cut into N pipeline stages fed with micro-batches (dtrain.pipeline), each
+stage's pieces data-parallel over the dp axis. Rank 0 prints
 progress, writes metrics and checkpoints, and finally prints a sample of generated text.
 """
 
@@ -16,13 +18,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dtrain import comm, tensor_parallel
+from dtrain import comm, pipeline, tensor_parallel
 from dtrain import world as world_mod
 from dtrain.mesh import Mesh
 from dtrain.models.gpt import GPT
@@ -62,7 +65,8 @@ def _mean_over(value: float, group: dist.ProcessGroup, device: torch.device) -> 
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: ByteSequences, batch_size: int, n_batches: int,
+def evaluate(model: torch.nn.Module, loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+             data: ByteSequences, batch_size: int, n_batches: int,
              mesh_dp: tuple[int, int, dist.ProcessGroup], device: torch.device) -> float:
     """Mean loss over the first `n_batches` held-out batches of every rank's shard."""
     dp_size, dp_rank, group = mesh_dp
@@ -70,7 +74,7 @@ def evaluate(model: torch.nn.Module, data: ByteSequences, batch_size: int, n_bat
     stream = batches(data, batch_size, dp_size, dp_rank, seed=0, shuffle=False)
     total = 0.0
     for _, (x, y) in zip(range(n_batches), stream, strict=False):
-        total += model(x.to(device), y.to(device))[1].item()
+        total += loss_of(x.to(device), y.to(device)).item()
     model.train()
     return _mean_over(total / n_batches, group, device)
 
@@ -84,7 +88,7 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     """
     backend = None if config.parallel.backend == "auto" else config.parallel.backend
     world = world_mod.init(backend=backend)
-    mesh = Mesh(dp=config.parallel.dp or None, tp=config.parallel.tp)
+    mesh = Mesh(dp=config.parallel.dp or None, tp=config.parallel.tp, pp=config.parallel.pp)
     dp_size, dp_rank, dp_group = mesh.size("dp"), mesh.coords["dp"], mesh.group("dp")
     tc, mc = config.train, config.model
     per_rank = per_rank_batch(config, dp_size)
@@ -103,7 +107,17 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     n_params = sum(p.numel() for p in gpt.parameters())
     if pc.tp > 1:
         tensor_parallel.parallelize(gpt, tensor_parallel.gpt_plan(mc), mesh.group("tp"))
-    if pc.zero:
+    pipe = None
+    if pc.pp > 1:  # this rank's pieces, each data-parallel over dp, driven by the schedule
+        pp_group = mesh.group("pp")
+        mine = pipeline.pieces_for(pipeline.gpt_pieces(gpt, pc.pp * pc.virtual_stages), pp_group)
+        pipe = pipeline.Pipeline(
+            [DataParallel(p, group=dp_group, bucket_mb=pc.bucket_mb, grad_dtype=pc.grad_dtype)
+             for p in mine], pp_group, microbatches=pc.microbatches, schedule=pc.schedule,
+            loss_fn=pipeline.gpt_loss, tied=pipeline.tied_weights(gpt, mine, pp_group))
+        model = torch.nn.ModuleList(mine)
+        optimizer = build_optimizer(model, config.optimizer)
+    elif pc.zero:
         model = ZeRO(gpt, lambda _: build_optimizer(gpt, config.optimizer), stage=pc.zero,
                      group=dp_group, bucket_mb=pc.bucket_mb,
                      mixed_precision=None if pc.mixed_precision == "fp32" else pc.mixed_precision)
@@ -122,6 +136,9 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     how = f"ZeRO stage {pc.zero}" if pc.zero else "data parallel"
     if pc.tp > 1:
         how = f"tensor parallel over {pc.tp} x {how}"
+    if pipe:
+        how = (f"pipeline of {pc.pp} stages ({pc.schedule}, {pc.microbatches} micro-batches) "
+               f"x {how}")
     progress.write(
         f"dtrain: {world.world_size} rank(s), {how} over {dp_size}; GPT "
         f"{n_params / 1e6:.2f}M parameters; {len(train_data):,} training sequences of "
@@ -131,9 +148,12 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     losses: list[float] = []
     eval_losses: list[tuple[int, float]] = []
 
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return pipe.evaluate(x, y) if pipe else model(x, y)[1]
+
     def run_eval(step: int) -> None:
-        loss = evaluate(model, val_data, per_rank, tc.eval_batches, (dp_size, dp_rank, dp_group),
-                        world.device)
+        loss = evaluate(model, loss_of, val_data, per_rank, tc.eval_batches,
+                        (dp_size, dp_rank, dp_group), world.device)
         eval_losses.append((step, loss))
         progress.write(f"step {step:>5}: held-out loss {loss:.4f}")
         metrics.write({"step": step, "eval_loss": loss})
@@ -142,12 +162,20 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
         start = time.perf_counter()
         for micro in range(tc.grad_accum):
             x, y = (t.to(world.device) for t in next(stream))
+            if pipe:  # grad_accum is 1: the pipeline's micro-batches accumulate
+                loss = pipe.step(x, y)
+                break
             last = micro == tc.grad_accum - 1
             with contextlib.nullcontext() if last else model.no_sync():
                 loss = model(x, y)[1].float() / tc.grad_accum
                 model.backward(loss) if pc.zero else loss.backward()
         clip = config.optimizer.grad_clip
-        if pc.zero:
+        if pipe:
+            if clip > 0:
+                pipe.clip_grad_norm_(clip)  # over every stage, the tied weight once
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        elif pc.zero:
             if clip > 0:
                 model.clip_grad_norm_(clip)  # the global norm, across the shards
             model.step()
@@ -171,8 +199,11 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     progress.close()
     run_eval(tc.steps)
     path = save_checkpoint(out_dir, tc.steps, model, optimizer, config, world.is_main)
-    if (pc.zero or pc.tp > 1) and config.logging.sample_tokens:  # a whole copy to sample from
-        weights = model.state_dict() if pc.zero else tensor_parallel.full_state_dict(gpt)
+    if (pc.zero or pc.tp > 1 or pipe) and config.logging.sample_tokens:  # a whole copy
+        if pipe:
+            weights = pipeline.full_state_dict(gpt, model, mesh.group("pp"))
+        else:
+            weights = model.state_dict() if pc.zero else tensor_parallel.full_state_dict(gpt)
         if world.is_main:
             gpt = GPT(mc).to(world.device)
             gpt.load_state_dict(weights)
@@ -191,6 +222,11 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module,
     tensor parallelism the split tensors are gathered first, so the checkpoint holds the
     whole model and optimizer state by the unsplit model's names."""
     folder = out_dir / "checkpoints"
+    if isinstance(model, torch.nn.ModuleList):  # pipeline pieces: each rank writes its own
+        pieces = {k: v for piece in model for k, v in piece.state_dict().items()}
+        state = {"step": step, "pipeline": {"model": pieces, "optimizer": optimizer.state_dict()},
+                 "config": config.to_dict()}
+        return checkpoint.save_shards(folder, step, state, config.checkpoint.keep_last, None)
     if isinstance(model, ZeRO):
         state = {"step": step, "zero": model.sharded_state_dict(), "config": config.to_dict()}
         return checkpoint.save_shards(folder, step, state, config.checkpoint.keep_last,
