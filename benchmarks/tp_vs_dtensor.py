@@ -22,8 +22,6 @@ import ctypes
 import gc
 import platform
 import resource
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -33,6 +31,7 @@ from results_md import replace_section
 import dtrain
 from dtrain import comm
 from dtrain import tensor_parallel as tp
+from dtrain.comm.timing import time_turns
 from dtrain.models.gpt import GPT, Block, GPTConfig
 
 BLOCK = GPTConfig(n_layer=1, n_head=8, n_embd=512, block_size=128)
@@ -92,18 +91,10 @@ def time_blocks(args: argparse.Namespace) -> dict[str, float]:
     candidates["DTensor"] = (theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-4))
     for model, opt in candidates.values():
         step(model, opt, x)
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(args.rounds):
-        for name, (model, opt) in candidates.items():
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step(model, opt, x)
-            times[name].append((time.perf_counter() - start) / args.steps)
-    medians = {}
-    for name, values in times.items():  # the slowest rank's median
-        t = torch.tensor([statistics.median(values)], dtype=torch.float64)
-        medians[name] = comm.all_reduce(t, op="max").item()
+    calls = {name: (lambda m=model, o=opt: step(m, o, x)) for name, (model, opt) in
+             candidates.items()}
+    medians = time_turns(calls, {name: args.rounds * args.steps for name in calls},
+                         args.rounds, comm.resolve(None))
     return medians
 
 

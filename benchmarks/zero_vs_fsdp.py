@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 
 import torch
-import torch.distributed as dist
 from results_md import replace_section
 from torch import nn
 
 import dtrain
 from dtrain import comm
+from dtrain.comm.timing import time_turns
 from dtrain.models.gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(n_layer=6, n_head=8, n_embd=256, block_size=128)
@@ -137,18 +135,8 @@ def main() -> None:
                   "fsdp2": lambda: fsdp_step(model, opt, batch)}
     for run in candidates.values():
         run()
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(args.rounds):
-        for name, run in candidates.items():
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                run()
-            times[name].append((time.perf_counter() - start) / args.steps)
-    medians = {}
-    for name, values in times.items():  # the slowest rank's median
-        t = torch.tensor([statistics.median(values)], dtype=torch.float64)
-        medians[name] = comm.all_reduce(t, op="max").item()
+    medians = time_turns(candidates, {name: args.rounds * args.steps for name in candidates},
+                         args.rounds, group)
     z_bytes, f_bytes = sum(z.state_bytes().values()), fsdp_bytes(model, opt)
 
     if world.rank == 0:

@@ -130,6 +130,24 @@ def test_live_micro_batches_at_most_pp_for_1f1b_and_m_for_gpipe(pp: int) -> None
 
 
 @pytest.mark.timeout(60)
+def test_timeline_records_every_action_in_schedule_order() -> None:
+    base = gpt()
+
+    def body(rank: int) -> tuple[list, list]:
+        model = copy.deepcopy(base)
+        mine = pipeline.pieces_for(pipeline.gpt_pieces(model, 2))
+        pipe = pipeline.Pipeline(mine, microbatches=4, schedule="1f1b",
+                                 loss_fn=pipeline.gpt_loss, timeline=True)
+        pipe.step(*tokens(0))
+        return pipe.events, pipe.actions
+
+    for events, actions in run_threads(body, 2):
+        assert [Action(kind, micro, chunk) for kind, micro, chunk, _, _ in events] == actions
+        assert all(0 <= start <= end for *_, start, end in events)
+        assert all(a[4] <= b[3] for a, b in zip(events, events[1:], strict=False))  # one at a time
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("pp, schedule, chunks, microbatches, message", [
     (4, "1f1b", 3, 4, "cannot cut 8 layers into 12 pipeline stages"),
     (2, "interleaved", 2, 3, "make microbatches (3) a multiple of 2"),
@@ -169,3 +187,45 @@ def test_dp2_pp2_on_four_processes_equals_one_process() -> None:
     for r in results:
         for name, value in r["state"].items():
             torch.testing.assert_close(value, state[name], msg=name)
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def mlp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def zero_pp_rank(stage: int, schedule: str) -> dict:
+    """dp=2 x pp=2 with each stage's piece sharded by ZeRO over the dp axis."""
+    mesh = dtrain.Mesh(dp=2, pp=2)
+    piece = pipeline.pieces_for(pipeline.split(mlp(), 2, balance=[4, 3]), mesh.group("pp"))[0]
+    z = dtrain.ZeRO(piece, adamw, stage=stage, group=mesh.group("dp"), algorithm="native")
+    pipe = pipeline.Pipeline([z], mesh.group("pp"), microbatches=2, schedule=schedule,
+                             loss_fn=nn.functional.cross_entropy)
+    half = slice(mesh.coords["dp"] * 4, mesh.coords["dp"] * 4 + 4)
+    for step in range(STEPS):
+        x, y = mlp_batch(step)
+        pipe.step(x[half], y[half])
+        z.step()
+        z.zero_grad()
+    return z.state_dict()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("stage, schedule", [(1, "gpipe"), (3, "1f1b")])
+def test_zero_pieces_over_dp_equal_one_process(stage: int, schedule: str) -> None:
+    """Stage 3 gathers a piece again for each micro-batch's backward, whatever ran since."""
+    model = mlp()
+    opt = adamw(model.parameters())
+    for step in range(STEPS):
+        nn.functional.cross_entropy(model(mlp_batch(step)[0]), mlp_batch(step)[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    for state in run_ranks(zero_pp_rank, 4, stage, schedule, timeout=120):
+        for name, value in state.items():
+            torch.testing.assert_close(value, model.state_dict()[name], msg=name)

@@ -74,29 +74,37 @@ def test_zero_stage_3_run_learns_and_writes_shards(tmp_path: Path) -> None:
     assert [s["zero"]["rank"] for s in shards] == [0, 1] and shards[0]["step"] == 20
 
 
+def short_run(folder: Path, name: str, args: list[str]) -> tuple[list[float], Path, str]:
+    """Six steps of a two-layer TINY: (losses, checkpoint folder, stdout)."""
+    config = folder / "tiny.toml"
+    config.write_text(TINY.replace("steps = 40", "steps = 6").replace("eval_every = 20",
+                                                                       "eval_every = 0"))
+    metrics = folder / f"{name}.jsonl"
+    result = dtrain("train", str(config), *args, "--set", "model.n_layer=2", "--set",
+                    f"train.out_dir='{folder / name}'", "--set", "logging.sample_tokens=0",
+                    "--metrics", str(metrics), timeout=170)
+    assert result.returncode == 0, result.stdout + result.stderr
+    losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines())
+              if "loss" in r]
+    return losses, folder / name / "checkpoints", result.stdout
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    return short_run(tmp_path_factory.mktemp("one"), "one", ["-n", "1"])
+
+
 @pytest.mark.parametrize("layout, banner", [
     (["--set", "parallel.tp=2"], "tensor parallel over 2 x data parallel over 2"),
     (["--set", "parallel.pp=2", "--set", "parallel.microbatches=2"],
      "pipeline of 2 stages (1f1b, 2 micro-batches) x data parallel over 2"),
 ])
-def test_model_parallel_run_equals_one_process(tmp_path: Path, layout: list[str],
-                                               banner: str) -> None:
+def test_model_parallel_run_equals_one_process(tmp_path: Path, layout: list[str], banner: str,
+                                               one_process_run: tuple) -> None:
     """tp = 2 or pp = 2 on 4 ranks (dp = 2 outside): the same losses and final weights as
     one process on the global batch. Tensor parallelism gathers the whole model and
     optimizer state into its checkpoint; a pipeline's ranks write their own pieces."""
-    config = tmp_path / "tiny.toml"
-    config.write_text(TINY.replace("steps = 40", "steps = 6").replace("eval_every = 20",
-                                                                       "eval_every = 0"))
-    runs = {}
-    for name, args in (("one", ["-n", "1"]), ("four", ["-n", "4", *layout])):
-        metrics = tmp_path / f"{name}.jsonl"
-        result = dtrain("train", str(config), *args, "--set", "model.n_layer=2", "--set",
-                        f"train.out_dir='{tmp_path / name}'", "--set", "logging.sample_tokens=0",
-                        "--metrics", str(metrics), timeout=170)
-        assert result.returncode == 0, result.stdout + result.stderr
-        losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines())
-                  if "loss" in r]
-        runs[name] = (losses, tmp_path / name / "checkpoints", result.stdout)
+    runs = {"one": one_process_run, "four": short_run(tmp_path, "four", ["-n", "4", *layout])}
     assert banner in runs["four"][2]
     torch.testing.assert_close(runs["four"][0], runs["one"][0], rtol=1e-5, atol=1e-6)
     one = checkpoint.load(runs["one"][1])

@@ -244,7 +244,7 @@ def _processes(stages: list[int]) -> dict:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: threads
 def test_processes_on_gloo_equal_data_parallel_and_one_process(world: int) -> None:
     for result in run_ranks(_processes, world, [1, 2, 3], timeout=150):
         torch.testing.assert_close(result["dp"], result["serial"])

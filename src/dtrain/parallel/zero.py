@@ -275,6 +275,10 @@ class ZeRO(nn.Module):
         if not torch.is_grad_enabled():  # no backward follows
             for unit in self._units:
                 self._free(unit)
+        elif self._root is not None:  # gathered again for this output's backward, which may
+            for t in tree_flatten(output)[0]:  # come after other forwards (a pipeline)
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad: self._gather(self._root))
 
     def _before_backward(self, k: int) -> None:
         unit = self._chain[k]
@@ -364,8 +368,10 @@ class ZeRO(nn.Module):
     def _finalize(self) -> None:
         """At the end of backward: send what is left, wait, keep each rank's shard."""
         self._finalize_queued = False
-        for unit in self._units:
+        for unit in self._units:  # ready for the next backward, with or without a forward
             self._free(unit)
+            unit.pending = len(unit.flat.params)
+            unit.backward_started = False
         if not self._sync:
             return
         for unit in self._units[self._next_launch :]:

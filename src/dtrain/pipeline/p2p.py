@@ -8,6 +8,7 @@ Pipeline messages use tags of their own, so they never match a collective's (tag
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ class Channels:
         self._sent: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
         self._known: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
+        self.waited = 0.0  # seconds spent in recv, so timelines can tell waiting from work
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Start sending `tensor` (not blocking); `flush()` waits for every send."""
@@ -62,7 +64,10 @@ class Channels:
             self._known[key] = (torch.Size(header[2 : 2 + ndim].tolist()), dtype)
         shape, dtype = self._known[key]
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        return comm.recv(out, peer, self.group, tag=tag)
+        start = time.perf_counter()
+        comm.recv(out, peer, self.group, tag=tag)
+        self.waited += time.perf_counter() - start
+        return out
 
     def flush(self) -> None:
         """Wait until every started send has completed."""

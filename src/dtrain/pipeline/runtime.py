@@ -24,6 +24,7 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.errors import ConfigError
+from dtrain.parallel.zero import ZeRO
 from dtrain.pipeline import schedules
 from dtrain.pipeline.p2p import Channels
 from dtrain.pipeline.schedules import Action
@@ -50,7 +51,8 @@ class Pipeline:
             (this rank's parameter, the other stage's rank in `group`). Their gradients are
             summed across both after every step, as one shared parameter's would be.
         timeline: record (kind, micro, chunk, start, end) of every action of the last step
-            in `self.events` (for bubble measurements).
+            in `self.events`, in seconds from the step's start; `start` is when its compute
+            began, after any wait for a message (for bubble measurements and plots).
 
     Raises:
         ConfigError: an unknown schedule, or micro-batches/chunks it cannot use.
@@ -66,6 +68,12 @@ class Pipeline:
         self.microbatches, self.schedule, self.loss_fn = microbatches, schedule, loss_fn
         self.actions = schedules.build(schedule, self.pp, self.rank, microbatches, self.chunks)
         self.tied = list(tied)
+        # ZeRO keeps gradients as shards, not in param.grad: tied sums and clipping here
+        # need whole gradients (ZeRO's own clip_grad_norm_ covers its piece).
+        self._sharded = any(isinstance(p, ZeRO) for p in self.pieces)
+        if self._sharded and self.tied:
+            raise ConfigError("pipeline: tied weights across stages need whole gradients; "
+                              "wrap the pieces in DataParallel, not ZeRO, or untie them")
         self.timeline, self.events = timeline, []
         self.peak_live = 0
         first = next((p for piece in self.pieces for p in piece.parameters()), None)
@@ -122,7 +130,7 @@ class Pipeline:
         self.events, self.peak_live = [], 0
         origin = time.perf_counter()
         for index, action in enumerate(actions):
-            start = time.perf_counter()
+            start, waited = time.perf_counter(), self._channels.waited
             if action.kind == "F":
                 out, inp = self._forward(action, micro_in, micro_tg, backward)
                 if self._is_last(action.chunk):
@@ -134,8 +142,9 @@ class Pipeline:
                 inp, out = saved.pop((action.micro, action.chunk))
                 self._backward(action, inp, out, index)
             if self.timeline:
+                began = start + self._channels.waited - waited
                 self.events.append((action.kind, action.micro, action.chunk,
-                                    start - origin, time.perf_counter() - origin))
+                                    began - origin, time.perf_counter() - origin))
         self._channels.flush()
         if backward:
             self._sum_tied()
@@ -176,6 +185,9 @@ class Pipeline:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so the norm of the whole model's gradient (every stage's, a tied
         parameter counted once) is at most `max_norm`; returns that norm (collective)."""
+        if self._sharded:
+            raise ConfigError("pipeline: clip_grad_norm_ needs whole gradients; with ZeRO "
+                              "pieces use each piece's clip_grad_norm_")
         counted_elsewhere = {id(p) for p, peer in self.tied if peer < self.rank}
         params = [p for p in nn.ModuleList(self.pieces).parameters() if p.grad is not None]
         square = torch.zeros((), dtype=torch.float64, device=self.device)
