@@ -115,3 +115,19 @@ def test_timeout_names_the_rank_that_never_arrived(algorithm: str) -> None:
     for rank in (0, 2):
         assert "never arrived: rank 1 (no report" in results[rank], results[rank]
         assert "all_reduce #1" in results[rank]
+
+
+def _rank_that_leaves(algorithm: str) -> str:
+    if dist.get_rank() == 1:
+        return "left"  # its process exits and closes its connections
+    try:
+        comm.all_reduce(torch.ones(1000), algorithm=algorithm)
+    except comm.CollectiveTimeout as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring"])
+def test_a_rank_that_exits_is_named(algorithm: str) -> None:
+    result = run_ranks(_rank_that_leaves, 2, algorithm, collective_timeout=10)[0]
+    assert "all_reduce #1" in result and "never arrived: rank 1 (no report" in result, result

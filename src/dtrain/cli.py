@@ -45,6 +45,16 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     _add_launch_flags(run, default_nproc=1)
+    run.add_argument("--servers", type=int, default=0, metavar="S",
+                     help="also start S parameter servers per machine (dtrain.ps); -n counts "
+                          "the workers")
+    run.add_argument("--server-host", default="127.0.0.1", metavar="HOST",
+                     help="address the servers bind and publish (default 127.0.0.1; another "
+                          "machine's workers need a reachable one)")
+    run.add_argument("--snapshot-dir", metavar="DIR",
+                     help="servers save their shards here and resume from them on restart")
+    run.add_argument("--snapshot-every", type=int, default=0, metavar="K",
+                     help="servers snapshot every K updates (default 0: never)")
     run.add_argument("-m", dest="module", action="store_true",
                      help="run SCRIPT as a module, like python -m")
     run.add_argument("script", help="the Python script (or module with -m) each rank runs")
@@ -94,9 +104,16 @@ def _run(args: argparse.Namespace) -> None:
                 f"script {args.script!r} not found (run from its folder or give a path)"
             )
         command = [sys.executable, "-u", args.script, *args.args]
+    nproc, env = args.nproc, {}
+    if args.servers or args.snapshot_dir or args.snapshot_every:
+        from dtrain.launch.roles import plan
+
+        command, nproc, env = plan(command, args.nproc, args.servers, args.nnodes,
+                                   args.server_host, args.snapshot_dir, args.snapshot_every)
     launch(LaunchSpec(
-        command=command, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+        command=command, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
         master=args.master, max_restarts=args.max_restarts, join_timeout=args.join_timeout,
+        env=env,
     ))
 
 

@@ -84,27 +84,39 @@ def check(g: Group, what: str, tensor: torch.Tensor, algorithm: str,
             )
 
 
-def _timed_out(exc: BaseException) -> bool:
+def _failure(exc: BaseException) -> str | None:
+    """Why a collective could not complete, if `exc` says so; None for other errors."""
     text = str(exc).lower()
-    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
+    if isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text:
+        return "timed out"
+    if "connection closed by peer" in text or "connection reset" in text:
+        # A peer that gave up (its own timeout) or died closes its sockets; whoever waits
+        # on it learns that before its own timeout, and still deserves the diagnosis.
+        return "failed: a peer closed its connection"
+    return None
 
 
 def wait_or_diagnose(handle: Handle, g: Group, what: str, seq: int) -> None:
-    """Wait for `handle`; if it times out, raise CollectiveTimeout naming the missing ranks."""
+    """Wait for `handle`; if it cannot complete (a timeout, or a peer that closed its
+    connection), raise CollectiveTimeout naming the missing ranks."""
     try:
         handle.wait()
     except CollectiveTimeout:
         raise
     except (RuntimeError, TimeoutError) as exc:
-        if g is None or not _timed_out(exc):
+        failure = _failure(exc)
+        if g is None or failure is None:
             raise
-        raise CollectiveTimeout(diagnose(g, what, seq)) from exc
+        raise CollectiveTimeout(diagnose(g, what, seq, failure)) from exc
 
 
-def diagnose(g: Group, what: str, seq: int, grace_s: float = 3.0) -> str:
+def diagnose(g: Group, what: str, seq: int, failure: str = "timed out",
+             grace_s: float = 3.0) -> str:
     """Publish where this rank is stuck, read where the others are, and say who is missing."""
     prefix = f"at/{g.name}/"
-    head = f"{what} #{seq} on group {g.name!r} timed out after {g.timeout.total_seconds():.0f}s"
+    if failure == "timed out":
+        failure = f"timed out after {g.timeout.total_seconds():.0f}s"
+    head = f"{what} #{seq} on group {g.name!r} {failure}"
     try:
         g.store_set(f"{prefix}{g.rank}", f"{seq} {what}")
         deadline = time.monotonic() + grace_s

@@ -30,7 +30,8 @@ from dtrain.comm.ops import ReduceOp
 
 
 class CollectiveTimeout(RuntimeError):
-    """A collective waited longer than the group's timeout; the message names who is missing."""
+    """A collective could not complete (it waited past the group's timeout, or a peer closed
+    its connection); the message names the ranks that never arrived."""
 
 
 class Handle(Protocol):

@@ -20,7 +20,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dtrain.comm import segment
 from dtrain.errors import ConfigError, LaunchError
@@ -43,6 +43,7 @@ class LaunchSpec:
         raw_local_rank0: local rank 0 writes straight to this terminal, unprefixed, so it
             can draw a progress bar; the other ranks are still prefixed.
         join_timeout: seconds to wait for all machines to join.
+        env: extra environment variables for every rank.
     """
 
     command: list[str]
@@ -53,6 +54,7 @@ class LaunchSpec:
     max_restarts: int = 0
     raw_local_rank0: bool = False
     join_timeout: int = 120
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -157,7 +159,7 @@ def launch(spec: LaunchSpec) -> None:
         saved = dict(os.environ)
         exit_dir = os.path.join(log_dir, "exits")
         os.makedirs(exit_dir)
-        os.environ.update(_rank_env(spec, run_id, exit_dir))
+        os.environ.update({**_rank_env(spec, run_id, exit_dir), **spec.env})
         try:
             elastic_launch(config, spec.command[0])(*spec.command[1:])
         except ChildFailedError as exc:

@@ -1,0 +1,99 @@
+"""One process of a parameter-server job: `python -m dtrain.launch.roles W S -- COMMAND...`.
+
+`dtrain run -n W --servers S` asks the elastic agent for W + S processes per machine, each
+started here. Local ranks 0..W-1 become workers: they run the user's COMMAND with a world
+of workers only (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE renumbered, role
+"worker"), so collectives among workers still work. The others become servers and run
+dtrain's server loop; they need no user code.
+
+A worker killed by a signal it was not sent by the launcher (SIGKILL, the OOM killer) does
+not end the job: the servers drop it from the clocks after its worker_timeout, or fail the
+job if its settings say on_worker_loss="fail". A worker that exits with an error does
+end the job, as in any dtrain run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from dtrain.errors import ConfigError, exit_code_of
+from dtrain.launch import exits
+from dtrain.ps import job
+
+
+def plan(command: list[str], workers: int, servers: int, nnodes: int, host: str = "127.0.0.1",
+         snapshot_dir: str | None = None, snapshot_every: int = 0
+         ) -> tuple[list[str], int, dict[str, str]]:
+    """The command, processes per machine and environment that start a parameter-server
+    job of `workers` workers and `servers` servers per machine.
+
+    Raises:
+        ConfigError: a count below 1, snapshots without a folder, or several machines
+            without a shared DTRAIN_PS_SECRET.
+    """
+    if servers < 1 or workers < 1:
+        raise ConfigError(f"--servers {servers} with -n {workers}: a parameter-server job "
+                          "needs at least one server and one worker per machine")
+    if snapshot_every and not snapshot_dir:
+        raise ConfigError("--snapshot-every needs --snapshot-dir (where servers save shards)")
+    key = os.environ.get(job.SECRET)
+    if key is None and nnodes > 1:
+        raise ConfigError(f"--servers across machines: set {job.SECRET} to the same hex key "
+                          "on every machine (for example `openssl rand -hex 32`)")
+    env = {job.SECRET: key or job.new_secret(), job.HOST: host,
+           job.SNAPSHOT_EVERY: str(snapshot_every)}
+    if snapshot_dir:
+        env[job.SNAPSHOT_DIR] = os.path.abspath(snapshot_dir)
+    wrapped = [sys.executable, "-u", "-m", "dtrain.launch.roles", str(workers), str(servers),
+               "--", *command]
+    return wrapped, workers + servers, env
+
+
+def _env_int(name: str) -> int:
+    return int(os.environ[name])
+
+
+def _run_worker(index: int, command: list[str]) -> int:
+    child = subprocess.Popen(command)
+    stopping: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+        child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = child.wait()
+    if code < 0 and not stopping:
+        name = signal.Signals(-code).name
+        print(f"dtrain: worker {index} was killed by {name}; the parameter servers drop it "
+              "from the clocks and the job goes on", file=sys.stderr, flush=True)
+        return 0
+    return 128 - code if code < 0 else code
+
+
+def main(argv: list[str]) -> int:
+    workers, servers = int(argv[0]), int(argv[1])
+    command = argv[3:]  # after "--"
+    local, node = _env_int("LOCAL_RANK"), _env_int("GROUP_RANK")
+    nodes = _env_int("WORLD_SIZE") // (workers + servers)
+    exits.record_exit_time(_env_int("RANK"))
+    os.environ.update({job.WORKERS: str(workers * nodes), job.SERVERS: str(servers * nodes)})
+    if local >= workers:
+        index = node * servers + local - workers
+        os.environ.update({"DTRAIN_ROLE": "server", job.INDEX: str(index)})
+        return exit_code_of(job.serve_from_env)
+    index = node * workers + local
+    os.environ.update({
+        "DTRAIN_ROLE": "worker", job.INDEX: str(index), "RANK": str(index),
+        "WORLD_SIZE": str(workers * nodes), "LOCAL_WORLD_SIZE": str(workers),
+    })
+    os.environ.pop(exits.ENV, None)  # this process notes the exit time, not the child
+    return _run_worker(index, command)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,100 @@
+"""Parameter-server messages: a JSON header, an HMAC, and raw tensor bytes. No pickle.
+
+A message is three ZeroMQ frames: the header (UTF-8 JSON: op, worker, clock, for a tensor
+its dtype and length, and an optional JSON object of settings), a 32-byte HMAC-SHA256 of
+header and payload under the job's shared secret, and the payload (the tensor's bytes,
+sent without a copy; empty when there is none). `unpack` checks all of it and raises
+BadMessage with the reason, so a server can log and drop a malformed or forged message
+and go on serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+OPS = ("init", "push", "pull", "stop", "reply")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class BadMessage(ValueError):
+    """A message that is malformed, forged, or does not fit the receiver's state."""
+
+
+@dataclass
+class Message:
+    op: str
+    worker: int
+    clock: int
+    tensor: torch.Tensor | None = None
+    error: str = ""
+    meta: dict[str, Any] | None = None
+
+
+def _mac(secret: bytes, header: bytes, payload: Any) -> bytes:
+    mac = hmac.new(secret, header, hashlib.sha256)
+    mac.update(payload)
+    return mac.digest()
+
+
+def pack(secret: bytes, message: Message) -> list[Any]:
+    """The frames of `message`, signed with `secret`; the payload frame shares the
+    tensor's memory, which must not change until ZeroMQ has sent it."""
+    head: dict[str, Any] = {"op": message.op, "worker": message.worker, "clock": message.clock}
+    payload: Any = b""
+    if message.tensor is not None:
+        t = message.tensor.detach().contiguous().view(-1)
+        head["dtype"], head["numel"] = _NAMES[t.dtype], t.numel()
+        payload = memoryview(t.view(torch.uint8).numpy())
+    if message.error:
+        head["error"] = message.error
+    if message.meta is not None:
+        head["meta"] = message.meta
+    header = json.dumps(head, separators=(",", ":")).encode()
+    return [header, _mac(secret, header, payload), payload]
+
+
+def unpack(secret: bytes, frames: list[Any]) -> Message:
+    """Check and decode frames from `pack`.
+
+    Raises:
+        BadMessage: wrong frame count, bad HMAC, malformed header, unknown op or dtype,
+            or a payload whose length does not match the header.
+    """
+    if len(frames) != 3:
+        raise BadMessage(f"expected 3 frames, got {len(frames)}")
+    header, mac, payload = (bytes(f.buffer) if hasattr(f, "buffer") else bytes(f)
+                            for f in frames)
+    if not hmac.compare_digest(mac, _mac(secret, header, payload)):
+        raise BadMessage("bad HMAC: not signed with this job's secret")
+    try:
+        head = json.loads(header)
+        op, worker, clock = head["op"], int(head["worker"]), int(head["clock"])
+    except (ValueError, KeyError, TypeError):
+        raise BadMessage("malformed header") from None
+    if op not in OPS:
+        raise BadMessage(f"unknown op {op!r}")
+    tensor = None
+    if "dtype" in head:
+        dtype = DTYPES.get(head["dtype"])
+        if dtype is None:
+            raise BadMessage(f"unsupported dtype {head['dtype']!r}")
+        numel = int(head.get("numel", -1))
+        if numel < 0 or numel * dtype.itemsize != len(payload):
+            raise BadMessage(f"payload of {len(payload)} bytes does not hold {numel} "
+                             f"{head['dtype']} values")
+        tensor = torch.frombuffer(bytearray(payload), dtype=dtype) if numel else torch.empty(
+            0, dtype=dtype)
+    elif payload:
+        raise BadMessage("payload without a dtype")
+    meta = head.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise BadMessage("malformed header: meta is not an object")
+    return Message(op, worker, clock, tensor, str(head.get("error", "")), meta)

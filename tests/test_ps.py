@@ -1,0 +1,313 @@
+"""Parameter servers: sync equals one process, async and ssp learn as well, ssp keeps its
+bound, forged input is refused, dead workers are dropped, a restarted server resumes."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import multiprocessing as mp
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from torch import nn
+
+from dtrain import ps
+from dtrain.errors import ConfigError, DtrainError
+from tests.cli import dtrain, one_error_line
+
+SECRET, STEPS, WORKERS, PER_WORKER = b"job-secret", 4, 2, 4
+SGD = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9}
+EXAMPLE = str(Path(__file__).parent.parent / "examples" / "parameter_server.py")
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(WORKERS * PER_WORKER, 6, generator=g),
+            torch.randint(0, 3, (WORKERS * PER_WORKER,), generator=g))
+
+
+def start_servers(n: int, workers: int = WORKERS, **kwargs) -> list[ps.Server]:
+    servers = [ps.Server(workers, SECRET, index=i, **kwargs) for i in range(n)]
+    for server in servers:
+        threading.Thread(target=server.serve, kwargs={"idle_timeout": 30}, daemon=True).start()
+    return servers
+
+
+def run_threads(work, models: list[nn.Module], timeout: float = 40) -> list:
+    """`work(rank, model)` on a thread per worker; the models are built beforehand, as
+    threads would race on torch's global seed."""
+    n = len(models)
+    results: list = [None] * n
+    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, work(r, models[r])))
+               for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert all(r is not None for r in results), "a worker did not finish"
+    return results
+
+
+def train_workers(servers: list[ps.Server], settings: ps.Settings, slow: float = 0.0,
+                  overlap: bool = True) -> list[dict]:
+    """Every worker on its slice of each global batch; worker 1 sleeps `slow` per step."""
+
+    def work(rank: int, m: nn.Module) -> dict:
+        worker = ps.Worker(m, settings, [s.address for s in servers], rank, SECRET,
+                           timeout=20, overlap=overlap)
+        worker.start()
+        mine = slice(rank * PER_WORKER, (rank + 1) * PER_WORKER)
+        for step in range(STEPS):
+            x, y = batch(step)
+            nn.functional.cross_entropy(m(x[mine]), y[mine]).backward()
+            if rank == 1:
+                time.sleep(slow)
+            worker.step()
+        worker.close()
+        return m.state_dict()
+
+    return run_threads(work, [model() for _ in range(WORKERS)])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("n_servers", "overlap"), [(1, False), (2, True), (3, True)])
+def test_sync_equals_one_process(n_servers: int, overlap: bool) -> None:
+    """The servers apply the mean of both workers' gradients: one process's SGD with
+    momentum on the whole batch, the optimizer state living on the servers."""
+    results = train_workers(start_servers(n_servers), ps.Settings("sync", **SGD),
+                            overlap=overlap)
+    serial = model()
+    opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        nn.functional.cross_entropy(serial(batch(step)[0]), batch(step)[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    for state in results:
+        torch.testing.assert_close(state, serial.state_dict())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_ssp_never_lets_a_worker_run_more_than_s_clocks_ahead(staleness: int) -> None:
+    servers = start_servers(2)
+    train_workers(servers, ps.Settings("ssp", staleness, **SGD), slow=0.05)
+    for server in servers:
+        pulls = [(a.worker, a.clock) for a in server.answered]
+        assert sorted(pulls) == [(w, c) for w in range(WORKERS) for c in range(STEPS + 1)]
+        assert all(a.clock - a.slowest <= staleness for a in server.answered)
+    if staleness:  # the fast worker did use its slack
+        assert any(a.clock - a.slowest == staleness for s in servers for a in s.answered)
+
+
+def digits_accuracy(settings: ps.Settings, epochs: int = 8) -> float:
+    """Two workers, one server, an MLP on scikit-learn's handwritten digits; the test
+    accuracy after the same number of samples whatever the consistency."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16
+    y = torch.tensor(data.target)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    train, test = order[:1400], order[1400:]
+    servers = start_servers(1)
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def work(rank: int, m: nn.Module) -> float:
+        worker = ps.Worker(m, settings, [servers[0].address], rank, SECRET, timeout=20)
+        worker.start()
+        mine = train[rank::WORKERS]
+        for epoch in range(epochs):
+            g = torch.Generator().manual_seed(epoch * 10 + rank)
+            for idx in mine[torch.randperm(len(mine), generator=g)].split(25):
+                nn.functional.cross_entropy(m(x[idx]), y[idx]).backward()
+                worker.step()
+        worker.close()
+        with torch.no_grad():
+            return (m(x[test]).argmax(1) == y[test]).float().mean().item()
+
+    return run_threads(work, [mlp() for _ in range(WORKERS)])[0]
+
+
+@pytest.mark.timeout(90)
+def test_async_and_ssp_reach_the_accuracy_of_sync_on_digits() -> None:
+    sync = digits_accuracy(ps.Settings("sync", **SGD))
+    assert sync > 0.9
+    for consistency, staleness in (("async", 0), ("ssp", 2)):
+        accuracy = digits_accuracy(ps.Settings(consistency, staleness, **SGD))
+        assert accuracy >= sync - 0.02, (consistency, accuracy, sync)
+
+
+def signed(header: bytes) -> list[bytes]:
+    return [header, hmac.new(SECRET, header, hashlib.sha256).digest(), b""]
+
+
+@pytest.mark.timeout(60)
+def test_bad_messages_are_rejected_and_the_server_keeps_serving() -> None:
+    servers = start_servers(1)
+    settings = ps.Settings("async", **SGD)
+    numel = sum(p.numel() for p in model().parameters())
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.connect(servers[0].address)
+
+    def send(frames: list) -> str:
+        socket.send_multipart(frames)
+        assert socket.poll(5000)
+        return ps.unpack(SECRET, socket.recv_multipart()).error
+
+    assert "before worker 0 seeded" in send(
+        ps.pack(SECRET, ps.Message("push", 0, 0, torch.zeros(numel))))
+    assert "unknown settings" in send(ps.pack(SECRET, ps.Message(
+        "init", 0, 0, torch.zeros(numel), meta={"optimizer": "sgd", "eval": "rm -rf"})))
+    attempts = {
+        "bad HMAC": ps.pack(b"a stranger", ps.Message("push", 0, 0, torch.zeros(numel))),
+        "this shard holds": ps.pack(SECRET, ps.Message("push", 0, 0, torch.zeros(numel + 1))),
+        "needs a float32 tensor": ps.pack(SECRET, ps.Message("push", 0, 0,
+                                                             torch.zeros(numel).double())),
+        "unknown worker 7": ps.pack(SECRET, ps.Message("pull", 7, 0)),
+        "only worker 0 seeds": ps.pack(SECRET, ps.Message("init", 1, 0, torch.zeros(numel))),
+        "malformed header": signed(b"{not json"),
+        "unknown op 'delete'": signed(b'{"op":"delete","worker":0,"clock":0}'),
+        "expected 3 frames": [b"just one"],
+    }
+    ps.Worker(model(), settings, [servers[0].address], 0, SECRET, timeout=5).start()
+    for reason, frames in attempts.items():
+        assert reason in send(frames), reason
+    socket.close()
+    context.term()
+    assert len(servers[0].rejected) == len(attempts) + 2
+    assert any("bad HMAC" in r for r in servers[0].rejected)
+    train_workers(servers, settings)  # still serving
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_with_the_wrong_secret_or_model_is_refused() -> None:
+    servers = start_servers(1)
+    worker = ps.Worker(model(), ps.Settings(), [servers[0].address], 0, b"not the secret",
+                       timeout=5)
+    with pytest.raises(DtrainError, match="share the job's secret"):
+        worker.start()
+    assert servers[0].rejected == ["bad HMAC: not signed with this job's secret"]
+    assert not servers[0].initialized
+    ps.Worker(model(), ps.Settings(), [servers[0].address], 0, SECRET, timeout=5).start()
+    other = ps.Worker(nn.Linear(6, 2), ps.Settings(), [servers[0].address], 1, SECRET, timeout=5)
+    with pytest.raises(DtrainError, match="does not match worker 0's"):
+        other.start()
+    with pytest.raises(ConfigError, match="use one of sync, async, ssp"):
+        ps.Settings("eventual")
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_worker_is_dropped_and_the_others_finish() -> None:
+    """Worker 1 stops talking after two steps (as a killed process would); in ssp mode
+    worker 0 would wait for it forever, but the server drops it after worker_timeout."""
+    servers = start_servers(1)
+    settings = ps.Settings("ssp", 1, worker_timeout=1.0, **SGD)
+
+    def work(rank: int, m: nn.Module) -> int:
+        worker = ps.Worker(m, settings, [servers[0].address], rank, SECRET, timeout=20)
+        worker.start()
+        for step in range(2 if rank else 6):
+            nn.functional.cross_entropy(m(batch(step)[0]), batch(step)[1]).backward()
+            worker.step()
+        if rank == 0:
+            worker.close()
+        return worker.clock
+
+    assert run_threads(work, [model() for _ in range(WORKERS)]) == [6, 2]
+    assert servers[0].clocks.dropped == {1}
+
+
+@pytest.mark.timeout(60)
+def test_sync_can_fail_instead_of_going_on_without_a_worker() -> None:
+    server = ps.Server(WORKERS, SECRET)
+    raised: list[Exception] = []
+    thread = threading.Thread(target=lambda: raised.extend(_raises(server.serve)))
+    thread.start()
+    settings = ps.Settings("sync", worker_timeout=1.0, on_worker_loss="fail", **SGD)
+    m = model()
+    worker = ps.Worker(m, settings, [server.address], 0, SECRET, timeout=20)
+    worker.start()
+    nn.functional.cross_entropy(m(batch(0)[0]), batch(0)[1]).backward()
+    with pytest.raises(DtrainError, match="worker 1 sent nothing for 1s; the job stops"):
+        worker.step()
+    thread.join(10)
+    assert "worker 1 sent nothing" in str(raised[0])  # the server process exits non-zero
+
+
+def _raises(fn) -> list[Exception]:
+    try:
+        fn()
+    except DtrainError as exc:
+        return [exc]
+    return []
+
+
+def _serve(bind: str, snapshots: str) -> None:  # a process of its own, to be killed
+    ps.Server(1, SECRET, bind=bind, snapshot_dir=snapshots, snapshot_every=1).serve()
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_server_restarts_from_its_snapshot(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    with zmq.Context() as probe:  # a free port, to bind the server and its successor on
+        socket = probe.socket(zmq.ROUTER)
+        bind = f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}"
+        socket.close()
+    server = ctx.Process(target=_serve, args=(bind, str(tmp_path)))
+    server.start()
+    m = model()
+    worker = ps.Worker(m, ps.Settings("async", **SGD), [bind], 0, SECRET, timeout=30)
+    worker.start()
+    for step in range(3):
+        nn.functional.cross_entropy(m(batch(step)[0]), batch(step)[1]).backward()
+        worker.step()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    server.kill()
+    server.join()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    successor = ctx.Process(target=_serve, args=(bind, str(tmp_path)))
+    successor.start()
+    worker.pull()  # the same address: ZeroMQ reconnects
+    torch.testing.assert_close(m.state_dict(), before)
+    assert worker.clock == 3
+    nn.functional.cross_entropy(m(batch(3)[0]), batch(3)[1]).backward()
+    worker.step()  # and training goes on, momentum included
+    worker.close()
+    successor.join(10)
+    assert successor.exitcode == 0
+
+
+@pytest.mark.timeout(150)
+def test_dtrain_run_starts_servers_and_survives_a_killed_worker() -> None:
+    """`dtrain run --servers`: servers need no user code; worker 1 SIGKILLs itself at step
+    10 (async), the server drops it, worker 0 finishes and the job succeeds."""
+    result = dtrain("run", "-n", "2", "--servers", "1", EXAMPLE, "--consistency",
+                    "async", "--die-at-step", "10", "--worker-timeout", "2", "--epochs", "4",
+                    timeout=140)
+    assert result.returncode == 0, result.stderr
+    assert "worker 1 was killed by SIGKILL" in result.stderr
+    assert "worker 1 sent nothing for 2s and is dropped from the clocks" in result.stderr
+    line = next(x for x in result.stdout.splitlines() if "worker 0: test accuracy" in x)
+    assert float(line.split("accuracy ")[1].split()[0]) > 0.9 and "after 112 steps" in line
+
+
+def test_bad_server_flags_are_one_line() -> None:
+    assert "needs at least one server" in one_error_line(
+        dtrain("run", "-n", "2", "--snapshot-dir", "/tmp", EXAMPLE))
+    assert "--snapshot-every needs --snapshot-dir" in one_error_line(
+        dtrain("run", "-n", "2", "--servers", "1", "--snapshot-every", "5", EXAMPLE))
