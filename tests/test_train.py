@@ -119,6 +119,24 @@ def test_model_parallel_run_equals_one_process(tmp_path: Path, layout: list[str]
     torch.testing.assert_close(weights, one["model"])
 
 
+def test_parameter_server_run_equals_one_process(tmp_path: Path) -> None:
+    """mode = "ps", sync: two workers and two servers holding AdamW's state reach the
+    weights of one process on the global batch (the lr schedule travels with each push).
+    Weight decay and clipping are off: the servers decay every element, and each worker
+    clips its own gradient, where one process decays matrices only and clips the mean."""
+    plain = ["--set", "optimizer.weight_decay=0", "--set", "optimizer.grad_clip=0"]
+    one = short_run(tmp_path, "one", ["-n", "1", *plain])
+    two = short_run(tmp_path, "ps", ["-n", "2", *plain, "--set", "parallel.mode='ps'",
+                                     "--set", "parallel.servers=2", "--set",
+                                     "parallel.snapshot_every=4"])
+    assert "sync parameter-server training with 2 server(s) per machine" in two[2]
+    torch.testing.assert_close(checkpoint.load(two[1])["model"], checkpoint.load(one[1])["model"],
+                               rtol=1e-4, atol=1e-5)
+    snapshots = [checkpoint.load(tmp_path / "ps" / "ps-snapshots" / f"server-{i}")
+                 for i in range(2)]
+    assert [s["updates"] for s in snapshots] == [4, 4]  # six updates, the last at four
+
+
 @pytest.mark.parametrize("args, message, code", [
     (["--set", "train.stepz=3"], "did you mean 'train.steps'", 2),
     (["--set", "train.batch_size=15"], "make it a multiple of 2", 2),
@@ -128,6 +146,8 @@ def test_model_parallel_run_equals_one_process(tmp_path: Path, layout: list[str]
     (["--set", "parallel.tp=3"], "parallel.tp = 3 does not divide model.n_head = 4", 2),
     (["--set", "parallel.tp=4"], "does not divide the world size 2", 2),
     (["--set", "parallel.tp=2", "--set", "parallel.zero=2"], "not supported yet", 2),
+    (["--set", "parallel.mode='ps'", "--set", "parallel.tp=2"], "leave parallel.tp, pp", 2),
+    (["--set", "parallel.consistency='eventual'"], "must be one of sync, async, ssp", 2),
     (["--set", "parallel.pp=8"], "= 8 stages but the model has 4 layers", 2),
     (["--set", "parallel.pp=2", "--set", "model.n_layer=2", "--set",
       "parallel.schedule='interleaved'"], "needs at least 2 chunks", 2),

@@ -7,10 +7,11 @@ headers, HMAC-signed, with raw tensor bytes (`wire`); nothing received is unpick
 `dtrain run -n W --servers S` starts a whole job (`job`).
 """
 
+from dtrain.ps.optimizer import RemoteOptimizer
 from dtrain.ps.server import Answered, Server
 from dtrain.ps.settings import CONSISTENCY, Settings
 from dtrain.ps.wire import BadMessage, Message, pack, unpack
 from dtrain.ps.worker import Worker
 
-__all__ = ["CONSISTENCY", "Answered", "BadMessage", "Message", "Server", "Settings", "Worker",
-           "pack", "unpack"]
+__all__ = ["CONSISTENCY", "Answered", "BadMessage", "Message", "RemoteOptimizer", "Server",
+           "Settings", "Worker", "pack", "unpack"]

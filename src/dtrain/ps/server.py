@@ -57,6 +57,7 @@ class Clocks:
     version: int = 0  # sync: pulls of clocks up to this are answerable
     round_sum: torch.Tensor | None = None
     round_from: set[int] = field(default_factory=set)
+    round_lr: float | None = None
 
     def live(self) -> set[int]:
         return set(self.of) - self.done - self.dropped
@@ -206,7 +207,9 @@ class Server:
                              f"{self.param.numel()}")
 
     # ------------------------------------------------------------------ consistency
-    def _apply(self, grad: torch.Tensor) -> None:
+    def _apply(self, grad: torch.Tensor, lr: float | None) -> None:
+        if lr is not None:  # the worker's scheduler decides the step size
+            self.optimizer.param_groups[0]["lr"] = lr
         self.param.grad = grad
         self.optimizer.step()
         self.param.grad = None
@@ -215,7 +218,7 @@ class Server:
             self._snapshot()
 
     def _push(self, m: Message) -> None:
-        c = self.clocks
+        c, lr = self.clocks, self._lr(m)  # checked before anything changes
         expected = c.of[m.worker]
         if m.clock < expected:  # a resend of a push already counted
             log.info("worker %d resent push %d; already applied", m.worker, m.clock)
@@ -228,18 +231,28 @@ class Server:
         if self.settings.consistency != "sync":
             # 1/W of each push: a round of W pushes moves the parameters as far as one
             # sync step, so one lr means the same per sample in every mode.
-            self._apply(m.tensor / self.workers)
+            self._apply(m.tensor / self.workers, lr)
             return
         c.round_sum = m.tensor.clone() if c.round_sum is None else c.round_sum.add_(m.tensor)
         c.round_from.add(m.worker)
+        c.round_lr = lr
         self._close_round()
+
+    @staticmethod
+    def _lr(m: Message) -> float | None:
+        lr = (m.meta or {}).get("lr")
+        if lr is None:
+            return None
+        if not isinstance(lr, int | float) or not 0 <= lr < float("inf"):
+            raise BadMessage(f"lr {lr!r} is not a finite number >= 0")
+        return float(lr)
 
     def _close_round(self) -> None:
         """sync: once every live worker's gradient is in, apply their mean."""
         c = self.clocks
         if c.round_sum is None or not c.live() <= c.round_from:
             return
-        self._apply(c.round_sum / len(c.round_from))
+        self._apply(c.round_sum / len(c.round_from), c.round_lr)
         c.version = max(c.of[w] for w in c.round_from)
         c.round_sum, c.round_from = None, set()
 

@@ -75,6 +75,7 @@ class Worker:
         self.sent_bytes = self.received_bytes = 0
         self._pushed: dict[int, torch.Tensor] = {}  # server -> shard in flight this step
         self._accumulating = False
+        self.lr_of = None  # a callable giving the lr to send with each push (RemoteOptimizer)
         self._hooks = []
         if overlap:
             self._pending = [0] * len(self.servers)
@@ -162,7 +163,7 @@ class Worker:
     def _push_to(self, s: int) -> None:
         shard = self._shard(s, grads=True)
         self._pushed[s] = shard  # kept alive: ZeroMQ sends from its memory
-        self._send(s, "push", shard)
+        self._send(s, "push", shard, None if self.lr_of is None else {"lr": self.lr_of()})
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:

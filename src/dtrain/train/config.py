@@ -9,6 +9,7 @@ wrong types and values out of range are errors that name the key and say what fi
     [optimizer] name = "adamw", lr = 3e-3, warmup_steps = 20
     [train]     steps = 400, batch_size = 32, eval_every = 100, out_dir = "runs/default"
     [parallel]  nproc = 2, tp = 1, bucket_mb = 25, grad_dtype = "fp32", zero = 0
+                mode = "ps", servers = 1, consistency = "ssp", staleness = 2
     [checkpoint] every = 0, keep_last = 2
     [logging]   metrics = "metrics.jsonl", log_every = 10
 """
@@ -108,6 +109,19 @@ class ParallelConfig:
     2 and gradients, 3 and parameters; 0 replicates it (DataParallel)."""
     mixed_precision: str = "fp32"
     """With zero > 0: compute and communicate in bf16 or fp16 over fp32 master weights."""
+    mode: str = "collective"
+    """collective (the ranks exchange gradients among themselves: DataParallel, ZeRO, tp,
+    pp) or ps (parameter servers hold the model and its optimizer; nproc workers push
+    gradients and pull parameters: dtrain.ps)."""
+    servers: int = 1
+    """With mode = "ps": server processes per machine; the parameters are split across them."""
+    consistency: str = "sync"
+    """With mode = "ps": sync, async, or ssp (bounded staleness)."""
+    staleness: int = 2
+    """With consistency = "ssp": how many steps a worker may run ahead of the slowest."""
+    snapshot_every: int = 0
+    """With mode = "ps": servers snapshot their shards to out_dir/ps-snapshots every this
+    many updates (0: never); restarted servers resume from them."""
 
 
 @dataclass
@@ -153,15 +167,18 @@ CHOICES = {
     "parallel.zero": (0, 1, 2, 3),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
     "parallel.mixed_precision": ("fp32", "bf16", "fp16"),
+    "parallel.mode": ("collective", "ps"),
+    "parallel.consistency": ("sync", "async", "ssp"),
 }
 POSITIVE = {"model.vocab_size", "model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
             "train.eval_batches", "parallel.nproc", "parallel.tp", "parallel.pp",
             "parallel.microbatches", "parallel.virtual_stages", "parallel.bucket_mb",
-            "checkpoint.keep_last", "optimizer.lr", "logging.log_every"}
+            "checkpoint.keep_last", "optimizer.lr", "logging.log_every", "parallel.servers"}
 NON_NEGATIVE = {"model.dropout", "optimizer.weight_decay", "optimizer.momentum",
                 "optimizer.warmup_steps", "optimizer.min_lr_ratio", "optimizer.grad_clip",
-                "train.eval_every", "parallel.dp", "checkpoint.every", "logging.sample_tokens"}
+                "train.eval_every", "parallel.dp", "checkpoint.every", "logging.sample_tokens",
+                "parallel.staleness", "parallel.snapshot_every"}
 
 
 def _suggest(name: str, options: typing.Iterable[str]) -> str:
@@ -241,6 +258,9 @@ def _validate(config: Config) -> None:
                           "choose one of them (with data parallelism over the rest)")
     if p.pp > 1:
         _validate_pipeline(config)
+    if p.mode == "ps" and (p.tp > 1 or p.pp > 1 or p.zero or p.dp):
+        raise ConfigError("parallel.mode = \"ps\" trains whole replicas on the workers: "
+                          "leave parallel.tp, pp, zero and dp at their defaults")
     if p.zero and p.grad_dtype != "fp32":
         raise ConfigError("parallel.grad_dtype is for DataParallel; with parallel.zero set "
                           "parallel.mixed_precision instead")

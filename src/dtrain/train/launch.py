@@ -31,7 +31,9 @@ def train_command(args: argparse.Namespace) -> None:
 
     from dtrain.world import detect
 
-    if detect(os.environ).source != "single" or (config.parallel.nproc == 1 and args.nnodes == 1):
+    pc = config.parallel
+    alone = pc.nproc == 1 and args.nnodes == 1 and pc.mode != "ps"
+    if detect(os.environ).source != "single" or alone:
         from dtrain.train.trainer import train
 
         train(config)
@@ -48,9 +50,16 @@ def train_command(args: argparse.Namespace) -> None:
         (out_dir / "config.json").write_text(config.to_json())
     except OSError as exc:
         raise ConfigError(f"train.out_dir {str(out_dir)!r} is not writable: {exc}") from None
+    command = [sys.executable, "-u", "-m", "dtrain.train.worker", str(out_dir / "config.json")]
+    nproc, env = pc.nproc, {}
+    if pc.mode == "ps":  # servers beside the workers; they snapshot into the run folder
+        from dtrain.launch.roles import plan
+
+        command, nproc, env = plan(command, pc.nproc, pc.servers, args.nnodes,
+                                   snapshot_dir=str(out_dir / "ps-snapshots"),
+                                   snapshot_every=pc.snapshot_every)
     launch(LaunchSpec(
-        command=[sys.executable, "-u", "-m", "dtrain.train.worker", str(out_dir / "config.json")],
-        nproc=config.parallel.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+        command=command, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
         master=args.master, max_restarts=args.max_restarts, join_timeout=args.join_timeout,
-        raw_local_rank0=True,
+        raw_local_rank0=True, env=env,
     ))

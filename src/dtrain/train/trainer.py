@@ -9,7 +9,8 @@ with dtrain.ZeRO (each rank then writes its own shard of every checkpoint). With
 `[parallel] tp = N` each layer is first split across N consecutive ranks
 (dtrain.tensor_parallel; tp inside, data parallel outside over the rest); with `pp = N` the
 blocks are cut into N pipeline stages fed with micro-batches (dtrain.pipeline), each
-stage's pieces data-parallel over the dp axis. Rank 0 prints
+stage's pieces data-parallel over the dp axis. With `mode = "ps"` the ranks are workers of
+parameter servers (dtrain.ps) that hold the model and its optimizer. Rank 0 prints
 progress, writes metrics and checkpoints, and finally prints a sample of generated text.
 """
 
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain import comm, pipeline, tensor_parallel
+from dtrain import comm, pipeline, ps, tensor_parallel
 from dtrain import world as world_mod
 from dtrain.mesh import Mesh
 from dtrain.models.gpt import GPT
@@ -47,6 +48,14 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     optimizer = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
     return optimizer(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+
+
+def ps_settings(config: Config) -> ps.Settings:
+    """The parameter servers' rules from the config (the optimizer runs on the servers)."""
+    o, p = config.optimizer, config.parallel
+    return ps.Settings(p.consistency, p.staleness if p.consistency == "ssp" else 0,
+                       optimizer=o.name, lr=o.lr, momentum=o.momentum, betas=tuple(o.betas),
+                       weight_decay=o.weight_decay)
 
 
 def lr_factor(step: int, total: int, cfg: OptimizerConfig) -> float:
@@ -117,6 +126,11 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
             loss_fn=pipeline.gpt_loss, tied=pipeline.tied_weights(gpt, mine, pp_group))
         model = torch.nn.ModuleList(mine)
         optimizer = build_optimizer(model, config.optimizer)
+    elif pc.mode == "ps":  # no collective per step: async workers must not wait on each other
+        model = gpt
+        worker = ps.Worker(gpt, ps_settings(config), overlap=config.optimizer.grad_clip == 0)
+        optimizer = ps.RemoteOptimizer(worker)  # step() pushes and pulls; lr rides along
+        worker.start()
     elif pc.zero:
         model = ZeRO(gpt, lambda _: build_optimizer(gpt, config.optimizer), stage=pc.zero,
                      group=dp_group, bucket_mb=pc.bucket_mb,
@@ -134,6 +148,8 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     progress = Progress(tc.steps, config.logging.log_every, enabled=world.is_main)
     metrics = MetricsLog(metrics_path or config.logging.metrics, enabled=world.is_main)
     how = f"ZeRO stage {pc.zero}" if pc.zero else "data parallel"
+    if pc.mode == "ps":
+        how = f"{pc.consistency} parameter-server training with {pc.servers} server(s) per machine"
     if pc.tp > 1:
         how = f"tensor parallel over {pc.tp} x {how}"
     if pipe:
@@ -166,7 +182,11 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
                 loss = pipe.step(x, y)
                 break
             last = micro == tc.grad_accum - 1
-            with contextlib.nullcontext() if last else model.no_sync():
+            if pc.mode == "ps":
+                accumulating = contextlib.nullcontext() if last else worker.accumulate()
+            else:
+                accumulating = contextlib.nullcontext() if last else model.no_sync()
+            with accumulating:
                 loss = model(x, y)[1].float() / tc.grad_accum
                 model.backward(loss) if pc.zero else loss.backward()
         clip = config.optimizer.grad_clip
@@ -180,13 +200,19 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
                 model.clip_grad_norm_(clip)  # the global norm, across the shards
             model.step()
             model.zero_grad()
+        elif pc.mode == "ps":
+            if clip > 0:  # each worker's own gradient (pushes then wait for the clipping)
+                torch.nn.utils.clip_grad_norm_(gpt.parameters(), clip)
+            optimizer.step()
         else:
             if clip > 0:  # averaged gradients: the same norm on every data-parallel rank
                 tensor_parallel.clip_grad_norm_(gpt, clip)  # split layers counted whole
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        step_loss = _mean_over(loss.item() * tc.grad_accum, dp_group, world.device)
+        step_loss = loss.item() * tc.grad_accum
+        if pc.mode != "ps":
+            step_loss = _mean_over(step_loss, dp_group, world.device)
         elapsed = time.perf_counter() - start
         losses.append(step_loss)
         progress.step(step, step_loss, tokens_per_step / elapsed)
@@ -197,6 +223,8 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
         if config.checkpoint.every and step % config.checkpoint.every == 0 and step < tc.steps:
             save_checkpoint(out_dir, step, model, optimizer, config, world.is_main)
     progress.close()
+    if pc.mode == "ps":
+        worker.close()
     run_eval(tc.steps)
     path = save_checkpoint(out_dir, tc.steps, model, optimizer, config, world.is_main)
     if (pc.zero or pc.tp > 1 or pipe) and config.logging.sample_tokens:  # a whole copy
@@ -222,6 +250,12 @@ def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module,
     tensor parallelism the split tensors are gathered first, so the checkpoint holds the
     whole model and optimizer state by the unsplit model's names."""
     folder = out_dir / "checkpoints"
+    if isinstance(optimizer, ps.RemoteOptimizer):  # its state is in the servers' snapshots
+        path = folder / f"step-{step:08d}.pt"
+        if is_main:
+            state = {"step": step, "model": model.state_dict(), "config": config.to_dict()}
+            path = checkpoint.save(folder, step, state, config.checkpoint.keep_last)
+        return path
     if isinstance(model, torch.nn.ModuleList):  # pipeline pieces: each rank writes its own
         pieces = {k: v for piece in model for k, v in piece.state_dict().items()}
         state = {"step": step, "pipeline": {"model": pieces, "optimizer": optimizer.state_dict()},
