@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dtrain import checkpoint
 from dtrain.errors import DtrainError
-from dtrain.train import checkpoint
 
 
 def state(step: int) -> dict:

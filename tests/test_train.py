@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain.train import checkpoint
+from dtrain import checkpoint
 from tests.cli import dtrain, one_error_line
 
 TINY = """

@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 import zmq
 
+from dtrain import checkpoint
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.ps.settings import Settings
 from dtrain.ps.wire import BadMessage, Message, pack, unpack
-from dtrain.train import checkpoint
 
 log = logging.getLogger("dtrain.ps")
 

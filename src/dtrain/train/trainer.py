@@ -26,13 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain import comm, pipeline, ps, tensor_parallel
+from dtrain import checkpoint, comm, pipeline, ps, tensor_parallel
 from dtrain import world as world_mod
 from dtrain.mesh import Mesh
 from dtrain.models.gpt import GPT
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.zero import ZeRO
-from dtrain.train import checkpoint
 from dtrain.train.config import Config, OptimizerConfig, per_rank_batch
 from dtrain.train.data import ByteSequences, batches, read_corpus, split
 from dtrain.train.metrics import MetricsLog, Progress
@@ -246,7 +245,7 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
 def save_checkpoint(out_dir: Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, config: Config, is_main: bool) -> Path:
     """Rank 0 writes the (replicated) state; the others wait so nobody reads a half file.
-    Under ZeRO every rank writes its shard (dtrain.train.checkpoint.save_shards); under
+    Under ZeRO every rank writes its shard (dtrain.checkpoint.save_shards); under
     tensor parallelism the split tensors are gathered first, so the checkpoint holds the
     whole model and optimizer state by the unsplit model's names."""
     folder = out_dir / "checkpoints"
