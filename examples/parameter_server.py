@@ -55,5 +55,5 @@ for epoch in range(args.epochs):
 worker.close()
 with torch.no_grad():
     accuracy = (model(x[test]).argmax(1) == y[test]).float().mean().item()
-print(f"worker {world.rank}: test accuracy {accuracy:.3f} after {step} steps "
+print(f"{world.role} {world.rank}: test accuracy {accuracy:.3f} after {step} steps "
       f"({args.consistency}, {worker.sent_bytes / 1e6:.1f} MB pushed)")

@@ -70,8 +70,9 @@ def unpack(secret: bytes, frames: list[Any]) -> Message:
     """
     if len(frames) != 3:
         raise BadMessage(f"expected 3 frames, got {len(frames)}")
-    header, mac, payload = (bytes(f.buffer) if hasattr(f, "buffer") else bytes(f)
-                            for f in frames)
+    # The payload stays a view of ZeroMQ's frame until the one copy into the tensor.
+    header, mac, payload = (f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames)
+    header, mac = bytes(header), bytes(mac)
     if not hmac.compare_digest(mac, _mac(secret, header, payload)):
         raise BadMessage("bad HMAC: not signed with this job's secret")
     try:
@@ -90,8 +91,8 @@ def unpack(secret: bytes, frames: list[Any]) -> Message:
         if numel < 0 or numel * dtype.itemsize != len(payload):
             raise BadMessage(f"payload of {len(payload)} bytes does not hold {numel} "
                              f"{head['dtype']} values")
-        tensor = torch.frombuffer(bytearray(payload), dtype=dtype) if numel else torch.empty(
-            0, dtype=dtype)
+        tensor = (torch.frombuffer(bytearray(payload), dtype=dtype) if numel
+                  else torch.empty(0, dtype=dtype))
     elif payload:
         raise BadMessage("payload without a dtype")
     meta = head.get("meta")
