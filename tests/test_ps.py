@@ -199,7 +199,7 @@ def test_a_worker_with_the_wrong_secret_or_model_is_refused() -> None:
                        timeout=5)
     with pytest.raises(DtrainError, match="share the job's secret"):
         worker.start()
-    assert servers[0].rejected == ["bad HMAC: not signed with this job's secret"]
+    assert list(servers[0].rejected) == ["bad HMAC: not signed with this job's secret"]
     assert not servers[0].initialized
     ps.Worker(model(), ps.Settings(), [servers[0].address], 0, SECRET, timeout=5).start()
     other = ps.Worker(nn.Linear(6, 2), ps.Settings(), [servers[0].address], 1, SECRET, timeout=5)

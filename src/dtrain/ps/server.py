@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from dtrain.ps.settings import Settings
 from dtrain.ps.wire import BadMessage, Message, pack, unpack
 
 log = logging.getLogger("dtrain.ps")
+LOG_RECORDS = 100_000
 
 
 @dataclass
@@ -97,8 +99,9 @@ class Server:
         self.updates = 0
         self.snapshot_every = snapshot_every
         self.snapshots = None if snapshot_dir is None else Path(snapshot_dir) / f"server-{index}"
-        self.answered: list[Answered] = []
-        self.rejected: list[str] = []
+        # The newest records only: a long run answers millions of pulls.
+        self.answered: deque[Answered] = deque(maxlen=LOG_RECORDS)
+        self.rejected: deque[str] = deque(maxlen=LOG_RECORDS)
         self.failure = ""
         self._waiting: list[tuple[bytes, Message]] = []
         self._heard = dict.fromkeys(range(workers), time.monotonic())
