@@ -201,10 +201,13 @@ def test_a_worker_with_the_wrong_secret_or_model_is_refused() -> None:
         worker.start()
     assert list(servers[0].rejected) == ["bad HMAC: not signed with this job's secret"]
     assert not servers[0].initialized
-    ps.Worker(model(), ps.Settings(), [servers[0].address], 0, SECRET, timeout=5).start()
+    first = ps.Worker(model(), ps.Settings(), [servers[0].address], 0, SECRET, timeout=5)
+    first.start()
     other = ps.Worker(nn.Linear(6, 2), ps.Settings(), [servers[0].address], 1, SECRET, timeout=5)
     with pytest.raises(DtrainError, match="does not match worker 0's"):
         other.start()
+    other.close()
+    first.close()  # the server's loop ends
     with pytest.raises(ConfigError, match="use one of sync, async, ssp"):
         ps.Settings("eventual")
 
