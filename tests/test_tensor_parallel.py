@@ -259,6 +259,9 @@ def dp_tp_rank(base: GPT, per_rank: int) -> dict:
     return {"model": tp.full_state_dict(model), "coords": mesh.coords}
 
 
+# `make test` checks the same layout end to end (tests/test_train.py: dtrain train with
+# tp=2 on 4 processes equals one process); this library-level twin runs with test-slow.
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_dp2_tp2_on_four_processes_equals_one_process() -> None:
     base = gpt()

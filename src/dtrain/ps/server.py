@@ -287,8 +287,8 @@ class Server:
         """Drop (or fail on) a live worker that others wait on and that went silent."""
         live = self.clocks.live()
         waited_on = bool(self._waiting) or (len(live) == 1 and bool(self.clocks.done))
-        if not waited_on:
-            return
+        if not waited_on or not self.initialized:  # start-up may be slow; the workers'
+            return  # own timeout covers a worker 0 that never seeds the servers
         now = time.monotonic()
         for w in sorted(live):
             if now - self._heard[w] <= self._timeout() or any(m.worker == w
