@@ -164,8 +164,9 @@ class Server:
         if m.worker not in self.clocks.of:
             raise BadMessage(f"unknown worker {m.worker}")
         if m.worker in self.clocks.dropped:
-            raise BadMessage(f"worker {m.worker} was dropped after {self._timeout():.0f}s "
-                             "of silence; it is no longer part of this job")
+            raise BadMessage(f"worker {m.worker} was dropped after "
+                             f"{self.settings.worker_timeout:.0f}s of silence; it is no longer "
+                             "part of this job")
         self._heard[m.worker] = time.monotonic()
         if m.op == "init":
             self._init(m)
@@ -280,8 +281,6 @@ class Server:
         self._waiting = still
 
     # ------------------------------------------------------------------ faults
-    def _timeout(self) -> float:
-        return self.settings.worker_timeout if self.settings else Settings().worker_timeout
 
     def _check_silent(self) -> None:
         """Drop (or fail on) a live worker that others wait on and that went silent."""
@@ -289,14 +288,13 @@ class Server:
         waited_on = bool(self._waiting) or (len(live) == 1 and bool(self.clocks.done))
         if not waited_on or not self.initialized:  # start-up may be slow; the workers'
             return  # own timeout covers a worker 0 that never seeds the servers
-        now = time.monotonic()
+        now, timeout = time.monotonic(), self.settings.worker_timeout
         for w in sorted(live):
-            if now - self._heard[w] <= self._timeout() or any(m.worker == w
-                                                              for _, m in self._waiting):
+            if now - self._heard[w] <= timeout or any(m.worker == w for _, m in self._waiting):
                 continue
-            if self.settings and self.settings.on_worker_loss == "fail":
-                self.failure = (f"worker {w} sent nothing for {self._timeout():.0f}s; the job "
-                                "stops (on_worker_loss='fail')")
+            if self.settings.on_worker_loss == "fail":
+                self.failure = (f"worker {w} sent nothing for {timeout:.0f}s; the job stops "
+                                "(on_worker_loss='fail')")
                 for identity, _ in self._waiting:
                     self._reply(identity, -1, error=self.failure)
                 self._waiting = []
@@ -304,7 +302,7 @@ class Server:
             self.clocks.dropped.add(w)
             log.warning("parameter server %d: worker %d sent nothing for %.0fs and is dropped "
                         "from the clocks; %d live worker(s) go on", self.index,
-                        w, self._timeout(), len(self.clocks.live()))
+                        w, timeout, len(self.clocks.live()))
             self._close_round()
 
     def _snapshot(self) -> None:

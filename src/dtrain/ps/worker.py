@@ -18,13 +18,14 @@ so pushes travel while backward still runs on the layers below.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
 import zmq
 from torch import nn
 
-from dtrain.comm.ops import shard_sizes
+from dtrain.comm.ops import shard_offsets
 from dtrain.errors import DtrainError
 from dtrain.ps import job
 from dtrain.ps.settings import Settings
@@ -60,11 +61,9 @@ class Worker:
         self.secret = job.secret() if secret is None else secret
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.clock, self.timeout_ms = 0, int(timeout * 1000)
-        sizes = shard_sizes(sum(p.numel() for p in self.params), len(self.servers))
-        self.ranges = [(sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(self.servers))]
-        self._offsets = [0]
-        for p in self.params:
-            self._offsets.append(self._offsets[-1] + p.numel())
+        self._offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
+        bounds = shard_offsets(self._offsets[-1], len(self.servers))
+        self.ranges = list(itertools.pairwise(bounds))
         self._context = zmq.Context()
         self._sockets = []
         for address in self.servers:
@@ -78,7 +77,6 @@ class Worker:
         self.lr_of = None  # a callable giving the lr to send with each push (RemoteOptimizer)
         self._hooks = []
         if overlap:
-            self._pending = [0] * len(self.servers)
             self._touches = [self._servers_of(i) for i in range(len(self.params))]
             self._reset_pending()
             self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready(i))

@@ -27,6 +27,7 @@ from typing import Any
 
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPTConfig
+from dtrain.ps.settings import CONSISTENCY
 
 
 @dataclass
@@ -168,7 +169,7 @@ CHOICES = {
     "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
     "parallel.mixed_precision": ("fp32", "bf16", "fp16"),
     "parallel.mode": ("collective", "ps"),
-    "parallel.consistency": ("sync", "async", "ssp"),
+    "parallel.consistency": CONSISTENCY,
 }
 POSITIVE = {"model.vocab_size", "model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
