@@ -217,7 +217,8 @@ def zero_pp_rank(stage: int, schedule: str) -> dict:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("stage, schedule", [(1, "gpipe"), (3, "1f1b")])
+@pytest.mark.parametrize("stage, schedule", [
+    pytest.param(1, "gpipe", marks=pytest.mark.slow), (3, "1f1b")])
 def test_zero_pieces_over_dp_equal_one_process(stage: int, schedule: str) -> None:
     """Stage 3 gathers a piece again for each micro-batch's backward, whatever ran since."""
     model = mlp()

@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from dtrain import checkpoint
+from dtrain import checkpoint, universal
+from dtrain.models.gpt import GPT, GPTConfig
+from dtrain.train.data import ByteSequences, batches, read_corpus, split
 from tests.cli import dtrain, one_error_line
 
 TINY = """
@@ -49,16 +52,16 @@ def test_tiny_run_learns_and_records(tmp_path: Path) -> None:
     assert len(losses) == 40
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
     assert [r["step"] for r in records if "eval_loss" in r] == [20, 40]
-    saved = checkpoint.load(tmp_path / "run" / "checkpoints")
-    assert saved["step"] == 40 and "wte.weight" in saved["model"]
+    saved = universal.Checkpoint(tmp_path / "run" / "checkpoints")
+    assert saved.step == 40 and "model/wte.weight" in saved
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["steps"] == 40
     assert "sample:" in result.stdout and "step    40/40" in result.stdout
     assert "[rank1]" not in result.stdout  # rank 1 trains silently
 
 
 def test_zero_stage_3_run_learns_and_writes_shards(tmp_path: Path) -> None:
-    """[parallel] zero = 3 in bf16 with two micro-batches: the loss falls, every rank's shard
-    lands in the checkpoint, and they reload on another world size (test_zero covers that)."""
+    """[parallel] zero = 3 in bf16 with two micro-batches: the loss falls, and every rank
+    writes its own shard of the model into the checkpoint."""
     config = tmp_path / "tiny.toml"
     config.write_text(TINY.replace("steps = 40", "steps = 20").replace("eval_every = 20",
                                                                         "eval_every = 0"))
@@ -70,23 +73,33 @@ def test_zero_stage_3_run_learns_and_writes_shards(tmp_path: Path) -> None:
     assert "ZeRO stage 3 over 2" in result.stdout and "sample:" in result.stdout
     losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3
-    shards = checkpoint.load_shards(tmp_path / "run" / "checkpoints")
-    assert [s["zero"]["rank"] for s in shards] == [0, 1] and shards[0]["step"] == 20
+    ckpt = universal.Checkpoint(tmp_path / "run" / "checkpoints")
+    assert ckpt.step == 20 and ckpt.meta["layout"]["zero"] == 3
+    files = {p["file"] for entry in ckpt.tensors.values() for p in entry["pieces"]}
+    assert files == {"rank-00000.safetensors", "rank-00001.safetensors"}
 
 
-def short_run(folder: Path, name: str, args: list[str]) -> tuple[list[float], Path, str]:
-    """Six steps of a two-layer TINY: (losses, checkpoint folder, stdout)."""
+def short_run(folder: Path, name: str, args: list[str], steps: int = 6
+              ) -> tuple[list[float], Path, str]:
+    """`steps` steps of a two-layer TINY at a constant learning rate after warm-up (so a
+    run of 3 steps, resumed up to 6, follows the 6-step run): (losses, checkpoints, stdout)."""
     config = folder / "tiny.toml"
-    config.write_text(TINY.replace("steps = 40", "steps = 6").replace("eval_every = 20",
-                                                                       "eval_every = 0"))
+    config.write_text(TINY.replace("eval_every = 20", "eval_every = 0"))
     metrics = folder / f"{name}.jsonl"
-    result = dtrain("train", str(config), *args, "--set", "model.n_layer=2", "--set",
-                    f"train.out_dir='{folder / name}'", "--set", "logging.sample_tokens=0",
-                    "--metrics", str(metrics), timeout=170)
+    result = dtrain("train", str(config), *args, "--set", f"train.steps={steps}",
+                    "--set", "model.n_layer=2", "--set", "optimizer.schedule='constant'",
+                    "--set", f"train.out_dir='{folder / name}'", "--set",
+                    "logging.sample_tokens=0", "--metrics", str(metrics), timeout=170)
     assert result.returncode == 0, result.stdout + result.stderr
     losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines())
               if "loss" in r]
     return losses, folder / name / "checkpoints", result.stdout
+
+
+def model_of(checkpoints: Path) -> dict[str, torch.Tensor]:
+    """The plain model's state_dict, as `dtrain export` writes it."""
+    out = checkpoints.parent / "model.safetensors"
+    return load_file(universal.export(checkpoints, out))
 
 
 @pytest.fixture(scope="module")
@@ -94,29 +107,81 @@ def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     return short_run(tmp_path_factory.mktemp("one"), "one", ["-n", "1"])
 
 
-@pytest.mark.parametrize("layout, banner", [
-    (["--set", "parallel.tp=2"], "tensor parallel over 2 x data parallel over 2"),
-    (["--set", "parallel.pp=2", "--set", "parallel.microbatches=2"],
-     "pipeline of 2 stages (1f1b, 2 micro-batches) x data parallel over 2"),
-])
-def test_model_parallel_run_equals_one_process(tmp_path: Path, layout: list[str], banner: str,
-                                               one_process_run: tuple) -> None:
-    """tp = 2 or pp = 2 on 4 ranks (dp = 2 outside): the same losses and final weights as
-    one process on the global batch. Tensor parallelism gathers the whole model and
-    optimizer state into its checkpoint; a pipeline's ranks write their own pieces."""
-    runs = {"one": one_process_run, "four": short_run(tmp_path, "four", ["-n", "4", *layout])}
-    assert banner in runs["four"][2]
-    torch.testing.assert_close(runs["four"][0], runs["one"][0], rtol=1e-5, atol=1e-6)
-    one = checkpoint.load(runs["one"][1])
-    if "tp" in layout[1]:
-        four = checkpoint.load(runs["four"][1])
-        torch.testing.assert_close(four["optimizer"]["state"], one["optimizer"]["state"])
-        weights = four["model"]
-    else:
-        weights = {k: v for shard in checkpoint.load_shards(runs["four"][1])
-                   for k, v in shard["pipeline"]["model"].items()}
-        assert set(weights) == set(one["model"])
-    torch.testing.assert_close(weights, one["model"])
+DP2_TP2 = ["-n", "4", "--set", "parallel.tp=2"]
+PP2 = ["--set", "parallel.pp=2", "--set", "parallel.microbatches=2"]
+
+
+@pytest.mark.parametrize("first, then, banner", [
+    pytest.param(DP2_TP2, ["-n", "4"], "tensor parallel over 2 x data parallel over 2",
+                 marks=pytest.mark.slow),
+    pytest.param(["-n", "4", *PP2], ["-n", "4", *PP2, "--set", "parallel.zero=3"],
+                 "pipeline of 2 stages (1f1b, 2 micro-batches) x data parallel over 2",
+                 marks=pytest.mark.slow),
+    (["-n", "4", "--set", "parallel.tp=2", *PP2], ["-n", "1"],
+     "pipeline of 2 stages (1f1b, 2 micro-batches) x tensor parallel over 2 x data parallel "
+     "over 1"),
+    ([*DP2_TP2, "--set", "parallel.zero=3"], ["-n", "2", "--set", "parallel.zero=1"],
+     "tensor parallel over 2 x ZeRO stage 3 over 2"),
+], ids=["dp2xtp2-to-dp4", "dp2xpp2-to-pp2xzero3", "tp2xpp2-to-one", "dp2xtp2xzero3-to-zero1"])
+def test_run_resumed_in_another_layout_equals_one_process(
+        tmp_path: Path, first: list[str], then: list[str], banner: str,
+        one_process_run: tuple) -> None:
+    """Three steps in one layout on 4 ranks, saved; resumed in another layout for three more:
+    the losses of all six steps and the final weights are those of one process on the same
+    global batches. The checkpoint holds each logical tensor in pieces written by the ranks
+    that own them, and the second layout reads whatever it needs of them. (The first two
+    cases run with test-slow: about 50 s each on 2 cores.)"""
+    losses, saved, stdout = short_run(tmp_path, "first", first, steps=3)
+    assert banner in stdout
+    rest = short_run(tmp_path, "then", [*then, "--resume", str(saved)])
+    assert f"resumed from {saved / 'step-00000003'} (step 3)" in rest[2]
+    one = one_process_run
+    torch.testing.assert_close(losses + rest[0], one[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model_of(rest[1]), model_of(one[1]), rtol=1e-4, atol=2e-5)
+
+
+def test_resume_in_the_same_layout_continues_exactly(tmp_path: Path,
+                                                     one_process_run: tuple) -> None:
+    """`--resume` picks the run's newest checkpoint: model, AdamW state, schedule, data
+    position and RNG come back, and the weights are those of the uninterrupted run."""
+    short_run(tmp_path, "run", ["-n", "1"], steps=3)
+    losses, checkpoints, stdout = short_run(tmp_path, "run", ["-n", "1", "--resume"])
+    assert "resumed from" in stdout and len(losses) == 3
+    torch.testing.assert_close(losses, one_process_run[0][3:], rtol=0, atol=0)
+    torch.testing.assert_close(model_of(checkpoints), model_of(one_process_run[1]),
+                               rtol=0, atol=0)
+
+
+def test_export_loads_into_the_plain_model_with_the_same_eval_loss(
+        tmp_path: Path, one_process_run: tuple) -> None:
+    """`dtrain export` to .pt and .safetensors: a state_dict for the unparallelized GPT
+    (tied head included) whose held-out loss is the run's final one."""
+    folder = one_process_run[1]
+    records = [json.loads(line) for line in (folder.parent.parent / "one.jsonl").read_text()
+               .splitlines()]
+    final = [r["eval_loss"] for r in records if "eval_loss" in r][-1]
+    out = tmp_path / "model.pt"
+    assert dtrain("export", str(folder), str(out)).returncode == 0
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    for state in (torch.load(out, weights_only=True), model_of(folder)):
+        gpt = GPT(config)
+        gpt.load_state_dict(state)
+        data = ByteSequences(split(read_corpus("", 200_000), 0.05, 32)[1], 32)
+        stream = batches(data, 16, 1, 0, seed=0, shuffle=False)
+        with torch.no_grad():
+            loss = sum(gpt(x, y)[1].item() for _, (x, y) in zip(range(2), stream, strict=False))
+            loss /= 2
+        assert abs(loss - final) < 1e-5
+    bad = dtrain("export", str(folder), str(tmp_path / "model.bin"))
+    assert bad.returncode != 0 and ".safetensors or .pt" in one_error_line(bad)
+
+
+def test_resume_into_another_model_is_one_line(one_process_run: tuple) -> None:
+    result = dtrain("train", "-n", "1", "--set", "model.n_embd=64", "--resume",
+                    str(one_process_run[1]))
+    assert result.returncode == 2
+    assert "holds another model (" in one_error_line(result)
+    assert "model.n_embd = 32 there, 64 here" in one_error_line(result)
 
 
 def test_parameter_server_run_equals_one_process(tmp_path: Path) -> None:
@@ -130,8 +195,7 @@ def test_parameter_server_run_equals_one_process(tmp_path: Path) -> None:
                                      "--set", "parallel.servers=2", "--set",
                                      "parallel.snapshot_every=4"])
     assert "sync parameter-server training with 2 server(s) per machine" in two[2]
-    torch.testing.assert_close(checkpoint.load(two[1])["model"], checkpoint.load(one[1])["model"],
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model_of(two[1]), model_of(one[1]), rtol=1e-4, atol=1e-5)
     snapshots = [checkpoint.load(tmp_path / "ps" / "ps-snapshots" / f"server-{i}")
                  for i in range(2)]
     assert [s["updates"] for s in snapshots] == [4, 4]  # six updates, the last at four
@@ -145,14 +209,16 @@ def test_parameter_server_run_equals_one_process(tmp_path: Path) -> None:
     (["--set", "parallel.mixed_precision='bf16'"], "needs parallel.zero", 2),
     (["--set", "parallel.tp=3"], "parallel.tp = 3 does not divide model.n_head = 4", 2),
     (["--set", "parallel.tp=4"], "does not divide the world size 2", 2),
-    (["--set", "parallel.tp=2", "--set", "parallel.zero=2"], "not supported yet", 2),
+    (["--set", "parallel.tp=2", "--set", "parallel.zero=2", "--set",
+      "parallel.mixed_precision='fp16'"], "use \"bf16\"", 2),
+    (["--resume", "/nonexistent/checkpoints"], "no checkpoint in /nonexistent/checkpoints", 2),
     (["--set", "parallel.mode='ps'", "--set", "parallel.tp=2"], "leave parallel.tp, pp", 2),
     (["--set", "parallel.consistency='eventual'"], "must be one of sync, async, ssp", 2),
     (["--set", "parallel.pp=8"], "= 8 stages but the model has 4 layers", 2),
     (["--set", "parallel.pp=2", "--set", "model.n_layer=2", "--set",
       "parallel.schedule='interleaved'"], "needs at least 2 chunks", 2),
     (["--set", "parallel.pp=2", "--set", "model.n_layer=2", "--set", "parallel.microbatches=3"],
-     "2 ranks x 3 micro-batches: make it a multiple of 6", 2),
+     "1 data-parallel rank x 3 micro-batches: make it a multiple of 3", 2),
     (["--set", "data.path='/nonexistent/corpus'", "-n", "1"], "does not exist", 2),
     (["/nonexistent/config.toml"], "not found", 2),
 ])

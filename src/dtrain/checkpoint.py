@@ -6,10 +6,8 @@ file or none of it. `index.json` (also replaced atomically) lists the checkpoint
 their SHA-256; loading verifies it, so a damaged file is refused by name instead of
 silently loading garbage.
 
-A sharded checkpoint (dtrain.ZeRO: every rank holds a different part of the state) is a
-folder `step-00000200/` with one file per rank, each written the same way; only when all
-ranks have written theirs does the first rank add the folder to the index, so a crash
-midway leaves the previous checkpoint as the newest one listed.
+The same index lists the folders of universal checkpoints (dtrain.universal), which every
+rank of a run writes together.
 """
 
 from __future__ import annotations
@@ -28,7 +26,8 @@ from dtrain.errors import DtrainError
 INDEX = "index.json"
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """The file's SHA-256, hex."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -36,8 +35,9 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def fsync(path: Path) -> None:
+    """Flush a file or folder (its entries) to disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -54,7 +54,7 @@ def _write_atomic(path: Path, write) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync(path.parent)
 
 
 def read_index(folder: str | Path) -> list[dict[str, Any]]:
@@ -75,12 +75,12 @@ def save(folder: str | Path, step: int, state: dict[str, Any], keep_last: int) -
     path = folder / f"step-{step:08d}.pt"
     _write_atomic(path, lambda f: torch.save(state, f))
     entries = [e for e in read_index(folder) if e["file"] != path.name]
-    entries.append({"file": path.name, "step": step, "sha256": _sha256(path)})
-    _replace_index(folder, entries, keep_last)
+    entries.append({"file": path.name, "step": step, "sha256": sha256(path)})
+    replace_index(folder, entries, keep_last)
     return path
 
 
-def _replace_index(folder: Path, entries: list[dict[str, Any]], keep_last: int) -> None:
+def replace_index(folder: Path, entries: list[dict[str, Any]], keep_last: int) -> None:
     """Write the index with the newest `keep_last` entries, then delete the others' files."""
     kept, dropped = entries[-keep_last:], entries[:-keep_last]
     payload = json.dumps({"checkpoints": kept}, indent=2).encode()
@@ -109,58 +109,10 @@ def load(folder: str | Path, step: int | None = None) -> dict[str, Any]:
     path = folder / entry["file"]
     if not path.exists():
         raise DtrainError(f"checkpoint file {path} is missing")
-    if _sha256(path) != entry["sha256"]:
+    if sha256(path) != entry["sha256"]:
         raise DtrainError(f"checkpoint file {path} is corrupted (checksum mismatch)")
-    if "shards" in entry:
-        raise DtrainError(f"checkpoint {path} is sharded: load it with load_shards")
+    if path.is_dir():
+        raise DtrainError(f"checkpoint {path} is a universal checkpoint: open it with "
+                          "dtrain.universal.Checkpoint")
     return torch.load(path, map_location="cpu", weights_only=True)
 
-
-def _shard_name(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
-
-
-def save_shards(folder: str | Path, step: int, state: dict[str, Any], keep_last: int,
-                group: Any) -> Path:
-    """Every rank of `group` writes its `state` into the folder of `step`; the group's
-    first rank then records the folder, with each shard's SHA-256, in the index."""
-    from dtrain import comm
-
-    g = comm.resolve(group)
-    folder = Path(folder)
-    target = folder / f"step-{step:08d}"
-    target.mkdir(parents=True, exist_ok=True)
-    _write_atomic(target / _shard_name(g.rank), lambda f: torch.save(state, f))
-    comm.barrier(group=g)
-    if g.rank == 0:
-        shards = {_shard_name(r): _sha256(target / _shard_name(r)) for r in range(g.size)}
-        entries = [e for e in read_index(folder) if e["file"] != target.name]
-        entries.append({"file": target.name, "step": step, "shards": shards})
-        _replace_index(folder, entries, keep_last)
-    comm.barrier(group=g)
-    return target
-
-
-def load_shards(folder: str | Path, step: int | None = None) -> list[dict[str, Any]]:
-    """The states of every rank of the newest sharded checkpoint (or that of `step`),
-    after verifying each shard's checksum.
-
-    Raises:
-        DtrainError: no sharded checkpoint exists, or a shard is missing or damaged.
-    """
-    folder = Path(folder)
-    entries = [e for e in read_index(folder) if "shards" in e
-               and (step is None or e["step"] == step)]
-    if not entries:
-        raise DtrainError(f"no sharded checkpoint{f' of step {step}' if step else ''} in "
-                          f"{folder}")
-    target = folder / entries[-1]["file"]
-    states = []
-    for name, digest in entries[-1]["shards"].items():
-        path = target / name
-        if not path.exists():
-            raise DtrainError(f"checkpoint shard {path} is missing")
-        if _sha256(path) != digest:
-            raise DtrainError(f"checkpoint shard {path} is corrupted (checksum mismatch)")
-        states.append(torch.load(path, map_location="cpu", weights_only=True))
-    return states

@@ -1,5 +1,6 @@
 """The `dtrain` command: `dtrain run` starts ranks, `dtrain train` trains a model,
-`dtrain bench comm` measures the collectives.
+`dtrain export` writes a checkpoint as one plain state_dict, `dtrain bench comm`
+measures the collectives.
 
 Errors a user can fix print as one line (`dtrain: error: ...`) with a non-zero exit code;
 tracebacks are for dtrain's own bugs.
@@ -71,7 +72,20 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="override a config key, e.g. train.steps=50")
     train.add_argument("--metrics", metavar="PATH", help="write per-step metrics as JSON lines")
+    train.add_argument("--resume", nargs="?", const="auto", metavar="CKPT",
+                       help="resume from the newest checkpoint of this run, or from CKPT (a "
+                            "checkpoints folder or one checkpoint; any layout)")
     _add_launch_flags(train, default_nproc=None)
+
+    export = sub.add_parser(
+        "export", help="write a checkpoint's model as one plain state_dict file",
+        description=(
+            "Write the model of a dtrain checkpoint (any layout) as one state_dict file that "
+            "loads into the unparallelized model with load_state_dict; no dtrain needed."
+        ),
+    )
+    export.add_argument("checkpoint", help="a checkpoints folder (its newest) or one checkpoint")
+    export.add_argument("out", help="output file: .safetensors or .pt")
 
     bench = sub.add_parser(
         "bench", help="measure dtrain's parts (bench comm: the collectives)",
@@ -117,6 +131,12 @@ def _run(args: argparse.Namespace) -> None:
     ))
 
 
+def _export(args: argparse.Namespace) -> None:
+    from dtrain.universal import export
+
+    print(f"dtrain: wrote {export(args.checkpoint, args.out)}")
+
+
 def _train(args: argparse.Namespace) -> None:
     from dtrain.train.launch import train_command
 
@@ -141,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["DTRAIN_DEBUG"] = "1"  # read by dtrain.comm in every rank started here
         if args.command == "run" and args.backend:
             os.environ["DTRAIN_BACKEND"] = args.backend  # read by dtrain.init in every rank
-        command = {"run": _run, "train": _train, "bench": _bench}[args.command]
+        command = {"run": _run, "train": _train, "bench": _bench, "export": _export}[args.command]
         return exit_code_of(lambda: command(args))
     except KeyboardInterrupt:
         print("dtrain: interrupted", file=sys.stderr)

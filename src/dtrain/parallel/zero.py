@@ -372,8 +372,15 @@ class ZeRO(nn.Module):
             self._free(unit)
             unit.pending = len(unit.flat.params)
             unit.backward_started = False
-        if not self._sync:
-            return
+        if self._sync:
+            self.reduce_gradients()
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter what backward has not sent yet (everything accumulated under
+        `no_sync`) and keep this rank's shard: what the first backward outside `no_sync`
+        does at its end. For callers that adjust accumulated gradients first (a pipeline
+        summing a tied weight's gradient across stages, via `accumulated_grad`)."""
         for unit in self._units[self._next_launch :]:
             if unit.grad is None:
                 unit.grad = torch.zeros_like(unit.full)
@@ -385,6 +392,17 @@ class ZeRO(nn.Module):
         self._works.clear()
         self._next_launch = 0
         self._overflow = None
+
+    def accumulated_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The unsharded gradient of `param` accumulated under `no_sync` (a view; zeros if
+        backward has not reached it)."""
+        for unit in self._units:
+            for p, offset in zip(unit.flat.params, unit.flat.offsets, strict=True):
+                if p is param:
+                    if unit.grad is None:
+                        unit.grad = torch.zeros_like(unit.full)
+                    return unit.grad[offset : offset + p.numel()].view(p.shape)
+        raise DtrainError("ZeRO.accumulated_grad: the parameter is not one of this module's")
 
     # ----------------------------------------------------------------- step
     def _has_overflow(self) -> bool:

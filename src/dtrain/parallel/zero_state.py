@@ -107,11 +107,23 @@ def full_optimizer_state(z: ZeRO) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _own_spans(z: ZeRO) -> Iterator[tuple[_Unit, Span]]:
+def own_spans(z: ZeRO) -> Iterator[tuple[_Unit, Span]]:
     """(unit, span) for every parameter range this rank's shards hold."""
     for unit in z._units:
         for span in unit.flat.spans(*unit.flat.shard(z.rank)):
             yield unit, span
+
+
+def span_ranges(z: ZeRO) -> list[tuple[str, int, int]]:
+    """(parameter name, lo, hi): the elements of each flattened parameter this rank holds."""
+    return [(span.name, span.lo, span.hi) for _, span in own_spans(z)]
+
+
+def grad_segments(z: ZeRO) -> Iterator[tuple[str, torch.Tensor]]:
+    """(parameter name, view of this rank's reduced gradient shard) per range it holds
+    (after backward; for global norms over several kinds of parallelism)."""
+    for unit, span in own_spans(z):
+        yield span.name, unit.shard_grad()[span.at : span.at + span.hi - span.lo]
 
 
 def _cut(shard: torch.Tensor, span: Span) -> tuple[int, int, torch.Tensor]:
@@ -122,7 +134,7 @@ def _cut(shard: torch.Tensor, span: Span) -> tuple[int, int, torch.Tensor]:
 def master_segments(z: ZeRO) -> Segments:
     """This rank's master weights, per parameter."""
     params: Segments = defaultdict(list)
-    for unit, span in _own_spans(z):
+    for unit, span in own_spans(z):
         params[span.name].append(_cut(unit.master, span))
     return dict(params)
 
@@ -132,7 +144,7 @@ def sharded_state(z: ZeRO) -> dict[str, Any]:
     keys, scalars = per_element_keys(z)
     state: dict[str, Segments] = {key: defaultdict(list) for key in keys}
     shards = {id(unit): {key: _state_shard(unit, z, key) for key in keys} for unit in z._units}
-    for unit, span in _own_spans(z):
+    for unit, span in own_spans(z):
         for key in keys:
             state[key][span.name].append(_cut(shards[id(unit)][key], span))
     return {

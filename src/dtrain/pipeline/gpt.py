@@ -8,7 +8,7 @@ so the Pipeline sums their gradients, as autograd does for one shared weight.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +57,15 @@ def gpt_pieces(gpt: GPT, parts: int, balance: str | Sequence[int] = "params") ->
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The GPT's loss on the last piece's output."""
     return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def gpt_loss_of(gpt: GPT) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss of `gpt` as it computes it (vocab-parallel once tensor parallelism has
+    replaced its `loss_fn`), for the last piece's output."""
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return gpt.loss_fn(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    return loss
 
 
 def tied_weights(gpt: GPT, mine: Sequence[GPTPiece], group: Any = None) -> list:

@@ -68,12 +68,11 @@ class Pipeline:
         self.microbatches, self.schedule, self.loss_fn = microbatches, schedule, loss_fn
         self.actions = schedules.build(schedule, self.pp, self.rank, microbatches, self.chunks)
         self.tied = list(tied)
-        # ZeRO keeps gradients as shards, not in param.grad: tied sums and clipping here
-        # need whole gradients (ZeRO's own clip_grad_norm_ covers its piece).
+        # ZeRO keeps gradients as shards, not in param.grad. With tied weights its pieces
+        # accumulate every micro-batch without communication; the tied gradients are then
+        # summed across stages, unsharded, before each piece reduce-scatters its own.
         self._sharded = any(isinstance(p, ZeRO) for p in self.pieces)
-        if self._sharded and self.tied:
-            raise ConfigError("pipeline: tied weights across stages need whole gradients; "
-                              "wrap the pieces in DataParallel, not ZeRO, or untie them")
+        self._defer = self._sharded and bool(self.tied)
         self.timeline, self.events = timeline, []
         self.peak_live = 0
         first = next((p for piece in self.pieces for p in piece.parameters()), None)
@@ -169,8 +168,9 @@ class Pipeline:
                   index: int) -> None:
         chunk = action.chunk
         piece = self.pieces[chunk]
-        quiet = (piece.no_sync() if hasattr(piece, "no_sync")
-                 and index != self._last_backward[chunk] else contextlib.nullcontext())
+        quiet = (piece.no_sync() if hasattr(piece, "no_sync") and
+                 (self._defer or index != self._last_backward[chunk])
+                 else contextlib.nullcontext())
         with quiet:
             if self._is_last(chunk):
                 out.backward()
@@ -187,7 +187,7 @@ class Pipeline:
         parameter counted once) is at most `max_norm`; returns that norm (collective)."""
         if self._sharded:
             raise ConfigError("pipeline: clip_grad_norm_ needs whole gradients; with ZeRO "
-                              "pieces use each piece's clip_grad_norm_")
+                              "pieces use dtrain train's clipping (train.holding)")
         counted_elsewhere = {id(p) for p, peer in self.tied if peer < self.rank}
         params = [p for p in nn.ModuleList(self.pieces).parameters() if p.grad is not None]
         square = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -206,13 +206,25 @@ class Pipeline:
         """Both holders of a tied parameter end with the sum of their gradients, added in
         stage order on both so they stay bitwise equal."""
         for param, peer in self.tied:
-            mine = param.grad if param.grad is not None else torch.zeros_like(param)
+            zero = next((p for p in self.pieces if isinstance(p, ZeRO)
+                         and any(q is param for q in p.parameters())), None)
+            if zero is not None:
+                mine = zero.accumulated_grad(param)
+            else:
+                mine = param.grad if param.grad is not None else torch.zeros_like(param)
             theirs = torch.empty_like(mine)
             handle = comm.send(mine.contiguous(), peer, self.group, async_op=True,
                                tag=_TIED_TAG)
             comm.recv(theirs, peer, self.group, tag=_TIED_TAG)
             handle.wait()
-            param.grad = mine + theirs if self.rank < peer else theirs + mine
+            total = mine + theirs if self.rank < peer else theirs + mine
+            if zero is not None:
+                mine.copy_(total)
+            else:
+                param.grad = total
+        if self._defer:
+            for piece in self.pieces:
+                piece.reduce_gradients()
 
 
 @torch.no_grad()

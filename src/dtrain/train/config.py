@@ -10,7 +10,7 @@ wrong types and values out of range are errors that name the key and say what fi
     [train]     steps = 400, batch_size = 32, eval_every = 100, out_dir = "runs/default"
     [parallel]  nproc = 2, tp = 1, bucket_mb = 25, grad_dtype = "fp32", zero = 0
                 mode = "ps", servers = 1, consistency = "ssp", staleness = 2
-    [checkpoint] every = 0, keep_last = 2
+    [checkpoint] every = 0, keep_last = 2, resume = "auto"
     [logging]   metrics = "metrics.jsonl", log_every = 10
 """
 
@@ -131,6 +131,10 @@ class CheckpointConfig:
     """Save every this many steps; 0 saves only at the end."""
     keep_last: int = 2
     """Keep this many most recent checkpoints."""
+    resume: str = ""
+    """Resume from a checkpoint: "auto" (the newest in train.out_dir/checkpoints, if any),
+    or the path of a checkpoints folder or of one checkpoint in it, saved in any layout.
+    Empty: start afresh (an elastic restart resumes as "auto")."""
 
 
 @dataclass
@@ -250,13 +254,9 @@ def _validate(config: Config) -> None:
         if count % p.tp:
             raise ConfigError(f"parallel.tp = {p.tp} does not divide {what} = {count}: choose "
                               f"a tensor-parallel degree that divides {count}")
-    for name, degree in (("tp", p.tp), ("pp", p.pp)):
-        if degree > 1 and p.zero:
-            raise ConfigError(f"parallel.zero with parallel.{name} > 1 is not supported yet: "
-                              f"use parallel.zero = 0 (DataParallel over the dp axis) with {name}")
-    if p.tp > 1 and p.pp > 1:
-        raise ConfigError("parallel.tp and parallel.pp together are not supported yet: "
-                          "choose one of them (with data parallelism over the rest)")
+    if p.mixed_precision == "fp16" and (p.tp > 1 or p.pp > 1):
+        raise ConfigError("parallel.mixed_precision = \"fp16\" with parallel.tp or pp > 1 is "
+                          "not supported (its loss scaling is per ZeRO group): use \"bf16\"")
     if p.pp > 1:
         _validate_pipeline(config)
     if p.mode == "ps" and (p.tp > 1 or p.pp > 1 or p.zero or p.dp):
@@ -296,7 +296,8 @@ def per_rank_batch(config: Config, dp_size: int) -> int:
     parts = dp_size * micro
     if config.train.batch_size % parts:
         raise ConfigError(
-            f"train.batch_size = {config.train.batch_size} does not split into {dp_size} ranks x "
+            f"train.batch_size = {config.train.batch_size} does not split into {dp_size} "
+            f"data-parallel rank{'s' if dp_size > 1 else ''} x "
             f"{micro} micro-batches: make it a multiple of {parts}"
         )
     return config.train.batch_size // (dp_size * config.train.grad_accum)

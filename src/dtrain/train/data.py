@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from dtrain.errors import ConfigError
-from dtrain.train.sampler import ShardedSampler
 
 
 def _stdlib_files() -> list[Path]:
@@ -91,22 +90,37 @@ def split(data: bytes, val_fraction: float, block_size: int) -> tuple[bytes, byt
 
 
 def batches(
-    dataset: Dataset, batch_size: int, dp_size: int, dp_rank: int, seed: int, shuffle: bool
+    dataset: Dataset, global_batch: int, dp_size: int, dp_rank: int, seed: int, shuffle: bool,
+    accum: int = 1, start: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless batches of this rank's shard, reshuffled (identically on all ranks) each epoch.
+    """Endless micro-batches of this rank's share of each global batch, from step `start`.
+
+    Every epoch draws one permutation (the same on every rank, from `seed` and the epoch)
+    and cuts it into global batches of `global_batch` sequences, dropping the tail; each
+    global batch is cut into `accum` micro-batches, and rank r of `dp_size` takes every
+    dp_size-th sequence of each, starting at r. Step k's global batch is therefore the same
+    set of sequences whatever the number of ranks, so a run resumed in another layout
+    continues on the data it would have seen, and `start` skips to step `start` directly.
 
     Raises:
-        ConfigError: the dataset cannot give every rank one full batch.
+        ConfigError: the dataset holds less than one global batch.
     """
-    sampler = ShardedSampler(dataset, dp_size, dp_rank, shuffle=shuffle, seed=seed, drop_last=True)
-    if len(sampler) < batch_size:
+    per_epoch = len(dataset) // global_batch
+    if per_epoch == 0:
         raise ConfigError(
-            f"the data gives each of {dp_size} ranks {len(sampler)} sequences, fewer than one "
-            f"batch of {batch_size}: give more data or a smaller train.batch_size"
+            f"the data holds {len(dataset)} sequences, fewer than one global batch of "
+            f"{global_batch}: give more data or a smaller train.batch_size"
         )
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-    epoch = 0
+    micro = global_batch // accum
+    step, order, epoch = start, None, -1
     while True:
-        sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+        if step // per_epoch != epoch:
+            epoch = step // per_epoch
+            order = (torch.randperm(len(dataset), generator=torch.Generator().manual_seed(
+                seed + epoch)) if shuffle else torch.arange(len(dataset)))
+        base = (step % per_epoch) * global_batch
+        for m in range(accum):
+            window = order[base + m * micro : base + (m + 1) * micro][dp_rank::dp_size]
+            xs, ys = zip(*(dataset[i] for i in window.tolist()), strict=True)
+            yield torch.stack(xs), torch.stack(ys)
+        step += 1

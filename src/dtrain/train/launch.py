@@ -9,6 +9,7 @@ of `python -m dtrain.train.worker` on the elastic agent.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -25,9 +26,16 @@ def train_command(args: argparse.Namespace) -> None:
         overrides.append(f"parallel.nproc={args.nproc}")
     if args.backend is not None:
         overrides.append(f"parallel.backend={args.backend}")
+    if args.resume is not None:
+        overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
     config = load_config(args.config, overrides)
     if args.metrics:
         config.logging.metrics = args.metrics
+
+    if config.checkpoint.resume not in ("", "auto"):  # a bad checkpoint costs no start-up
+        from dtrain.train.trainer import open_checkpoint
+
+        open_checkpoint(config.checkpoint.resume, config)
 
     from dtrain.world import detect
 
@@ -42,7 +50,8 @@ def train_command(args: argparse.Namespace) -> None:
     from dtrain.launch.runner import LaunchSpec, launch
 
     world_size = config.parallel.nproc * args.nnodes
-    layout = resolve_layout(world_size, config.parallel.dp or None, config.parallel.tp, 1)
+    layout = resolve_layout(world_size, config.parallel.dp or None, config.parallel.tp,
+                            config.parallel.pp)
     per_rank_batch(config, layout.dp)
     out_dir = Path(config.train.out_dir)
     try:

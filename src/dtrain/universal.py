@@ -1,0 +1,314 @@
+"""Universal checkpoints: the model's logical tensors, written in pieces, read in any layout.
+
+A checkpoint is a folder `step-00000200/` inside the checkpoints folder:
+
+    index.json               per logical tensor: shape, dtype, how tensor parallelism cut
+                             it, and where each piece lies (file, key, offsets); the run's
+                             layout and metadata (step, config, optimizer options,
+                             scheduler); the SHA-256 of every other file
+    rank-00000.safetensors   the pieces rank 0 owns, as flat tensors
+    rank-00000.json          rank 0's description of them (merged into index.json)
+    ...
+
+A *logical tensor* is one tensor of the plain, unparallelized model by its own name:
+`model/blocks.0.attn.qkv.weight`, and per-element optimizer state such as
+`optim/blocks.0.attn.qkv.weight/exp_avg`. A *piece* is a range [lo, hi) of the flattened
+block that one tensor-parallel rank holds (`part` of `parts`, cut by a `Split`); without
+tensor parallelism the block is the whole tensor. Every rank writes the pieces it owns:
+its ZeRO shard, or its slice of a replicated tensor, so writing is spread over the ranks
+and nothing is gathered. Reading assembles one logical tensor at a time from whichever
+pieces cover it, so a checkpoint written by dp=2 x tp=2 loads into dp=4, a pipeline, or
+one process, and no rank ever holds more than one whole tensor beyond its own state.
+
+Saving is atomic: the ranks write into a hidden `.step-00000200.tmp/`; once all have
+written, the first rank writes index.json, renames the folder into place and lists it in
+the checkpoints folder's index (dtrain.checkpoint), so a crash at any moment leaves the
+previous checkpoint as the newest listed one. Loading verifies every file's checksum and
+names the file that is missing or damaged.
+
+    dtrain export runs/default/checkpoints model.safetensors   # one plain state_dict
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dtrain import checkpoint
+from dtrain.errors import DtrainError
+from dtrain.tensor_parallel.split import Split
+
+FORMAT = "dtrain.universal/1"
+INDEX = "index.json"
+MODEL, OPTIM = "model/", "optim/"
+
+
+@dataclass
+class Piece:
+    """Elements [lo, lo + values.numel()) of the flattened block `part` of `parts` of the
+    logical tensor `name` (of `shape`), cut by `split` (None: the block is the tensor)."""
+
+    name: str
+    shape: tuple[int, ...]
+    values: torch.Tensor
+    lo: int = 0
+    part: int = 0
+    parts: int = 1
+    split: Split | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}|{self.part}|{self.lo}"
+
+    def describe(self, file: str) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": str(self.values.dtype),
+                "split": None if self.split is None else [self.split.dim, self.split.chunks],
+                "parts": self.parts, "part": self.part, "lo": self.lo,
+                "hi": self.lo + self.values.numel(), "file": file, "key": self.key}
+
+
+def pieces_of(name: str, block: torch.Tensor, owner: int = 0, owners: int = 1,
+              part: int = 0, parts: int = 1, split: Split | None = None) -> list[Piece]:
+    """The piece of `block` (tensor-parallel block `part`, or the whole tensor) that owner
+    `owner` of `owners` writes: its contiguous share of the flattened elements."""
+    from dtrain.comm.ops import shard_offsets
+
+    flat = block.detach().reshape(-1)
+    off = shard_offsets(flat.numel(), owners)
+    shape = list(block.shape)
+    if split is not None:
+        shape[split.dim] *= parts
+    values = flat[off[owner] : off[owner + 1]]
+    if values.numel() == 0 and flat.numel() > 0:
+        return []
+    return [Piece(name, tuple(shape), values.clone(), off[owner], part, parts, split)]
+
+
+def _name(rank: int, suffix: str) -> str:
+    return f"rank-{rank:05d}.{suffix}"
+
+
+def save(folder: str | Path, step: int, pieces: list[Piece], extra: dict[str, Any],
+         meta: dict[str, Any], keep_last: int, group: Any = "world",
+         rank_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write this rank's `pieces` into the checkpoint of `step` (collective over `group`,
+    default the world; None: this process writes the whole checkpoint alone).
+
+    `extra` (JSON) is merged over all ranks into the index (e.g. optimizer scalars by
+    tensor name); `meta` (JSON) is the first rank's description of the run;
+    `rank_tensors` (e.g. RNG states) stay per rank, read back with `Checkpoint.rank_tensors`.
+    Returns the checkpoint's folder.
+    """
+    from dtrain import comm
+
+    g = None if group is None else comm.resolve(None if group == "world" else group)
+    rank, size = (0, 1) if g is None else (g.rank, g.size)
+    folder = Path(folder)
+    final = folder / f"step-{step:08d}"
+    tmp = folder / f".{final.name}.tmp"
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
+        tmp.mkdir()
+    if g is not None:
+        comm.barrier(group=g)
+    tensors = {p.key: p.values.contiguous() for p in pieces}
+    tensors.update({f"rank/{k}": v.contiguous() for k, v in (rank_tensors or {}).items()})
+    data = tmp / _name(rank, "safetensors")
+    save_file(tensors, str(data))
+    checkpoint.fsync(data)
+    side = {"pieces": [p.describe(data.name) for p in pieces], "extra": extra,
+            "sha256": checkpoint.sha256(data)}
+    (tmp / _name(rank, "json")).write_text(json.dumps(side))
+    checkpoint.fsync(tmp / _name(rank, "json"))
+    if g is not None:
+        comm.barrier(group=g)
+    if rank == 0:
+        _publish(folder, tmp, final, step, size, meta, keep_last)
+    if g is not None:
+        comm.barrier(group=g)
+    return final
+
+
+def _publish(folder: Path, tmp: Path, final: Path, step: int, size: int,
+             meta: dict[str, Any], keep_last: int) -> None:
+    """Merge the ranks' descriptions into index.json, then make the folder visible."""
+    tensors: dict[str, dict[str, Any]] = {}
+    files: dict[str, str] = {}
+    extra: dict[str, Any] = {}
+    for rank in range(size):
+        side_path = tmp / _name(rank, "json")
+        side = json.loads(side_path.read_text())
+        files[_name(rank, "safetensors")] = side["sha256"]
+        files[side_path.name] = checkpoint.sha256(side_path)
+        for key, value in side["extra"].items():
+            extra.setdefault(key, {}).update(value)
+        for p in side["pieces"]:
+            entry = tensors.setdefault(p["name"], {
+                "shape": p["shape"], "dtype": p["dtype"], "split": p["split"],
+                "parts": p["parts"], "pieces": []})
+            entry["pieces"].append({k: p[k] for k in ("part", "lo", "hi", "file", "key")})
+    index = {"format": FORMAT, "step": step, "world_size": size, "meta": meta,
+             "extra": extra, "tensors": tensors, "files": files}
+    (tmp / INDEX).write_text(json.dumps(index, indent=1))
+    checkpoint.fsync(tmp / INDEX)
+    checkpoint.fsync(tmp)
+    if final.exists():  # the same step saved again (a resumed run)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    checkpoint.fsync(folder)
+    entries = [e for e in checkpoint.read_index(folder) if e["file"] != final.name]
+    entries.append({"file": final.name, "step": step, "format": FORMAT})
+    checkpoint.replace_index(folder, entries, keep_last)
+
+
+def latest(path: str | Path) -> Path:
+    """The checkpoint folder `path` names: itself if it is one, else the newest listed in
+    the checkpoints folder `path`.
+
+    Raises:
+        DtrainError: nothing there is a checkpoint.
+    """
+    path = Path(path)
+    if (path / INDEX).exists() and json.loads((path / INDEX).read_text()).get("format") \
+            == FORMAT:
+        return path
+    entries = [e for e in checkpoint.read_index(path) if e.get("format") == FORMAT]
+    if not entries:
+        raise DtrainError(f"no checkpoint in {path}: give a checkpoints folder or one "
+                          "step-NNNNNNNN folder in it")
+    return path / entries[-1]["file"]
+
+
+def previous(path: Path) -> Path | None:
+    """The checkpoint listed before `path` in its folder's index, if any."""
+    entries = [e for e in checkpoint.read_index(path.parent) if e.get("format") == FORMAT]
+    names = [e["file"] for e in entries]
+    if path.name in names and names.index(path.name) > 0:
+        return path.parent / names[names.index(path.name) - 1]
+    return None
+
+
+class Checkpoint:
+    """A universal checkpoint opened for reading; every file is checked first.
+
+    Args:
+        path: a checkpoint folder, or a checkpoints folder (its newest checkpoint).
+
+    Raises:
+        DtrainError: no checkpoint there, or one of its files is missing or damaged (the
+            message names it, and the previous checkpoint if there is one).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = latest(path)
+        index = self.path / INDEX
+        try:
+            self.index = json.loads(index.read_text())
+        except (OSError, ValueError) as exc:
+            raise self._damaged(index, f"unreadable ({exc})") from None
+        if self.index.get("format") != FORMAT:
+            raise DtrainError(f"{index} is not a {FORMAT} checkpoint")
+        for name, digest in self.index["files"].items():
+            file = self.path / name
+            if not file.exists():
+                raise self._damaged(file, "missing")
+            if checkpoint.sha256(file) != digest:
+                raise self._damaged(file, "corrupted (checksum mismatch)")
+        self.step: int = self.index["step"]
+        self.meta: dict[str, Any] = self.index["meta"]
+        self.extra: dict[str, Any] = self.index["extra"]
+        self.tensors: dict[str, dict[str, Any]] = self.index["tensors"]
+        self._open: dict[str, Any] = {}
+        self._cache: tuple[str, torch.Tensor] | None = None
+
+    def _damaged(self, file: Path, what: str) -> DtrainError:
+        before = previous(self.path)
+        hint = f"; the previous checkpoint is {before}" if before else ""
+        return DtrainError(f"checkpoint file {file} is {what}: this checkpoint cannot be "
+                           f"loaded{hint}")
+
+    def _file(self, name: str) -> Any:
+        if name not in self._open:
+            self._open[name] = safe_open(str(self.path / name), framework="pt")
+        return self._open[name]
+
+    def names(self, prefix: str = MODEL) -> list[str]:
+        """The logical tensors under `prefix` (model/ or optim/), prefix removed."""
+        return [n[len(prefix):] for n in self.tensors if n.startswith(prefix)]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole logical tensor `name`, assembled from its pieces.
+
+        Raises:
+            DtrainError: the tensor is not in the checkpoint, or its pieces leave a gap.
+        """
+        if self._cache is not None and self._cache[0] == name:
+            return self._cache[1]
+        if name not in self.tensors:
+            raise DtrainError(f"checkpoint {self.path} has no tensor {name!r}: was it saved "
+                              "from another model?")
+        entry = self.tensors[name]
+        shape, parts = entry["shape"], entry["parts"]
+        numel = 1
+        for n in shape:
+            numel *= n
+        per_part = numel // parts
+        dtype = getattr(torch, entry["dtype"].removeprefix("torch."))
+        blocks = [torch.empty(per_part, dtype=dtype) for _ in range(parts)]
+        covered = [0] * parts
+        for p in entry["pieces"]:
+            blocks[p["part"]][p["lo"] : p["hi"]] = self._file(p["file"]).get_tensor(p["key"])
+            covered[p["part"]] += p["hi"] - p["lo"]
+        if any(c != per_part for c in covered):
+            raise DtrainError(f"checkpoint {self.path}: the pieces of {name!r} do not cover it")
+        if entry["split"] is None:
+            whole = blocks[0].view(shape)
+        else:
+            split = Split(*entry["split"])
+            block_shape = list(shape)
+            block_shape[split.dim] //= parts
+            whole = split.join([b.view(block_shape) for b in blocks])
+        self._cache = (name, whole)
+        return whole
+
+    def rank_tensors(self, rank: int) -> dict[str, torch.Tensor]:
+        """The tensors rank `rank` kept for itself (e.g. RNG states)."""
+        file = self._file(_name(rank, "safetensors"))
+        return {k[len("rank/"):]: file.get_tensor(k) for k in file.keys()
+                if k.startswith("rank/")}
+
+
+def export(path: str | Path, out: str | Path) -> Path:
+    """Write the model of a checkpoint as one plain state_dict file (`.safetensors` or
+    `.pt`) that loads into the unparallelized model with `load_state_dict`.
+
+    Raises:
+        DtrainError: not a checkpoint, a damaged one, or an unknown output suffix.
+    """
+    out = Path(out)
+    if out.suffix not in (".safetensors", ".pt"):
+        raise DtrainError(f"dtrain export: {out} must end in .safetensors or .pt")
+    ckpt = Checkpoint(path)
+    state = {name: ckpt.tensor(MODEL + name).clone() for name in ckpt.names(MODEL)}
+    for alias, name in ckpt.meta.get("aliases", {}).items():  # tied weights, both names
+        state[alias] = state[name] if out.suffix == ".pt" else state[name].clone()
+    tmp = out.with_name(f".{out.name}.tmp")
+    if out.suffix == ".pt":
+        torch.save(state, tmp)
+    else:
+        save_file(state, str(tmp), metadata={"step": str(ckpt.step)})
+    os.replace(tmp, out)
+    return out
+
