@@ -362,9 +362,6 @@ def _restore(ckpt: universal.Checkpoint, held: Holding, optimizers: list,
     layout is the one that saved it (ranks are then the same ranks)."""
     restore(held, ckpt)
     for optimizer, scheduler in zip(optimizers, schedulers, strict=True):
-        if isinstance(optimizer, ps.RemoteOptimizer):
-            scheduler.last_epoch = ckpt.step
-            continue
         for group, options in zip(optimizer.param_groups, ckpt.meta["param_groups"],
                                   strict=False):
             group.update({k: tuple(v) if isinstance(v, list) else v
