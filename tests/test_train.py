@@ -120,12 +120,12 @@ PP2 = ["--set", "parallel.pp=2", "--set", "parallel.microbatches=2"]
     (["-n", "4", "--set", "parallel.tp=2", *PP2], ["-n", "1"],
      "pipeline of 2 stages (1f1b, 2 micro-batches) x tensor parallel over 2 x data parallel "
      "over 1"),
-    ([*DP2_TP2, "--set", "parallel.zero=3"], ["-n", "2", "--set", "parallel.zero=1"],
+    ([*DP2_TP2, "--set", "parallel.zero=3"], ["-n", "2", *PP2, "--set", "parallel.zero=1"],
      "tensor parallel over 2 x ZeRO stage 3 over 2"),
     pytest.param(["-n", "8", "--set", "parallel.tp=2", *PP2, "--set", "parallel.zero=1"],
                  ["-n", "2", *PP2], "pipeline of 2 stages (1f1b, 2 micro-batches) x tensor "
                  "parallel over 2 x ZeRO stage 1 over 2", marks=pytest.mark.slow),
-], ids=["dp2xtp2-to-dp4", "dp2xpp2-to-pp2xzero3", "tp2xpp2-to-one", "dp2xtp2xzero3-to-zero1",
+], ids=["dp2xtp2-to-dp4", "dp2xpp2-to-pp2xzero3", "tp2xpp2-to-one", "dp2xtp2xzero3-to-pp2xzero1",
         "dp2xtp2xpp2xzero1-to-pp2"])
 def test_run_resumed_in_another_layout_equals_one_process(
         tmp_path: Path, first: list[str], then: list[str], banner: str,

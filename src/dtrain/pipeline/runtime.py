@@ -168,8 +168,9 @@ class Pipeline:
                   index: int) -> None:
         chunk = action.chunk
         piece = self.pieces[chunk]
+        deferred = self._defer and isinstance(piece, ZeRO)
         quiet = (piece.no_sync() if hasattr(piece, "no_sync") and
-                 (self._defer or index != self._last_backward[chunk])
+                 (deferred or index != self._last_backward[chunk])
                  else contextlib.nullcontext())
         with quiet:
             if self._is_last(chunk):
@@ -224,7 +225,8 @@ class Pipeline:
                 param.grad = total
         if self._defer:
             for piece in self.pieces:
-                piece.reduce_gradients()
+                if isinstance(piece, ZeRO):
+                    piece.reduce_gradients()
 
 
 @torch.no_grad()
