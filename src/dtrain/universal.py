@@ -64,6 +64,16 @@ class Piece:
     parts: int = 1
     split: Split | None = None
 
+    @classmethod
+    def of_block(cls, name: str, block_shape: torch.Size, values: torch.Tensor, lo: int,
+                 part: int = 0, parts: int = 1, split: Split | None = None) -> Piece:
+        """The piece at `lo` of a block shaped `block_shape` (the logical tensor's shape
+        follows from the split)."""
+        shape = list(block_shape)
+        if split is not None:
+            shape[split.dim] *= parts
+        return cls(name, tuple(shape), values, lo, part, parts, split)
+
     @property
     def key(self) -> str:
         return f"{self.name}|{self.part}|{self.lo}"
@@ -83,13 +93,10 @@ def pieces_of(name: str, block: torch.Tensor, owner: int = 0, owners: int = 1,
 
     flat = block.detach().reshape(-1)
     off = shard_offsets(flat.numel(), owners)
-    shape = list(block.shape)
-    if split is not None:
-        shape[split.dim] *= parts
     values = flat[off[owner] : off[owner + 1]]
     if values.numel() == 0 and flat.numel() > 0:
         return []
-    return [Piece(name, tuple(shape), values.clone(), off[owner], part, parts, split)]
+    return [Piece.of_block(name, block.shape, values.clone(), off[owner], part, parts, split)]
 
 
 def _name(rank: int, suffix: str) -> str:

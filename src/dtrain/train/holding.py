@@ -58,11 +58,14 @@ class Holding:
         rank 0 only, a tied copy from the lowest stage only."""
         return id(p) not in self.skip and (id(p) in self.split or self.tp[0] == 0)
 
+    def placement(self, p: nn.Parameter) -> tuple[int, int, Split | None]:
+        """(part, parts, split): which tensor-parallel block of its tensor `p` is."""
+        split = self.split.get(id(p))
+        return (*self.tp, split) if split is not None else (0, 1, None)
+
     def _block_pieces(self, name: str, p: nn.Parameter, block: torch.Tensor,
                       owner: tuple[int, int]) -> list[Piece]:
-        split = self.split.get(id(p))
-        part, parts = self.tp if split is not None else (0, 1)
-        return pieces_of(name, block, owner[0], owner[1], part, parts, split)
+        return pieces_of(name, block, *owner, *self.placement(p))
 
     def local(self, ckpt: Checkpoint, name: str, p: nn.Parameter) -> torch.Tensor:
         """This rank's block of the logical tensor `name` (p's shape)."""

@@ -65,18 +65,13 @@ def collect(h: Holding) -> tuple[list[Piece], dict[str, Any]]:
                     continue
                 prefix = MODEL if not suffix else OPTIM
                 name = f"{prefix}{h.canonical[id(p)]}{suffix}"
-                split = h.split.get(id(p))
-                part, parts = h.tp if split is not None else (0, 1)
-                shape = list(p.shape)
-                if split is not None:
-                    shape[split.dim] *= parts
-                pieces += [Piece(name, tuple(shape), values.to(torch.float32), lo, part, parts,
-                                 split) for lo, _, values in segs]
+                pieces += [Piece.of_block(name, p.shape, values.to(torch.float32), lo,
+                                          *h.placement(p)) for lo, _, values in segs]
     return pieces, {"scalars": scalars}
 
 
 @torch.no_grad()
-def restore(h: Holding, ckpt: Checkpoint, with_optimizer: bool = True) -> None:
+def restore(h: Holding, ckpt: Checkpoint) -> None:
     """Set this rank's parameters (and optimizer state) from `ckpt`, whatever its layout.
 
     Raises:
@@ -90,7 +85,7 @@ def restore(h: Holding, ckpt: Checkpoint, with_optimizer: bool = True) -> None:
     for p in h.params:
         name = h.canonical[id(p)]
         p.copy_(h.local(ckpt, MODEL + name, p))
-        if with_optimizer and h.optimizer is not None and (keys[name] or name in scalars):
+        if h.optimizer is not None and (keys[name] or name in scalars):
             state = {key: h.local(ckpt, f"{OPTIM}{name}/{key}", p).to(p.dtype).clone()
                      for key in keys[name]}
             for key, value in scalars.get(name, {}).items():
@@ -103,11 +98,10 @@ def restore(h: Holding, ckpt: Checkpoint, with_optimizer: bool = True) -> None:
         for n, lo, hi in zero_state.span_ranges(z):
             p, name = own[n], h.canonical[id(own[n])]
             params[n].append((lo, hi, h.local(ckpt, MODEL + name, p).reshape(-1)[lo:hi]))
-            for key in keys[name] if with_optimizer else ():
+            for key in keys[name]:
                 block = h.local(ckpt, f"{OPTIM}{name}/{key}", p).reshape(-1)
                 state[key][n].append((lo, hi, block[lo:hi]))
         group_scalars = [{key: torch.tensor(v, dtype=torch.float32) for key, v in
                           scalars.get(h.canonical[id(own[names[0]])], {}).items()}
                          if names else {} for names in z.layout]
-        zero_state.load_segments(z, params, state if with_optimizer else None,
-                                 group_scalars, None)
+        zero_state.load_segments(z, params, state, group_scalars, None)
