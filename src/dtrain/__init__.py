@@ -29,7 +29,7 @@ _EXPORTS = {
     "init": "dtrain.world",
     "shutdown": "dtrain.world",
 }
-_SUBPACKAGES = ("comm", "pipeline", "tensor_parallel", "testing")
+_SUBPACKAGES = ("comm", "pipeline", "tensor_parallel", "testing", "timeline")
 
 __all__ = [
     "ConfigError", "DataParallel", "DtrainError", "LaunchError", "Mesh", "ShardedSampler",

@@ -1,6 +1,7 @@
 """The `dtrain` command: `dtrain run` starts ranks, `dtrain train` trains a model,
-`dtrain export` writes a checkpoint as one plain state_dict, `dtrain bench comm`
-measures the collectives.
+`dtrain plan` predicts memory and time of every layout before a run, `dtrain export`
+writes a checkpoint as one plain state_dict, `dtrain bench comm` measures the collectives
+and `dtrain bench scaling` the speed-up of a training job from 1 to N workers.
 
 Errors a user can fix print as one line (`dtrain: error: ...`) with a non-zero exit code;
 tracebacks are for dtrain's own bugs.
@@ -31,6 +32,10 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
                         "shm: shared memory between the ranks of a host")
     p.add_argument("--debug", action="store_true",
                    help="check every collective's arguments across ranks (DTRAIN_DEBUG=1)")
+    p.add_argument("--timeline", metavar="PATH",
+                   help="record every rank's collectives (and dtrain train's forward, "
+                        "backward, optimizer and data spans) into one Chrome-trace JSON file "
+                        "for https://ui.perfetto.dev")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,8 +92,22 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoints folder (its newest) or one checkpoint")
     export.add_argument("out", help="output file: .safetensors or .pt")
 
+    plan = sub.add_parser(
+        "plan", help="predict memory, communication and step time of every layout",
+        description=(
+            "For a model, a number of devices and the memory of each, list every layout "
+            "(dp, ZeRO 0-3, tp, pp, micro-batches) with its bytes per rank, bytes "
+            "communicated per step, pipeline bubble and estimated step time; mark those "
+            "that do not fit and recommend one."
+        ),
+    )
+    from dtrain.tools.plan import add_arguments as add_plan_arguments
+
+    add_plan_arguments(plan)
+
     bench = sub.add_parser(
-        "bench", help="measure dtrain's parts (bench comm: the collectives)",
+        "bench", help="measure dtrain's parts (comm: the collectives; scaling: a training "
+                      "job on 1..N workers)",
         description="Benchmarks of dtrain's building blocks; each prints a table from rank 0.",
     )
     benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
@@ -104,6 +123,18 @@ def _parser() -> argparse.ArgumentParser:
     from dtrain.tools.comm_bench import add_arguments
 
     add_arguments(comm)
+    scaling = benchmarks.add_parser(
+        "scaling", help="throughput, speed-up and efficiency of a training job on 1..N workers",
+        description=(
+            "Run the same dtrain train job on 1, 2, ... N workers for a fixed number of steps, "
+            "with a fixed global batch (strong scaling) and a fixed batch per worker (weak "
+            "scaling); report throughput, speed-up, efficiency and the share of step time "
+            "spent communicating, as a table, JSON and a PNG plot."
+        ),
+    )
+    from dtrain.tools.scaling import add_arguments as add_scaling_arguments
+
+    add_scaling_arguments(scaling)
     return parser
 
 
@@ -127,7 +158,7 @@ def _run(args: argparse.Namespace) -> None:
     launch(LaunchSpec(
         command=command, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
         master=args.master, max_restarts=args.max_restarts, join_timeout=args.join_timeout,
-        env=env,
+        env=env, timeline=args.timeline or "",
     ))
 
 
@@ -144,9 +175,20 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
+    if args.benchmark == "scaling":
+        from dtrain.tools.scaling import scaling_command
+
+        scaling_command(args)
+        return
     from dtrain.tools.comm_bench import bench_command
 
     bench_command(args)
+
+
+def _plan(args: argparse.Namespace) -> None:
+    from dtrain.tools.plan import plan_command
+
+    plan_command(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["DTRAIN_DEBUG"] = "1"  # read by dtrain.comm in every rank started here
         if args.command == "run" and args.backend:
             os.environ["DTRAIN_BACKEND"] = args.backend  # read by dtrain.init in every rank
-        command = {"run": _run, "train": _train, "bench": _bench, "export": _export}[args.command]
+        command = {"run": _run, "train": _train, "bench": _bench, "export": _export,
+                   "plan": _plan}[args.command]
         return exit_code_of(lambda: command(args))
     except KeyboardInterrupt:
         print("dtrain: interrupted", file=sys.stderr)

@@ -18,14 +18,18 @@ import re
 import signal
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from dtrain.errors import DtrainError
 from dtrain.launch.exits import record_exit_time
+
+if TYPE_CHECKING:
+    from dtrain.timeline import Recorder
 
 DEFAULT_TIMEOUT_S = 180.0
 DEFAULT_MASTER_PORT = 29500
@@ -49,6 +53,7 @@ class World:
         backend: "gloo", "nccl", or "shm" (dtrain's shared memory between the ranks of a
             host, over a gloo process group); empty before `init()`.
         device: the device this process computes on.
+        timeline: the recorder of this rank's timeline (dtrain.timeline), None when off.
     """
 
     rank: int = 0
@@ -62,6 +67,7 @@ class World:
     master_port: int = DEFAULT_MASTER_PORT
     backend: str = ""
     device: torch.device = torch.device("cpu")
+    timeline: Recorder | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_main(self) -> bool:
@@ -204,7 +210,8 @@ def _init_process_group(world: World, timeout: timedelta) -> None:
         raise
 
 
-def init(backend: str | None = None, timeout: float | None = None) -> World:
+def init(backend: str | None = None, timeout: float | None = None,
+         timeline: str | None = None) -> World:
     """Join the job's process group and return this process's `World`.
 
     Args:
@@ -213,13 +220,17 @@ def init(backend: str | None = None, timeout: float | None = None) -> World:
             `dtrain run --backend` sets), else NCCL when CUDA is available, else gloo.
         timeout: seconds any collective may wait before failing (default: env
             DTRAIN_TIMEOUT, else 180).
+        timeline: record this rank's timeline for this path (dtrain.timeline); by default
+            env DTRAIN_TIMELINE, which `dtrain run --timeline` sets (and merges).
 
     Returns:
-        The world; calling `init()` again returns the same one.
+        The world; calling `init()` again returns the same one (recording a timeline from
+        then on if `timeline` is given and none is recorded yet).
 
     Raises:
         DtrainError: the environment is inconsistent, the master is unreachable, or its
             port is in use.
+        ConfigError: the timeline's folder cannot be created.
     """
     global _WORLD
     if _WORLD is not None:
@@ -228,6 +239,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> World:
                 f"dtrain.init(backend={backend!r}) after the world was initialized with "
                 f"{_WORLD.backend!r}: call dtrain.shutdown() first"
             )
+        _WORLD = _with_timeline(_WORLD, timeline)
         return _WORLD
     world = detect(os.environ)
     if backend is None:
@@ -241,6 +253,7 @@ def init(backend: str | None = None, timeout: float | None = None) -> World:
         device = torch.device("cuda", world.local_rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     world = replace(world, backend=backend, device=device)
+    world = _with_timeline(world, timeline or os.environ.get("DTRAIN_TIMELINE"))
     if not dist.is_initialized():
         excepthook = sys.excepthook
         _init_process_group(world, timedelta(seconds=_timeout_s(timeout)))
@@ -250,6 +263,36 @@ def init(backend: str | None = None, timeout: float | None = None) -> World:
     record_exit_time(world.rank)  # registered last, so it runs first at exit
     _WORLD = world
     return world
+
+
+def _with_timeline(world: World, path: str | None) -> World:
+    """`world` recording a timeline for `path` (unless it records one already)."""
+    if not path or world.timeline is not None:
+        return world
+    from dtrain.timeline import Recorder, prepare  # only paid for when recording
+
+    atexit.register(_close_timeline_at_exit)  # also when dist was initialized by others
+    return replace(world, timeline=Recorder(prepare(path), world.rank,
+                                            alone=world.source == "single"))
+
+
+def recorder() -> Recorder | None:
+    """This rank's timeline recorder, or None when no timeline is recorded (the check every
+    hook of dtrain.timeline makes first)."""
+    return _WORLD.timeline if _WORLD is not None else None
+
+
+def _close_timeline_at_exit() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as in _shutdown_at_exit
+    close_timeline()
+
+
+def close_timeline() -> None:
+    """Write this rank's timeline now and stop recording (shutdown and exit do it too)."""
+    global _WORLD
+    if _WORLD is not None and _WORLD.timeline is not None:
+        _WORLD.timeline.close()
+        _WORLD = replace(_WORLD, timeline=None)
 
 
 def current() -> World:
@@ -267,6 +310,7 @@ def _shutdown_at_exit() -> None:
 def shutdown() -> None:
     """Leave the process group and forget the world; safe to call more than once."""
     global _WORLD
+    close_timeline()
     for callback in _AT_SHUTDOWN:
         callback()
     if dist.is_initialized():

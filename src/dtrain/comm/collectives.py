@@ -14,14 +14,18 @@ longer (`dtrain.comm.shard_sizes`), so any length works.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtrain import world as world_mod
 from dtrain.comm import debug, halving_doubling, ring, select, tree
 from dtrain.comm.group import Done, Group, Handle, Then
 from dtrain.comm.groups import resolve
 from dtrain.comm.ops import AVAILABLE, ReduceOp, bus_factor, finish_, shard_sizes, shards
+
+if TYPE_CHECKING:
+    from dtrain.timeline import CommSpan
 
 GroupLike = Any  # dist.ProcessGroup | Group | None
 
@@ -45,11 +49,15 @@ class Result:
     """Handle of an async collective: `wait()` completes it and returns its result."""
 
     def __init__(self, handle: Handle, g: Group, what: str, seq: int,
-                 finish: Callable[[], Any]) -> None:
+                 finish: Callable[[], Any], span: CommSpan | None = None) -> None:
         self._handle, self._g, self._what, self._seq, self._finish = handle, g, what, seq, finish
+        self._span = span  # its timeline span (dtrain.timeline), ended when it completes
 
     def wait(self) -> Any:
         debug.wait_or_diagnose(self._handle, self._g, self._what, self._seq)
+        if self._span is not None:
+            self._span.end()
+            self._span = None
         return self._finish()
 
 
@@ -75,12 +83,14 @@ def _run(what: str, g: Group, tensor: torch.Tensor, algorithm: str, async_op: bo
     name = select.choose(what, tensor, g, algorithm, AVAILABLE[what])
     if tensor.numel() == 0 and what != "barrier":  # same length on every rank: nothing to send
         return _trivial(finish(), async_op)
+    recorder = world_mod.recorder()
+    span = None if recorder is None else recorder.begin_comm(what, whole, name, g.size, async_op)
     if name == "native" and not g.native_blocks:
         handle = native()
     else:
         job = algorithms[name] if name != "native" else lambda: native().wait()
         handle = g.executor.submit(job) if async_op else _Inline(g, job)
-    result = Result(handle, g, what, g.seq, finish)
+    result = Result(handle, g, what, g.seq, finish, span)
     return result if async_op else result.wait()
 
 
@@ -266,8 +276,9 @@ def send(tensor: torch.Tensor, dst: int, group: GroupLike = None, async_op: bool
     """Send `tensor` to group rank `dst` (which must call `recv` with a same-shaped tensor).
     Messages with the same `tag` between two ranks arrive in the order sent."""
     g = resolve(group)
+    span = _p2p_span("send", tensor, dst, g, async_op)
     handle = g.isend(_flat(tensor), dst, tag)
-    result = Result(handle, g, f"send to rank {dst}", g.seq, lambda: None)
+    result = Result(handle, g, f"send to rank {dst}", g.seq, lambda: None, span)
     return result if async_op else result.wait()
 
 
@@ -276,6 +287,17 @@ def recv(tensor: torch.Tensor, src: int, group: GroupLike = None, async_op: bool
     """Receive into `tensor` the next message with `tag` from group rank `src`; returns
     `tensor`."""
     g = resolve(group)
+    span = _p2p_span("recv", tensor, src, g, async_op)
     handle = g.irecv(_flat(tensor), src, tag)
-    result = Result(handle, g, f"recv from rank {src}", g.seq, lambda: tensor)
+    result = Result(handle, g, f"recv from rank {src}", g.seq, lambda: tensor, span)
     return result if async_op else result.wait()
+
+
+def _p2p_span(what: str, tensor: torch.Tensor, peer: int, g: Group,
+              async_op: bool) -> CommSpan | None:
+    """The timeline span of a send or recv (None when no timeline is recorded)."""
+    recorder = world_mod.recorder()
+    if recorder is None:
+        return None
+    return recorder.begin_comm(what, tensor.numel() * tensor.element_size(), "native", g.size,
+                               async_op, peer=peer)

@@ -185,6 +185,10 @@ class Group:
                                                       device=like.device)
         return buffer[: like.numel()]
 
+    def release_scratch(self) -> None:
+        """Let the work buffers go (after timing probes larger than the real messages)."""
+        self._scratch.clear()
+
     def close(self) -> None:
         """Stop this group's executor (and its sub-groups'); the world is shutting down."""
         self.executor.close()

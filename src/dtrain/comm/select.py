@@ -111,6 +111,7 @@ def measure(g: Group, op: str, candidates: tuple[str, ...],
         timed = timing.time_turns(calls, dict.fromkeys(candidates, count), ROUNDS, g, device)
         for name, taken in timed.items():
             seconds[name].append(taken)
+    g.release_scratch()  # grown to the largest probe; real messages grow it again as needed
     return {name: Curve(tuple(zip(PROBE_BYTES, seconds[name], strict=True)))
             for name in candidates}
 

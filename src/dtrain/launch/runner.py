@@ -21,6 +21,7 @@ import sys
 import tempfile
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dtrain.comm import segment
 from dtrain.errors import ConfigError, LaunchError
@@ -44,6 +45,9 @@ class LaunchSpec:
             can draw a progress bar; the other ranks are still prefixed.
         join_timeout: seconds to wait for all machines to join.
         env: extra environment variables for every rank.
+        timeline: record a timeline of every rank (dtrain.timeline) and merge it into this
+            file once they end; with nnodes > 1 each machine writes its ranks' into
+            `<timeline>.node-<node_rank>.json`. Empty: none.
     """
 
     command: list[str]
@@ -55,6 +59,7 @@ class LaunchSpec:
     raw_local_rank0: bool = False
     join_timeout: int = 120
     env: dict[str, str] = field(default_factory=dict)
+    timeline: str = ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -125,6 +130,7 @@ def launch(spec: LaunchSpec) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     validate(spec)
+    timeline = _start_timeline(spec) if spec.timeline else ""
     if spec.master is None:
         host, port = "127.0.0.1", free_port()
     else:
@@ -160,6 +166,8 @@ def launch(spec: LaunchSpec) -> None:
         exit_dir = os.path.join(log_dir, "exits")
         os.makedirs(exit_dir)
         os.environ.update({**_rank_env(spec, run_id, exit_dir), **spec.env})
+        if timeline:
+            os.environ["DTRAIN_TIMELINE"] = timeline  # read by dtrain.init in every rank
         try:
             elastic_launch(config, spec.command[0])(*spec.command[1:])
         except ChildFailedError as exc:
@@ -182,7 +190,48 @@ def launch(spec: LaunchSpec) -> None:
             os.environ.clear()
             os.environ.update(saved)
             segment.sweep(segment.sanitize(run_id))  # shm segments a killed rank left named
+            if timeline:
+                _merge_timeline(spec, timeline)
             sys.stdout.flush()
+
+
+def _local_parts(spec: LaunchSpec, timeline: str) -> list[Path]:
+    """The part files of the ranks started on this machine (ranks node_rank * nproc on)."""
+    from dtrain.timeline import part_path
+
+    first = spec.node_rank * spec.nproc
+    return [part_path(timeline, rank) for rank in range(first, first + spec.nproc)]
+
+
+def _start_timeline(spec: LaunchSpec) -> str:
+    """The absolute path the ranks record the timeline for; stale parts removed."""
+    from dtrain.timeline import prepare
+
+    timeline = prepare(spec.timeline)
+    for part in _local_parts(spec, timeline):
+        part.unlink(missing_ok=True)
+    return timeline
+
+
+def _merge_timeline(spec: LaunchSpec, timeline: str) -> None:
+    """Merge the parts the ranks wrote (all of them, or those a failure left) into one file."""
+    from dtrain.timeline import merge
+
+    parts = [p for p in _local_parts(spec, timeline) if p.exists()]
+    out = timeline
+    if spec.nnodes > 1:
+        out = f"{timeline.removesuffix('.json')}.node-{spec.node_rank}.json"
+    if not parts:
+        print("dtrain: no timeline: no rank wrote one (a rank writes it when it exits after "
+              "dtrain.init(); one killed by a signal does not)", file=sys.stderr)
+        return
+    try:
+        merge(parts, out)
+    except (OSError, ValueError) as exc:
+        print(f"dtrain: could not merge the timeline into {out}: {exc}", file=sys.stderr)
+        return
+    print(f"dtrain: timeline of {len(parts)} rank(s) written to {out} "
+          "(open it in https://ui.perfetto.dev)")
 
 
 def _rendezvous_error(exc: Exception, host: str, port: int, spec: LaunchSpec) -> LaunchError:

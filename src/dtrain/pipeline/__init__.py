@@ -13,7 +13,14 @@ Partitioning (`partition`), schedules (`schedules`: GPipe, 1F1B, interleaved), t
 messages between stages (`p2p`) and the executor (`runtime`) are separate modules.
 """
 
-from dtrain.pipeline.gpt import GPTPiece, gpt_loss, gpt_loss_of, gpt_pieces, tied_weights
+from dtrain.pipeline.gpt import (
+    GPTPiece,
+    gpt_loss,
+    gpt_loss_of,
+    gpt_pieces,
+    release_others,
+    tied_weights,
+)
 from dtrain.pipeline.partition import balanced_sizes, split, stage_sizes
 from dtrain.pipeline.runtime import Pipeline, full_state_dict, pieces_for
 from dtrain.pipeline.schedules import SCHEDULES, Action, build
@@ -21,5 +28,5 @@ from dtrain.pipeline.schedules import SCHEDULES, Action, build
 __all__ = [
     "SCHEDULES", "Action", "GPTPiece", "Pipeline", "balanced_sizes", "build",
     "full_state_dict", "gpt_loss", "gpt_loss_of", "gpt_pieces", "pieces_for", "split",
-    "stage_sizes", "tied_weights",
+    "release_others", "stage_sizes", "tied_weights",
 ]

@@ -68,6 +68,16 @@ def gpt_loss_of(gpt: GPT) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor
     return loss
 
 
+def release_others(gpt: GPT, mine: Sequence[nn.Module]) -> None:
+    """Free the storage of every parameter of `gpt` that none of this rank's pieces holds:
+    each rank builds the whole model (so every rank draws the same initial weights), then
+    keeps only its stages. The names and shapes stay known; the values are gone."""
+    kept = {id(p) for piece in mine for p in piece.parameters()}
+    for p in gpt.parameters():
+        if id(p) not in kept:
+            p.data = p.data.new_empty(0)
+
+
 def tied_weights(gpt: GPT, mine: Sequence[GPTPiece], group: Any = None) -> list:
     """The (parameter, peer) pairs for `Pipeline(tied=...)`: the embedding on the first
     stage's rank and the head on the last's, when those are different ranks."""

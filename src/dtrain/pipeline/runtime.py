@@ -28,6 +28,7 @@ from dtrain.parallel.zero import ZeRO
 from dtrain.pipeline import schedules
 from dtrain.pipeline.p2p import Channels
 from dtrain.pipeline.schedules import Action
+from dtrain.timeline import span
 
 _TIED_TAG = 1
 
@@ -130,16 +131,18 @@ class Pipeline:
         origin = time.perf_counter()
         for index, action in enumerate(actions):
             start, waited = time.perf_counter(), self._channels.waited
-            if action.kind == "F":
-                out, inp = self._forward(action, micro_in, micro_tg, backward)
-                if self._is_last(action.chunk):
-                    total += out.detach().double() * self.microbatches
-                if backward:
-                    saved[(action.micro, action.chunk)] = (inp, out)
-                    self.peak_live = max(self.peak_live, len(saved))
-            else:
-                inp, out = saved.pop((action.micro, action.chunk))
-                self._backward(action, inp, out, index)
+            kind = "forward" if action.kind == "F" else "backward"
+            with span(kind, kind, micro=action.micro, chunk=action.chunk):
+                if action.kind == "F":
+                    out, inp = self._forward(action, micro_in, micro_tg, backward)
+                    if self._is_last(action.chunk):
+                        total += out.detach().double() * self.microbatches
+                    if backward:
+                        saved[(action.micro, action.chunk)] = (inp, out)
+                        self.peak_live = max(self.peak_live, len(saved))
+                else:
+                    inp, out = saved.pop((action.micro, action.chunk))
+                    self._backward(action, inp, out, index)
             if self.timeline:
                 began = start + self._channels.waited - waited
                 self.events.append((action.kind, action.micro, action.chunk,

@@ -133,7 +133,7 @@ def _style(pattern: str, value: Style | str) -> Style:
     return value
 
 
-def _matches(model: nn.Module, plan: dict[str, Style | str]) -> list[tuple[str, Style]]:
+def matches(model: nn.Module, plan: dict[str, Style | str]) -> list[tuple[str, Style]]:
     """(module name, style) for every module a pattern names; each pattern names one at least."""
     names = [name for name, _ in model.named_modules() if name]
     chosen: dict[str, str] = {}
@@ -180,7 +180,7 @@ def parallelize(model: nn.Module, plan: dict[str, Style | str], group: Any = Non
             size does not divide a layer's features, heads or vocabulary.
     """
     g = comm.resolve(group)
-    targets = _matches(model, plan)
+    targets = matches(model, plan)
     for name, style in targets:  # every error before any communication
         _build(name, model.get_submodule(name), style, g, algorithm)
     if g.size > 1:

@@ -145,6 +145,9 @@ class LoggingConfig:
     """Print a progress line every this many steps."""
     sample_tokens: int = 200
     """Bytes of text to generate at the end; 0 skips the sample."""
+    timeline: str = ""
+    """Path of a Chrome-trace JSON timeline of every rank's steps, data loading, forward,
+    backward, optimizer and collectives (dtrain.timeline; open it in ui.perfetto.dev)."""
 
 
 @dataclass

@@ -31,6 +31,12 @@ def train_command(args: argparse.Namespace) -> None:
     config = load_config(args.config, overrides)
     if args.metrics:
         config.logging.metrics = args.metrics
+    if args.timeline:
+        config.logging.timeline = args.timeline
+    if config.logging.timeline:  # absolute: ranks may start elsewhere; a bad folder fails now
+        from dtrain.timeline import prepare
+
+        config.logging.timeline = prepare(config.logging.timeline)
 
     if config.checkpoint.resume not in ("", "auto"):  # a bad checkpoint costs no start-up
         from dtrain.train.trainer import open_checkpoint
@@ -70,5 +76,5 @@ def train_command(args: argparse.Namespace) -> None:
     launch(LaunchSpec(
         command=command, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
         master=args.master, max_restarts=args.max_restarts, join_timeout=args.join_timeout,
-        raw_local_rank0=True, env=env,
+        raw_local_rank0=True, env=env, timeline=config.logging.timeline,
     ))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain import checkpoint, comm, pipeline, ps, tensor_parallel, universal
+from dtrain import checkpoint, comm, pipeline, ps, tensor_parallel, timeline, universal
 from dtrain import world as world_mod
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.mesh import Mesh
@@ -146,7 +146,9 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
             checkpoint to resume from holds another model.
     """
     backend = None if config.parallel.backend == "auto" else config.parallel.backend
-    world = world_mod.init(backend=backend)
+    # Under dtrain's launcher with a timeline (env DTRAIN_TIMELINE) the launcher merges it.
+    own_timeline = "" if os.environ.get("DTRAIN_TIMELINE") else config.logging.timeline
+    world = world_mod.init(backend=backend, timeline=own_timeline or None)
     pc, tc, mc = config.parallel, config.train, config.model
     mesh = Mesh(dp=pc.dp or None, tp=pc.tp, pp=pc.pp)
     dp_size, dp_rank, dp_group = mesh.size("dp"), mesh.coords["dp"], mesh.group("dp")
@@ -232,23 +234,25 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
         return pipe.evaluate(x, y) if pipe else model(x, y)[1]
 
     def run_eval(step: int) -> None:
-        loss = evaluate(model, loss_of, val_data, per_rank, tc.eval_batches,
-                        (dp_size, dp_rank, dp_group), world.device)
+        with timeline.span("eval", "eval", step=step):
+            loss = evaluate(model, loss_of, val_data, per_rank, tc.eval_batches,
+                            (dp_size, dp_rank, dp_group), world.device)
         eval_losses.append((step, loss))
         progress.write(f"step {step:>5}: held-out loss {loss:.4f}")
         metrics.write({"step": step, "eval_loss": loss})
 
     def save(step: int) -> Path:
-        return save_checkpoint(out_dir / "checkpoints", step, held, schedulers, config,
-                               group=None if pc.mode == "ps" else "world",
-                               writes=world.is_main or pc.mode != "ps")
+        with timeline.span("checkpoint", "checkpoint", step=step):
+            return save_checkpoint(out_dir / "checkpoints", step, held, schedulers, config,
+                                   group=None if pc.mode == "ps" else "world",
+                                   writes=world.is_main or pc.mode != "ps")
 
-    path = resume.path if resume is not None else out_dir / "checkpoints"
-    for step in range(start + 1, tc.steps + 1):
-        begin = time.perf_counter()
+    def train_step() -> float:
+        """Forward and backward of one global batch, the optimizer step; the mean loss."""
         for micro in range(accum):
-            x, y = (t.to(world.device) for t in next(stream))
-            if pipe:
+            with timeline.span("data", "data"):
+                x, y = (t.to(world.device) for t in next(stream))
+            if pipe:  # its forwards and backwards interleave: spans of their own inside
                 loss = pipe.step(x, y)
                 break
             last = micro == accum - 1
@@ -257,8 +261,19 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
             else:
                 accumulating = contextlib.nullcontext() if last else model.no_sync()
             with accumulating:
-                loss = model(x, y)[1].float() / accum
-                model.backward(loss) if pc.zero else loss.backward()
+                with timeline.span("forward", "forward"):
+                    loss = model(x, y)[1].float() / accum
+                with timeline.span("backward", "backward"):
+                    model.backward(loss) if pc.zero else loss.backward()
+        with timeline.span("optimizer", "optimizer"):
+            optimizer_step()
+        step_loss = loss.item() * accum
+        if pc.mode != "ps":
+            step_loss = _mean_over(step_loss, dp_group, world.device)
+        return step_loss
+
+    def optimizer_step() -> None:
+        """Clip the gradient, step, zero the gradients, advance the schedule."""
         clip = config.optimizer.grad_clip
         if pc.mode == "ps":
             if clip > 0:  # each worker's own gradient (pushes then wait for the clipping)
@@ -276,9 +291,12 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
             optimizers[0].zero_grad(set_to_none=True)
         for scheduler in schedulers:
             scheduler.step()
-        step_loss = loss.item() * accum
-        if pc.mode != "ps":
-            step_loss = _mean_over(step_loss, dp_group, world.device)
+
+    path = resume.path if resume is not None else out_dir / "checkpoints"
+    for step in range(start + 1, tc.steps + 1):
+        begin = time.perf_counter()
+        with timeline.span("step", "step", step=step):
+            step_loss = train_step()
         elapsed = time.perf_counter() - begin
         losses.append(step_loss)
         progress.step(step, step_loss, tokens_per_step / elapsed)
@@ -306,7 +324,23 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
             progress.write("sample:\n" + sample(plain, config.logging.sample_tokens,
                                                 world.device))
     metrics.close()
+    if own_timeline:
+        progress.write(f"timeline: {_write_own_timeline(world)}")
     return {"losses": losses, "eval_losses": eval_losses, "checkpoint": str(path)}
+
+
+def _write_own_timeline(world: world_mod.World) -> str:
+    """Write the timeline of a job no dtrain launcher merges (`dtrain train` as one process,
+    or under torchrun or srun): each rank its part, then rank 0 merges the parts it can
+    see (all of them on one host or a shared filesystem). Returns the timeline's path."""
+    out = world.timeline.out
+    world_mod.close_timeline()  # a one-process world writes the whole file right away
+    if world.source != "single":
+        comm.barrier()  # every rank's part is written
+        if world.is_main:
+            parts = [timeline.part_path(out, rank) for rank in range(world.world_size)]
+            timeline.merge([p for p in parts if p.exists()], out)
+    return out
 
 
 def describe(config: Config, dp_size: int) -> str:

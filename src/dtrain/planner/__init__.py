@@ -1,0 +1,95 @@
+"""dtrain.planner: which layout fits a model on some devices, and how fast it may run.
+
+    cfg = GPTConfig(n_layer=24, n_embd=1024, n_head=16)
+    estimates = plan(lambda b: profile_gpt(cfg, b), devices=8, memory=80e9, batch=64,
+                     flops=300e12, links=Links.given(100, 10))
+    best, why = recommend(estimates)
+
+`dtrain plan` prints the same (dtrain.tools.plan). The model is traced on fake tensors
+(dtrain.planner.profile), each layout's figures follow dtrain's own strategies
+(dtrain.planner.estimate), and collectives cost what dtrain.comm measured
+(dtrain.planner.links). `LiveBytes` (dtrain.planner.tracker) measures real runs the same
+way, which is how the figures are checked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from dtrain.planner.estimate import Estimate, Layout, bubble, estimate
+from dtrain.planner.links import Links
+from dtrain.planner.profile import Profile, profile_factory, profile_gpt
+from dtrain.planner.tracker import LiveBytes
+
+MICROBATCHES = (1, 2, 4)  # pipelines try m = pp times these
+
+
+def layouts(profile: Profile, devices: int, batch: int, accum: int = 1,
+            schedules: tuple[str, ...] = ("1f1b",)) -> list[Layout]:
+    """Every layout of `devices` ranks the model and a global batch of `batch` allow."""
+    found = []
+    for tp in profile.tp_degrees(devices):
+        for pp in range(1, devices // tp + 1):
+            if (devices // tp) % pp or (pp > 1 and pp > profile.n_layer):
+                continue
+            dp = devices // (tp * pp)
+            for zero in range(4) if dp > 1 else (0,):
+                if pp == 1:
+                    if batch % (dp * accum) == 0:
+                        found.append(Layout(dp, tp, 1, zero))
+                    continue
+                for m in (pp * k for k in MICROBATCHES):
+                    if batch % (dp * m):
+                        continue
+                    for schedule in schedules:
+                        found.append(Layout(dp, tp, pp, zero, m, schedule))
+    return found
+
+
+def plan(trace: Callable[[int], Profile], devices: int, memory: float, batch: int,
+         flops: float, links: Links, optimizer: str = "adamw", accum: int = 1,
+         bucket_mb: float = 25.0, schedules: tuple[str, ...] = ("1f1b",)) -> list[Estimate]:
+    """The estimate of every layout (see `layouts`), fastest first. `trace(b)` profiles
+    the model on a micro-batch of b sequences (activations are not quite linear in b:
+    kernels differ by size, so each size is traced)."""
+    profiles: dict[int, Profile] = {}
+
+    def profile(b: int) -> Profile:
+        if b not in profiles:
+            profiles[b] = trace(b)
+        return profiles[b]
+
+    out = []
+    for layout in layouts(profile(max(1, batch // devices)), devices, batch, accum, schedules):
+        per_micro = batch // (layout.dp * (accum if layout.pp == 1 else layout.microbatches))
+        out.append(estimate(profile(per_micro), layout, memory, flops, links, optimizer,
+                            accum if layout.pp == 1 else 1, bucket_mb))
+    # Steps within 1% of each other are a tie: then less traffic, then less memory.
+    return sorted(out, key=lambda e: (not e.fits, round(math.log(max(e.step_s, 1e-12)) * 100),
+                                      sum(e.traffic.values()), e.total))
+
+
+def recommend(estimates: list[Estimate]) -> tuple[Estimate | None, str]:
+    """The fastest layout that fits, and why; None if none fits."""
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        least = min(estimates, key=lambda e: e.total) if estimates else None
+        need = f"; the smallest needs {least.total / 2**30:.2f} GiB per device ({least.layout})" \
+            if least else ""
+        return None, f"no layout fits{need}: add devices or memory, or shrink the batch"
+    best = fitting[0]
+    why = (f"{best.layout}: the fastest estimated step ({best.step_s * 1e3:.1f} ms: "
+           f"{best.compute_s * 1e3:.1f} compute, {best.comm_s * 1e3:.1f} communication) of "
+           f"the {len(fitting)} layouts that fit, at {best.total / 2**30:.2f} GiB per device")
+    if len(fitting) > 1:
+        second = fitting[1]
+        why += f"; next: {second.layout} at {second.step_s * 1e3:.1f} ms"
+    unfit = [e for e in estimates if not e.fits]
+    if unfit:
+        why += f"; {len(unfit)} layouts do not fit"
+    return best, why
+
+
+__all__ = ["Estimate", "Layout", "Links", "LiveBytes", "Profile", "bubble", "estimate",
+           "layouts", "plan", "profile_factory", "profile_gpt", "recommend"]

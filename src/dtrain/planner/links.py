@@ -1,0 +1,80 @@
+"""What a collective costs on the links: alpha (seconds per call) and beta (seconds per
+byte each rank sends), per operation.
+
+The figures come, in this order, from `--bandwidth`/`--latency` given by the user, from
+the calibration file `dtrain bench comm --calibrate` writes (dtrain.comm.select: the
+measured time of each algorithm at 4 KiB .. 16 MiB; alpha is the fastest algorithm's time
+at the smallest probe, beta the slope between the two largest, per byte of bus traffic),
+or from assumed defaults, which the planner says it used.
+
+A collective on a group of n ranks then costs `calls * alpha + bus_bytes * beta`, where
+bus bytes are the buffer's bytes times the share each rank sends (2(n-1)/n for an
+all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for a send): the measured figures
+carry over to other group sizes through that share.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from dtrain.comm.ops import bus_factor
+
+DEFAULT_GBPS = 10.0
+DEFAULT_LATENCY_US = 20.0
+
+
+@dataclass
+class Links:
+    """alpha and beta per operation; `default` for an operation without its own figures."""
+
+    default: tuple[float, float]
+    per_op: dict[str, tuple[float, float]] = field(default_factory=dict)
+    source: str = "assumed"
+
+    @classmethod
+    def given(cls, gbps: float, latency_us: float) -> Links:
+        return cls((latency_us * 1e-6, 1 / (gbps * 1e9)),
+                   source=f"given: {gbps:g} GB/s per rank, {latency_us:g} us per call")
+
+    @classmethod
+    def calibrated(cls, path: str, backend: str = "gloo") -> Links | None:
+        """Figures from a calibration file, or None if it has none for `backend`."""
+        try:
+            data = json.loads(open(path).read())
+        except (OSError, ValueError):
+            return None
+        per_op: dict[str, tuple[int, tuple[float, float]]] = {}
+        for key, curves in data.items():
+            kind, size, op = (key.split("/") + ["", "", ""])[:3]
+            if kind != backend or not size.startswith("size"):
+                continue
+            n = int(size[4:])
+            if n < 2 or (op in per_op and per_op[op][0] >= n):
+                continue  # the largest group measured speaks for the others
+            per_op[op] = (n, _fit(op, n, curves))
+        if not per_op:
+            return None
+        figures = {op: ab for op, (_, ab) in per_op.items()}
+        default = figures.get("all_reduce", next(iter(figures.values())))
+        return cls(default, figures, source=f"measured: {path} ({backend})")
+
+    def seconds(self, traffic: dict[str, float], calls: dict[str, float], layout) -> float:
+        """Time of a step's collectives ("axis op" -> bytes, calls) on `layout`."""
+        sizes = {"dp": layout.dp, "tp": layout.tp, "pp": 2}
+        total = 0.0
+        for key, nbytes in traffic.items():
+            axis, op = key.split(" ", 1)
+            alpha, beta = self.per_op.get(op, self.default)
+            share = 1.0 if op == "send" else bus_factor(op, sizes[axis])
+            total += calls[key] * alpha + nbytes * share * beta
+        return total
+
+
+def _fit(op: str, n: int, curves: dict[str, list]) -> tuple[float, float]:
+    """(alpha, beta per bus byte) of the fastest algorithm at each end of the curves."""
+    points = [sorted((int(b), float(t)) for b, t in pts) for pts in curves.values()]
+    alpha = min(p[0][1] for p in points)
+    slopes = [(p[-1][1] - p[-2][1]) / (p[-1][0] - p[-2][0]) for p in points if len(p) > 1]
+    beta = max(min(slopes), 1e-15) / bus_factor(op, n) if slopes else 1 / (DEFAULT_GBPS * 1e9)
+    return alpha, beta

@@ -1,0 +1,183 @@
+"""`dtrain plan`: every layout of a model on N devices, with its memory, traffic and time.
+
+    dtrain plan                                   # the built-in GPT on its 2 ranks
+    dtrain plan -n 8 --memory 80GB --layers 24 --embd 1024 --heads 16 --block 1024 \\
+        --vocab 50304 --batch 64 --tflops 300 --bandwidth 100
+    dtrain plan my.toml -n 4 --json plan.json     # a training config's model and batch
+    dtrain plan --model mypkg.models:build -n 4   # a model of your own (dp and ZeRO only)
+
+Figures are per rank, for the busiest rank of each layout (dtrain.planner). The compute
+rate defaults to a matrix multiply timed on this machine; link costs to the calibration
+`dtrain bench comm --calibrate` saved (else assumed, and said so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+from dtrain.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
+          "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Define `dtrain plan`'s options on `parser`."""
+    parser.add_argument("config", nargs="?", help="a dtrain train TOML config (its model, "
+                        "batch, optimizer and nproc); default: the built-in one")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config key, e.g. model.n_layer=12")
+    parser.add_argument("-n", "--devices", type=int, help="devices (ranks) to plan for "
+                        "(default: the config's parallel.nproc)")
+    parser.add_argument("--memory", metavar="SIZE", help="memory per device, e.g. 80GB or "
+                        "24GiB (default: the GPU's, else this machine's RAM / devices)")
+    parser.add_argument("--batch", type=int, help="global batch in sequences (default: "
+                        "train.batch_size)")
+    for flag, key, what in (("--layers", "n_layer", "blocks"), ("--heads", "n_head", "heads"),
+                            ("--embd", "n_embd", "width"), ("--vocab", "vocab_size", "vocab"),
+                            ("--block", "block_size", "sequence length")):
+        parser.add_argument(flag, type=int, dest=key, help=f"GPT {what} (model.{key})")
+    parser.add_argument("--model", metavar="MODULE:FACTORY", help="plan a model of your own: "
+                        "FACTORY() returns (model, inputs for one sample); dp and ZeRO only")
+    parser.add_argument("--tflops", type=float, help="compute rate per device in TFLOP/s "
+                        "(default: timed here)")
+    parser.add_argument("--bandwidth", type=float, metavar="GB/S", help="link bandwidth per "
+                        "rank, GB/s (default: measured by dtrain bench comm --calibrate)")
+    parser.add_argument("--latency", type=float, default=None, metavar="US",
+                        help="seconds per collective call, in microseconds (with --bandwidth)")
+    parser.add_argument("--schedules", default="1f1b", metavar="LIST",
+                        help="pipeline schedules to consider: gpipe,1f1b (default 1f1b)")
+    parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON ('-': "
+                        "standard output, instead of the table)")
+
+
+def parse_size(text: str) -> float:
+    """'80GB' -> 8e10, '24GiB' -> 24 * 2**30.
+
+    Raises:
+        ConfigError: not a number with one of the units B, KB, MB, GB, TB, KiB .. TiB.
+    """
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"--memory {text!r}: give a size like 80GB or 24GiB")
+    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _default_memory(devices: int) -> tuple[float, str]:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, "this machine's GPU"
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return pages / devices, f"this machine's RAM / {devices}"
+
+
+def measured_flops(seconds: float = 0.3) -> float:
+    """FLOP/s of a 512x512 float32 matrix multiply on this machine (one process)."""
+    import torch
+
+    a = torch.randn(512, 512)
+    a @ a
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ a
+        count += 1
+    return 2 * 512**3 * count / (time.perf_counter() - start)
+
+
+def _links(args: argparse.Namespace):
+    from dtrain.comm.select import _cache_path
+    from dtrain.planner.links import DEFAULT_GBPS, DEFAULT_LATENCY_US, Links
+
+    if args.bandwidth is not None:
+        latency = args.latency if args.latency is not None else DEFAULT_LATENCY_US
+        return Links.given(args.bandwidth, latency)
+    measured = Links.calibrated(str(_cache_path()))
+    if measured is not None:
+        return measured
+    links = Links.given(DEFAULT_GBPS, DEFAULT_LATENCY_US)
+    links.source = (f"assumed {DEFAULT_GBPS:g} GB/s and {DEFAULT_LATENCY_US:g} us per call "
+                    "(measure them: dtrain bench comm --calibrate, or give --bandwidth)")
+    return links
+
+
+def plan_command(args: argparse.Namespace) -> None:
+    """Run `dtrain plan` as parsed by the CLI."""
+    from dtrain.planner import plan, profile_factory, profile_gpt, recommend
+    from dtrain.train.config import load_config
+
+    overrides = list(args.overrides) + [
+        f"model.{key}={getattr(args, key)}" for key in
+        ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
+        if getattr(args, key) is not None]
+    config = load_config(args.config, overrides)
+    devices = args.devices or config.parallel.nproc
+    batch = args.batch or config.train.batch_size
+    if devices < 1 or batch < 1:
+        raise ConfigError("--devices and --batch must be positive")
+    memory, memory_from = ((parse_size(args.memory), "given") if args.memory
+                           else _default_memory(devices))
+    flops = args.tflops * 1e12 if args.tflops else measured_flops()
+    links = _links(args)
+    schedules = tuple(s for s in args.schedules.split(",") if s)
+    if args.model:
+        def trace(b):
+            return profile_factory(args.model, b)
+    else:
+        def trace(b):
+            return profile_gpt(config.model, b)
+    estimates = plan(trace, devices, memory, batch, flops, links, config.optimizer.name,
+                     config.train.grad_accum, config.parallel.bucket_mb, schedules)
+    if not estimates:
+        raise ConfigError(f"no layout of {devices} devices splits a batch of {batch}: make "
+                          "--batch a multiple of the device count")
+    best, why = recommend(estimates)
+    profile = trace(max(1, batch // devices))
+    info = {
+        "model": profile.name, "parameters": profile.params.total, "devices": devices,
+        "memory_per_device": memory, "memory_from": memory_from, "global_batch": batch,
+        "seq_len": profile.seq_len, "optimizer": config.optimizer.name,
+        "flops_per_device": flops, "flops_from": "given" if args.tflops else "timed here",
+        "links": links.source, "recommended": best.to_dict() if best else None, "why": why,
+        "layouts": [e.to_dict() for e in estimates],
+    }
+    if args.json:
+        text = json.dumps(info, indent=2)
+        if args.json == "-":
+            print(text)
+            return
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    _print_table(info, estimates, why)
+
+
+def _print_table(info: dict, estimates, why: str, out=sys.stdout) -> None:
+    print(f"dtrain plan: {info['model']}, {info['parameters'] / 1e6:.2f}M parameters; "
+          f"{info['devices']} devices of {_size(info['memory_per_device'])} "
+          f"({info['memory_from']}); global batch {info['global_batch']}, "
+          f"{info['optimizer']}", file=out)
+    print(f"compute: {info['flops_per_device'] / 1e12:.3g} TFLOP/s per device "
+          f"({info['flops_from']}); links: {info['links']}", file=out)
+    print("memory per rank (busiest rank); comm: bytes handed to collectives per step", file=out)
+    header = (f"{'layout':34} {'params':>10} {'grads':>10} {'optim':>10} {'activ.':>10} "
+              f"{'total':>10} {'fits':>4} {'comm/step':>10} {'bubble':>6} {'step':>9}")
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for e in estimates:
+        print(f"{str(e.layout):34} {_size(e.params):>10} {_size(e.grads):>10} "
+              f"{_size(e.optimizer):>10} {_size(e.activations):>10} {_size(e.total):>10} "
+              f"{'yes' if e.fits else 'NO':>4} {_size(sum(e.traffic.values())):>10} "
+              f"{e.bubble:>6.0%} {e.step_s * 1e3:>7.1f}ms", file=out)
+    print(f"recommended: {why}", file=out)
