@@ -74,7 +74,8 @@ class Recorder:
         self._offset_ns = time.time_ns() - time.perf_counter_ns()  # one wall-clock anchor
         self._lock = threading.Lock()
         self._busy_lanes: set[int] = set()
-        self._threads: dict[int, str] = {0: "main"}
+        self._lanes = 0  # rows of collectives used: tids 1 .. lanes
+        self._threads: dict[int, str] = {0: "main"}  # other threads' rows: tid -> name
 
     def record(self, name: str, cat: str, start_ns: int, end_ns: int,
                args: dict[str, Any] | None = None, tid: int | None = None) -> None:
@@ -88,21 +89,25 @@ class Recorder:
         return _Span(self, name, cat, args)
 
     def begin_comm(self, op: str, nbytes: int, algorithm: str, group_size: int,
-                   async_op: bool, **extra: Any) -> CommSpan:
-        """Start a collective's span now; `end()` it when the collective has completed."""
+                   async_op: bool, peer: int | None = None) -> CommSpan:
+        """Start a collective's span now, on the first row free of collectives in flight;
+        `end()` it when the collective has completed."""
         with self._lock:
-            lane = next(i for i in range(len(self._busy_lanes) + 1) if i not in self._busy_lanes)
+            lane = 0
+            while lane in self._busy_lanes:
+                lane += 1
             self._busy_lanes.add(lane)
-            self._threads.setdefault(lane + 1, f"comm {lane}")
+        self._lanes = max(self._lanes, lane + 1)
         args = {"bytes": nbytes, "algorithm": algorithm, "group_size": group_size,
-                "async": async_op, **extra}
+                "async": async_op}
+        if peer is not None:
+            args["peer"] = peer
         return CommSpan(self, op, args, lane)
 
     def _end_comm(self, span: CommSpan) -> None:
-        self.record(span.op, "comm", span.start_ns, time.perf_counter_ns(), span.args,
-                    tid=span.lane + 1)
-        with self._lock:
-            self._busy_lanes.discard(span.lane)
+        self._events.append((span.op, "comm", span.start_ns, time.perf_counter_ns(),
+                             span.lane + 1, span.args))
+        self._busy_lanes.discard(span.lane)  # atomic; at worst a begin skips this free row
 
     def _thread_tid(self) -> int:
         thread = threading.current_thread()
@@ -119,8 +124,9 @@ class Recorder:
                  "args": {"name": f"rank {pid}"}},
                 {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
                  "args": {"sort_index": pid}}]
+        rows = self._threads | {lane + 1: f"comm {lane}" for lane in range(self._lanes)}
         meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
-                  "args": {"name": name}} for tid, name in sorted(self._threads.items())]
+                  "args": {"name": name}} for tid, name in sorted(rows.items())]
         return meta + [
             {"name": name, "cat": cat, "ph": "X", "ts": (start + self._offset_ns) / 1e3,
              "dur": (end - start) / 1e3, "pid": pid, "tid": tid, "args": args}
