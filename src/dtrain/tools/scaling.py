@@ -382,6 +382,8 @@ def plot(rows: list[Row], machine: dict[str, Any], title: str, path: Path) -> No
     counts = sorted({r.workers for r in rows})
     panels = (("speed-up", lambda r: r.speedup), ("efficiency", lambda r: r.efficiency),
               ("comm share of step time (%)", lambda r: 100 * r.comm_share))
+    axes[0].plot(counts, [c / counts[0] for c in counts], "k--", label="ideal")
+    axes[1].axhline(1.0, color="k", linestyle="--", label="ideal")
     for ax, (label, value) in zip(axes, panels, strict=True):
         for mode, marker in zip(MODES, "os", strict=True):
             mine = [r for r in rows if r.mode == mode]
@@ -394,10 +396,9 @@ def plot(rows: list[Row], machine: dict[str, Any], title: str, path: Path) -> No
         ax.set(xlabel="workers", ylabel=label, xticks=counts)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    axes[0].plot(counts, [c / counts[0] for c in counts], "k--", label="ideal")
-    axes[1].axhline(1.0, color="k", linestyle="--", label="ideal")
     axes[0].legend()
-    fig.suptitle(f"{title}: {machine['cores']} cores available, {machine['backend']}")
+    fig.suptitle(f"{title}: {machine['cores']} cores available, {machine['backend']}, "
+                 f"max(1, {machine['cores']} // workers) torch threads per worker")
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -422,7 +423,11 @@ def scaling_command(args: argparse.Namespace) -> None:
             check_point(opts, mode, workers, global_batch)
             label = points.get((workers, global_batch))
             points[workers, global_batch] = f"{label} and {mode}" if label else mode
-    opts.out.mkdir(parents=True, exist_ok=True)
+    try:
+        opts.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {str(opts.out)!r}: cannot create it: {exc.strerror or exc}"
+                          ) from None
     machine = machine_info(config, cores)
     results = measure_all(opts, points, cores)
     rows = make_rows(batches, results, config.model.block_size, cores)
