@@ -6,6 +6,15 @@ import os
 import subprocess
 import sys
 
+TINY_MODEL = """
+[model]
+n_layer = 1
+n_head = 2
+n_embd = 32
+block_size = 32
+"""
+"""The smallest GPT of the command-line tests' configs (a few seconds a run)."""
+
 
 def dtrain(*args: str, timeout: float = 120, cwd: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -8,15 +8,9 @@ from pathlib import Path
 import pytest
 
 from dtrain.tools.scaling import comm_share
-from tests.cli import dtrain, one_error_line
+from tests.cli import TINY_MODEL, dtrain, one_error_line
 
-TINY = """
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-
+TINY = TINY_MODEL + """
 [data]
 max_bytes = 100000
 

@@ -11,7 +11,7 @@ import pytest
 from dtrain import timeline
 from dtrain import world as world_mod
 from dtrain.comm import AVAILABLE, select
-from tests.cli import dtrain
+from tests.cli import TINY_MODEL, dtrain
 
 COLLECTIVES = """
 import torch, dtrain
@@ -39,13 +39,7 @@ print("recording", dtrain.world.recorder() is not None)
 KINDS = {"all_reduce", "all_gather", "broadcast", "reduce_scatter", "reduce", "gather",
          "scatter", "all_to_all", "barrier"}
 
-TINY = """
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-
+TINY = TINY_MODEL + """
 [data]
 max_bytes = 50000
 

@@ -12,15 +12,9 @@ from safetensors.torch import load_file
 from dtrain import checkpoint, universal
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.train.data import ByteSequences, batches, read_corpus, split
-from tests.cli import dtrain, one_error_line
+from tests.cli import TINY_MODEL, dtrain, one_error_line
 
-TINY = """
-[model]
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-
+TINY = TINY_MODEL + """
 [data]
 max_bytes = 200000
 

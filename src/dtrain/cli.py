@@ -73,9 +73,9 @@ def _parser() -> argparse.ArgumentParser:
             "standard library sources, on 2 local ranks with data parallelism."
         ),
     )
-    train.add_argument("config", nargs="?", help="TOML config file (default: built-in)")
-    train.add_argument("--set", dest="overrides", action="append", default=[],
-                       metavar="KEY=VALUE", help="override a config key, e.g. train.steps=50")
+    from dtrain.train.config import add_config_arguments
+
+    add_config_arguments(train, "TOML config file (default: built-in)")
     train.add_argument("--metrics", metavar="PATH", help="write per-step metrics as JSON lines")
     train.add_argument("--resume", nargs="?", const="auto", metavar="CKPT",
                        help="resume from the newest checkpoint of this run, or from CKPT (a "

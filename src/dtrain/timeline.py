@@ -211,6 +211,13 @@ def merge(parts: Iterable[str | os.PathLike], out: str | os.PathLike) -> int:
     return len(parts)
 
 
+def merge_ranks(out: str, ranks: Iterable[int], into: str | None = None) -> int:
+    """Merge the parts of `ranks` (those that exist: a failure may leave some out) of the
+    timeline recorded for `out` into `into` (default `out`); returns how many there were."""
+    parts = [p for p in (part_path(out, rank) for rank in ranks) if p.exists()]
+    return merge(parts, into or out) if parts else 0
+
+
 def _load(trace: str | os.PathLike | dict | list) -> list[dict[str, Any]]:
     if isinstance(trace, (str, os.PathLike)):
         trace = json.loads(Path(trace).read_text(encoding="utf-8"))

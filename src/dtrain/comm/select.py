@@ -64,7 +64,8 @@ class Choice:
     reason: str
 
 
-def _cache_path() -> Path:
+def calibration_path() -> Path:
+    """The calibration file: env DTRAIN_CALIBRATION, else ~/.cache/dtrain/calibration.json."""
     default = Path.home() / ".cache" / "dtrain" / "calibration.json"
     return Path(os.environ.get("DTRAIN_CALIBRATION", default))
 
@@ -75,7 +76,7 @@ def cache_key(g: Group, op: str) -> str:
 
 def _load_cached(key: str) -> dict[str, Curve] | None:
     try:
-        entry = json.loads(_cache_path().read_text())[key]
+        entry = json.loads(calibration_path().read_text())[key]
         return {name: Curve(tuple((int(b), float(t)) for b, t in points))
                 for name, points in entry.items()}
     except (OSError, ValueError, KeyError, TypeError):
@@ -84,7 +85,7 @@ def _load_cached(key: str) -> dict[str, Curve] | None:
 
 def save_models(models: dict[str, dict[str, Curve]]) -> Path:
     """Merge measured models (cache key -> algorithm -> curve) into the calibration file."""
-    path = _cache_path()
+    path = calibration_path()
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

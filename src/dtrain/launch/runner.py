@@ -21,7 +21,6 @@ import sys
 import tempfile
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from dtrain.comm import segment
 from dtrain.errors import ConfigError, LaunchError
@@ -195,42 +194,38 @@ def launch(spec: LaunchSpec) -> None:
             sys.stdout.flush()
 
 
-def _local_parts(spec: LaunchSpec, timeline: str) -> list[Path]:
-    """The part files of the ranks started on this machine (ranks node_rank * nproc on)."""
-    from dtrain.timeline import part_path
-
-    first = spec.node_rank * spec.nproc
-    return [part_path(timeline, rank) for rank in range(first, first + spec.nproc)]
+def _local_ranks(spec: LaunchSpec) -> range:
+    """The ranks started on this machine (node_rank * nproc on)."""
+    return range(spec.node_rank * spec.nproc, (spec.node_rank + 1) * spec.nproc)
 
 
 def _start_timeline(spec: LaunchSpec) -> str:
     """The absolute path the ranks record the timeline for; stale parts removed."""
-    from dtrain.timeline import prepare
+    from dtrain.timeline import part_path, prepare
 
     timeline = prepare(spec.timeline)
-    for part in _local_parts(spec, timeline):
-        part.unlink(missing_ok=True)
+    for rank in _local_ranks(spec):
+        part_path(timeline, rank).unlink(missing_ok=True)
     return timeline
 
 
 def _merge_timeline(spec: LaunchSpec, timeline: str) -> None:
     """Merge the parts the ranks wrote (all of them, or those a failure left) into one file."""
-    from dtrain.timeline import merge
+    from dtrain.timeline import merge_ranks
 
-    parts = [p for p in _local_parts(spec, timeline) if p.exists()]
     out = timeline
     if spec.nnodes > 1:
         out = f"{timeline.removesuffix('.json')}.node-{spec.node_rank}.json"
-    if not parts:
-        print("dtrain: no timeline: no rank wrote one (a rank writes it when it exits after "
-              "dtrain.init(); one killed by a signal does not)", file=sys.stderr)
-        return
     try:
-        merge(parts, out)
+        merged = merge_ranks(timeline, _local_ranks(spec), out)
     except (OSError, ValueError) as exc:
         print(f"dtrain: could not merge the timeline into {out}: {exc}", file=sys.stderr)
         return
-    print(f"dtrain: timeline of {len(parts)} rank(s) written to {out} "
+    if not merged:
+        print("dtrain: no timeline: no rank wrote one (a rank writes it when it exits after "
+              "dtrain.init(); one killed by a signal does not)", file=sys.stderr)
+        return
+    print(f"dtrain: timeline of {merged} rank(s) written to {out} "
           "(open it in https://ui.perfetto.dev)")
 
 

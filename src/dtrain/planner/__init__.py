@@ -14,6 +14,7 @@ way, which is how the figures are checked.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -53,13 +54,7 @@ def plan(trace: Callable[[int], Profile], devices: int, memory: float, batch: in
     """The estimate of every layout (see `layouts`), fastest first. `trace(b)` profiles
     the model on a micro-batch of b sequences (activations are not quite linear in b:
     kernels differ by size, so each size is traced)."""
-    profiles: dict[int, Profile] = {}
-
-    def profile(b: int) -> Profile:
-        if b not in profiles:
-            profiles[b] = trace(b)
-        return profiles[b]
-
+    profile = functools.cache(trace)  # layouts share micro-batch sizes
     out = []
     for layout in layouts(profile(max(1, batch // devices)), devices, batch, accum, schedules):
         per_micro = batch // (layout.dp * (accum if layout.pp == 1 else layout.microbatches))

@@ -52,8 +52,9 @@ def measured_peak(cfg: GPTConfig, layout: Layout, batch: int, steps: int = 3,
                                      tied=pipeline.tied_weights(gpt, mine, pp_group))
         else:
             model = wrap(gpt)
-        optimizers = ([z.optimizer for z in model] if pipe else [model.optimizer]) \
-            if layout.zero else [torch.optim.AdamW(model.parameters())]
+        wrapped = list(model) if pipe else [model]
+        optimizers = ([w.optimizer for w in wrapped] if layout.zero
+                      else [torch.optim.AdamW(model.parameters())])
         generator = torch.Generator().manual_seed(mesh.coords["dp"])
         per_rank = batch // layout.dp
         for step in range(steps):

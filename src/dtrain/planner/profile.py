@@ -99,12 +99,16 @@ class Profile:
     head: Activation
     peak_extra: Activation
     block_extra: Activation
-    n_layer: int = 0
-    n_head: int = 0
-    vocab: int = 0
-    tied: int = 0  # elements of the weight the first and last stage share
-    param_bytes: int = 4
     gpt: GPTConfig | None = None
+
+    @property
+    def n_layer(self) -> int:
+        return self.gpt.n_layer if self.gpt else 0
+
+    @property
+    def tied(self) -> int:
+        """Elements of the weight the first and last pipeline stage share (wte and head)."""
+        return self.gpt.vocab_size * self.gpt.n_embd if self.gpt else 0
 
     @property
     def params(self) -> Params:
@@ -114,8 +118,8 @@ class Profile:
         """Tensor-parallel degrees this model can use on `devices` (dividing the heads)."""
         if self.gpt is None:
             return [1]
-        return [t for t in range(1, devices + 1) if devices % t == 0 and self.n_head % t == 0
-                and self.vocab % t == 0]
+        return [t for t in range(1, devices + 1) if devices % t == 0
+                and self.gpt.n_head % t == 0 and self.gpt.vocab_size % t == 0]
 
 
 def _gpt_params(model: GPT, styles: dict) -> tuple[Params, Params, Params]:
@@ -142,6 +146,10 @@ class _Marks:
     """Which kind new tensors are (split over tp or not), and the bytes at named moments."""
 
     def __init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        """Count afresh (a second trace on the same hooks)."""
         self.split = False
         self.tracker = LiveBytes(split=lambda _: self.split)
         self.at: dict[str, Activation] = {}
@@ -207,8 +215,7 @@ def profile_gpt(cfg: GPTConfig, micro_batch: int) -> Profile:
 
         block = model.blocks[0]
         h = torch.randn(b, s, cfg.n_embd, requires_grad=True)
-        marks = _Marks()
-        _watch_tp_regions(model, styles, marks)
+        marks.restart()
         with marks.tracker:
             out = block(h)
             marks.mark("forward")
@@ -221,8 +228,7 @@ def profile_gpt(cfg: GPTConfig, micro_batch: int) -> Profile:
         params_embed=embed_p, params_block=block_p, params_head=head_p,
         embed=at["embed"], block=at[last] - at[f"block{TRACED_BLOCKS - 2}"],
         head=at["forward"] - at[last], peak_extra=peak_extra, block_extra=block_extra,
-        n_layer=cfg.n_layer, n_head=cfg.n_head, vocab=cfg.vocab_size,
-        tied=cfg.vocab_size * cfg.n_embd, gpt=cfg,
+        gpt=cfg,
     )
 
 

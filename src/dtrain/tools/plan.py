@@ -14,6 +14,7 @@ rate defaults to a matrix multiply timed on this machine; link costs to the cali
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -28,10 +29,10 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define `dtrain plan`'s options on `parser`."""
-    parser.add_argument("config", nargs="?", help="a dtrain train TOML config (its model, "
-                        "batch, optimizer and nproc); default: the built-in one")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key, e.g. model.n_layer=12")
+    from dtrain.train.config import add_config_arguments
+
+    add_config_arguments(parser, "a dtrain train TOML config (its model, batch, optimizer "
+                         "and nproc); default: the built-in one", "model.n_layer=12")
     parser.add_argument("-n", "--devices", type=int, help="devices (ranks) to plan for "
                         "(default: the config's parallel.nproc)")
     parser.add_argument("--memory", metavar="SIZE", help="memory per device, e.g. 80GB or "
@@ -98,13 +99,13 @@ def measured_flops(seconds: float = 0.3) -> float:
 
 
 def _links(args: argparse.Namespace):
-    from dtrain.comm.select import _cache_path
+    from dtrain.comm.select import calibration_path
     from dtrain.planner.links import DEFAULT_GBPS, DEFAULT_LATENCY_US, Links
 
     if args.bandwidth is not None:
         latency = args.latency if args.latency is not None else DEFAULT_LATENCY_US
         return Links.given(args.bandwidth, latency)
-    measured = Links.calibrated(str(_cache_path()))
+    measured = Links.calibrated(str(calibration_path()))
     if measured is not None:
         return measured
     links = Links.given(DEFAULT_GBPS, DEFAULT_LATENCY_US)
@@ -132,12 +133,11 @@ def plan_command(args: argparse.Namespace) -> None:
     flops = args.tflops * 1e12 if args.tflops else measured_flops()
     links = _links(args)
     schedules = tuple(s for s in args.schedules.split(",") if s)
+    # cached: plan() and the header below trace the same micro-batch sizes
     if args.model:
-        def trace(b):
-            return profile_factory(args.model, b)
+        trace = functools.cache(lambda b: profile_factory(args.model, b))
     else:
-        def trace(b):
-            return profile_gpt(config.model, b)
+        trace = functools.cache(lambda b: profile_gpt(config.model, b))
     estimates = plan(trace, devices, memory, batch, flops, links, config.optimizer.name,
                      config.train.grad_accum, config.parallel.bucket_mb, schedules)
     if not estimates:

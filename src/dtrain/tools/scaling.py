@@ -122,9 +122,9 @@ def parse_workers(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define `dtrain bench scaling`'s options on `parser`."""
-    parser.add_argument("config", nargs="?", help="TOML config of the job (default: built-in GPT)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key, as in dtrain train")
+    from dtrain.train.config import add_config_arguments
+
+    add_config_arguments(parser, "TOML config of the job (default: built-in GPT)")
     parser.add_argument("--workers", metavar="LIST",
                         help="worker counts, e.g. 1,2,4 (default: 1, 2, 4, ... up to the "
                              "cores available, at least 1,2)")

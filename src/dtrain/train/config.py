@@ -306,6 +306,14 @@ def per_rank_batch(config: Config, dp_size: int) -> int:
     return config.train.batch_size // (dp_size * config.train.grad_accum)
 
 
+def add_config_arguments(parser, config_help: str, example: str = "train.steps=50") -> None:
+    """The options of every command that reads a training config: an optional TOML file
+    and repeatable `--set section.key=value` overrides (into `overrides`)."""
+    parser.add_argument("config", nargs="?", help=config_help)
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help=f"override a config key, e.g. {example}")
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
     """Split `section.key=value`; the value is read as TOML, falling back to a string."""
     key, sep, raw = text.partition("=")

@@ -338,8 +338,7 @@ def _write_own_timeline(world: world_mod.World) -> str:
     if world.source != "single":
         comm.barrier()  # every rank's part is written
         if world.is_main:
-            parts = [timeline.part_path(out, rank) for rank in range(world.world_size)]
-            timeline.merge([p for p in parts if p.exists()], out)
+            timeline.merge_ranks(out, range(world.world_size))
     return out
 
 
