@@ -3,13 +3,13 @@
 For each operation and each algorithm that implements it, the time of one call is modelled
 as a curve through measured points: latency-bound at small messages (alpha times the
 algorithm's rounds), bandwidth-bound at large ones (beta per byte, plus reduction), joined
-piecewise-linearly and extended past the largest probe with its last slope. The points
-are measured on the group itself the first time `algorithm="auto"` meets that operation:
-every candidate is timed at 4 KiB, 1 MiB, 4 MiB and 16 MiB (under a second on gloo for
-two ranks), the way `dtrain bench comm` times them (dtrain.comm.timing): taking turns in
-rounds, the median round's mean time per call, on the slowest rank. Those figures are
-agreed by an allreduce, so every rank makes the same choice (ranks choosing differently
-would deadlock).
+piecewise-linearly, and past the largest probe scaled by its time per byte (a slope taken
+between two noisy points would amplify their noise). The points are measured on the group
+itself the first time `algorithm="auto"` meets that operation: every candidate is timed at
+4 KiB, 64 KiB, 1 MiB, 4 MiB and 16 MiB (one to two seconds on gloo for two ranks), the
+way `dtrain bench comm` times them (dtrain.comm.timing): taking turns in rounds, the median
+round's mean time per call, on the slowest rank. Those figures are agreed by an allreduce,
+so every rank makes the same choice (ranks choosing differently would deadlock).
 
 `dtrain bench comm --calibrate` measures ahead of time and saves the curves to a file
 (DTRAIN_CALIBRATION, default ~/.cache/dtrain/calibration.json) that later runs load
@@ -32,10 +32,10 @@ from dtrain.comm.group import Group
 from dtrain.comm.groups import resolve
 from dtrain.comm.ops import AVAILABLE
 
-PROBE_BYTES = (4096, 1 << 20, 4 << 20, 16 << 20)
-CALLS = (30, 15, 10, 10)  # calls per point: many where they are cheap, fewer when large
+PROBE_BYTES = (4096, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+CALLS = (60, 40, 24, 12, 12)  # calls per point: many where they are cheap, fewer when large
 WARMUP = 3  # untimed calls per point first: a process's first calls are slow
-ROUNDS = 5  # the candidates take turns in this many rounds (see dtrain.comm.timing)
+ROUNDS = 6  # the candidates take turns in this many rounds (see dtrain.comm.timing)
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class Curve:
         points = self.points
         if nbytes <= points[0][0]:
             return points[0][1]
-        k = next((k for k in range(1, len(points)) if nbytes <= points[k][0]), len(points) - 1)
+        if nbytes >= points[-1][0]:  # bandwidth-bound: the largest probe's time per byte
+            return points[-1][1] * nbytes / points[-1][0]
+        k = next(k for k in range(1, len(points)) if nbytes <= points[k][0])
         (b0, t0), (b1, t1) = points[k - 1], points[k]
         return t0 + max(0.0, (t1 - t0) / (b1 - b0)) * (nbytes - b0)
 
