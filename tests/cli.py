@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 TINY_MODEL = """
 [model]
@@ -16,11 +17,14 @@ block_size = 32
 """The smallest GPT of the command-line tests' configs (a few seconds a run)."""
 
 
-def dtrain(*args: str, timeout: float = 120, cwd: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def dtrain(*args: str, timeout: float = 120, cwd: str | None = None,
+           env: dict[str, str] | None = None,
+           preexec: Callable[[], None] | None = None) -> subprocess.CompletedProcess:
+    """Run `dtrain ARGS` (extra `env`; `preexec` runs in the child before it starts)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "dtrain.cli", *args], capture_output=True, text=True,
-        timeout=timeout, env=env, cwd=cwd,
+        timeout=timeout, env=env, cwd=cwd, preexec_fn=preexec,
     )
 
 

@@ -63,8 +63,11 @@ def read_index(folder: str | Path) -> list[dict[str, Any]]:
     if not index.exists():
         return []
     try:
-        return json.loads(index.read_text())["checkpoints"]
-    except (ValueError, KeyError) as exc:
+        entries = json.loads(index.read_text())["checkpoints"]
+        if not all(isinstance(e, dict) for e in entries):
+            raise ValueError("an entry is not an object")
+        return entries
+    except (ValueError, KeyError, TypeError) as exc:
         raise DtrainError(f"checkpoint index {index} is damaged ({exc}): remove it") from None
 
 

@@ -12,8 +12,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
 
 from dtrain.errors import ConfigError, exit_code_of
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's mistakes in dtrain's form: the usage, then one `dtrain: error:` line
+    (its subcommands' too, which argparse would head `dtrain train: error:`)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"dtrain: error: {message}\n")
 
 
 def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> None:
@@ -39,7 +49,7 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dtrain", description="Train PyTorch models across processes, machines and GPUs."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -138,9 +148,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_launch_flags(args: argparse.Namespace) -> None:
+    """The launch flags dtrain run and dtrain train need before anything is computed
+    from them (the launcher checks the others)."""
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes {args.nnodes} must be at least 1")
+    if args.join_timeout < 1:
+        raise ConfigError(f"--join-timeout {args.join_timeout} must be at least 1 (seconds)")
+
+
 def _run(args: argparse.Namespace) -> None:
     from dtrain.launch.runner import LaunchSpec, launch
 
+    _check_launch_flags(args)
+    if args.snapshot_every < 0:
+        raise ConfigError(f"--snapshot-every {args.snapshot_every} must be 0 (never) or more")
     if args.module:
         command = [sys.executable, "-u", "-m", args.script, *args.args]
     else:
@@ -171,6 +193,7 @@ def _export(args: argparse.Namespace) -> None:
 def _train(args: argparse.Namespace) -> None:
     from dtrain.train.launch import train_command
 
+    _check_launch_flags(args)
     train_command(args)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from dtrain import world as world_mod
+from dtrain.comm.group import timeout_of
 from dtrain.errors import ConfigError
 
 AXES = ("pp", "dp", "tp")  # outermost first
@@ -121,7 +122,8 @@ class Mesh:
                     by_members[key] = dist.group.WORLD
                 else:
                     # Only the members create (and synchronize on) their own group.
-                    by_members[key] = dist.new_group(mine, use_local_synchronization=True)
+                    by_members[key] = dist.new_group(mine, timeout=timeout_of(dist.group.WORLD),
+                                                     use_local_synchronization=True)
             self._groups[axis] = by_members[key]
 
     def size(self, axis: str) -> int:

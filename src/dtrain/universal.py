@@ -42,7 +42,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dtrain import checkpoint
+from dtrain import checkpoint, faults
 from dtrain.errors import DtrainError
 from dtrain.tensor_parallel.split import Split
 
@@ -122,27 +122,45 @@ def save(folder: str | Path, step: int, pieces: list[Piece], extra: dict[str, An
     final = folder / f"step-{step:08d}"
     tmp = folder / f".{final.name}.tmp"
     if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
-        tmp.mkdir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for stale in folder.glob(".step-*.tmp"):  # left by attempts that crashed
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as exc:
+            raise _not_saved(folder, step, exc) from None
     if g is not None:
         comm.barrier(group=g)
     tensors = {p.key: p.values.contiguous() for p in pieces}
     tensors.update({f"rank/{k}": v.contiguous() for k, v in (rank_tensors or {}).items()})
     data = tmp / _name(rank, "safetensors")
-    save_file(tensors, str(data))
-    checkpoint.fsync(data)
-    side = {"pieces": [p.describe(data.name) for p in pieces], "extra": extra,
-            "sha256": checkpoint.sha256(data)}
-    (tmp / _name(rank, "json")).write_text(json.dumps(side))
-    checkpoint.fsync(tmp / _name(rank, "json"))
-    if g is not None:
-        comm.barrier(group=g)
-    if rank == 0:
-        _publish(folder, tmp, final, step, size, meta, keep_last)
+    try:
+        save_file(tensors, str(data))
+        checkpoint.fsync(data)
+        side = {"pieces": [p.describe(data.name) for p in pieces], "extra": extra,
+                "sha256": checkpoint.sha256(data)}
+        (tmp / _name(rank, "json")).write_text(json.dumps(side))
+        checkpoint.fsync(tmp / _name(rank, "json"))
+        faults.at("save")
+        if g is not None:
+            comm.barrier(group=g)
+        if rank == 0:
+            _publish(folder, tmp, final, step, size, meta, keep_last)
+    except OSError as exc:  # disk full, quota, read-only: the unfinished folder goes
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _not_saved(folder, step, exc) from None
     if g is not None:
         comm.barrier(group=g)
     return final
+
+
+def _not_saved(folder: Path, step: int, exc: OSError) -> DtrainError:
+    """The one line a failed save ends a run with: why, and what is still there."""
+    entries = [e for e in checkpoint.read_index(folder) if e.get("format") == FORMAT]
+    kept = (f"the previous checkpoint {folder / entries[-1]['file']} is kept" if entries
+            else "there is no earlier checkpoint")
+    return DtrainError(f"checkpoint of step {step} not saved in {folder}: "
+                       f"{exc.strerror or exc}; {kept}")
 
 
 def _publish(folder: Path, tmp: Path, final: Path, step: int, size: int,
@@ -168,11 +186,12 @@ def _publish(folder: Path, tmp: Path, final: Path, step: int, size: int,
     (tmp / INDEX).write_text(json.dumps(index, indent=1))
     checkpoint.fsync(tmp / INDEX)
     checkpoint.fsync(tmp)
-    if final.exists():  # the same step saved again (a resumed run)
-        shutil.rmtree(final)
+    entries = [e for e in checkpoint.read_index(folder) if e["file"] != final.name]
+    if final.exists():  # the same step saved again (a resumed run): unlisted before it goes
+        checkpoint.replace_index(folder, entries, len(entries) + 1)  # (dropping nothing), so
+        shutil.rmtree(final)  # the index never names a half-deleted folder
     os.replace(tmp, final)
     checkpoint.fsync(folder)
-    entries = [e for e in checkpoint.read_index(folder) if e["file"] != final.name]
     entries.append({"file": final.name, "step": step, "format": FORMAT})
     checkpoint.replace_index(folder, entries, keep_last)
 
@@ -182,17 +201,35 @@ def latest(path: str | Path) -> Path:
     the checkpoints folder `path`.
 
     Raises:
-        DtrainError: nothing there is a checkpoint.
+        DtrainError: nothing there is a checkpoint, or it is of another format.
     """
     path = Path(path)
-    if (path / INDEX).exists() and json.loads((path / INDEX).read_text()).get("format") \
-            == FORMAT:
-        return path
+    own = path / INDEX
+    if own.exists():
+        try:
+            data = json.loads(own.read_text())
+        except (OSError, ValueError):
+            data = None
+        if isinstance(data, dict) and "format" in data:
+            _check_format(own, data)
+            return path
+        if not (isinstance(data, dict) and "checkpoints" in data) and (
+                path.name.startswith("step-") or any(path.glob("rank-*.safetensors"))):
+            return path  # a damaged checkpoint: Checkpoint() names what is wrong
     entries = [e for e in checkpoint.read_index(path) if e.get("format") == FORMAT]
     if not entries:
         raise DtrainError(f"no checkpoint in {path}: give a checkpoints folder or one "
                           "step-NNNNNNNN folder in it")
     return path / entries[-1]["file"]
+
+
+def _check_format(index: Path, data: Any) -> None:
+    """Refuse an index of another format (or none), by name."""
+    if not isinstance(data, dict) or "format" not in data:
+        raise DtrainError(f"{index} is not a {FORMAT} checkpoint")
+    if data["format"] != FORMAT:
+        raise DtrainError(f"{index} is a {data['format']!r} checkpoint; this dtrain reads "
+                          f"{FORMAT}")
 
 
 def previous(path: Path) -> Path | None:
@@ -222,8 +259,10 @@ class Checkpoint:
             self.index = json.loads(index.read_text())
         except (OSError, ValueError) as exc:
             raise self._damaged(index, f"unreadable ({exc})") from None
-        if self.index.get("format") != FORMAT:
-            raise DtrainError(f"{index} is not a {FORMAT} checkpoint")
+        _check_format(index, self.index)
+        lacking = [k for k in ("files", "step", "meta", "extra", "tensors") if k not in self.index]
+        if lacking:
+            raise self._damaged(index, f"incomplete (no {', '.join(map(repr, lacking))})")
         for name, digest in self.index["files"].items():
             file = self.path / name
             if not file.exists():

@@ -182,17 +182,21 @@ def _init_process_group(world: World, timeout: timedelta) -> None:
         )
         return
     where = f"{world.master_addr}:{world.master_port}"
-    if world.source in ("dtrain", "torchrun"):
-        init_method = "env://"  # honours the launcher's own store (TORCHELASTIC_USE_AGENT_STORE)
-    else:
-        init_method = f"tcp://{where}"
+    how: dict[str, object] = {"init_method": f"tcp://{where}"}
     try:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # The agent's store outlives a restart, and with it the addresses the previous
+            # attempt's ranks published there: each attempt gets keys of its own.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            agent = dist.TCPStore(world.master_addr, world.master_port, world.world_size,
+                                  is_master=False, timeout=timeout)
+            how = {"store": dist.PrefixStore(f"dtrain/attempt-{attempt}/", agent)}
         dist.init_process_group(
             _torch_backend(world),
-            init_method=init_method,
             rank=world.rank,
             world_size=world.world_size,
             timeout=timeout,
+            **how,
         )
     except (RuntimeError, dist.DistError) as exc:
         text = str(exc)

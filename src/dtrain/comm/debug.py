@@ -128,11 +128,21 @@ def diagnose(g: Group, what: str, seq: int, failure: str = "timed out",
             time.sleep(0.1)
     except RuntimeError as exc:  # the store itself is gone: the job is coming down
         return f"{head} (the job's store is unreachable: {exc})"
-    missing = []
+    missing, elsewhere = [], []
     for r, value in seen.items():
         if value is None:
             missing.append(f"rank {g.global_rank(r)} (no report: dead or still computing)")
-        elif int(value.split()[0]) < seq:
+            continue
+        their_seq, _, their_what = value.partition(" ")
+        if int(their_seq) < seq:
             missing.append(f"rank {g.global_rank(r)} (stuck in #{value})")
-    who = ", ".join(missing) if missing else "none found (every rank reached it: slow network?)"
-    return f"{head}; never arrived: {who}"
+        elif their_what != what:
+            elsewhere.append(f"rank {g.global_rank(r)} (in {their_what} #{their_seq})")
+    found = []
+    if missing:
+        found.append(f"never arrived: {', '.join(missing)}")
+    if elsewhere:
+        found.append(f"called another collective: {', '.join(elsewhere)} (the ranks took "
+                     "different code paths; DTRAIN_DEBUG=1 checks every call)")
+    return f"{head}; " + ("; ".join(found) if found
+                          else "never arrived: none found (every rank reached it: slow network?)")

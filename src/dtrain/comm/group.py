@@ -226,7 +226,7 @@ class TorchGroup(Group):
         self.size = dist.get_world_size(pg)
         self.name = pg.group_name if hasattr(pg, "group_name") else str(id(pg))
         self.backend = dist.get_backend(pg)
-        self.timeout = _pg_timeout(pg)
+        self.timeout = timeout_of(pg)
         super().__init__(self.name)
         self._globals = [dist.get_global_rank(pg, r) for r in range(self.size)]
         self._store: dist.Store | None = None
@@ -263,11 +263,15 @@ class TorchGroup(Group):
         return store.get(key).decode() if store.check([key]) else None
 
 
-def _pg_timeout(pg: dist.ProcessGroup) -> timedelta:
-    try:
-        return dist.distributed_c10d._get_pg_default_timeout(pg)  # type: ignore[attr-defined]
-    except (AttributeError, RuntimeError):
-        return timedelta(seconds=180)
+def timeout_of(pg: dist.ProcessGroup) -> timedelta:
+    """The timeout `pg` was created with (torch keeps it in its backend's options). Groups
+    made with dist.new_group get torch's 30 minutes unless given one: pass the world's."""
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return timedelta(seconds=180)
 
 
 def _all_reduce(g: TorchGroup, tensor: torch.Tensor, op: ReduceOp) -> Handle:

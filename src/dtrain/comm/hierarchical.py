@@ -68,10 +68,11 @@ class HierarchicalGroup(OverTorch):
         to_global = self.below.global_rank
         # Only members call new_group for each sub-group (local synchronization), every
         # rank in the same order: its host's group, then its "column" across hosts.
-        self.local = ShmGroup(TorchGroup(dist.new_group([to_global(r) for r in mine],
-                                                        use_local_synchronization=True)))
-        self.across = TorchGroup(dist.new_group([to_global(h[local]) for h in hosts],
-                                                use_local_synchronization=True))
+        timeout = self.below.timeout
+        self.local = ShmGroup(TorchGroup(dist.new_group(
+            [to_global(r) for r in mine], timeout=timeout, use_local_synchronization=True)))
+        self.across = TorchGroup(dist.new_group(
+            [to_global(h[local]) for h in hosts], timeout=timeout, use_local_synchronization=True))
 
     def close(self) -> None:
         super().close()

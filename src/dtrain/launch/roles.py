@@ -8,8 +8,10 @@ dtrain's server loop; they need no user code.
 
 A worker killed by a signal it was not sent by the launcher (SIGKILL, the OOM killer) does
 not end the job: the servers drop it from the clocks after its worker_timeout, or fail the
-job if its settings say on_worker_loss="fail". A worker that exits with an error does
-end the job, as in any dtrain run.
+job if its settings say on_worker_loss="fail". With restarts left (`--max-restarts`) it
+fails the job instead, so that the agent restarts every process and training resumes
+from the checkpoint and the servers' snapshots. A worker that exits with an error does end
+the job, as in any dtrain run.
 """
 
 from __future__ import annotations
@@ -67,8 +69,14 @@ def _run_worker(index: int, command: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     code = child.wait()
+    restarts_left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+                     - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     if code < 0 and not stopping:
         name = signal.Signals(-code).name
+        if restarts_left > 0:  # a restart resumes every worker from the checkpoint
+            print(f"dtrain: worker {index} was killed by {name}; the job restarts "
+                  f"({restarts_left} restart(s) left)", file=sys.stderr, flush=True)
+            return 128 - code
         print(f"dtrain: worker {index} was killed by {name}; the parameter servers drop it "
               "from the clocks and the job goes on", file=sys.stderr, flush=True)
         return 0

@@ -8,7 +8,9 @@ and errors for a missing script or an unreachable master instead of tracebacks.
 
 Several machines: run the same command on each with `--nnodes M --node-rank R --master
 HOST:PORT`; node 0 hosts the rendezvous store at HOST:PORT (a static rendezvous, so node
-ranks are the ones given).
+ranks are the ones given). Each launcher beats on a counter in that store, so that when
+ranks fail because a machine died or was cut off, the error line names it
+(exits.Heartbeat).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 from dtrain.comm import segment
 from dtrain.errors import ConfigError, LaunchError
-from dtrain.launch import exits
+from dtrain.launch import exits, rendezvous
 
 PREFIX = "[rank${rank}] "
 
@@ -130,10 +132,15 @@ def launch(spec: LaunchSpec) -> None:
 
     validate(spec)
     timeline = _start_timeline(spec) if spec.timeline else ""
+    listen_fd: dict[str, int] = {}  # node 0 hosts the store, on the master's address only
     if spec.master is None:
-        host, port = "127.0.0.1", free_port()
+        host = "127.0.0.1"
+        listen_fd["listen_fd"], port = rendezvous.listen(host, 0)
     else:
         host, port = parse_master(spec.master)
+        if spec.node_rank == 0:
+            listen_fd["listen_fd"], _ = rendezvous.listen(host, port)
+    rendezvous.register()
     # Every machine of a job must agree on the run id; the master address is what they share.
     run_id = os.environ.get("DTRAIN_RUN_ID") or (
         uuid.uuid4().hex[:12] if spec.master is None else f"dtrain-{host}-{port}"
@@ -152,9 +159,9 @@ def launch(spec: LaunchSpec) -> None:
             nproc_per_node=spec.nproc,
             run_id=run_id,
             role="worker",
-            rdzv_backend="static",
+            rdzv_backend=rendezvous.BACKEND,
             rdzv_endpoint=f"{host}:{port}",
-            rdzv_configs={"rank": spec.node_rank, "timeout": spec.join_timeout},
+            rdzv_configs={"rank": spec.node_rank, "timeout": spec.join_timeout, **listen_fd},
             max_restarts=spec.max_restarts,
             monitor_interval=0.1,
             start_method="spawn",
@@ -167,6 +174,10 @@ def launch(spec: LaunchSpec) -> None:
         os.environ.update({**_rank_env(spec, run_id, exit_dir), **spec.env})
         if timeline:
             os.environ["DTRAIN_TIMELINE"] = timeline  # read by dtrain.init in every rank
+        heartbeat = None
+        if spec.nnodes > 1:  # names a machine that is lost, should ranks here fail
+            heartbeat = exits.Heartbeat(host, port, run_id, spec.node_rank, spec.nnodes,
+                                        spec.nproc)
         try:
             elastic_launch(config, spec.command[0])(*spec.command[1:])
         except ChildFailedError as exc:
@@ -175,7 +186,9 @@ def launch(spec: LaunchSpec) -> None:
             failure = exc.failures[rank]
             others = len(exc.failures) - 1
             more = f" ({others} other rank{'s' if others > 1 else ''} failed too)" if others else ""
+            lost = heartbeat.lost() if heartbeat else ""
             raise LaunchError(
+                f"{lost}{'; then ' if lost else ''}"
                 f"rank {rank} {_describe(failure.exitcode)}{more}; its output is above",
                 exit_code=_exit_code(failure.exitcode) or 1,
             ) from None
@@ -186,6 +199,8 @@ def launch(spec: LaunchSpec) -> None:
         except (RuntimeError, TimeoutError, ValueError) as exc:
             raise _rendezvous_error(exc, host, port, spec) from None
         finally:
+            if heartbeat:
+                heartbeat.stop()
             os.environ.clear()
             os.environ.update(saved)
             segment.sweep(segment.sanitize(run_id))  # shm segments a killed rank left named

@@ -195,11 +195,12 @@ class Server:
         if m.tensor is None or m.tensor.dtype != torch.float32:
             raise BadMessage("init needs a float32 tensor")
         try:
-            self.settings = Settings.from_json(m.meta or {})
-        except ConfigError as exc:
+            settings = Settings.from_json(m.meta or {})
+            param = torch.nn.Parameter(m.tensor.clone())
+            optimizer = settings.build_optimizer([param])
+        except (ConfigError, ValueError, TypeError) as exc:  # torch's checks of its options too
             raise BadMessage(str(exc)) from None
-        self.param = torch.nn.Parameter(m.tensor.clone())
-        self.optimizer = self.settings.build_optimizer([self.param])
+        self.settings, self.param, self.optimizer = settings, param, optimizer
 
     def _check_tensor(self, m: Message, what: str) -> None:
         if not self.initialized:

@@ -63,6 +63,11 @@ class Settings:
                               f"{', '.join(ON_WORKER_LOSS)}")
         if not self.worker_timeout > 0 or not self.lr > 0:
             raise ConfigError("worker_timeout and lr must be positive")
+        if not self.momentum >= 0 or not self.weight_decay >= 0:
+            raise ConfigError(f"momentum={self.momentum} and weight_decay={self.weight_decay} "
+                              "must not be negative")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"betas={self.betas}: give two numbers in [0, 1)")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

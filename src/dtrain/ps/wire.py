@@ -61,6 +61,17 @@ def pack(secret: bytes, message: Message) -> list[Any]:
     return [header, _mac(secret, header, payload), payload]
 
 
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer(value: Any) -> int:
+    """A header's count (worker, clock): a JSON integer, not a float, string or bool."""
+    if not _is_integer(value):
+        raise TypeError(f"{value!r} is not an integer")
+    return value
+
+
 def unpack(secret: bytes, frames: list[Any]) -> Message:
     """Check and decode frames from `pack`.
 
@@ -77,17 +88,19 @@ def unpack(secret: bytes, frames: list[Any]) -> Message:
         raise BadMessage("bad HMAC: not signed with this job's secret")
     try:
         head = json.loads(header)
-        op, worker, clock = head["op"], int(head["worker"]), int(head["clock"])
+        op, worker, clock = head["op"], _integer(head["worker"]), _integer(head["clock"])
     except (ValueError, KeyError, TypeError):
         raise BadMessage("malformed header") from None
     if op not in OPS:
         raise BadMessage(f"unknown op {op!r}")
     tensor = None
     if "dtype" in head:
-        dtype = DTYPES.get(head["dtype"])
+        dtype = DTYPES.get(head["dtype"]) if isinstance(head["dtype"], str) else None
         if dtype is None:
             raise BadMessage(f"unsupported dtype {head['dtype']!r}")
-        numel = int(head.get("numel", -1))
+        numel = head.get("numel")
+        if not _is_integer(numel):
+            raise BadMessage(f"malformed header: numel {numel!r} is not an integer")
         if numel < 0 or numel * dtype.itemsize != len(payload):
             raise BadMessage(f"payload of {len(payload)} bytes does not hold {numel} "
                              f"{head['dtype']} values")

@@ -279,6 +279,7 @@ def bench(opts: Options) -> list[Record]:
     import dtrain
     from dtrain import comm
     from dtrain.comm import ring
+    from dtrain.comm.group import timeout_of
 
     if opts.segment_bytes is not None:
         ring.SEGMENT_BYTES = opts.segment_bytes
@@ -287,7 +288,7 @@ def bench(opts: Options) -> list[Record]:
     records: list[Record] = []
     for backend in opts.backends:
         pg = dist.group.WORLD if backend == world.backend else dist.new_group(
-            backend="gloo" if backend == "shm" else backend)
+            backend="gloo" if backend == "shm" else backend, timeout=timeout_of(dist.group.WORLD))
         group = comm.wrap(pg, backend)
         device = _device(backend, world.local_rank)
         show(f"# dtrain bench comm: {group.size} ranks, {backend}, float32 (op sum, root 0), "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import re
 import sys
@@ -63,10 +64,13 @@ def parse_size(text: str) -> float:
     Raises:
         ConfigError: not a number with one of the units B, KB, MB, GB, TB, KiB .. TiB.
     """
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"--memory {text!r}: give a size like 80GB or 24GiB")
-    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if size <= 0:
+        raise ConfigError(f"--memory {text!r} must be more than 0")
+    return size
 
 
 def _size(nbytes: float) -> str:
@@ -124,15 +128,25 @@ def plan_command(args: argparse.Namespace) -> None:
         ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
         if getattr(args, key) is not None]
     config = load_config(args.config, overrides)
-    devices = args.devices or config.parallel.nproc
-    batch = args.batch or config.train.batch_size
+    devices = args.devices if args.devices is not None else config.parallel.nproc
+    batch = args.batch if args.batch is not None else config.train.batch_size
     if devices < 1 or batch < 1:
         raise ConfigError("--devices and --batch must be positive")
+    for flag, value in (("--tflops", args.tflops), ("--bandwidth", args.bandwidth)):
+        if value is not None and not 0 < value < math.inf:
+            raise ConfigError(f"{flag} {value:g} must be a positive number")
+    if args.latency is not None and not 0 <= args.latency < math.inf:
+        raise ConfigError(f"--latency {args.latency:g} must be 0 or more")
+    schedules = tuple(s for s in args.schedules.split(",") if s)
+    if not schedules:
+        raise ConfigError("--schedules is empty: give gpipe, 1f1b or both (gpipe,1f1b)")
+    if args.json and args.json != "-" and not os.path.isdir(os.path.dirname(
+            os.path.abspath(args.json))):
+        raise ConfigError(f"--json {args.json!r}: its folder does not exist")
     memory, memory_from = ((parse_size(args.memory), "given") if args.memory
                            else _default_memory(devices))
     flops = args.tflops * 1e12 if args.tflops else measured_flops()
     links = _links(args)
-    schedules = tuple(s for s in args.schedules.split(",") if s)
     # cached: plan() and the header below trace the same micro-batch sizes
     if args.model:
         trace = functools.cache(lambda b: profile_factory(args.model, b))
@@ -158,8 +172,11 @@ def plan_command(args: argparse.Namespace) -> None:
         if args.json == "-":
             print(text)
             return
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        except OSError as exc:
+            raise ConfigError(f"--json {args.json!r}: cannot write it ({exc.strerror})") from None
     _print_table(info, estimates, why)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -197,6 +198,8 @@ def _suggest(name: str, options: typing.Iterable[str]) -> str:
 def _check_type(key: str, value: Any, kind: Any) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} = {value!r} must be a finite number")
     origin = typing.get_origin(kind)
     if origin is list:
         (item,) = typing.get_args(kind)
@@ -247,8 +250,14 @@ def _validate(config: Config) -> None:
         )
     if m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size = {m.vocab_size} must be at least 256 (bytes)")
-    if len(config.optimizer.betas) != 2:
-        raise ConfigError("optimizer.betas must have two numbers, e.g. [0.9, 0.95]")
+    if len(config.optimizer.betas) != 2 or not all(0 <= b < 1 for b in config.optimizer.betas):
+        raise ConfigError(f"optimizer.betas = {config.optimizer.betas} must be two numbers in "
+                          "[0, 1), e.g. [0.9, 0.95]")
+    if m.dropout >= 1:
+        raise ConfigError(f"model.dropout = {m.dropout} must be below 1 (a probability)")
+    if not 0 < config.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction = {config.data.val_fraction} must be between 0 "
+                          "and 1 (the held-out share of the corpus)")
     p = config.parallel
     if p.mixed_precision != "fp32" and not p.zero:
         raise ConfigError(f"parallel.mixed_precision = {p.mixed_precision!r} needs parallel.zero "

@@ -59,6 +59,11 @@ def train_command(args: argparse.Namespace) -> None:
     layout = resolve_layout(world_size, config.parallel.dp or None, config.parallel.tp,
                             config.parallel.pp)
     per_rank_batch(config, layout.dp)
+    if config.data.path:  # a bad corpus costs no start-up either (the ranks read it again)
+        from dtrain.train.data import read_corpus, split
+
+        split(read_corpus(config.data.path, config.data.max_bytes), config.data.val_fraction,
+              config.model.block_size)
     out_dir = Path(config.train.out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain import checkpoint, comm, pipeline, ps, tensor_parallel, timeline, universal
+from dtrain import checkpoint, comm, faults, pipeline, ps, tensor_parallel, timeline, universal
 from dtrain import world as world_mod
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.mesh import Mesh
@@ -294,6 +294,7 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
 
     path = resume.path if resume is not None else out_dir / "checkpoints"
     for step in range(start + 1, tc.steps + 1):
+        faults.at("step", step)
         begin = time.perf_counter()
         with timeline.span("step", "step", step=step):
             step_loss = train_step()

@@ -1,0 +1,133 @@
+"""Run the fault suites (slow cases included) and put their outcomes in benchmarks/RESULTS.md.
+
+    python benchmarks/fault_results.py --write
+
+Runs tests/test_faults.py, tests/test_multihost.py and tests/test_bad_input.py with
+pytest (`-m "slow or not slow"`: every case), reads the JUnit report, and writes one row
+per fault: how many were injected, whether the run recovered as promised, and the data
+lost (0 when the case passed: each asserts that the newest checkpoint loads and holds the
+right values, or that the final weights equal an uninterrupted run's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+from results_md import replace_section
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITES = ["tests/test_faults.py", "tests/test_multihost.py", "tests/test_bad_input.py"]
+
+# test function -> (the fault, faults per case, what "recovered" means)
+FAULTS = {
+    "test_a_killed_rank_restarts_and_the_run_ends_as_if_uninterrupted": (
+        "SIGKILL of rank 1 at step 5, `--max-restarts 1`", 1,
+        "restarted, resumed from step 4, final weights = one uninterrupted process"),
+    "test_a_kill_in_the_middle_of_a_save_restarts_from_the_checkpoint_before": (
+        "SIGKILL of rank 1 inside the save of step 2", 1,
+        "restarted from scratch (nothing published), final weights = uninterrupted run"),
+    "test_a_stalled_or_diverging_rank_is_named_and_nothing_is_left": (
+        "SIGSTOP of rank 1, or rank 1 calls another collective", 1,
+        "rank 0 names rank 1 and the collective within the 5 s timeout; exit non-zero; "
+        "no process or shm segment left"),
+    "test_sigkill_at_random_moments_of_saving_never_loses_the_newest_checkpoint": (
+        "SIGKILL at a random moment of a save loop", 50,
+        "the newest listed checkpoint loads, checksums and values right, every time"),
+    "test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous": (
+        "file-size limit below the checkpoint (EFBIG, as a full disk)", 1,
+        "one error line; the previous checkpoint is kept and loads"),
+    "test_a_jobs_sockets_listen_on_loopback_only": (
+        "a job's listening sockets inspected", 1, "all bound to 127.0.0.1"),
+    "test_no_source_can_unpickle_what_it_receives": (
+        "grep of the sources for unpickling", 1, "none found"),
+}
+
+
+def run(report: Path) -> float:
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "slow or not slow", "-p",
+                    "no:cacheprovider", f"--junitxml={report}", *SUITES], cwd=ROOT)
+    return time.monotonic() - start
+
+
+def outcomes(report: Path) -> dict[str, list[tuple[str, str]]]:
+    """test function -> [(case id, passed | failed | skipped: reason)]."""
+    found: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for case in ET.parse(report).getroot().iter("testcase"):
+        name, _, case_id = case.get("name", "").partition("[")
+        module = case.get("classname", "").rpartition(".")[2]
+        result = "passed"
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                result = f"{tag}: {(node.get('message') or '').splitlines()[0][:80]}"
+        found[f"{module}::{name}"].append((case_id.rstrip("]"), result))
+    return found
+
+
+def section(found: dict[str, list[tuple[str, str]]], seconds: float) -> list[str]:
+    lines = [
+        "## Faults injected, and what survived them",
+        "",
+        "Command: `python benchmarks/fault_results.py --write` (runs "
+        f"{', '.join(SUITES)} with the slow cases; {seconds / 60:.0f} min on 2 cores).  ",
+        "Data lost is 0 where a case passed: each asserts the newest checkpoint loads with "
+        "the right values, or that the final weights equal an uninterrupted run's.",
+        "",
+        "| fault | cases | faults injected | recovered as promised | data lost |",
+        "|---|---|---|---|---|",
+    ]
+    total = recovered = 0
+    for key, cases in sorted(found.items()):
+        name = key.partition("::")[2]
+        if name not in FAULTS:
+            continue
+        fault, per_case, promise = FAULTS[name]
+        ran = [c for c in cases if not c[1].startswith("skipped")]
+        ok = [c for c in ran if c[1] == "passed"]
+        total += per_case * len(ran)
+        recovered += per_case * len(ok)
+        ids = ", ".join(c[0] for c in cases if c[0]) or "-"
+        skipped = [c[1] for c in cases if c[1].startswith("skipped")]
+        note = f" ({len(skipped)} skipped: {skipped[0][9:]})" if skipped else ""
+        lines.append(f"| {fault} | {ids}{note} | {per_case * len(ran)} | "
+                     f"{len(ok)}/{len(ran)}: {promise} | {0 if ok == ran else 'see failures'} |")
+    multihost = [c for key, cases in found.items() if "test_multihost" in key for c in cases]
+    for case_id, result in multihost:
+        lines.append(f"| two hosts in network namespaces: {case_id or 'case'} | 1 | 1 | "
+                     f"{result} | {0 if result == 'passed' else '-'} |")
+    bad = [c for key, cases in found.items() if "test_bad_input" in key for c in cases]
+    passed_bad = sum(result in ("passed", "xfailed") for _, result in bad)
+    lines += [
+        f"| malformed input (configs, flags, data paths, checkpoints, parameter-server "
+        f"messages, pickle bombs) | {len(bad)} | {len(bad)} | {passed_bad}/{len(bad)}: one "
+        "clear line and exit 2, or a rejected message and a live server | 0 |",
+        "",
+        f"Totals, without malformed input: {total} faults injected, {recovered} recovered as "
+        "promised.",
+    ]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="replace the section in RESULTS.md")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        report = Path(folder) / "faults.xml"
+        seconds = run(report)
+        lines = section(outcomes(report), seconds)
+    print("\n".join(lines))
+    if args.write:
+        replace_section("faults", lines)
+
+
+if __name__ == "__main__":
+    main()

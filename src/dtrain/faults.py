@@ -1,0 +1,88 @@
+"""Fault injection: make a rank fail on purpose, at a named point, to drill recovery.
+
+    DTRAIN_FAULT="kill@step=5,rank=1" dtrain train --max-restarts 1 ...
+
+The variable holds one fault, `ACTION@POINT[=VALUE][,rank=R][,attempt=A]`:
+
+- ACTION: `kill` (SIGKILL itself: a crash nothing can catch), `stop` (SIGSTOP: a stalled
+  rank, alive but silent), `exit` (exit code 3), `diverge` (call a collective the other
+  ranks do not: a rank whose code took another path).
+- POINT: where dtrain checks for it. `step=K`: as training step K begins (dtrain train);
+  `save`: inside a checkpoint write, after this rank's data file is written and before the
+  checkpoint is published.
+- rank: the global rank that fails (default: every rank).
+- attempt: the elastic attempt it fails in (TORCHELASTIC_RESTART_COUNT; default 0, the
+  first), so a job restarted with `--max-restarts` runs through the second time.
+
+Unset, each check is one environment lookup. The fault tests (tests/test_faults.py) and the
+RESULTS table of faults are built on it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+from dtrain.errors import ConfigError
+
+ENV = "DTRAIN_FAULT"
+ACTIONS = ("kill", "stop", "exit", "diverge")
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    point: str
+    value: str = ""
+    rank: int | None = None
+    attempt: int = 0
+
+
+def parse(text: str) -> Fault:
+    """The fault `text` describes.
+
+    Raises:
+        ConfigError: it is malformed.
+    """
+    head, _, rest = text.partition(",")
+    action, at, where = head.partition("@")
+    point, _, value = where.partition("=")
+    if action not in ACTIONS or not at or point not in ("step", "save"):
+        raise ConfigError(f"{ENV}={text!r}: expected ACTION@POINT[,rank=R][,attempt=A] with "
+                          f"ACTION one of {', '.join(ACTIONS)} and POINT step=K or save")
+    options: dict[str, int] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, number = item.partition("=")
+        if key not in ("rank", "attempt") or not number.isdigit():
+            raise ConfigError(f"{ENV}={text!r}: {item!r} is not rank=R or attempt=A")
+        options[key] = int(number)
+    return Fault(action, point, value, options.get("rank"), options.get("attempt", 0))
+
+
+def at(point: str, value: object = "") -> None:
+    """Fail here if DTRAIN_FAULT names this point (and this rank and attempt)."""
+    text = os.environ.get(ENV)
+    if not text:
+        return
+    fault = parse(text)
+    if fault.point != point or (fault.value and fault.value != str(value)):
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if (fault.rank is not None and fault.rank != rank) or fault.attempt != attempt:
+        return
+    print(f"dtrain: injected fault {text!r} on rank {rank}", file=sys.stderr, flush=True)
+    if fault.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault.action == "exit":
+        os._exit(3)
+    else:  # diverge: a collective the others are not making, then on as if nothing happened
+        import torch
+
+        from dtrain import comm
+
+        comm.broadcast(torch.zeros(7), 0)

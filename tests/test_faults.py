@@ -1,0 +1,284 @@
+"""Faults injected on purpose (dtrain.faults, signals, a full disk): jobs restart and resume
+to the weights of an uninterrupted run, a dead, stalled or diverging rank is named within
+the timeout and nothing is left running, and no crash loses the latest checkpoint."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+import random
+import re
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dtrain import faults, universal
+from dtrain.comm import segment
+from dtrain.errors import ConfigError, DtrainError
+from tests.cli import dtrain, one_error_line
+from tests.test_train import model_of, short_run, short_run_result
+
+# ------------------------------------------------------------------- elastic restarts
+KILL_RANK_1_AT_STEP_5 = {"DTRAIN_FAULT": "kill@step=5,rank=1"}
+RESTART = ["--max-restarts", "1", "--set", "checkpoint.every=2"]
+NO_DECAY = ["--set", "optimizer.weight_decay=0", "--set", "optimizer.grad_clip=0"]
+MODES = {
+    "dp": ["-n", "2"],
+    "zero2": ["-n", "2", "--set", "parallel.zero=2"],
+    "tp": ["-n", "2", "--set", "parallel.tp=2"],
+    "pp": ["-n", "2", "--set", "parallel.pp=2", "--set", "parallel.microbatches=2"],
+    "ps": ["-n", "2", *NO_DECAY, "--set", "parallel.mode='ps'", "--set",
+           "parallel.snapshot_every=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """One process, six steps: with and without weight decay and clipping (ps turns them
+    off, see test_train's parameter-server test)."""
+    folder = tmp_path_factory.mktemp("reference")
+    return {"plain": short_run(folder, "plain", ["-n", "1"]),
+            "no_decay": short_run(folder, "no_decay", ["-n", "1", *NO_DECAY])}
+
+
+@pytest.mark.parametrize("mode", [
+    "dp", *(pytest.param(m, marks=pytest.mark.slow) for m in ("zero2", "tp", "pp", "ps"))])
+def test_a_killed_rank_restarts_and_the_run_ends_as_if_uninterrupted(
+        tmp_path: Path, mode: str, uninterrupted: dict[str, tuple]) -> None:
+    """Rank 1 SIGKILLs itself as step 5 begins; the agent restarts every rank, `dtrain
+    train` resumes from step 4's checkpoint by itself, and the final weights are those of
+    one process that never stopped. (dp runs with make test; the others with test-slow.)"""
+    losses, checkpoints, stdout = short_run(tmp_path, mode, [*MODES[mode], *RESTART],
+                                            env=KILL_RANK_1_AT_STEP_5)
+    assert "resumed from" in stdout and "(step 4)" in stdout, stdout
+    reference = uninterrupted["no_decay" if mode == "ps" else "plain"]
+    torch.testing.assert_close(model_of(checkpoints), model_of(reference[1]),
+                               rtol=1e-4, atol=2e-5)
+    assert universal.Checkpoint(checkpoints).step == 6
+
+
+@pytest.mark.slow
+def test_a_kill_in_the_middle_of_a_save_restarts_from_the_checkpoint_before(
+        tmp_path: Path, uninterrupted: dict[str, tuple]) -> None:
+    """Rank 1 dies inside the save of step 2 (its file written, the checkpoint not yet
+    published): the restart finds no checkpoint and starts over, and ends as one process."""
+    losses, checkpoints, stdout = short_run(tmp_path, "save", ["-n", "2", *RESTART],
+                                            env={"DTRAIN_FAULT": "kill@save,rank=1"})
+    assert "resumed from" not in stdout
+    torch.testing.assert_close(model_of(checkpoints), model_of(uninterrupted["plain"][1]),
+                               rtol=1e-4, atol=2e-5)
+    assert not list(checkpoints.glob(".step-*.tmp"))
+
+
+def test_fault_descriptions_are_checked() -> None:
+    assert faults.parse("kill@step=5,rank=1") == faults.Fault("kill", "step", "5", 1, 0)
+    assert faults.parse("stop@save,attempt=1").attempt == 1
+    for bad in ("explode@step=1", "kill", "kill@epoch=2", "kill@step=1,rank=x"):
+        with pytest.raises(ConfigError, match="DTRAIN_FAULT"):
+            faults.parse(bad)
+
+
+# ---------------------------------------------------------------------------- no hangs
+JOB = """
+import os, signal, sys, time, torch, dtrain
+from dtrain import comm
+w = dtrain.init()
+open(f"{sys.argv[1]}/pid-{w.rank}", "w").write(str(os.getpid()))
+t = torch.ones(1000)
+comm.all_reduce(t)
+if w.rank == 1 and sys.argv[2] == "stop":
+    os.kill(os.getpid(), signal.SIGSTOP)
+if w.rank == 1 and sys.argv[2] == "diverge":
+    comm.broadcast(torch.zeros(7), 0)
+else:
+    comm.all_reduce(t)
+time.sleep(600)  # the job must be stopped by the failure, not by finishing
+"""
+
+
+@pytest.mark.parametrize("fault, backend, message", [
+    pytest.param("stop", "gloo", "timed out after 5s; never arrived: rank 1",
+                 marks=pytest.mark.slow),
+    pytest.param("stop", "shm", "never arrived: rank 1", marks=pytest.mark.slow),
+    ("diverge", "gloo", "called another collective: rank 1 (in broadcast #"),
+])
+def test_a_stalled_or_diverging_rank_is_named_and_nothing_is_left(
+        tmp_path: Path, fault: str, backend: str, message: str) -> None:
+    """Rank 1 stops (SIGSTOP: alive, silent) or calls another collective than rank 0.
+    Rank 0 fails within the timeout naming rank 1 and the collective; `dtrain run` exits
+    non-zero; no rank process or shared-memory segment survives. (A stopped rank ignores
+    the agent's SIGTERM: it is SIGKILLed after the agent's 30 s grace, so those two cases run
+    with test-slow.)"""
+    job = tmp_path / "job.py"
+    job.write_text(textwrap.dedent(JOB))
+    run_id = f"faults{os.getpid()}{fault}{backend}"
+    start = time.monotonic()
+    result = dtrain("run", "-n", "2", "--backend", backend, str(job), str(tmp_path), fault,
+                    env={"DTRAIN_TIMEOUT": "5", "DTRAIN_RUN_ID": run_id}, timeout=90)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("dtrain: error: rank ")
+    assert elapsed < 60, elapsed
+    for rank in (0, 1):
+        assert not _alive(int((tmp_path / f"pid-{rank}").read_text())), f"rank {rank} lives on"
+    assert not list(segment.SHM_DIR.glob(f"{segment.PREFIX}{run_id}-*"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead too
+        return stat.read().rpartition(")")[2].split()[0] != "Z"
+
+
+# --------------------------------------------------------------------- nothing lost
+def _save_for_ever(folder: Path) -> None:
+    """Save checkpoints of a 1 MiB tensor whose values are the step, from the newest one on
+    (so the first save rewrites it, as a resumed run does), until killed."""
+    try:
+        step = universal.Checkpoint(folder).step
+    except DtrainError:
+        step = 1
+    while True:
+        values = torch.full((256, 1024), float(step))
+        pieces = [*universal.pieces_of("model/w", values, 0, 2),
+                  *universal.pieces_of("model/w", values, 1, 2)]
+        universal.save(folder, step, pieces, {}, {}, keep_last=2, group=None)
+        step += 1
+
+
+TRIALS = 50
+
+
+def test_sigkill_at_random_moments_of_saving_never_loses_the_newest_checkpoint(
+        tmp_path: Path) -> None:
+    """50 times: a process saving checkpoints in a loop is SIGKILLed at a random moment.
+    Every time, the newest listed checkpoint opens (all checksums verified) and holds the
+    values of its step, and the steps never go back."""
+    rng = random.Random(0)
+    newest, kills_while_writing = 0, 0
+    spawner = multiprocessing.get_context("forkserver")  # a fork of a clean, torch-ready
+    spawner.set_forkserver_preload(["dtrain.universal"])  # process starts in milliseconds
+    for _ in range(TRIALS):
+        saver = spawner.Process(target=_save_for_ever, args=(tmp_path,))
+        saver.start()
+        time.sleep(rng.uniform(0.02, 0.2))
+        kills_while_writing += any(tmp_path.glob(".step-*.tmp"))
+        os.kill(saver.pid, signal.SIGKILL)
+        saver.join()
+        try:
+            ckpt = universal.Checkpoint(tmp_path)
+        except DtrainError as exc:
+            assert "no checkpoint" in str(exc) and newest == 0, exc
+            continue
+        assert ckpt.step >= newest
+        newest = ckpt.step
+        torch.testing.assert_close(ckpt.tensor("model/w"), torch.full((256, 1024), float(newest)))
+    assert newest > 0 and kills_while_writing >= 5  # the kills did land inside saves
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous(tmp_path: Path) -> None:
+    """A run saves step 2; resumed with files capped below the checkpoint's size (the
+    kernel refuses the write, as on a full disk), it stops at the save of step 4 with one
+    line, and step 2 is still the newest checkpoint and loads."""
+    _, checkpoints, _ = short_run(tmp_path, "run", ["-n", "1"], steps=2)
+    size = (checkpoints / "step-00000002" / "rank-00000.safetensors").stat().st_size
+
+    def cap_files() -> None:  # in the child, before it starts
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
+
+    result = short_run_result(tmp_path, "run", ["-n", "1", "--resume"], steps=4,
+                              preexec=cap_files)
+    assert result.returncode != 0
+    line = one_error_line(result)
+    assert "checkpoint of step 4 not saved in" in line and os.strerror(errno.EFBIG) in line
+    assert "step-00000002 is kept" in line
+    assert universal.Checkpoint(checkpoints).step == 2
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["index.json", "step-00000002"]
+
+
+# -------------------------------------------------------------------------- security
+def test_a_jobs_sockets_listen_on_loopback_only(tmp_path: Path) -> None:
+    """While a 2-rank job runs, every TCP socket its processes listen on (the launcher's
+    store, the agent, gloo's) is bound to the loopback address, not to every interface."""
+    job = tmp_path / "job.py"
+    job.write_text(textwrap.dedent("""
+        import os, sys, time, dtrain, torch
+        w = dtrain.init()
+        torch.distributed.barrier()
+        open(f"{sys.argv[1]}/pid-{w.rank}", "w").write(f"{os.getppid()} {os.getpid()}")
+        time.sleep(4)
+        torch.distributed.barrier()
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", "-n", "2", str(job),
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"pid-{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        time.sleep(0.2)
+        pids = {proc.pid} | {int(p) for r in (0, 1)
+                             for p in (tmp_path / f"pid-{r}").read_text().split()}
+        bound = _listening(pids)
+    finally:
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert bound and all(address in LOOPBACK for address, _ in bound), bound
+
+
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+UNPICKLING = re.compile(r"\bimport (c?pickle|marshal|dill|cloudpickle|shelve)\b|\bpickle\.loads?\b"
+                        r"|_object(_list)?\(|\byaml\.load\(")
+
+
+def test_no_source_can_unpickle_what_it_receives() -> None:
+    """A grep over dtrain's sources: nothing imports pickle (or its kin), calls torch's
+    object collectives (they unpickle what peers send), or torch.load without
+    weights_only=True. The pickle bomb itself is sent in test_bad_input."""
+    sources = sorted(Path(universal.__file__).parent.rglob("*.py"))
+    assert len(sources) > 50
+    for path in sources:
+        text = path.read_text()
+        assert not UNPICKLING.search(text), f"{path}: {UNPICKLING.search(text)[0]}"
+        for call in re.findall(r"torch\.load\([^)]*\)", text):
+            assert "weights_only=True" in call, f"{path}: {call}"
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket the processes `pids` listen on, from /proc."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
