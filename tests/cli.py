@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -34,3 +35,10 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     lines = [line for line in result.stderr.splitlines() if line.startswith("dtrain: error:")]
     assert len(lines) == 1, result.stderr
     return lines[0]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

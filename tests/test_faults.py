@@ -109,15 +109,16 @@ time.sleep(600)  # the job must be stopped by the failure, not by finishing
     pytest.param("stop", "gloo", "timed out after 5s; never arrived: rank 1",
                  marks=pytest.mark.slow),
     pytest.param("stop", "shm", "never arrived: rank 1", marks=pytest.mark.slow),
-    ("diverge", "gloo", "called another collective: rank 1 (in broadcast #"),
+    pytest.param("diverge", "gloo", "called another collective: rank 1 (in broadcast #",
+                 marks=pytest.mark.slow),
 ])
 def test_a_stalled_or_diverging_rank_is_named_and_nothing_is_left(
         tmp_path: Path, fault: str, backend: str, message: str) -> None:
     """Rank 1 stops (SIGSTOP: alive, silent) or calls another collective than rank 0.
     Rank 0 fails within the timeout naming rank 1 and the collective; `dtrain run` exits
-    non-zero; no rank process or shared-memory segment survives. (A stopped rank ignores
-    the agent's SIGTERM: it is SIGKILLed after the agent's 30 s grace, so those two cases run
-    with test-slow.)"""
+    non-zero within seconds (the launcher continues the stopped rank, so the agent's
+    SIGTERM lands); no rank process or shared-memory segment survives. (test-slow: 10 s
+    each.)"""
     job = tmp_path / "job.py"
     job.write_text(textwrap.dedent(JOB))
     run_id = f"faults{os.getpid()}{fault}{backend}"
@@ -132,6 +133,32 @@ def test_a_stalled_or_diverging_rank_is_named_and_nothing_is_left(
     for rank in (0, 1):
         assert not _alive(int((tmp_path / f"pid-{rank}").read_text())), f"rank {rank} lives on"
     assert not list(segment.SHM_DIR.glob(f"{segment.PREFIX}{run_id}-*"))
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    """`dtrain run` SIGKILLed (it cannot stop anything then): its ranks die with it,
+    instead of training on alone."""
+    job = tmp_path / "job.py"
+    job.write_text(textwrap.dedent("""
+        import os, sys, time, dtrain
+        w = dtrain.init()
+        open(f"{sys.argv[1]}/pid-{w.rank}", "w").write(str(os.getpid()))
+        time.sleep(600)
+    """))
+    launcher = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", "-n", "2", str(job),
+                                 str(tmp_path)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"pid-{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline and launcher.poll() is None
+        time.sleep(0.1)
+    ranks = [int((tmp_path / f"pid-{r}").read_text()) for r in (0, 1)]
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "a rank outlived its launcher"
+        time.sleep(0.1)
 
 
 def _alive(pid: int) -> bool:
@@ -211,6 +238,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous(tmp_path: 
 
 
 # -------------------------------------------------------------------------- security
+@pytest.mark.slow
 def test_a_jobs_sockets_listen_on_loopback_only(tmp_path: Path) -> None:
     """While a 2-rank job runs, every TCP socket its processes listen on (the launcher's
     store, the agent, gloo's) is bound to the loopback address, not to every interface."""

@@ -20,6 +20,7 @@ batch_size = 8
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_one_and_two_workers_give_json_and_png(tmp_path: Path) -> None:
     config = tmp_path / "tiny.toml"

@@ -18,8 +18,7 @@ from dtrain import comm
 from dtrain.comm import segment
 from dtrain.comm.hierarchical import HierarchicalGroup
 from dtrain.comm.shm import ShmGroup
-from dtrain.launch.runner import free_port
-from tests.cli import dtrain
+from tests.cli import dtrain, free_port
 from tests.comm_cases import cases, check, exercise
 from tests.distributed import run_ranks
 from tests.test_data_parallel import assert_matches, train_ranks, train_reference

@@ -44,7 +44,8 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write) -> None:
+def write_atomic(path: Path, write) -> None:
+    """Write `path` through `write(binary file)`: a temporary file, fsync, rename."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with tmp.open("wb") as f:
@@ -76,7 +77,7 @@ def save(folder: str | Path, step: int, state: dict[str, Any], keep_last: int) -
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:08d}.pt"
-    _write_atomic(path, lambda f: torch.save(state, f))
+    write_atomic(path, lambda f: torch.save(state, f))
     entries = [e for e in read_index(folder) if e["file"] != path.name]
     entries.append({"file": path.name, "step": step, "sha256": sha256(path)})
     replace_index(folder, entries, keep_last)
@@ -87,7 +88,7 @@ def replace_index(folder: Path, entries: list[dict[str, Any]], keep_last: int) -
     """Write the index with the newest `keep_last` entries, then delete the others' files."""
     kept, dropped = entries[-keep_last:], entries[:-keep_last]
     payload = json.dumps({"checkpoints": kept}, indent=2).encode()
-    _write_atomic(folder / INDEX, lambda f: f.write(payload))
+    write_atomic(folder / INDEX, lambda f: f.write(payload))
     for entry in dropped:
         path = folder / entry["file"]
         if path.is_dir():

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dtrain import checkpoint, faults
@@ -146,21 +146,22 @@ def save(folder: str | Path, step: int, pieces: list[Piece], extra: dict[str, An
             comm.barrier(group=g)
         if rank == 0:
             _publish(folder, tmp, final, step, size, meta, keep_last)
-    except OSError as exc:  # disk full, quota, read-only: the unfinished folder goes
-        shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, SafetensorError) as exc:  # disk full, quota, read-only: the unfinished
+        shutil.rmtree(tmp, ignore_errors=True)  # folder goes
         raise _not_saved(folder, step, exc) from None
     if g is not None:
         comm.barrier(group=g)
     return final
 
 
-def _not_saved(folder: Path, step: int, exc: OSError) -> DtrainError:
+def _not_saved(folder: Path, step: int, exc: Exception) -> DtrainError:
     """The one line a failed save ends a run with: why, and what is still there."""
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    why = why.rpartition("I/O error: ")[2]  # safetensors': "...: I/O error: File too large"
     entries = [e for e in checkpoint.read_index(folder) if e.get("format") == FORMAT]
     kept = (f"the previous checkpoint {folder / entries[-1]['file']} is kept" if entries
             else "there is no earlier checkpoint")
-    return DtrainError(f"checkpoint of step {step} not saved in {folder}: "
-                       f"{exc.strerror or exc}; {kept}")
+    return DtrainError(f"checkpoint of step {step} not saved in {folder}: {why}; {kept}")
 
 
 def _publish(folder: Path, tmp: Path, final: Path, step: int, size: int,

@@ -246,6 +246,8 @@ def init(backend: str | None = None, timeout: float | None = None,
         _WORLD = _with_timeline(_WORLD, timeline)
         return _WORLD
     world = detect(os.environ)
+    if world.source == "dtrain":
+        _die_with_launcher()
     if backend is None:
         backend = os.environ.get("DTRAIN_BACKEND") or (
             "nccl" if torch.cuda.is_available() else "gloo"
@@ -267,6 +269,22 @@ def init(backend: str | None = None, timeout: float | None = None,
     record_exit_time(world.rank)  # registered last, so it runs first at exit
     _WORLD = world
     return world
+
+
+def _die_with_launcher() -> None:
+    """Have the kernel SIGKILL this rank when the process that started it dies (Linux).
+
+    The launcher stops its ranks when it can; killed itself (SIGKILL, a lost machine's
+    agent), it cannot, and torch starts each rank in a session of its own, so nothing else
+    would: the rank would train on alone. The parent is `dtrain run`'s agent, or the
+    parameter-server role process of a worker.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
 
 
 def _with_timeline(world: World, path: str | None) -> World:

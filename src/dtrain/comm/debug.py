@@ -14,6 +14,7 @@ same, and raises `CollectiveTimeout` naming the ranks that never arrived.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 
@@ -117,17 +118,29 @@ def diagnose(g: Group, what: str, seq: int, failure: str = "timed out",
     if failure == "timed out":
         failure = f"timed out after {g.timeout.total_seconds():.0f}s"
     head = f"{what} #{seq} on group {g.name!r} {failure}"
-    try:
-        g.store_set(f"{prefix}{g.rank}", f"{seq} {what}")
-        deadline = time.monotonic() + grace_s
-        seen: dict[int, str | None] = {}
-        while time.monotonic() < deadline:
-            seen = {r: g.store_get(f"{prefix}{r}") for r in range(g.size)}
-            if all(v is not None for v in seen.values()):
-                break
-            time.sleep(0.1)
-    except RuntimeError as exc:  # the store itself is gone: the job is coming down
-        return f"{head} (the job's store is unreachable: {exc})"
+    seen: dict[int, str | None] = {}
+    failed: list[Exception] = []
+
+    def ask() -> None:  # in a thread: a store across a cut network may never answer
+        try:
+            g.store_set(f"{prefix}{g.rank}", f"{seq} {what}")
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline:
+                seen.update({r: g.store_get(f"{prefix}{r}") for r in range(g.size)})
+                if all(v is not None for v in seen.values()):
+                    break
+                time.sleep(0.1)
+        except RuntimeError as exc:  # the store itself is gone: the job is coming down
+            failed.append(exc)
+
+    asking = threading.Thread(target=ask, name="dtrain-diagnose", daemon=True)
+    asking.start()
+    asking.join(grace_s + 2.0)
+    if failed:
+        return f"{head} (the job's store is unreachable: {failed[0]})"
+    if asking.is_alive():
+        return (f"{head} (the job's store does not answer: the master's machine or the "
+                "network to it is down)")
     missing, elsewhere = [], []
     for r, value in seen.items():
         if value is None:

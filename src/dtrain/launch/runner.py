@@ -10,7 +10,7 @@ Several machines: run the same command on each with `--nnodes M --node-rank R --
 HOST:PORT`; node 0 hosts the rendezvous store at HOST:PORT (a static rendezvous, so node
 ranks are the ones given). Each launcher beats on a counter in that store, so that when
 ranks fail because a machine died or was cut off, the error line names it
-(exits.Heartbeat).
+(heartbeat.Heartbeat).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import sys
 import tempfile
 import uuid
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 
 from dtrain.comm import segment
 from dtrain.errors import ConfigError, LaunchError
-from dtrain.launch import exits, rendezvous
+from dtrain.launch import exits, heartbeat, rendezvous, waker
 
 PREFIX = "[rank${rank}] "
 
@@ -61,13 +60,6 @@ class LaunchSpec:
     join_timeout: int = 120
     env: dict[str, str] = field(default_factory=dict)
     timeline: str = ""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def parse_master(master: str) -> tuple[str, int]:
@@ -174,10 +166,11 @@ def launch(spec: LaunchSpec) -> None:
         os.environ.update({**_rank_env(spec, run_id, exit_dir), **spec.env})
         if timeline:
             os.environ["DTRAIN_TIMELINE"] = timeline  # read by dtrain.init in every rank
-        heartbeat = None
+        beat = None
         if spec.nnodes > 1:  # names a machine that is lost, should ranks here fail
-            heartbeat = exits.Heartbeat(host, port, run_id, spec.node_rank, spec.nnodes,
-                                        spec.nproc)
+            beat = heartbeat.Heartbeat(host, port, run_id, spec.node_rank, spec.nnodes,
+                                       spec.nproc)
+        waking = waker.Waker()  # a stopped rank gets the signal that stops the job at once
         try:
             elastic_launch(config, spec.command[0])(*spec.command[1:])
         except ChildFailedError as exc:
@@ -186,7 +179,7 @@ def launch(spec: LaunchSpec) -> None:
             failure = exc.failures[rank]
             others = len(exc.failures) - 1
             more = f" ({others} other rank{'s' if others > 1 else ''} failed too)" if others else ""
-            lost = heartbeat.lost() if heartbeat else ""
+            lost = beat.lost() if beat else ""
             raise LaunchError(
                 f"{lost}{'; then ' if lost else ''}"
                 f"rank {rank} {_describe(failure.exitcode)}{more}; its output is above",
@@ -199,8 +192,9 @@ def launch(spec: LaunchSpec) -> None:
         except (RuntimeError, TimeoutError, ValueError) as exc:
             raise _rendezvous_error(exc, host, port, spec) from None
         finally:
-            if heartbeat:
-                heartbeat.stop()
+            waking.stop()
+            if beat:
+                beat.stop()
             os.environ.clear()
             os.environ.update(saved)
             segment.sweep(segment.sanitize(run_id))  # shm segments a killed rank left named

@@ -64,10 +64,13 @@ def train_command(args: argparse.Namespace) -> None:
 
         split(read_corpus(config.data.path, config.data.max_bytes), config.data.val_fraction,
               config.model.block_size)
+    from dtrain import checkpoint
+
     out_dir = Path(config.train.out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(config.to_json())
+        text = config.to_json().encode()  # atomic: another machine's ranks may be reading it
+        checkpoint.write_atomic(out_dir / "config.json", lambda f: f.write(text))
     except OSError as exc:
         raise ConfigError(f"train.out_dir {str(out_dir)!r} is not writable: {exc}") from None
     command = [sys.executable, "-u", "-m", "dtrain.train.worker", str(out_dir / "config.json")]
