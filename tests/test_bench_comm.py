@@ -71,6 +71,7 @@ def test_sizes_parse_in_powers_of_1024() -> None:
     assert element_count("all_gather", 4, 2) == 2  # one float32 for each rank
 
 
+@pytest.mark.slow
 def test_calibrate_under_dtrain_run_saves_the_models(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

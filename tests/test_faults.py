@@ -111,7 +111,7 @@ time.sleep(600)  # the job must be stopped by the failure, not by finishing
     pytest.param("stop", "shm", "never arrived: rank 1", marks=pytest.mark.slow),
     pytest.param("diverge", "gloo", "called another collective: rank 1 (in broadcast #",
                  marks=pytest.mark.slow),
-])
+], ids=["stop-gloo", "stop-shm", "diverge-gloo"])
 def test_a_stalled_or_diverging_rank_is_named_and_nothing_is_left(
         tmp_path: Path, fault: str, backend: str, message: str) -> None:
     """Rank 1 stops (SIGSTOP: alive, silent) or calls another collective than rank 0.
@@ -171,13 +171,15 @@ def _alive(pid: int) -> bool:
 
 
 # --------------------------------------------------------------------- nothing lost
-def _save_for_ever(folder: Path) -> None:
+def _save_for_ever(folder: Path, saving) -> None:
     """Save checkpoints of a 1 MiB tensor whose values are the step, from the newest one on
-    (so the first save rewrites it, as a resumed run does), until killed."""
+    (so the first save rewrites it, as a resumed run does), until killed; `saving` is set
+    as the first save begins."""
     try:
         step = universal.Checkpoint(folder).step
     except DtrainError:
         step = 1
+    saving.set()
     while True:
         values = torch.full((256, 1024), float(step))
         pieces = [*universal.pieces_of("model/w", values, 0, 2),
@@ -199,9 +201,11 @@ def test_sigkill_at_random_moments_of_saving_never_loses_the_newest_checkpoint(
     spawner = multiprocessing.get_context("forkserver")  # a fork of a clean, torch-ready
     spawner.set_forkserver_preload(["dtrain.universal"])  # process starts in milliseconds
     for _ in range(TRIALS):
-        saver = spawner.Process(target=_save_for_ever, args=(tmp_path,))
+        saving = spawner.Event()
+        saver = spawner.Process(target=_save_for_ever, args=(tmp_path, saving))
         saver.start()
-        time.sleep(rng.uniform(0.02, 0.2))
+        assert saving.wait(60), "the saver did not start"
+        time.sleep(rng.uniform(0.0, 0.05))  # a save takes about 6 ms here
         kills_while_writing += any(tmp_path.glob(".step-*.tmp"))
         os.kill(saver.pid, signal.SIGKILL)
         saver.join()

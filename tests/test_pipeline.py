@@ -176,6 +176,7 @@ def dp_pp_rank(base: GPT) -> dict:
     return {**result, "coords": mesh.coords}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_dp2_pp2_on_four_processes_equals_one_process() -> None:
     losses, state = serial()

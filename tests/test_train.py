@@ -55,6 +55,7 @@ def test_tiny_run_learns_and_records(tmp_path: Path) -> None:
     assert "[rank1]" not in result.stdout  # rank 1 trains silently
 
 
+@pytest.mark.slow
 def test_zero_stage_3_run_learns_and_writes_shards(tmp_path: Path) -> None:
     """[parallel] zero = 3 in bf16 with two micro-batches: the loss falls, and every rank
     writes its own shard of the model into the checkpoint."""

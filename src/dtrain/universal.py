@@ -112,7 +112,8 @@ def save(folder: str | Path, step: int, pieces: list[Piece], extra: dict[str, An
     `extra` (JSON) is merged over all ranks into the index (e.g. optimizer scalars by
     tensor name); `meta` (JSON) is the first rank's description of the run;
     `rank_tensors` (e.g. RNG states) stay per rank, read back with `Checkpoint.rank_tensors`.
-    Returns the checkpoint's folder.
+    Returns the checkpoint's folder: `step-NNNNNNNN`, or on the first rank `step-NNNNNNNN.K`
+    when that step was saved before (the old copy is deleted once the new one is listed).
     """
     from dtrain import comm
 
@@ -124,8 +125,10 @@ def save(folder: str | Path, step: int, pieces: list[Piece], extra: dict[str, An
     if rank == 0:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            for stale in folder.glob(".step-*.tmp"):  # left by attempts that crashed
-                shutil.rmtree(stale, ignore_errors=True)
+            listed = {e["file"] for e in checkpoint.read_index(folder)}
+            for stale in [*folder.glob(".step-*.tmp"), *folder.glob("step-*")]:
+                if stale.is_dir() and stale.name not in listed:  # left by crashed saves
+                    shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         except OSError as exc:
             raise _not_saved(folder, step, exc) from None
@@ -145,7 +148,7 @@ def save(folder: str | Path, step: int, pieces: list[Piece], extra: dict[str, An
         if g is not None:
             comm.barrier(group=g)
         if rank == 0:
-            _publish(folder, tmp, final, step, size, meta, keep_last)
+            final = _publish(folder, tmp, final, step, size, meta, keep_last)
     except (OSError, SafetensorError) as exc:  # disk full, quota, read-only: the unfinished
         shutil.rmtree(tmp, ignore_errors=True)  # folder goes
         raise _not_saved(folder, step, exc) from None
@@ -165,8 +168,9 @@ def _not_saved(folder: Path, step: int, exc: Exception) -> DtrainError:
 
 
 def _publish(folder: Path, tmp: Path, final: Path, step: int, size: int,
-             meta: dict[str, Any], keep_last: int) -> None:
-    """Merge the ranks' descriptions into index.json, then make the folder visible."""
+             meta: dict[str, Any], keep_last: int) -> Path:
+    """Merge the ranks' descriptions into index.json, then make the folder visible;
+    returns where it now is."""
     tensors: dict[str, dict[str, Any]] = {}
     files: dict[str, str] = {}
     extra: dict[str, Any] = {}
@@ -187,14 +191,20 @@ def _publish(folder: Path, tmp: Path, final: Path, step: int, size: int,
     (tmp / INDEX).write_text(json.dumps(index, indent=1))
     checkpoint.fsync(tmp / INDEX)
     checkpoint.fsync(tmp)
-    entries = [e for e in checkpoint.read_index(folder) if e["file"] != final.name]
-    if final.exists():  # the same step saved again (a resumed run): unlisted before it goes
-        checkpoint.replace_index(folder, entries, len(entries) + 1)  # (dropping nothing), so
-        shutil.rmtree(final)  # the index never names a half-deleted folder
-    os.replace(tmp, final)
+    listed = checkpoint.read_index(folder)
+    again = [e for e in listed if e.get("step") == step and e.get("format") == FORMAT]
+    target, copy = final, 0
+    while target.exists():  # the step saved before (a resumed run): the new one gets a name
+        copy += 1  # of its own, and the old one goes only once the index lists the new one
+        target = folder / f"{final.name}.{copy}"
+    os.replace(tmp, target)
     checkpoint.fsync(folder)
-    entries.append({"file": final.name, "step": step, "format": FORMAT})
+    entries = [e for e in listed if e not in again]
+    entries.append({"file": target.name, "step": step, "format": FORMAT})
     checkpoint.replace_index(folder, entries, keep_last)
+    for entry in again:
+        shutil.rmtree(folder / entry["file"], ignore_errors=True)
+    return target
 
 
 def latest(path: str | Path) -> Path:
