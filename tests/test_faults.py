@@ -148,17 +148,23 @@ def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
     launcher = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", "-n", "2", str(job),
                                  str(tmp_path)], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not all((tmp_path / f"pid-{r}").exists() for r in (0, 1)):
-        assert time.monotonic() < deadline and launcher.poll() is None
-        time.sleep(0.1)
-    ranks = [int((tmp_path / f"pid-{r}").read_text()) for r in (0, 1)]
+    ranks = _started_ranks(tmp_path, launcher)
     launcher.kill()
     launcher.wait()
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in ranks):
         assert time.monotonic() < deadline, "a rank outlived its launcher"
         time.sleep(0.1)
+
+
+def _started_ranks(folder: Path, launcher: subprocess.Popen) -> list[int]:
+    """The pids the two ranks of `launcher`'s job write to folder/pid-R, once both have."""
+    files = [folder / f"pid-{rank}" for rank in (0, 1)]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() and f.read_text() for f in files):
+        assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
+        time.sleep(0.1)
+    return [int(f.read_text()) for f in files]
 
 
 def _alive(pid: int) -> bool:
@@ -251,7 +257,7 @@ def test_a_jobs_sockets_listen_on_loopback_only(tmp_path: Path) -> None:
         import os, sys, time, dtrain, torch
         w = dtrain.init()
         torch.distributed.barrier()
-        open(f"{sys.argv[1]}/pid-{w.rank}", "w").write(f"{os.getppid()} {os.getpid()}")
+        open(f"{sys.argv[1]}/pid-{w.rank}", "w").write(str(os.getpid()))
         time.sleep(4)
         torch.distributed.barrier()
     """))
@@ -259,14 +265,9 @@ def test_a_jobs_sockets_listen_on_loopback_only(tmp_path: Path) -> None:
                              str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"pid-{r}").exists() for r in (0, 1)):
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.1)
+        ranks = _started_ranks(tmp_path, proc)
         time.sleep(0.2)
-        pids = {proc.pid} | {int(p) for r in (0, 1)
-                             for p in (tmp_path / f"pid-{r}").read_text().split()}
-        bound = _listening(pids)
+        bound = _listening({proc.pid, *ranks})  # the launcher is the ranks' parent
     finally:
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err

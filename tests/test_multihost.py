@@ -218,6 +218,19 @@ def both(a: Job, b: Job) -> str:
             f"--- host B stdout\n{b.stdout}\n--- host B stderr\n{b.stderr}")
 
 
+def assert_resumed_to_the_end(folder: Path, hosts: tuple[Host, Host], jobs: tuple[Job, Job],
+                              codes: tuple[int, int]) -> None:
+    """Both jobs ended well, host A's resumed from step 2's checkpoint and trained to step 6,
+    and nothing is left running on either host."""
+    assert codes == (0, 0), both(*jobs)
+    checkpoints = folder / "run" / "checkpoints"
+    assert f"resumed from {checkpoints / 'step-00000002'} (step 2)" in jobs[0].stdout, \
+        both(*jobs)
+    assert "step     6/6" in jobs[0].stdout
+    assert checkpoint.read_index(checkpoints)[-1]["step"] == 6
+    assert not hosts[0].pids() and not hosts[1].pids()
+
+
 @pytest.mark.timeout(240)
 def test_dp4_across_2x2_ranks_trains(hosts: tuple[Host, Host], tmp_path: Path) -> None:
     """Node 0 on host A, node 1 on host B, the store and gloo over the veth pair: both
@@ -303,12 +316,7 @@ def test_both_hosts_restart_and_resume_when_the_link_comes_back(
     ip("-n", b.ns, "link", "set", b.ifname, "up")
     code_a = job_a.wait(timeout=180)
     code_b = job_b.wait(timeout=60)
-    assert code_a == 0 and code_b == 0, both(job_a, job_b)
-    folder = tmp_path / "run" / "checkpoints"
-    assert f"resumed from {folder / 'step-00000002'} (step 2)" in job_a.stdout, both(job_a, job_b)
-    assert "step     6/6" in job_a.stdout
-    assert checkpoint.read_index(folder)[-1]["step"] == 6
-    assert not a.pids() and not b.pids()
+    assert_resumed_to_the_end(tmp_path, (a, b), (job_a, job_b), (code_a, code_b))
 
 
 @pytest.mark.timeout(300)
@@ -335,9 +343,4 @@ def test_a_host_restarted_after_a_crash_rejoins_and_resumes(
     again = start(b, a, 1, tmp_path, "b2", *flags, env=wide)
     code_a = job_a.wait(timeout=180)
     code_b = again.wait(timeout=60)
-    assert code_a == 0 and code_b == 0, both(job_a, again)
-    folder = tmp_path / "run" / "checkpoints"
-    assert f"resumed from {folder / 'step-00000002'} (step 2)" in job_a.stdout, both(job_a, again)
-    assert "step     6/6" in job_a.stdout
-    assert checkpoint.read_index(folder)[-1]["step"] == 6
-    assert not a.pids() and not b.pids()
+    assert_resumed_to_the_end(tmp_path, (a, b), (job_a, again), (code_a, code_b))

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import ConfigError, exit_code_of
+from dtrain.tools import check_output
 
 if TYPE_CHECKING:  # torch is imported on use, so `dtrain --help` starts without it
     import torch
@@ -205,8 +206,7 @@ def options(args: argparse.Namespace) -> Options:
                                ("--iters", args.iters, 1), ("--warmup", args.warmup, 1)):
         if value < least:
             raise ConfigError(f"{flag} {value} must be at least {least}")
-    if args.json and not Path(args.json).absolute().parent.is_dir():
-        raise ConfigError(f"--json {args.json!r}: its folder does not exist")
+    check_output("--json", args.json)
     segment = None
     if args.segment_bytes is not None:
         segment = parse_size(args.segment_bytes, "--segment-bytes")

@@ -23,6 +23,7 @@ import sys
 import time
 
 from dtrain.errors import ConfigError
+from dtrain.tools import check_output
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
           "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -140,9 +141,7 @@ def plan_command(args: argparse.Namespace) -> None:
     schedules = tuple(s for s in args.schedules.split(",") if s)
     if not schedules:
         raise ConfigError("--schedules is empty: give gpipe, 1f1b or both (gpipe,1f1b)")
-    if args.json and args.json != "-" and not os.path.isdir(os.path.dirname(
-            os.path.abspath(args.json))):
-        raise ConfigError(f"--json {args.json!r}: its folder does not exist")
+    check_output("--json", args.json)
     memory, memory_from = ((parse_size(args.memory), "given") if args.memory
                            else _default_memory(devices))
     flops = args.tflops * 1e12 if args.tflops else measured_flops()

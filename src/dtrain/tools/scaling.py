@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import ConfigError
+from dtrain.tools import check_output
 from dtrain.tools.comm_bench import parse_list
 
 MODES = ("strong", "weak")
@@ -172,9 +173,8 @@ def options(args: argparse.Namespace) -> Options:
     out = Path(args.out).absolute()
     plot = Path(args.plot).absolute() if args.plot else out / "scaling.png"
     json_path = Path(args.json).absolute() if args.json else None
-    for flag, path in (("--plot", args.plot), ("--json", args.json)):
-        if path and not Path(path).absolute().parent.is_dir():
-            raise ConfigError(f"{flag} {path!r}: its folder does not exist")
+    check_output("--plot", args.plot)
+    check_output("--json", args.json)
     return Options(args.config, tuple(args.overrides), workers, modes, args.steps, args.warmup,
                    args.batch, args.repeats, out, plot, json_path, args.run_timeout)
 
