@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dtrain-installed
 
-.PHONY: demo test test-slow bench lint clean
+.PHONY: demo test test-slow test-all bench lint clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -22,6 +22,9 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# Everything: the quick suite, then the slow tests (what CI runs).
+test-all: test test-slow
 
 bench: $(STAMP)
 	$(VENV)/bin/dtrain run -n 2 benchmarks/dp_vs_ddp.py

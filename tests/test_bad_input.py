@@ -27,11 +27,12 @@ import torch
 import torch.distributed.launcher.api as elastic_api
 import zmq
 
-from dtrain import ps, universal
+from dtrain import ps
+from dtrain.checkpoint import universal
 from dtrain.cli import main
+from dtrain.config import load_config
 from dtrain.tools import comm_bench
 from dtrain.train import trainer
-from dtrain.train.config import load_config
 from tests.cli import dtrain, one_error_line
 
 pytestmark = pytest.mark.timeout(120)
@@ -269,7 +270,8 @@ FLAGS = [
                  id="plan-negative-devices"),
     pytest.param(plan("--batch", "0"), "--devices and --batch must be positive", 2,
                  id="plan-zero-batch"),
-    pytest.param(plan("--memory", "lots"), "--memory 'lots': give a size like 80GB", 2,
+    pytest.param(plan("--memory", "lots"),
+                 "--memory 'lots' is not a size in bytes: give a size like 80GB", 2,
                  id="plan-memory-not-a-size"),
     pytest.param(plan("--memory", "1.2.3GB"), "give a size like 80GB", 2,
                  id="plan-memory-two-points"),

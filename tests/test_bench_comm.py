@@ -10,7 +10,8 @@ import pytest
 from dtrain.comm import AVAILABLE
 from dtrain.comm.select import PROBE_BYTES
 from dtrain.errors import ConfigError
-from dtrain.tools.comm_bench import element_count, message_sizes, parse_size
+from dtrain.sizes import parse_size
+from dtrain.tools.comm_bench import element_count, message_sizes
 from tests.cli import dtrain
 
 KEYS = {"op", "backend", "algorithm", "world_size", "bytes", "time_us", "algbw_gbps",
@@ -56,7 +57,7 @@ def test_shm_and_gloo_side_by_side(tmp_path: Path) -> None:
         assert [r["bytes"] for r in records if r["backend"] == backend] == expected
 
 
-def test_sizes_parse_in_powers_of_1024() -> None:
+def test_sizes_parse_in_powers_of_1024_and_1000() -> None:
     assert parse_size("4") == 4
     assert parse_size("4K") == 4096
     assert parse_size("64k") == 64 << 10
@@ -64,7 +65,9 @@ def test_sizes_parse_in_powers_of_1024() -> None:
     assert parse_size("256MiB") == 256 << 20
     assert parse_size("1G") == 1 << 30
     assert parse_size("8B") == 8
-    for bad in ("", "0", "-4", "4X", "1.5M", "M"):
+    assert parse_size("1.5M") == 3 << 19
+    assert parse_size("80GB") == 80 * 10**9
+    for bad in ("", "0", "-4", "4X", "1.3B", "M"):
         with pytest.raises(ConfigError, match="not a size"):
             parse_size(bad)
     assert message_sizes(4, 256, 4) == [4, 16, 64, 256]

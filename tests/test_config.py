@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.config import Config, config_from_dict, load_config, per_rank_batch
 from dtrain.errors import ConfigError
-from dtrain.train.config import Config, config_from_dict, load_config, per_rank_batch
 
 
 def write(tmp_path: Path, text: str) -> str:

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain import faults, universal
+from dtrain import faults
+from dtrain.checkpoint import universal
 from dtrain.comm import segment
 from dtrain.errors import ConfigError, DtrainError
 from tests.cli import dtrain, one_error_line
@@ -204,8 +205,9 @@ def test_sigkill_at_random_moments_of_saving_never_loses_the_newest_checkpoint(
     values of its step, and the steps never go back."""
     rng = random.Random(0)
     newest, kills_while_writing = 0, 0
-    spawner = multiprocessing.get_context("forkserver")  # a fork of a clean, torch-ready
-    spawner.set_forkserver_preload(["dtrain.universal"])  # process starts in milliseconds
+    # a fork of a clean, torch-ready process starts in milliseconds
+    spawner = multiprocessing.get_context("forkserver")
+    spawner.set_forkserver_preload(["dtrain.checkpoint.universal"])
     for _ in range(TRIALS):
         saving = spawner.Event()
         saver = spawner.Process(target=_save_for_ever, args=(tmp_path, saving))
@@ -284,7 +286,7 @@ def test_no_source_can_unpickle_what_it_receives() -> None:
     """A grep over dtrain's sources: nothing imports pickle (or its kin), calls torch's
     object collectives (they unpickle what peers send), or torch.load without
     weights_only=True. The pickle bomb itself is sent in test_bad_input."""
-    sources = sorted(Path(universal.__file__).parent.rglob("*.py"))
+    sources = sorted(Path(faults.__file__).parent.rglob("*.py"))  # all of dtrain
     assert len(sources) > 50
     for path in sources:
         text = path.read_text()

@@ -51,6 +51,23 @@ def test_failed_rank_is_named_and_all_stop_quickly(tmp_path: Path) -> None:
     assert elapsed < 10 + 15  # 10 s to stop, generous start-up on a loaded 2-core machine
 
 
+def test_the_rank_that_failed_first_is_named(tmp_path: Path) -> None:
+    """Rank 0 fails too, on its own (exit code 5, when the agent stops it), after rank 1:
+    the exit times the ranks note (dtrain.launch.exits) name rank 1."""
+    body = """
+    import signal, sys, time, dtrain, torch.distributed as dist
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(5))
+    w = dtrain.init()
+    dist.barrier()
+    if w.rank == 1:
+        raise SystemExit(3)
+    time.sleep(600)
+    """
+    result = dtrain("run", "-n", "2", script(tmp_path, body), timeout=60)
+    assert result.returncode == 3, result.stderr
+    assert "rank 1 exited with code 3 (1 other rank failed too)" in one_error_line(result)
+
+
 def test_exception_in_rank_shows_its_traceback_once_prefixed(tmp_path: Path) -> None:
     body = """
     import dtrain
@@ -63,6 +80,26 @@ def test_exception_in_rank_shows_its_traceback_once_prefixed(tmp_path: Path) -> 
     assert "[rank0] ValueError: bad batch" in result.stderr
     assert "[rank0] [rank0]" not in result.stderr
     assert result.stderr.strip().endswith("rank 0 exited with code 1; its output is above")
+
+
+def test_a_rank_runs_its_script_as_python_would(tmp_path: Path) -> None:
+    """Ranks start through dtrain.launch.bootstrap (to die with the launcher and note their
+    exit), yet the script sees what `python script.py ARGS` shows it: its argv, its own
+    `__main__`, its folder first on sys.path, and a traceback of its frames only."""
+    (tmp_path / "helper.py").write_text("VALUE = 7\n")
+    body = """
+    import sys, helper
+    main = sys.modules["__main__"]
+    print("argv", sys.argv[1:], __name__, main.__file__ == __file__, main.__spec__,
+          sys.path[0])
+    raise ValueError(helper.VALUE)
+    """
+    result = dtrain("run", "-n", "1", script(tmp_path, body), "a", "b", timeout=60)
+    assert result.returncode == 1, result.stderr
+    folder = os.path.realpath(tmp_path)
+    assert f"[rank0] argv ['a', 'b'] __main__ True None {folder}" in result.stdout
+    assert "[rank0] ValueError: 7" in result.stderr
+    assert "bootstrap" not in result.stderr and "runpy" not in result.stderr
 
 
 def test_two_nodes_on_loopback(tmp_path: Path) -> None:

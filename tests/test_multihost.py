@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain import checkpoint
+from dtrain.checkpoint import atomic
 from tests.cli import TINY_MODEL
 
 pytestmark = pytest.mark.slow
@@ -198,7 +198,7 @@ def wait_for_checkpoint(folder: Path, step: int, jobs: list[Job], timeout: float
     """Until the run in `folder` has published the checkpoint of `step`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(e["step"] == step for e in checkpoint.read_index(folder / "run" / "checkpoints")):
+        if any(e["step"] == step for e in atomic.read_index(folder / "run" / "checkpoints")):
             return
         for job in jobs:
             assert job.proc.poll() is None, f"{job.out.name} ended early:\n{job.stdout}{job.stderr}"
@@ -227,7 +227,7 @@ def assert_resumed_to_the_end(folder: Path, hosts: tuple[Host, Host], jobs: tupl
     assert f"resumed from {checkpoints / 'step-00000002'} (step 2)" in jobs[0].stdout, \
         both(*jobs)
     assert "step     6/6" in jobs[0].stdout
-    assert checkpoint.read_index(checkpoints)[-1]["step"] == 6
+    assert atomic.read_index(checkpoints)[-1]["step"] == 6
     assert not hosts[0].pids() and not hosts[1].pids()
 
 
@@ -244,7 +244,7 @@ def test_dp4_across_2x2_ranks_trains(hosts: tuple[Host, Host], tmp_path: Path) -
     assert job_a.proc.returncode == 0 and job_b.proc.returncode == 0, both(job_a, job_b)
     assert "4 rank(s), data parallel over 4" in job_a.stdout, both(job_a, job_b)
     assert "step     6/6" in job_a.stdout
-    saved = checkpoint.read_index(tmp_path / "run" / "checkpoints")
+    saved = atomic.read_index(tmp_path / "run" / "checkpoints")
     assert [e["step"] for e in saved] == [4, 6]
     assert not a.pids() and not b.pids()
 

@@ -128,7 +128,7 @@ def test_data_parallel_on_shm_equals_single_process(world_size: int) -> None:
 
 
 def test_config_and_launcher_accept_shm(tmp_path: Path) -> None:
-    from dtrain.train.config import load_config
+    from dtrain.config import load_config
 
     assert load_config(None, ["parallel.backend=shm"]).parallel.backend == "shm"
     result = dtrain("run", "--backend", "tcp", str(tmp_path / "x.py"))

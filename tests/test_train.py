@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dtrain import checkpoint, universal
+from dtrain.checkpoint import atomic, universal
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.train.data import ByteSequences, batches, read_corpus, split
 from tests.cli import TINY_MODEL, dtrain, one_error_line
@@ -207,6 +207,6 @@ def test_parameter_server_run_equals_one_process(tmp_path: Path) -> None:
                                      "parallel.snapshot_every=4"])
     assert "sync parameter-server training with 2 server(s) per machine" in two[2]
     torch.testing.assert_close(model_of(two[1]), model_of(one[1]), rtol=1e-4, atol=1e-5)
-    snapshots = [checkpoint.load(tmp_path / "ps" / "ps-snapshots" / f"server-{i}")
+    snapshots = [atomic.load(tmp_path / "ps" / "ps-snapshots" / f"server-{i}")
                  for i in range(2)]
     assert [s["updates"] for s in snapshots] == [4, 4]  # six updates, the last at four

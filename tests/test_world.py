@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import dtrain
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.mesh import Layout, resolve_layout
+from dtrain.layout import Layout, resolve_layout
 from dtrain.world import detect, first_slurm_host
 from tests.distributed import run_ranks
 

@@ -95,8 +95,8 @@ def train(rank: int, world: int, model: nn.Module, stage: int, accum: int, facto
         losses.append(total)
     return {"losses": losses, "model": z.state_dict(), "optimizer": z.optimizer_state_dict(),
             "shards": z.sharded_state_dict(), "bytes": z.state_bytes(),
-            "units": [(u.numel, u.padded, u.shard_size) for u in z.units],
-            "owned": sum(hi - lo for u in z.units for _, lo, hi in u.pieces(rank))}
+            "units": [(u.flat.numel, u.flat.padded, u.flat.shard_size) for u in z.units],
+            "owned": sum(hi - lo for u in z.units for _, lo, hi in u.flat.pieces(rank))}
 
 
 def run(world: int, stage: int, accum: int = 1, factory=adamw, mixed: str | None = None):

@@ -21,6 +21,7 @@ _EXPORTS = {
     "ConfigError": "dtrain.errors",
     "DtrainError": "dtrain.errors",
     "LaunchError": "dtrain.errors",
+    "Layout": "dtrain.layout",
     "Mesh": "dtrain.mesh",
     "DataParallel": "dtrain.parallel.data_parallel",
     "ShardedSampler": "dtrain.train.sampler",
@@ -29,15 +30,20 @@ _EXPORTS = {
     "init": "dtrain.world",
     "shutdown": "dtrain.world",
 }
-_SUBPACKAGES = ("comm", "pipeline", "tensor_parallel", "testing", "timeline")
+# Every module and subpackage of dtrain, reachable as `dtrain.<name>` on first use.
+_SUBPACKAGES = ("checkpoint", "comm", "config", "errors", "faults", "launch", "layout",
+                "layouts", "mesh", "models", "parallel", "pipeline", "planner", "ps", "sizes",
+                "tensor_parallel", "testing", "timeline", "tools", "train", "world")
 
 __all__ = [
-    "ConfigError", "DataParallel", "DtrainError", "LaunchError", "Mesh", "ShardedSampler",
+    "ConfigError", "DataParallel", "DtrainError", "LaunchError", "Layout", "Mesh",
+    "ShardedSampler",
     "World", "ZeRO", "init", "shutdown",
 ]
 
 if TYPE_CHECKING:
     from dtrain.errors import ConfigError, DtrainError, LaunchError
+    from dtrain.layout import Layout
     from dtrain.mesh import Mesh
     from dtrain.parallel.data_parallel import DataParallel
     from dtrain.parallel.zero import ZeRO

@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
             "standard library sources, on 2 local ranks with data parallelism."
         ),
     )
-    from dtrain.train.config import add_config_arguments
+    from dtrain.config import add_config_arguments
 
     add_config_arguments(train, "TOML config file (default: built-in)")
     train.add_argument("--metrics", metavar="PATH", help="write per-step metrics as JSON lines")
@@ -185,13 +185,13 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from dtrain.universal import export
+    from dtrain.checkpoint.universal import export
 
     print(f"dtrain: wrote {export(args.checkpoint, args.out)}")
 
 
 def _train(args: argparse.Namespace) -> None:
-    from dtrain.train.launch import train_command
+    from dtrain.launch.train import train_command
 
     _check_launch_flags(args)
     train_command(args)

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from dtrain.comm.groups import set_thread_group
+from dtrain.comm.registry import set_thread_group
 from dtrain.comm.threads import Fabric, ThreadGroup
 
 

@@ -7,7 +7,8 @@
         ...
 
 When `dtrain.init()` finds a timeline path (env DTRAIN_TIMELINE, which `dtrain run
---timeline` sets), the world gets a `Recorder`. Every collective of `dtrain.comm` becomes
+--timeline` sets), the world gets a `Recorder` and installs it here as this process's
+(`install`; `recorder()` returns it). Every collective of `dtrain.comm` becomes
 a span (op, bytes, the algorithm that ran, group size; an async one from its issue to the
 end of its `wait()`), and `dtrain train` adds each step's data loading, forward, backward
 and optimizer step. At shutdown or exit each rank writes its spans to `OUT.rank-R.json`;
@@ -31,10 +32,23 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from dtrain import world as world_mod
 from dtrain.errors import ConfigError
 
 _OFF = contextlib.nullcontext()  # what `span` returns when not recording: reusable, stateless
+_RECORDER: Recorder | None = None  # this process's, installed by dtrain.world (install)
+
+
+def recorder() -> Recorder | None:
+    """This process's timeline recorder, or None when no timeline is recorded (the check
+    every hook makes first)."""
+    return _RECORDER
+
+
+def install(active: Recorder | None) -> None:
+    """Make `active` this process's recorder (None: record nothing). dtrain.world installs
+    its world's; closing the recorder is the caller's."""
+    global _RECORDER
+    _RECORDER = active
 
 
 def part_path(out: str | os.PathLike, rank: int) -> Path:
@@ -179,10 +193,10 @@ class CommSpan:
 def span(name: str, cat: str = "user", **args: Any) -> contextlib.AbstractContextManager:
     """Record the body of a `with` block as a span named `name` (category `cat`, `args`
     shown with it) on this rank's timeline; does nothing when no timeline is recorded."""
-    recorder = world_mod.recorder()
-    if recorder is None:
+    active = _RECORDER
+    if active is None:
         return _OFF
-    return recorder.span(name, cat, args)
+    return active.span(name, cat, args)
 
 
 def _write_json(path: Path, value: Any) -> None:

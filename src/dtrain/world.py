@@ -20,16 +20,13 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from dtrain import timeline as timeline_mod
 from dtrain.errors import DtrainError
-from dtrain.launch.exits import record_exit_time
-
-if TYPE_CHECKING:
-    from dtrain.timeline import Recorder
+from dtrain.timeline import Recorder
 
 DEFAULT_TIMEOUT_S = 180.0
 DEFAULT_MASTER_PORT = 29500
@@ -229,25 +226,23 @@ def init(backend: str | None = None, timeout: float | None = None,
 
     Returns:
         The world; calling `init()` again returns the same one (recording a timeline from
-        then on if `timeline` is given and none is recorded yet).
+        then on if `timeline` is given and none is recorded yet). Its recorder is this
+        process's (`dtrain.timeline.recorder()`) while it is the world.
 
     Raises:
         DtrainError: the environment is inconsistent, the master is unreachable, or its
             port is in use.
         ConfigError: the timeline's folder cannot be created.
     """
-    global _WORLD
     if _WORLD is not None:
         if backend is not None and backend != _WORLD.backend:
             raise DtrainError(
                 f"dtrain.init(backend={backend!r}) after the world was initialized with "
                 f"{_WORLD.backend!r}: call dtrain.shutdown() first"
             )
-        _WORLD = _with_timeline(_WORLD, timeline)
+        _become(_with_timeline(_WORLD, timeline))
         return _WORLD
     world = detect(os.environ)
-    if world.source == "dtrain":
-        _die_with_launcher()
     if backend is None:
         backend = os.environ.get("DTRAIN_BACKEND") or (
             "nccl" if torch.cuda.is_available() else "gloo"
@@ -266,42 +261,30 @@ def init(backend: str | None = None, timeout: float | None = None,
         if world.source == "dtrain":
             sys.excepthook = excepthook  # dtrain run prefixes every line with the rank already
         atexit.register(_shutdown_at_exit)
-    record_exit_time(world.rank)  # registered last, so it runs first at exit
-    _WORLD = world
+    _become(world)
     return world
 
 
-def _die_with_launcher() -> None:
-    """Have the kernel SIGKILL this rank when the process that started it dies (Linux).
-
-    The launcher stops its ranks when it can; killed itself (SIGKILL, a lost machine's
-    agent), it cannot, and torch starts each rank in a session of its own, so nothing else
-    would: the rank would train on alone. The parent is `dtrain run`'s agent, or the
-    parameter-server role process of a worker.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+def _become(world: World | None) -> None:
+    """Make `world` the world (None: none), its timeline recorder this process's."""
+    global _WORLD
+    _WORLD = world
+    timeline_mod.install(world.timeline if world is not None else None)
 
 
 def _with_timeline(world: World, path: str | None) -> World:
     """`world` recording a timeline for `path` (unless it records one already)."""
     if not path or world.timeline is not None:
         return world
-    from dtrain.timeline import Recorder, prepare  # only paid for when recording
-
     atexit.register(_close_timeline_at_exit)  # also when dist was initialized by others
-    return replace(world, timeline=Recorder(prepare(path), world.rank,
+    return replace(world, timeline=Recorder(timeline_mod.prepare(path), world.rank,
                                             alone=world.source == "single"))
 
 
 def recorder() -> Recorder | None:
-    """This rank's timeline recorder, or None when no timeline is recorded (the check every
-    hook of dtrain.timeline makes first)."""
-    return _WORLD.timeline if _WORLD is not None else None
+    """This rank's timeline recorder, or None when no timeline is recorded (the same as
+    `dtrain.timeline.recorder()`)."""
+    return timeline_mod.recorder()
 
 
 def _close_timeline_at_exit() -> None:
@@ -311,10 +294,9 @@ def _close_timeline_at_exit() -> None:
 
 def close_timeline() -> None:
     """Write this rank's timeline now and stop recording (shutdown and exit do it too)."""
-    global _WORLD
     if _WORLD is not None and _WORLD.timeline is not None:
         _WORLD.timeline.close()
-        _WORLD = replace(_WORLD, timeline=None)
+        _become(replace(_WORLD, timeline=None))
 
 
 def current() -> World:
@@ -331,10 +313,9 @@ def _shutdown_at_exit() -> None:
 
 def shutdown() -> None:
     """Leave the process group and forget the world; safe to call more than once."""
-    global _WORLD
     close_timeline()
     for callback in _AT_SHUTDOWN:
         callback()
     if dist.is_initialized():
         dist.destroy_process_group()
-    _WORLD = None
+    _become(None)

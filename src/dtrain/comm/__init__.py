@@ -28,8 +28,8 @@ from dtrain.comm.collectives import (
 )
 from dtrain.comm.debug import CollectiveMismatch
 from dtrain.comm.group import CollectiveTimeout, Group
-from dtrain.comm.groups import resolve, wrap
 from dtrain.comm.ops import ReduceOp, shard_sizes
+from dtrain.comm.registry import resolve, wrap
 from dtrain.comm.select import explain
 
 __all__ = [

@@ -13,22 +13,21 @@ longer (`dtrain.comm.shard_sizes`), so any length works.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from dtrain import world as world_mod
-from dtrain.comm import debug, halving_doubling, ring, select, tree
+from dtrain import timeline
+from dtrain.comm import cost, debug, halving_doubling, ring, tree
 from dtrain.comm.group import Done, Group, Handle, Then
-from dtrain.comm.groups import resolve
 from dtrain.comm.ops import AVAILABLE, ReduceOp, bus_factor, finish_, shard_sizes, shards
-
-if TYPE_CHECKING:
-    from dtrain.timeline import CommSpan
+from dtrain.comm.registry import resolve
+from dtrain.timeline import CommSpan
 
 GroupLike = Any  # dist.ProcessGroup | Group | None
-
+_TIMED = sys.modules[__name__]  # the calls auto's first choice times: these (dtrain.comm.cost)
 
 
 _PER_RANK_INPUT = ("all_gather", "gather")  # the whole buffer is size x the input
@@ -80,10 +79,10 @@ def _run(what: str, g: Group, tensor: torch.Tensor, algorithm: str, async_op: bo
     g.traffic[what] += int(bus_factor(what, g.size) * whole)
     if debug.enabled():  # before choosing: auto's first choice measures, itself collectively
         debug.check(g, what, tensor, algorithm, details)
-    name = select.choose(what, tensor, g, algorithm, AVAILABLE[what])
+    name = cost.choose(what, tensor, g, algorithm, AVAILABLE[what], _TIMED)
     if tensor.numel() == 0 and what != "barrier":  # same length on every rank: nothing to send
         return _trivial(finish(), async_op)
-    recorder = world_mod.recorder()
+    recorder = timeline.recorder()
     span = None if recorder is None else recorder.begin_comm(what, whole, name, g.size, async_op)
     if name == "native" and not g.native_blocks:
         handle = native()
@@ -296,7 +295,7 @@ def recv(tensor: torch.Tensor, src: int, group: GroupLike = None, async_op: bool
 def _p2p_span(what: str, tensor: torch.Tensor, peer: int, g: Group,
               async_op: bool) -> CommSpan | None:
     """The timeline span of a send or recv (None when no timeline is recorded)."""
-    recorder = world_mod.recorder()
+    recorder = timeline.recorder()
     if recorder is None:
         return None
     return recorder.begin_comm(what, tensor.numel() * tensor.element_size(), "native", g.size,

@@ -168,7 +168,7 @@ class Group:
         self.executor = SerialExecutor(executor_name)
         self.seq = 0  # collectives issued on this group so far (for diagnostics)
         self.traffic: Counter[str] = Counter()  # op -> bytes this rank sent (dtrain.comm.traffic)
-        self.cost_models: dict = {}  # op -> algorithm -> cost curve (dtrain.comm.select)
+        self.cost_models: dict = {}  # op -> algorithm -> cost curve (dtrain.comm.cost)
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def scratch(self, like: torch.Tensor) -> torch.Tensor:

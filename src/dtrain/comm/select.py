@@ -1,58 +1,26 @@
-"""Choosing an algorithm: a cost model per group, measured once, the same on every rank.
+"""Which algorithm `algorithm="auto"` picks, and why; measuring ahead of time.
 
-For each operation and each algorithm that implements it, the time of one call is modelled
-as a curve through measured points: latency-bound at small messages (alpha times the
-algorithm's rounds), bandwidth-bound at large ones (beta per byte, plus reduction), joined
-piecewise-linearly, and past the largest probe scaled by its time per byte (a slope taken
-between two noisy points would amplify their noise). The points are measured on the group
-itself the first time `algorithm="auto"` meets that operation: every candidate is timed at
-4 KiB, 64 KiB, 1 MiB, 4 MiB and 16 MiB (one to two seconds on gloo for two ranks), the
-way `dtrain bench comm` times them (dtrain.comm.timing): taking turns in rounds, the median
-round's mean time per call, on the slowest rank. Those figures are agreed by an allreduce,
-so every rank makes the same choice (ranks choosing differently would deadlock).
-
-`dtrain bench comm --calibrate` measures ahead of time and saves the curves to a file
-(DTRAIN_CALIBRATION, default ~/.cache/dtrain/calibration.json) that later runs load
-instead of measuring.
-
-`explain(op, nbytes, group)` says which algorithm a call would use and why.
+`explain(op, nbytes, group)` says which algorithm a call would use and why. `measure`
+times every candidate of an operation on a group (`dtrain bench comm --calibrate` saves the
+curves with `save_models`). The cost model itself, and the choice every collective makes
+with it, live in dtrain.comm.cost (below dtrain.comm.collectives, whose calls it times);
+here they are bound to those calls.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from dtrain.comm import timing
+from dtrain.comm import collectives, cost
+from dtrain.comm.cost import PROBE_BYTES, Curve, cache_key, calibration_path, save_models
 from dtrain.comm.group import Group
-from dtrain.comm.groups import resolve
 from dtrain.comm.ops import AVAILABLE
+from dtrain.comm.registry import resolve
 
-PROBE_BYTES = (4096, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-CALLS = (60, 40, 24, 12, 12)  # calls per point: many where they are cheap, fewer when large
-WARMUP = 3  # untimed calls per point first: a process's first calls are slow
-ROUNDS = 6  # the candidates take turns in this many rounds (see dtrain.comm.timing)
-
-
-@dataclass(frozen=True)
-class Curve:
-    """Predicted seconds of one call as a function of its bytes, through measured points."""
-
-    points: tuple[tuple[int, float], ...]  # (bytes, seconds), bytes increasing
-
-    def predict(self, nbytes: int) -> float:
-        points = self.points
-        if nbytes <= points[0][0]:
-            return points[0][1]
-        if nbytes >= points[-1][0]:  # bandwidth-bound: the largest probe's time per byte
-            return points[-1][1] * nbytes / points[-1][0]
-        k = next(k for k in range(1, len(points)) if nbytes <= points[k][0])
-        (b0, t0), (b1, t1) = points[k - 1], points[k]
-        return t0 + max(0.0, (t1 - t0) / (b1 - b0)) * (nbytes - b0)
+__all__ = ["PROBE_BYTES", "Choice", "Curve", "cache_key", "calibration_path", "explain",
+           "measure", "save_models"]
 
 
 @dataclass(frozen=True)
@@ -66,95 +34,10 @@ class Choice:
     reason: str
 
 
-def calibration_path() -> Path:
-    """The calibration file: env DTRAIN_CALIBRATION, else ~/.cache/dtrain/calibration.json."""
-    default = Path.home() / ".cache" / "dtrain" / "calibration.json"
-    return Path(os.environ.get("DTRAIN_CALIBRATION", default))
-
-
-def cache_key(g: Group, op: str) -> str:
-    return f"{g.backend}/size{g.size}/{op}"
-
-
-def _load_cached(key: str) -> dict[str, Curve] | None:
-    try:
-        entry = json.loads(calibration_path().read_text())[key]
-        return {name: Curve(tuple((int(b), float(t)) for b, t in points))
-                for name, points in entry.items()}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def save_models(models: dict[str, dict[str, Curve]]) -> Path:
-    """Merge measured models (cache key -> algorithm -> curve) into the calibration file."""
-    path = calibration_path()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    for key, lines in models.items():
-        data[key] = {name: [list(p) for p in curve.points] for name, curve in lines.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2))
-    return path
-
-
 def measure(g: Group, op: str, candidates: tuple[str, ...],
             device: torch.device | str = "cpu") -> dict[str, Curve]:
     """Time every candidate of `op` on `g` (a collective call: all ranks must make it)."""
-    from dtrain.comm import collectives  # the calls being measured
-
-    seconds: dict[str, list[float]] = {name: [] for name in candidates}
-    for nbytes, count in zip(PROBE_BYTES, CALLS, strict=True):
-        tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-        calls = {name: _probe(collectives, op, tensor, g, name) for name in candidates}
-        for call in calls.values():
-            for _ in range(WARMUP):
-                call()
-        timed = timing.time_turns(calls, dict.fromkeys(candidates, count), ROUNDS, g, device)
-        for name, taken in timed.items():
-            seconds[name].append(taken)
-    g.release_scratch()  # grown to the largest probe; real messages grow it again as needed
-    return {name: Curve(tuple(zip(PROBE_BYTES, seconds[name], strict=True)))
-            for name in candidates}
-
-
-def _probe(collectives, op: str, tensor: torch.Tensor, g: Group, name: str):
-    if op in ("broadcast", "reduce"):
-        return lambda: getattr(collectives, op)(tensor, 0, group=g, algorithm=name)
-    return lambda: getattr(collectives, op)(tensor, group=g, algorithm=name)
-
-
-def models(g: Group, op: str, candidates: tuple[str, ...],
-           device: torch.device | str = "cpu") -> dict[str, Curve]:
-    """The cost lines of `op` on `g`, from the group, the calibration file, or measurement."""
-    cache = g.cost_models
-    if op not in cache:
-        lines = _load_cached(cache_key(g, op))
-        if lines is None or set(lines) != set(candidates):
-            lines = measure(g, op, candidates, device)
-        cache[op] = lines
-    return cache[op]
-
-
-def choose(op: str, tensor: torch.Tensor, g: Group, algorithm: str,
-           available: tuple[str, ...]) -> str:
-    """The algorithm to run `op` with.
-
-    Raises:
-        ValueError: an unknown algorithm, or one `op` does not have.
-    """
-    if algorithm != "auto":
-        if algorithm not in available:
-            raise ValueError(
-                f"{op} has no algorithm {algorithm!r}: use auto or one of {', '.join(available)}"
-            )
-        return algorithm
-    if len(available) == 1 or tensor.numel() == 0:  # an empty tensor sends nothing anyway
-        return available[0]
-    lines = models(g, op, available, tensor.device)
-    nbytes = tensor.numel() * tensor.element_size()
-    return min(available, key=lambda name: lines[name].predict(nbytes))
+    return cost.measure(g, op, candidates, device, collectives)
 
 
 def explain(op: str, nbytes: int, group=None, device: torch.device | str = "cpu") -> Choice:
@@ -167,7 +50,7 @@ def explain(op: str, nbytes: int, group=None, device: torch.device | str = "cpu"
     available = AVAILABLE[op]
     if len(available) == 1:
         return Choice(op, nbytes, available[0], {}, f"{op} has only the native algorithm")
-    lines = models(g, op, available, device)
+    lines = cost.models(g, op, available, device, collectives)
     predicted = {name: lines[name].predict(nbytes) * 1e6 for name in available}
     best = min(predicted, key=predicted.__getitem__)
     runner_up = sorted(predicted.values())[1]

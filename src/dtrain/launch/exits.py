@@ -2,15 +2,15 @@
 
 When one rank fails, the others usually fail a moment later ("connection closed by peer")
 and the agent's own timestamps (whole seconds) cannot tell them apart. Each rank started
-by `dtrain run` writes the time it exits to a file named after its rank; the launcher
-blames the failed rank that exited first. A rank that wrote nothing (killed, or crashed
-before `dtrain.init()`) is taken to have failed first, unless it died of the SIGTERM the
-agent sends to stop the survivors.
+by `dtrain run` writes the time its program ends (before the exit's clean-up: leaving the
+process group can take a while) to a file named after its rank (dtrain.launch.bootstrap);
+the launcher blames the failed rank that ended first. A rank that wrote nothing (killed
+by a signal) is taken to have failed first, unless it died of the SIGTERM the agent sends
+to stop the survivors.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import time
@@ -19,11 +19,11 @@ from pathlib import Path
 ENV = "DTRAIN_EXIT_DIR"
 
 
-def record_exit_time(rank: int) -> None:
-    """In a rank: note the time of this process's exit for the launcher (if it asked)."""
+def note_exit_time(rank: int | str) -> None:
+    """In a rank: note now, as the time this process exits, for the launcher (if it asked)."""
     folder = os.environ.get(ENV)
-    if folder:
-        atexit.register(lambda: (Path(folder) / str(rank)).write_text(repr(time.time())))
+    if folder and str(rank):
+        (Path(folder) / str(rank)).write_text(repr(time.time()))
 
 
 def first_failed(exit_codes: dict[int, int], folder: str) -> int:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import socket
 import time
 
+from dtrain.launch.watch import Watcher
 
-class Heartbeat:
+
+class Heartbeat(Watcher):
     """Which other machines of a job are still there, asked once local ranks have failed.
 
     A lost machine (powered off, crashed, cut off the network) makes the ranks here fail
@@ -23,6 +25,7 @@ class Heartbeat:
     node 0 and cannot reach the store has lost node 0.
     """
 
+    name = "dtrain-heartbeat"
     PERIOD_S = 0.5
     GRACE_S = 5.0
     STORE_TIMEOUT_S = 10.0
@@ -38,19 +41,14 @@ class Heartbeat:
         self._heard: dict[int, tuple[int, float]] = {}  # node -> (its count, when it changed)
         self._nprocs: dict[int, int] = {node_rank: nproc}
         self._unreachable_since: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dtrain-heartbeat", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
+        self.start()
 
     def _run(self) -> None:
         from datetime import timedelta
 
         from torch.distributed import TCPStore
 
-        while not self._stop.is_set():
+        while not self.stopped.is_set():
             try:
                 # Quietly until node 0 listens: the store's client logs every failed try.
                 with socket.create_connection(self._where, timeout=self.STORE_TIMEOUT_S):
@@ -58,14 +56,14 @@ class Heartbeat:
                 store = TCPStore(*self._where, is_master=False,
                                  timeout=timedelta(seconds=self.STORE_TIMEOUT_S))
                 store.set(f"{self._prefix}nproc/{self._node}", str(self._nproc))
-                while not self._stop.is_set():
+                while not self.stopped.is_set():
                     self._beat(store)
-                    self._stop.wait(self.PERIOD_S)
+                    self.stopped.wait(self.PERIOD_S)
             except Exception:  # noqa: BLE001 - any failure of the store: it is out of reach
                 with self._lock:
                     if self._unreachable_since is None:
                         self._unreachable_since = time.monotonic()
-                self._stop.wait(self.PERIOD_S)
+                self.stopped.wait(self.PERIOD_S)
 
     def _beat(self, store) -> None:
         """Count one beat of this node's; note when each other node's count last moved."""

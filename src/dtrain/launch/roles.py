@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 from dtrain.errors import ConfigError, exit_code_of
-from dtrain.launch import exits
+from dtrain.launch import bootstrap, exits
 from dtrain.ps import job
 
 
@@ -59,7 +59,7 @@ def _env_int(name: str) -> int:
 
 
 def _run_worker(index: int, command: list[str]) -> int:
-    child = subprocess.Popen(command)
+    child = subprocess.Popen(bootstrap.command(command))  # dies with this process
     stopping: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -88,7 +88,6 @@ def main(argv: list[str]) -> int:
     command = argv[3:]  # after "--"
     local, node = _env_int("LOCAL_RANK"), _env_int("GROUP_RANK")
     nodes = _env_int("WORLD_SIZE") // (workers + servers)
-    exits.record_exit_time(_env_int("RANK"))
     os.environ.update({job.WORKERS: str(workers * nodes), job.SERVERS: str(servers * nodes)})
     if local >= workers:
         index = node * servers + local - workers
@@ -99,7 +98,7 @@ def main(argv: list[str]) -> int:
         "DTRAIN_ROLE": "worker", job.INDEX: str(index), "RANK": str(index),
         "WORLD_SIZE": str(workers * nodes), "LOCAL_WORLD_SIZE": str(workers),
     })
-    os.environ.pop(exits.ENV, None)  # this process notes the exit time, not the child
+    os.environ.pop(exits.ENV, None)  # this process notes the exit time (bootstrap), not the child
     return _run_worker(index, command)
 
 

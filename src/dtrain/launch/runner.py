@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from dtrain.comm import segment
 from dtrain.errors import ConfigError, LaunchError
-from dtrain.launch import exits, heartbeat, rendezvous, waker
+from dtrain.launch import bootstrap, exits, heartbeat, rendezvous, waker
 
 PREFIX = "[rank${rank}] "
 
@@ -35,7 +35,9 @@ class LaunchSpec:
     """What to start and where.
 
     Attributes:
-        command: the program and arguments each rank runs (argv[0] is the executable).
+        command: the program and arguments each rank runs (argv[0] is the executable); a
+            Python program runs through dtrain.launch.bootstrap (it dies with the agent and
+            notes its exit time).
         nproc: ranks on this machine.
         nnodes: machines in the job.
         node_rank: this machine's index; node 0 hosts the rendezvous.
@@ -172,7 +174,8 @@ def launch(spec: LaunchSpec) -> None:
                                        spec.nproc)
         waking = waker.Waker()  # a stopped rank gets the signal that stops the job at once
         try:
-            elastic_launch(config, spec.command[0])(*spec.command[1:])
+            command = bootstrap.command(spec.command)
+            elastic_launch(config, command[0])(*command[1:])
         except ChildFailedError as exc:
             codes = {r: f.exitcode for r, f in exc.failures.items()}
             rank = exits.first_failed(codes, exit_dir)

@@ -12,26 +12,24 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from pathlib import Path
+
+from dtrain.launch.watch import Watcher
 
 PERIOD_S = 0.5
 
 
-class Waker:
+class Waker(Watcher):
     """Watches this launcher's ranks (its child processes) from a thread until `stop()`."""
 
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dtrain-waker", daemon=True)
-        self._thread.start()
+    name = "dtrain-waker"
 
-    def stop(self) -> None:
-        self._stop.set()
+    def __init__(self) -> None:
+        self.start()
 
     def _run(self) -> None:
         seen: set[int] = set()
-        while not self._stop.wait(PERIOD_S):
+        while not self.stopped.wait(PERIOD_S):
             ranks = _children()
             ended = any(state == "Z" for state in ranks.values()) or bool(seen - set(ranks))
             seen |= set(ranks)

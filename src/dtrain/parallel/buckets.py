@@ -13,7 +13,9 @@ gradients: after a sum, a flag of 0 means no rank used the parameter this step.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -94,3 +96,14 @@ def build_buckets(
         buffer = torch.zeros(total + len(group), dtype=dtype, device=group[0].device)
         buckets.append(Bucket(index, group, offsets, total, buffer))
     return buckets
+
+
+def launch_ready(items: Sequence[Any], start: int, launch: Callable[[Any], None]) -> int:
+    """Launch the collective of each of `items[start:]` (buckets, ZeRO units) in order,
+    stopping at the first whose gradients are still `pending`; returns the index of the
+    next to launch. Strict order makes every rank issue the same sequence of collectives,
+    even when ranks use different parameters."""
+    while start < len(items) and not items[start].pending:
+        launch(items[start])
+        start += 1
+    return start

@@ -19,7 +19,7 @@ Run it with `dtrain run -n 2 train.py`, where train.py does::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.errors import DtrainError
-from dtrain.parallel.buckets import Bucket, build_buckets
+from dtrain.parallel.buckets import Bucket, build_buckets, launch_ready
+from dtrain.parallel.clip import GradPart
 from dtrain.parallel.replicas import broadcast_state, check_same_model
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -146,18 +147,11 @@ class DataParallel(nn.Module):
         bucket.flags[i] = 1
 
     def _launch_ready(self) -> None:
-        # Buckets go out strictly in order, so every rank issues the same sequence of
-        # collectives even when ranks use different parameters.
-        while self._next_launch < len(self._buckets):
-            bucket = self._buckets[self._next_launch]
-            if bucket.pending:
-                return
-            self._launch(bucket)
+        self._next_launch = launch_ready(self._buckets, self._next_launch, self._launch)
 
     def _launch(self, bucket: Bucket) -> None:
         self._works.append(comm.all_reduce(bucket.buffer, group=self.group, async_op=True,
                                            algorithm=self.algorithm))
-        self._next_launch += 1
 
     @torch.no_grad()
     def _finalize(self) -> None:
@@ -181,6 +175,17 @@ class DataParallel(nn.Module):
         self._works.clear()
         self._next_launch = 0
         self._finalize_queued = False
+
+    # ----------------------------------------------------------------- clipping
+    def grad_parts(self, is_split: Callable[[nn.Parameter], bool] | None = None,
+                   counted: Callable[[nn.Parameter], bool] | None = None) -> list[GradPart]:
+        """The averaged gradients as parts of a global norm (see dtrain.parallel.clip):
+        replicated over the group, so summed over no axis, or over "tp" where
+        `is_split(param)` (a tensor-parallel block); `counted(param)` False marks a copy
+        another rank counts (a tied weight's second holder). Call after backward."""
+        return [GradPart(p.grad, over=("tp",) if is_split is not None and is_split(p) else (),
+                         counted=counted is None or counted(p))
+                for p in self.module.parameters() if p.grad is not None]
 
     # ----------------------------------------------------------------- state
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -10,6 +10,15 @@ micro-batches along dim 0: the first virtual stage reads `inputs`, the last comp
 `loss_fn(output, targets)` per micro-batch, divided by their number, so the accumulated
 gradients equal one backward of the whole batch's mean loss. The mean loss is returned
 on every rank of the group.
+
+Pieces that hold sharded gradients (ZeRO) are recognised by a protocol, not a type: a piece
+with both `accumulated_grad(param)` (the unsharded gradient accumulated under `no_sync`, a
+view to adjust in place) and `reduce_gradients()` (reduce what was accumulated, keep this
+rank's shards) holds its gradients outside `param.grad`; its `group` is its data-parallel
+group. With tied weights the pipeline runs every backward of such a piece under `no_sync`,
+adds the other stage's gradient of a tied parameter to `accumulated_grad(param)`, then calls
+`reduce_gradients()`. A piece with `grad_parts(is_split=, counted=)` (ZeRO, DataParallel)
+gives its gradients to the clip that way (dtrain.parallel.clip).
 """
 
 from __future__ import annotations
@@ -24,13 +33,21 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.errors import ConfigError
-from dtrain.parallel.zero import ZeRO
+from dtrain.parallel import clip
+from dtrain.parallel.clip import GradPart
 from dtrain.pipeline import schedules
 from dtrain.pipeline.p2p import Channels
 from dtrain.pipeline.schedules import Action
 from dtrain.timeline import span
 
 _TIED_TAG = 1
+
+
+def holds_shards(piece: object) -> bool:
+    """Whether `piece` keeps sharded gradients: it has both `accumulated_grad(param)` and
+    `reduce_gradients()` (ZeRO does; DataParallel does not). See the module's docstring."""
+    return (callable(getattr(piece, "accumulated_grad", None))
+            and callable(getattr(piece, "reduce_gradients", None)))
 
 
 def _tag(kind: str, chunk: int) -> int:
@@ -69,11 +86,11 @@ class Pipeline:
         self.microbatches, self.schedule, self.loss_fn = microbatches, schedule, loss_fn
         self.actions = schedules.build(schedule, self.pp, self.rank, microbatches, self.chunks)
         self.tied = list(tied)
-        # ZeRO keeps gradients as shards, not in param.grad. With tied weights its pieces
-        # accumulate every micro-batch without communication; the tied gradients are then
-        # summed across stages, unsharded, before each piece reduce-scatters its own.
-        self._sharded = any(isinstance(p, ZeRO) for p in self.pieces)
-        self._defer = self._sharded and bool(self.tied)
+        # Sharded pieces (ZeRO) keep gradients as shards, not in param.grad. With tied
+        # weights they accumulate every micro-batch without communication; the tied
+        # gradients are then summed across stages, unsharded, before each piece reduces its
+        # own (see holds_shards).
+        self._defer = bool(self.tied) and any(holds_shards(p) for p in self.pieces)
         self.timeline, self.events = timeline, []
         self.peak_live = 0
         first = next((p for piece in self.pieces for p in piece.parameters()), None)
@@ -171,7 +188,7 @@ class Pipeline:
                   index: int) -> None:
         chunk = action.chunk
         piece = self.pieces[chunk]
-        deferred = self._defer and isinstance(piece, ZeRO)
+        deferred = self._defer and holds_shards(piece)
         quiet = (piece.no_sync() if hasattr(piece, "no_sync") and
                  (deferred or index != self._last_backward[chunk])
                  else contextlib.nullcontext())
@@ -185,35 +202,54 @@ class Pipeline:
             self._channels.send(inp.grad, (self.rank - 1) % self.pp,
                                 _tag("grad", chunk - (self.rank == 0)))
 
+    def grad_parts(self, is_split: Callable[[nn.Parameter], bool] | None = None
+                   ) -> list[GradPart]:
+        """This rank's gradients as parts of the whole model's norm (dtrain.parallel.clip),
+        after `step`: each piece's own `grad_parts` where it has them (ZeRO's shards are
+        summed over "dp"), else its parameters' .grad; over "tp" too where `is_split(param)`.
+        A tied parameter counts on the lower stage only."""
+        elsewhere = {id(p) for p, peer in self.tied if peer < self.rank}
+
+        def counted(p: nn.Parameter) -> bool:
+            return id(p) not in elsewhere
+
+        parts: list[GradPart] = []
+        seen: set[int] = set()  # a parameter two plain pieces share counts once
+        for piece in self.pieces:
+            if callable(getattr(piece, "grad_parts", None)):
+                parts += piece.grad_parts(is_split=is_split, counted=counted)
+                continue
+            for p in piece.parameters():
+                if p.grad is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    split = is_split is not None and is_split(p)
+                    parts.append(GradPart(p.grad, over=("tp",) if split else (),
+                                          counted=counted(p)))
+        return parts
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so the norm of the whole model's gradient (every stage's, a tied
-        parameter counted once) is at most `max_norm`; returns that norm (collective)."""
-        if self._sharded:
-            raise ConfigError("pipeline: clip_grad_norm_ needs whole gradients; with ZeRO "
-                              "pieces use dtrain train's clipping (train.holding)")
-        counted_elsewhere = {id(p) for p, peer in self.tied if peer < self.rank}
-        params = [p for p in nn.ModuleList(self.pieces).parameters() if p.grad is not None]
-        square = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in params:
-            if id(p) not in counted_elsewhere:
-                square += p.grad.double().pow(2).sum()
-        total = comm.all_reduce(square, group=self.group).sqrt().float()
-        scale = min(1.0, max_norm / (total.item() + 1e-6))
-        if scale < 1.0:
-            for p in params:
-                p.grad.mul_(scale)
-        return total
+        parameter counted once) is at most `max_norm`; returns that norm (collective over
+        the pipeline group, and over the data-parallel group of sharded pieces). Pieces
+        split by tensor parallelism need the tp group: use `grad_parts(is_split)` with
+        dtrain.parallel.clip."""
+        groups = {"pp": self.group}
+        dp = next((piece.group for piece in self.pieces if holds_shards(piece)), None)
+        if dp is not None:
+            groups["dp"] = dp
+        norm = clip.clip_grad_norm_(self.grad_parts(), max_norm, groups, self.device)
+        return torch.tensor(norm, dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
     def _sum_tied(self) -> None:
         """Both holders of a tied parameter end with the sum of their gradients, added in
         stage order on both so they stay bitwise equal."""
         for param, peer in self.tied:
-            zero = next((p for p in self.pieces if isinstance(p, ZeRO)
-                         and any(q is param for q in p.parameters())), None)
-            if zero is not None:
-                mine = zero.accumulated_grad(param)
+            sharded = next((p for p in self.pieces if holds_shards(p)
+                            and any(q is param for q in p.parameters())), None)
+            if sharded is not None:
+                mine = sharded.accumulated_grad(param)
             else:
                 mine = param.grad if param.grad is not None else torch.zeros_like(param)
             theirs = torch.empty_like(mine)
@@ -222,13 +258,13 @@ class Pipeline:
             comm.recv(theirs, peer, self.group, tag=_TIED_TAG)
             handle.wait()
             total = mine + theirs if self.rank < peer else theirs + mine
-            if zero is not None:
+            if sharded is not None:
                 mine.copy_(total)
             else:
                 param.grad = total
         if self._defer:
             for piece in self.pieces:
-                if isinstance(piece, ZeRO):
+                if holds_shards(piece):
                     piece.reduce_gradients()
 
 

@@ -18,7 +18,8 @@ import functools
 import math
 from collections.abc import Callable
 
-from dtrain.planner.estimate import Estimate, Layout, bubble, estimate
+from dtrain.layout import Layout
+from dtrain.planner.estimate import Estimate, bubble, estimate
 from dtrain.planner.links import Links
 from dtrain.planner.profile import Profile, profile_factory, profile_gpt
 from dtrain.planner.tracker import LiveBytes

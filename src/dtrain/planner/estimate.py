@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dtrain.layout import Layout
 from dtrain.pipeline.partition import balanced_sizes
 from dtrain.pipeline.schedules import build
 from dtrain.planner.links import Links
@@ -46,28 +47,6 @@ from dtrain.planner.profile import Activation, Profile
 
 STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
 PARAM_BYTES = 4
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the devices are used: dp x tp x pp ranks, a ZeRO stage, a pipeline schedule."""
-
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    chunks: int = 1
-
-    def __str__(self) -> str:
-        parts = [f"dp{self.dp}"] if self.dp > 1 or (self.tp == self.pp == 1) else []
-        parts += [f"tp{self.tp}"] if self.tp > 1 else []
-        if self.pp > 1:
-            v = f" v{self.chunks}" if self.chunks > 1 else ""
-            parts.append(f"pp{self.pp} ({self.schedule}{v}, m={self.microbatches})")
-        text = " x ".join(parts)
-        return f"{text} zero{self.zero}" if self.zero else text
 
 
 @dataclass
@@ -125,7 +104,8 @@ def in_flight(layout: Layout, rank: int, per_chunk: list[float]) -> float:
     if layout.pp == 1:
         return per_chunk[0]
     live, most = 0.0, 0.0
-    for action in build(layout.schedule, layout.pp, rank, layout.microbatches, layout.chunks):
+    v = layout.virtual_stages
+    for action in build(layout.schedule, layout.pp, rank, layout.microbatches, v):
         live += per_chunk[action.chunk] if action.kind == "F" else -per_chunk[action.chunk]
         most = max(most, live)
     return most
@@ -138,7 +118,7 @@ def estimate(profile: Profile, layout: Layout, memory: float, flops: float, link
     ranks = [_rank(profile, layout, r, optimizer, accum, bucket_mb) for r in range(layout.pp)]
     worst = max(ranks, key=lambda e: e.total)
     worst.fits = worst.total <= memory
-    worst.bubble = bubble(layout.pp, layout.microbatches, layout.chunks)
+    worst.bubble = bubble(layout.pp, layout.microbatches, layout.virtual_stages)
     busiest = max(ranks, key=lambda e: sum(e.traffic.values()))
     worst.traffic = busiest.traffic
     worst.compute_s = _compute_s(profile, layout, accum, flops)
@@ -168,7 +148,7 @@ def _rank(profile: Profile, layout: Layout, rank: int, optimizer: str, accum: in
           bucket_mb: float) -> _RankFigures:
     tp, pp, n = layout.tp, layout.pp, layout.dp
     first, last = rank == 0, rank == pp - 1
-    blocks = stage_blocks(profile, pp, layout.chunks)[rank] if profile.n_layer else [0]
+    blocks = stage_blocks(profile, pp, layout.virtual_stages)[rank] if profile.n_layer else [0]
     psi = sum(blocks) * profile.params_block.per_rank(tp)
     if first:
         psi += profile.params_embed.per_rank(tp)
@@ -232,7 +212,7 @@ def _traffic(profile: Profile, layout: Layout, psi: float, first: bool, last: bo
         per_pass = 4 * sum(blocks) + int(first) + int(last)
         add("tp all_reduce", per_pass * activation * passes, per_pass * passes)
     if layout.pp > 1:
-        sends = (2 - int(first) - int(last)) * layout.microbatches * layout.chunks
+        sends = (2 - int(first) - int(last)) * layout.microbatches * layout.virtual_stages
         add("pp send", sends * activation, sends)
         if first or last:
             add("pp all_reduce", PARAM_BYTES * profile.tied / layout.tp, 1)
@@ -253,7 +233,7 @@ def _compute_s(profile: Profile, layout: Layout, accum: int, flops: float) -> fl
         attention = cfg.n_layer * cfg.block_size * cfg.n_embd
     work = 6 * (matmul + attention) * tokens / devices
     if layout.pp > 1:
-        most = max(sum(b) for b in stage_blocks(profile, layout.pp, layout.chunks))
+        most = max(sum(b) for b in stage_blocks(profile, layout.pp, layout.virtual_stages))
         work *= most * layout.pp / profile.n_layer  # the busiest stage sets the pace
-        work /= 1 - bubble(layout.pp, layout.microbatches, layout.chunks)
+        work /= 1 - bubble(layout.pp, layout.microbatches, layout.virtual_stages)
     return work / flops

@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from dtrain import pipeline, tensor_parallel
+from dtrain.layout import Layout
 from dtrain.mesh import Mesh
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.zero import ZeRO
-from dtrain.planner.estimate import Layout
 from dtrain.planner.tracker import LiveBytes
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from dtrain import checkpoint
+from dtrain.checkpoint import atomic
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.ps.settings import Settings
 from dtrain.ps.wire import BadMessage, Message, pack, unpack
@@ -105,7 +105,7 @@ class Server:
         self.failure = ""
         self._waiting: list[tuple[bytes, Message]] = []
         self._heard = dict.fromkeys(range(workers), time.monotonic())
-        if self.snapshots is not None and checkpoint.read_index(self.snapshots):
+        if self.snapshots is not None and atomic.read_index(self.snapshots):
             self._restore()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -312,10 +312,10 @@ class Server:
                  "optimizer": self.optimizer.state_dict(), "updates": self.updates,
                  "clocks": {str(w): v for w, v in c.of.items()}, "version": c.version,
                  "dropped": sorted(c.dropped)}
-        checkpoint.save(self.snapshots, self.updates, state, keep_last=2)
+        atomic.save(self.snapshots, self.updates, state, keep_last=2)
 
     def _restore(self) -> None:
-        state = checkpoint.load(self.snapshots)
+        state = atomic.load(self.snapshots)
         self.settings = Settings.from_json(state["settings"])
         self.param = torch.nn.Parameter(state["param"].clone())
         self.optimizer = self.settings.build_optimizer([self.param])

@@ -16,6 +16,7 @@ Layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, and the
 vocab-parallel cross-entropy; their communication is in `functions` (Megatron's f and g).
 """
 
+from dtrain.layout import Split
 from dtrain.tensor_parallel.functions import (
     copy_to_group,
     gather_last,
@@ -30,7 +31,6 @@ from dtrain.tensor_parallel.layers import (
 from dtrain.tensor_parallel.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from dtrain.tensor_parallel.parallelize import Colwise, Rowwise, Vocab, VocabLoss, parallelize
 from dtrain.tensor_parallel.plans import bert_plan, gpt_plan
-from dtrain.tensor_parallel.split import Split
 from dtrain.tensor_parallel.state import (
     clip_grad_norm_,
     full_grads,

@@ -6,7 +6,7 @@
 
 A column-parallel layer followed by a row-parallel one (an MLP, or attention's QKV and
 output projection) communicates once forward and once backward. Each layer's `splits`
-says how its parameters are cut (dtrain.tensor_parallel.split), which is what
+says how its parameters are cut (dtrain.layout.Split), which is what
 `parallelize`, the state functions and gradient clipping read.
 
 Built directly, a layer initializes its own block like the torch layer it replaces;
@@ -24,13 +24,13 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.errors import ConfigError
+from dtrain.layout import Split
 from dtrain.tensor_parallel.functions import (
     copy_to_group,
     gather_last,
     reduce_from_group,
     scatter_last,
 )
-from dtrain.tensor_parallel.split import Split
 
 
 def per_rank(total: int, size: int, what: str, chunks: int = 1) -> int:

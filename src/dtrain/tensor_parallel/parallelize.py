@@ -25,6 +25,7 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.errors import ConfigError
+from dtrain.layout import Split
 from dtrain.parallel.replicas import broadcast_state
 from dtrain.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -32,7 +33,6 @@ from dtrain.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 from dtrain.tensor_parallel.loss import VocabParallelCrossEntropy
-from dtrain.tensor_parallel.split import Split
 
 
 def _expect(name: str, module: nn.Module, kind: type, style: str) -> None:

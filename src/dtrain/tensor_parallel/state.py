@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from dtrain import comm
-from dtrain.tensor_parallel.split import Split
+from dtrain.layout import Split
+from dtrain.parallel import clip
+from dtrain.parallel.clip import GradPart
 
 Placement = tuple[Split, comm.Group]
 
@@ -111,32 +113,22 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale gradients so the norm of the whole (unsplit) gradient is at most `max_norm`;
     returns that norm. Split parameters' squares are summed across their group, replicated
-    ones are counted once (collective)."""
+    ones are counted once (collective; dtrain.parallel.clip with parts over "tp" and ()).
+
+    Raises:
+        ValueError: the model's layers use several tensor-parallel groups.
+    """
     where = _by_tensor(model)
     params = [p for p in model.parameters() if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
-    split_sq = torch.zeros((), dtype=torch.float64, device=device)
-    replicated_sq = torch.zeros((), dtype=torch.float64, device=device)
-    groups = {}
-    for p in params:
-        sq = p.grad.detach().double().pow(2).sum()
-        if id(p) in where:
-            split_sq += sq
-            group = where[id(p)][1]
-            groups[id(group)] = group
-        else:
-            replicated_sq += sq
+    groups = {id(where[id(p)][1]): where[id(p)][1] for p in params if id(p) in where}
     if len(groups) > 1:
         raise ValueError("clip_grad_norm_: the model's layers use different tensor-parallel "
                          "groups; parallelize it with one group")
-    for group in groups.values():
-        comm.all_reduce(split_sq, group=group)
-    total = (split_sq + replicated_sq).sqrt().float()
-    scale = min(1.0, max_norm / (total.item() + 1e-6))
-    if scale < 1.0:
-        for p in params:
-            p.grad.mul_(scale)
-    return total
+    parts = [GradPart(p.grad, over=("tp",) if id(p) in where else ()) for p in params]
+    tp = {"tp": next(iter(groups.values()))} if groups else {}  # none: nothing is split
+    norm = clip.clip_grad_norm_(parts, max_norm, tp, device)
+    return torch.tensor(norm, dtype=torch.float32, device=device)
 
 
 def parameter_bytes(model: nn.Module) -> dict[str, int]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from dtrain.errors import ConfigError
@@ -13,3 +14,20 @@ def check_output(flag: str, path: str | None) -> None:
     work is done; empty or "-" (standard output) passes."""
     if path and path != "-" and not Path(path).absolute().parent.is_dir():
         raise ConfigError(f"{flag} {path!r}: its folder does not exist")
+
+
+def parse_list(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    """The comma-separated names in `text`, in order, without repeats.
+
+    Raises:
+        ConfigError: a name is not in `allowed`, or there is none.
+    """
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    for name in names:
+        if name not in allowed:
+            close = difflib.get_close_matches(name, allowed, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{flag}: unknown {name!r} ({hint}choose from {', '.join(allowed)})")
+    if not names:
+        raise ConfigError(f"{flag} is empty: choose from {', '.join(allowed)}")
+    return names

@@ -21,10 +21,8 @@ counts and with the bandwidth of the links.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -33,7 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import ConfigError, exit_code_of
-from dtrain.tools import check_output
+from dtrain.sizes import parse_size
+from dtrain.tools import check_output, parse_list
 
 if TYPE_CHECKING:  # torch is imported on use, so `dtrain --help` starts without it
     import torch
@@ -48,40 +47,6 @@ SECONDS_PER_POINT = 0.5  # timed calls per row: about this long, at most --iters
 WARMUP_SECONDS = 0.1  # warm-up calls after the first: about this long, at most --warmup - 1
 ROUNDS = 20  # the timed calls of the algorithms at one size take turns in this many rounds
 ELEMENT_BYTES = 4  # float32
-
-_SIZE = re.compile(r"(\d+)(?:([kmg])(i?b)?|b)?", re.IGNORECASE)
-
-
-def parse_size(text: str, flag: str = "size") -> int:
-    """Bytes in `text`: a number with an optional K, M or G suffix (multiples of 1024).
-
-    Raises:
-        ConfigError: `text` is not such a size, or is zero.
-    """
-    match = _SIZE.fullmatch(text.strip())
-    if match is None or int(match.group(1)) == 0:
-        raise ConfigError(
-            f"{flag} {text!r} is not a size in bytes: use e.g. 4, 64K, 16M, 1G (K = 1024)"
-        )
-    return int(match.group(1)) << 10 * " KMG".index((match.group(2) or " ").upper())
-
-
-def parse_list(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
-    """The comma-separated names in `text`, in order, without repeats.
-
-    Raises:
-        ConfigError: a name is not in `allowed`, or there is none.
-    """
-    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
-    for name in names:
-        if name not in allowed:
-            close = difflib.get_close_matches(name, allowed, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"{flag}: unknown {name!r} ({hint}choose from {', '.join(allowed)})")
-    if not names:
-        raise ConfigError(f"{flag} is empty: choose from {', '.join(allowed)}")
-    return names
-
 
 def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     """min_bytes, min_bytes * factor, ... up to max_bytes."""
@@ -276,14 +241,14 @@ def bench(opts: Options) -> list[Record]:
     """
     import torch.distributed as dist
 
-    import dtrain
     from dtrain import comm
+    from dtrain import world as world_mod
     from dtrain.comm import ring
     from dtrain.comm.group import timeout_of
 
     if opts.segment_bytes is not None:
         ring.SEGMENT_BYTES = opts.segment_bytes
-    world = dtrain.init(backend=opts.backends[0])
+    world = world_mod.init(backend=opts.backends[0])
     show = _printer(world.rank == 0)
     records: list[Record] = []
     for backend in opts.backends:

@@ -18,20 +18,17 @@ import functools
 import json
 import math
 import os
-import re
 import sys
 import time
 
 from dtrain.errors import ConfigError
+from dtrain.sizes import parse_size
 from dtrain.tools import check_output
-
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
-          "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define `dtrain plan`'s options on `parser`."""
-    from dtrain.train.config import add_config_arguments
+    from dtrain.config import add_config_arguments
 
     add_config_arguments(parser, "a dtrain train TOML config (its model, batch, optimizer "
                          "and nproc); default: the built-in one", "model.n_layer=12")
@@ -57,21 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pipeline schedules to consider: gpipe,1f1b (default 1f1b)")
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON ('-': "
                         "standard output, instead of the table)")
-
-
-def parse_size(text: str) -> float:
-    """'80GB' -> 8e10, '24GiB' -> 24 * 2**30.
-
-    Raises:
-        ConfigError: not a number with one of the units B, KB, MB, GB, TB, KiB .. TiB.
-    """
-    match = re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"--memory {text!r}: give a size like 80GB or 24GiB")
-    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if size <= 0:
-        raise ConfigError(f"--memory {text!r} must be more than 0")
-    return size
 
 
 def _size(nbytes: float) -> str:
@@ -121,8 +103,8 @@ def _links(args: argparse.Namespace):
 
 def plan_command(args: argparse.Namespace) -> None:
     """Run `dtrain plan` as parsed by the CLI."""
+    from dtrain.config import load_config
     from dtrain.planner import plan, profile_factory, profile_gpt, recommend
-    from dtrain.train.config import load_config
 
     overrides = list(args.overrides) + [
         f"model.{key}={getattr(args, key)}" for key in
@@ -142,7 +124,7 @@ def plan_command(args: argparse.Namespace) -> None:
     if not schedules:
         raise ConfigError("--schedules is empty: give gpipe, 1f1b or both (gpipe,1f1b)")
     check_output("--json", args.json)
-    memory, memory_from = ((parse_size(args.memory), "given") if args.memory
+    memory, memory_from = ((parse_size(args.memory, "--memory"), "given") if args.memory
                            else _default_memory(devices))
     flops = args.tflops * 1e12 if args.tflops else measured_flops()
     links = _links(args)

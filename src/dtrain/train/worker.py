@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from dtrain.config import config_from_dict
 from dtrain.errors import exit_code_of
-from dtrain.train.config import config_from_dict
 from dtrain.train.trainer import train
 
 

@@ -14,9 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from dtrain.config import layout_of, load_config
 from dtrain.errors import ConfigError
-from dtrain.mesh import resolve_layout
-from dtrain.train.config import load_config, per_rank_batch
 
 
 def train_command(args: argparse.Namespace) -> None:
@@ -56,21 +55,19 @@ def train_command(args: argparse.Namespace) -> None:
     from dtrain.launch.runner import LaunchSpec, launch
 
     world_size = config.parallel.nproc * args.nnodes
-    layout = resolve_layout(world_size, config.parallel.dp or None, config.parallel.tp,
-                            config.parallel.pp)
-    per_rank_batch(config, layout.dp)
+    layout_of(config, world_size)  # the check every rank makes again
     if config.data.path:  # a bad corpus costs no start-up either (the ranks read it again)
         from dtrain.train.data import read_corpus, split
 
         split(read_corpus(config.data.path, config.data.max_bytes), config.data.val_fraction,
               config.model.block_size)
-    from dtrain import checkpoint
+    from dtrain.checkpoint import atomic
 
     out_dir = Path(config.train.out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         text = config.to_json().encode()  # atomic: another machine's ranks may be reading it
-        checkpoint.write_atomic(out_dir / "config.json", lambda f: f.write(text))
+        atomic.write_atomic(out_dir / "config.json", lambda f: f.write(text))
     except OSError as exc:
         raise ConfigError(f"train.out_dir {str(out_dir)!r} is not writable: {exc}") from None
     command = [sys.executable, "-u", "-m", "dtrain.train.worker", str(out_dir / "config.json")]

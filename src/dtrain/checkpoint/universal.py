@@ -42,9 +42,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dtrain import checkpoint, faults
+from dtrain import faults
+from dtrain.checkpoint import atomic
 from dtrain.errors import DtrainError
-from dtrain.tensor_parallel.split import Split
+from dtrain.layout import Split
 
 FORMAT = "dtrain.universal/1"
 INDEX = "index.json"
@@ -125,7 +126,7 @@ def save(folder: str | Path, step: int, pieces: list[Piece], extra: dict[str, An
     if rank == 0:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            listed = {e["file"] for e in checkpoint.read_index(folder)}
+            listed = {e["file"] for e in atomic.read_index(folder)}
             for stale in [*folder.glob(".step-*.tmp"), *folder.glob("step-*")]:
                 if stale.is_dir() and stale.name not in listed:  # left by crashed saves
                     shutil.rmtree(stale, ignore_errors=True)
@@ -139,11 +140,11 @@ def save(folder: str | Path, step: int, pieces: list[Piece], extra: dict[str, An
     data = tmp / _name(rank, "safetensors")
     try:
         save_file(tensors, str(data))
-        checkpoint.fsync(data)
+        atomic.fsync(data)
         side = {"pieces": [p.describe(data.name) for p in pieces], "extra": extra,
-                "sha256": checkpoint.sha256(data)}
+                "sha256": atomic.sha256(data)}
         (tmp / _name(rank, "json")).write_text(json.dumps(side))
-        checkpoint.fsync(tmp / _name(rank, "json"))
+        atomic.fsync(tmp / _name(rank, "json"))
         faults.at("save")
         if g is not None:
             comm.barrier(group=g)
@@ -161,7 +162,7 @@ def _not_saved(folder: Path, step: int, exc: Exception) -> DtrainError:
     """The one line a failed save ends a run with: why, and what is still there."""
     why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     why = why.rpartition("I/O error: ")[2]  # safetensors': "...: I/O error: File too large"
-    entries = [e for e in checkpoint.read_index(folder) if e.get("format") == FORMAT]
+    entries = [e for e in atomic.read_index(folder) if e.get("format") == FORMAT]
     kept = (f"the previous checkpoint {folder / entries[-1]['file']} is kept" if entries
             else "there is no earlier checkpoint")
     return DtrainError(f"checkpoint of step {step} not saved in {folder}: {why}; {kept}")
@@ -178,7 +179,7 @@ def _publish(folder: Path, tmp: Path, final: Path, step: int, size: int,
         side_path = tmp / _name(rank, "json")
         side = json.loads(side_path.read_text())
         files[_name(rank, "safetensors")] = side["sha256"]
-        files[side_path.name] = checkpoint.sha256(side_path)
+        files[side_path.name] = atomic.sha256(side_path)
         for key, value in side["extra"].items():
             extra.setdefault(key, {}).update(value)
         for p in side["pieces"]:
@@ -189,19 +190,19 @@ def _publish(folder: Path, tmp: Path, final: Path, step: int, size: int,
     index = {"format": FORMAT, "step": step, "world_size": size, "meta": meta,
              "extra": extra, "tensors": tensors, "files": files}
     (tmp / INDEX).write_text(json.dumps(index, indent=1))
-    checkpoint.fsync(tmp / INDEX)
-    checkpoint.fsync(tmp)
-    listed = checkpoint.read_index(folder)
+    atomic.fsync(tmp / INDEX)
+    atomic.fsync(tmp)
+    listed = atomic.read_index(folder)
     again = [e for e in listed if e.get("step") == step and e.get("format") == FORMAT]
     target, copy = final, 0
     while target.exists():  # the step saved before (a resumed run): the new one gets a name
         copy += 1  # of its own, and the old one goes only once the index lists the new one
         target = folder / f"{final.name}.{copy}"
     os.replace(tmp, target)
-    checkpoint.fsync(folder)
+    atomic.fsync(folder)
     entries = [e for e in listed if e not in again]
     entries.append({"file": target.name, "step": step, "format": FORMAT})
-    checkpoint.replace_index(folder, entries, keep_last)
+    atomic.replace_index(folder, entries, keep_last)
     for entry in again:
         shutil.rmtree(folder / entry["file"], ignore_errors=True)
     return target
@@ -227,7 +228,7 @@ def latest(path: str | Path) -> Path:
         if not (isinstance(data, dict) and "checkpoints" in data) and (
                 path.name.startswith("step-") or any(path.glob("rank-*.safetensors"))):
             return path  # a damaged checkpoint: Checkpoint() names what is wrong
-    entries = [e for e in checkpoint.read_index(path) if e.get("format") == FORMAT]
+    entries = [e for e in atomic.read_index(path) if e.get("format") == FORMAT]
     if not entries:
         raise DtrainError(f"no checkpoint in {path}: give a checkpoints folder or one "
                           "step-NNNNNNNN folder in it")
@@ -245,7 +246,7 @@ def _check_format(index: Path, data: Any) -> None:
 
 def previous(path: Path) -> Path | None:
     """The checkpoint listed before `path` in its folder's index, if any."""
-    entries = [e for e in checkpoint.read_index(path.parent) if e.get("format") == FORMAT]
+    entries = [e for e in atomic.read_index(path.parent) if e.get("format") == FORMAT]
     names = [e["file"] for e in entries]
     if path.name in names and names.index(path.name) > 0:
         return path.parent / names[names.index(path.name) - 1]
@@ -278,7 +279,7 @@ class Checkpoint:
             file = self.path / name
             if not file.exists():
                 raise self._damaged(file, "missing")
-            if checkpoint.sha256(file) != digest:
+            if atomic.sha256(file) != digest:
                 raise self._damaged(file, "corrupted (checksum mismatch)")
         self.step: int = self.index["step"]
         self.meta: dict[str, Any] = self.index["meta"]

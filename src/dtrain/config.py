@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import ConfigError
+from dtrain.layout import Layout, resolve_layout
 from dtrain.models.gpt import GPTConfig
 from dtrain.ps.settings import CONSISTENCY
 
@@ -313,6 +314,22 @@ def per_rank_batch(config: Config, dp_size: int) -> int:
             f"{micro} micro-batches: make it a multiple of {parts}"
         )
     return config.train.batch_size // (dp_size * config.train.grad_accum)
+
+
+def layout_of(config: Config, world_size: int) -> Layout:
+    """The job's Layout on `world_size` ranks, checked against them: the degrees multiply
+    to the world size and the global batch splits into ranks and micro-batches. The
+    launcher calls it before starting ranks, and every rank calls it again.
+
+    Raises:
+        ConfigError: the degrees or the batch do not fit `world_size`.
+    """
+    p = config.parallel
+    layout = resolve_layout(world_size, p.dp or None, p.tp, p.pp, zero=p.zero,
+                            microbatches=p.microbatches, schedule=p.schedule,
+                            virtual_stages=p.virtual_stages, mode=p.mode)
+    per_rank_batch(config, layout.dp)
+    return layout
 
 
 def add_config_arguments(parser, config_help: str, example: str = "train.steps=50") -> None:

@@ -1,5 +1,8 @@
 """ZeRO's state in and out: full (unsharded) for export, sharded for checkpoints.
 
+Reads and writes a ZeRO wrapper through its public surface only: `units` (dtrain.parallel.
+zero.units.Unit), `optimizer`, `module`, `layout`, `shapes`, `alias`, `group`, `rank`.
+
 Every rank holds, per flat unit, one shard of the master weights and of each per-element
 optimizer state tensor (Adam's exp_avg and exp_avg_sq, SGD's momentum buffer). A shard
 covers pieces of a few parameters, so state is described per parameter as *segments*:
@@ -11,6 +14,7 @@ old shards overlap them.
 - full_state / full_optimizer_state: all-gather each unit and cut it into parameters;
   the result has the keys and layout of the unwrapped module's state_dict and of the
   original optimizer's state_dict (collective; every rank gets it).
+- load_full_state / load_full_optimizer_state: the reverse (each rank keeps its shard).
 - sharded_state / load_sharded_state: this rank's segments, and loading from the
   segments of all ranks of an earlier run (of any size).
 """
@@ -24,12 +28,13 @@ import torch
 
 from dtrain import comm
 from dtrain.errors import DtrainError
+from dtrain.parallel.zero.units import Unit, segment
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from dtrain.parallel.flat import Span
-    from dtrain.parallel.zero import ZeRO, _Unit
+    from dtrain.parallel.zero.wrapper import ZeRO
 
 FORMAT = "dtrain.zero/1"
 Segments = dict[str, list[tuple[int, int, torch.Tensor]]]  # name -> (lo, hi, values)
@@ -53,7 +58,7 @@ def per_element_keys(z: ZeRO) -> tuple[list[str], list[dict[str, torch.Tensor]]]
     return list(keys), scalars
 
 
-def _state_shard(unit: _Unit, z: ZeRO, key: str) -> torch.Tensor:
+def _state_shard(unit: Unit, z: ZeRO, key: str) -> torch.Tensor:
     """Optimizer state `key` laid out like the unit's master shard (zeros where none)."""
     out = torch.zeros_like(unit.master, dtype=torch.float32)
     for _, lo, hi, piece in unit.pieces:
@@ -63,7 +68,7 @@ def _state_shard(unit: _Unit, z: ZeRO, key: str) -> torch.Tensor:
     return out
 
 
-def _gather_unit(z: ZeRO, unit: _Unit, shard: torch.Tensor) -> dict[str, torch.Tensor]:
+def _gather_unit(z: ZeRO, unit: Unit, shard: torch.Tensor) -> dict[str, torch.Tensor]:
     """The unit's parameters (by name, flattened) from every rank's `shard`."""
     whole = comm.all_gather(shard.contiguous(), group=z.group, algorithm=z.algorithm).view(-1)
     return {span.name: whole[span.at : span.at + span.hi - span.lo]
@@ -74,7 +79,7 @@ def _gather_unit(z: ZeRO, unit: _Unit, shard: torch.Tensor) -> dict[str, torch.T
 def full_state(z: ZeRO) -> dict[str, Any]:
     """The unwrapped module's state_dict, parameters from the master weights."""
     values: dict[str, torch.Tensor] = {}
-    for unit in z._units:
+    for unit in z.units:
         values.update(_gather_unit(z, unit, unit.master))
     out = {}
     for name, tensor in z.module.state_dict(keep_vars=True).items():
@@ -89,7 +94,7 @@ def full_optimizer_state(z: ZeRO) -> dict[str, Any]:
     """The original optimizer's state_dict: parameters numbered in its groups' order."""
     keys, scalars = per_element_keys(z)
     gathered: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-    for unit in z._units:
+    for unit in z.units:
         for key in keys:
             for name, value in _gather_unit(z, unit, _state_shard(unit, z, key)).items():
                 gathered[name][key] = value
@@ -107,10 +112,10 @@ def full_optimizer_state(z: ZeRO) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def own_spans(z: ZeRO) -> Iterator[tuple[_Unit, Span]]:
+def own_spans(z: ZeRO) -> Iterator[tuple[Unit, Span]]:
     """(unit, span) for every parameter range this rank's shards hold."""
-    for unit in z._units:
-        for span in unit.flat.spans(*unit.flat.shard(z.rank)):
+    for unit in z.units:
+        for span, _ in unit.shard_spans(z.rank):
             yield unit, span
 
 
@@ -123,12 +128,12 @@ def grad_segments(z: ZeRO) -> Iterator[tuple[str, torch.Tensor]]:
     """(parameter name, view of this rank's reduced gradient shard) per range it holds
     (after backward; for global norms over several kinds of parallelism)."""
     for unit, span in own_spans(z):
-        yield span.name, unit.shard_grad()[span.at : span.at + span.hi - span.lo]
+        yield span.name, segment(unit.shard_grad(), span)
 
 
 def _cut(shard: torch.Tensor, span: Span) -> tuple[int, int, torch.Tensor]:
     """The part of `shard` that `span` locates, as a segment of its parameter."""
-    return span.lo, span.hi, shard[span.at : span.at + span.hi - span.lo].clone()
+    return span.lo, span.hi, segment(shard, span).clone()
 
 
 def master_segments(z: ZeRO) -> Segments:
@@ -143,7 +148,7 @@ def sharded_state(z: ZeRO) -> dict[str, Any]:
     """This rank's shards: master weights and optimizer state as per-parameter segments."""
     keys, scalars = per_element_keys(z)
     state: dict[str, Segments] = {key: defaultdict(list) for key in keys}
-    shards = {id(unit): {key: _state_shard(unit, z, key) for key in keys} for unit in z._units}
+    shards = {id(unit): {key: _state_shard(unit, z, key) for key in keys} for unit in z.units}
     for unit, span in own_spans(z):
         for key in keys:
             state[key][span.name].append(_cut(shards[id(unit)][key], span))
@@ -172,7 +177,7 @@ def _merge(shards: list[dict[str, Any]]) -> tuple[Segments, dict[str, Segments]]
     return params, state
 
 
-def _fill(unit: _Unit, rank: int, segments: Segments, out: torch.Tensor) -> None:
+def _fill(unit: Unit, rank: int, segments: Segments, out: torch.Tensor) -> None:
     """Copy into `out` (laid out like the unit's shard) the elements `segments` hold."""
     lo, hi = unit.flat.shard(rank)
     for span in unit.flat.spans(lo, hi):
@@ -193,7 +198,7 @@ def load_segments(z: ZeRO, params: Segments, state: dict[str, Segments] | None,
                   param_groups: list[dict[str, Any]] | None) -> None:
     """Set master weights (and optimizer state) from per-parameter segments."""
     scalars = scalars or [{} for _ in z.optimizer.param_groups]
-    for unit in z._units:
+    for unit in z.units:
         _fill(unit, z.rank, params, unit.master)
         if state is None:
             continue
@@ -234,3 +239,44 @@ def whole(tensors: dict[str, torch.Tensor], names: list[str]) -> Segments:
     """Full tensors as segments covering each parameter entirely."""
     return {name: [(0, tensors[name].numel(), tensors[name].reshape(-1))] for name in names
             if name in tensors}
+
+
+@torch.no_grad()
+def load_full_state(z: ZeRO, state_dict: dict[str, Any], strict: bool = True) -> None:
+    """Load a full state_dict (the unwrapped module's keys); each rank keeps its shard.
+
+    Raises:
+        DtrainError: `strict` and a key of the module is missing.
+    """
+    trainable = {z.alias[k]: v for k, v in state_dict.items() if k in z.alias}
+    missing = sorted(set(z.alias.values()) - set(trainable))
+    if strict and missing:
+        raise DtrainError(f"ZeRO.load_state_dict: missing {', '.join(missing[:3])}")
+    rest = {k: v for k, v in state_dict.items() if k not in z.alias}
+    own = {k for k in z.module.state_dict() if k not in z.alias}
+    if strict and own - set(rest):
+        raise DtrainError(f"ZeRO.load_state_dict: missing {', '.join(sorted(own - set(rest)))}")
+    module_state = z.module.state_dict(keep_vars=True)
+    for key, value in rest.items():
+        if key in module_state:
+            module_state[key].copy_(value)
+    load_segments(z, whole(trainable, list(z.shapes)), None, None, None)
+
+
+def load_full_optimizer_state(z: ZeRO, state_dict: dict[str, Any]) -> None:
+    """Load a full optimizer state_dict (as `full_optimizer_state` returns); the master
+    weights are kept as they are."""
+    names = [n for group in z.layout for n in group]
+    per_key: dict[str, dict[str, torch.Tensor]] = {}
+    scalars: list[dict[str, torch.Tensor]] = [{} for _ in z.layout]
+    for k, group in enumerate(state_dict["param_groups"]):
+        for index in group["params"]:
+            for key, value in state_dict["state"].get(index, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    per_key.setdefault(key, {})[names[index]] = value
+                else:
+                    scalars[k].setdefault(key, torch.as_tensor(value))
+    state = {key: whole(values, names) for key, values in per_key.items()}
+    options = [{key: v for key, v in g.items() if key != "params"}
+               for g in state_dict["param_groups"]]
+    load_segments(z, master_segments(z), state, scalars, options)

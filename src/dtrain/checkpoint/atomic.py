@@ -6,7 +6,7 @@ file or none of it. `index.json` (also replaced atomically) lists the checkpoint
 their SHA-256; loading verifies it, so a damaged file is refused by name instead of
 silently loading garbage.
 
-The same index lists the folders of universal checkpoints (dtrain.universal), which every
+The same index lists the folders of universal checkpoints (dtrain.checkpoint.universal), which every
 rank of a run writes together.
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from dtrain.errors import DtrainError
 
-INDEX = "index.json"
+CHECKPOINTS_INDEX = "index.json"
 
 
 def sha256(path: Path) -> str:
@@ -60,7 +60,7 @@ def write_atomic(path: Path, write) -> None:
 
 def read_index(folder: str | Path) -> list[dict[str, Any]]:
     """The checkpoints recorded in `folder`, oldest first (empty if there are none)."""
-    index = Path(folder) / INDEX
+    index = Path(folder) / CHECKPOINTS_INDEX
     if not index.exists():
         return []
     try:
@@ -88,7 +88,7 @@ def replace_index(folder: Path, entries: list[dict[str, Any]], keep_last: int) -
     """Write the index with the newest `keep_last` entries, then delete the others' files."""
     kept, dropped = entries[-keep_last:], entries[:-keep_last]
     payload = json.dumps({"checkpoints": kept}, indent=2).encode()
-    write_atomic(folder / INDEX, lambda f: f.write(payload))
+    write_atomic(folder / CHECKPOINTS_INDEX, lambda f: f.write(payload))
     for entry in dropped:
         path = folder / entry["file"]
         if path.is_dir():
@@ -117,6 +117,6 @@ def load(folder: str | Path, step: int | None = None) -> dict[str, Any]:
         raise DtrainError(f"checkpoint file {path} is corrupted (checksum mismatch)")
     if path.is_dir():
         raise DtrainError(f"checkpoint {path} is a universal checkpoint: open it with "
-                          "dtrain.universal.Checkpoint")
+                          "dtrain.checkpoint.universal.Checkpoint")
     return torch.load(path, map_location="cpu", weights_only=True)
 

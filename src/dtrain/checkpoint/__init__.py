@@ -1,0 +1,8 @@
+"""Checkpoints that a crash cannot corrupt and any layout can read.
+
+- `dtrain.checkpoint.atomic`: files written atomically with checksums, and the list of a
+  folder's checkpoints (`index.json` of the checkpoints folder).
+- `dtrain.checkpoint.universal`: the layout-free format (logical tensors in pieces, one
+  `index.json` per checkpoint) and `export` to one plain state_dict.
+- `dtrain.checkpoint.training`: what `dtrain train` saves and how it resumes.
+"""

@@ -1,0 +1,97 @@
+"""A training run's checkpoints: what `dtrain train` saves and how it resumes.
+
+A save writes every rank's pieces of the model and optimizer (its Holding's `state()`)
+into a universal checkpoint (dtrain.checkpoint.universal), with the run's config, layout,
+optimizer options, learning-rate schedule, fp16 loss scale and each rank's RNG state.
+Restoring sets the same from a checkpoint of any layout; the RNG only when the layout is
+the one that saved it (its ranks are then the same ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain.checkpoint import atomic
+from dtrain.checkpoint.universal import Checkpoint
+from dtrain.checkpoint.universal import save as save_pieces
+from dtrain.errors import ConfigError, DtrainError
+from dtrain.layout import Layout
+
+
+def resume_path(resume: str, out_dir: str | Path) -> str | None:
+    """The checkpoint to resume from: `resume` ("auto": the newest in the run's folder,
+    if any; or a path), and after an elastic restart the newest one in the run's folder."""
+    if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        resume = "auto"
+    if resume == "auto":
+        resume = str(Path(out_dir) / "checkpoints")
+        if not atomic.read_index(resume):
+            return None
+    return resume or None
+
+
+def open_checkpoint(path: str, model: dict[str, Any]) -> Checkpoint:
+    """The checkpoint at `path`, checked to hold the model configured as `model` (the
+    config's `[model]` section).
+
+    Raises:
+        ConfigError: no checkpoint there, a damaged one, or one of another model.
+    """
+    try:
+        ckpt = Checkpoint(path)
+    except DtrainError as exc:
+        raise ConfigError(f"checkpoint.resume: {exc}") from None
+    saved = ckpt.meta.get("config", {}).get("model")
+    if saved is not None and saved != model:
+        diff = [f"model.{k} = {saved[k]!r} there, {model[k]!r} here" for k in model
+                if saved.get(k) != model[k]]
+        raise ConfigError(f"checkpoint {ckpt.path} holds another model ({'; '.join(diff)}): "
+                          "resume with the config it was trained with")
+    return ckpt
+
+
+def save(folder: Path, step: int, held: Any, schedulers: list, config: dict[str, Any],
+         keep_last: int) -> Path:
+    """Every rank of `held.checkpoint_group` writes the pieces it owns into the checkpoint
+    of `step` in `folder`, with its RNG state; the first adds the run's description
+    (`config`: the config as a dict). Returns the checkpoint's folder."""
+    target = folder / f"step-{step:08d}"
+    if not held.writes_checkpoint:
+        return target
+    pieces, extra = held.state()
+    optimizer = schedulers[0].optimizer
+    meta = {"config": config, "layout": held.layout.to_dict(), "aliases": held.aliases(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                             for g in optimizer.param_groups],
+            "scheduler": schedulers[0].state_dict(), "loss_scale": held.loss_scale}
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return save_pieces(folder, step, pieces, extra, json.loads(json.dumps(meta, default=str)),
+                       keep_last, group=held.checkpoint_group, rank_tensors=rng)
+
+
+def restore(ckpt: Checkpoint, held: Any, schedulers: list, layout: Layout) -> None:
+    """Model, optimizer state, options, schedule and loss scale from `ckpt`; the RNG too
+    when `layout` on this many ranks is the one that saved it."""
+    held.restore(ckpt)
+    for optimizer, scheduler in zip(held.optimizers, schedulers, strict=True):
+        for group, options in zip(optimizer.param_groups, ckpt.meta["param_groups"],
+                                  strict=False):
+            group.update({k: tuple(v) if isinstance(v, list) else v
+                          for k, v in options.items() if k in group})
+        scheduler.load_state_dict(ckpt.meta["scheduler"])
+    held.loss_scale = ckpt.meta.get("loss_scale", 1.0)
+    saved = ckpt.meta["layout"]
+    if ckpt.index["world_size"] == layout.world_size and saved["tp"] == layout.tp \
+            and saved["pp"] == layout.pp:
+        rng = ckpt.rank_tensors(dist.get_rank() if dist.is_initialized() else 0)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])

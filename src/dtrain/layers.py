@@ -1,0 +1,44 @@
+"""The layer order of the package, bottom to top: the one place it is written down.
+
+A module may import modules of its own layer or of a lower one, never a higher one, and
+the imports never form a cycle; tests/test_layers.py parses every import and enforces
+both. A module belongs to the layer of the longest prefix below that names it.
+"""
+
+from __future__ import annotations
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("definitions", ("dtrain.errors", "dtrain.sizes", "dtrain.layout", "dtrain.layers")),
+    ("timeline", ("dtrain.timeline",)),
+    ("world", ("dtrain.world",)),
+    ("collectives", ("dtrain.comm",)),
+    ("mesh", ("dtrain.mesh", "dtrain.faults")),
+    ("checkpoint", ("dtrain.checkpoint",)),
+    ("models", ("dtrain.models",)),
+    ("data parallel", ("dtrain.parallel",)),
+    ("tensor parallel", ("dtrain.tensor_parallel",)),
+    ("pipeline, parameter servers", ("dtrain.pipeline", "dtrain.ps")),
+    ("config", ("dtrain.config",)),
+    ("layouts", ("dtrain.layouts",)),
+    ("planner", ("dtrain.planner",)),
+    ("training job", ("dtrain.train",)),
+    ("launcher", ("dtrain.launch",)),
+    ("tools", ("dtrain.tools",)),
+    ("front", ("dtrain.cli", "dtrain.testing", "dtrain")),
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of `module` (a dotted name inside dtrain).
+
+    Raises:
+        KeyError: no layer names the module.
+    """
+    best, found = -1, None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), index
+    if found is None:
+        raise KeyError(f"{module} is in no layer of dtrain.layers.LAYERS: add it there")
+    return found

@@ -1,0 +1,64 @@
+"""Parameter-server training: each worker trains a whole replica, pushes its gradients to
+the servers (dtrain.ps) that hold the model and its optimizer, and pulls the new values.
+No collective runs per step, so asynchronous workers never wait on each other."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torch import nn
+
+from dtrain import ps
+from dtrain.layout import Layout
+from dtrain.layouts.holding import Holding
+from dtrain.layouts.state import Names, Tensors
+from dtrain.mesh import Mesh
+
+
+def ps_settings(config: Any) -> ps.Settings:
+    """The parameter servers' rules from the config (the optimizer runs on the servers)."""
+    o, p = config.optimizer, config.parallel
+    return ps.Settings(p.consistency, p.staleness if p.consistency == "ssp" else 0,
+                       optimizer=o.name, lr=o.lr, momentum=o.momentum, betas=tuple(o.betas),
+                       weight_decay=o.weight_decay)
+
+
+class ParameterServer(Holding):
+    """A worker's replica; its optimizer is remote (step() pushes and pulls, and carries
+    the scheduler's learning rate along)."""
+
+    checkpoint_group = None  # the first worker writes its replica alone; the optimizer
+    # state lives in the servers' snapshots
+
+    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any) -> None:
+        # Pushes overlap backward unless the gradient must first be clipped whole.
+        self.worker = ps.Worker(model, ps_settings(config),
+                                overlap=config.optimizer.grad_clip == 0)
+        self.layout, self.module, self.names = layout, model, Names(model)
+        self.optimizers = [ps.RemoteOptimizer(self.worker)]
+        self.held = [Tensors(self.names, list(model.parameters()))]
+        self.groups = {}  # each worker clips its own gradient
+        self.accum = config.train.grad_accum
+        self.writes_checkpoint = mesh.world.is_main
+        pc = config.parallel
+        self._how = (f"{pc.consistency} parameter-server training with {pc.servers} "
+                     "server(s) per machine")
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return self.worker.accumulate()
+
+    def step(self) -> None:
+        self.optimizers[0].step()
+
+    def zero_grad(self) -> None:
+        self.optimizers[0].zero_grad(set_to_none=True)
+
+    def start(self) -> None:
+        self.worker.start()  # worker 0 seeds the servers with the (restored) weights
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def describe(self) -> str:
+        return self.layout.describe(self._how)

@@ -1,0 +1,57 @@
+"""Pipeline parallelism: the model (or its tp blocks) cut into stages fed with
+micro-batches (dtrain.pipeline), each of this rank's pieces data parallel or ZeRO over dp."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain import pipeline
+from dtrain.layout import Layout
+from dtrain.layouts.holding import Batch, Holding, build_optimizer
+from dtrain.layouts.state import Names, Shards, Tensors
+from dtrain.layouts.zero import zero_of
+from dtrain.mesh import Mesh
+from dtrain.parallel.data_parallel import DataParallel
+
+
+class Pipelined(Holding):
+    """This rank's pipeline pieces, each wrapped over dp, driven by the schedule."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any) -> None:
+        pc, group, dp = config.parallel, mesh.group("pp"), mesh.group("dp")
+        self.layout = layout
+        mine = pipeline.pieces_for(pipeline.gpt_pieces(model, layout.pp * layout.virtual_stages),
+                                   group)
+        tied = pipeline.tied_weights(model, mine, group)
+        self.names = Names(model, tp=(mesh.coords["tp"], layout.tp),
+                           skip={id(p) for p, peer in tied if peer < group.rank()})
+        if layout.zero:
+            wrapped = [zero_of(piece, dp, config) for piece in mine]
+            self.optimizers = [z.optimizer for z in wrapped]
+            self.held = [Shards(self.names, z) for z in wrapped]
+        else:
+            wrapped = [DataParallel(piece, group=dp, bucket_mb=pc.bucket_mb,
+                                    grad_dtype=pc.grad_dtype) for piece in mine]
+            params = list(nn.ModuleList(mine).parameters())
+            self.optimizers = [build_optimizer(params, config.optimizer)]
+            self.held = [Tensors(self.names, params, self.optimizers[0],
+                                 dp=(mesh.coords["dp"], layout.dp))]
+        self.module = nn.ModuleList(wrapped)
+        self.pipe = pipeline.Pipeline(wrapped, group, microbatches=layout.microbatches,
+                                      schedule=layout.schedule,
+                                      loss_fn=pipeline.gpt_loss_of(model), tied=tied)
+        self.groups = {"dp": dp, "tp": mesh.group("tp"), "pp": group}
+        self.loss_group = dp
+
+    def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
+        """The pipeline accumulates its micro-batches itself: one batch per step (its
+        forwards and backwards interleave, with spans of their own)."""
+        (x, y), = batches
+        return self.pipe.step(x, y).detach()
+
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.pipe.evaluate(x, y)

@@ -1,0 +1,52 @@
+"""Sharded data parallelism: parameters, gradients and optimizer state split over dp
+(dtrain.ZeRO stages 1-3), on the whole model or its tp blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.layout import Layout
+from dtrain.layouts.holding import Holding, build_optimizer
+from dtrain.layouts.state import Names, Shards
+from dtrain.mesh import Mesh
+from dtrain.parallel.zero import ZeRO
+
+
+def zero_of(module: nn.Module, group: Any, config: Any) -> ZeRO:
+    """`module` wrapped in ZeRO over `group` as `[parallel]` and `[optimizer]` say."""
+    pc = config.parallel
+    mixed = None if pc.mixed_precision == "fp32" else pc.mixed_precision
+    return ZeRO(module, lambda _: build_optimizer(module.parameters(), config.optimizer),
+                stage=pc.zero, group=group, bucket_mb=pc.bucket_mb, mixed_precision=mixed)
+
+
+class Sharded(Holding):
+    """The model, whole or split over tp, sharded over dp by one ZeRO wrapper."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any) -> None:
+        self.layout, self.names = layout, Names(model, tp=(mesh.coords["tp"], layout.tp))
+        self.module = self.zero = zero_of(model, mesh.group("dp"), config)
+        self.optimizers = [self.zero.optimizer]
+        self.held = [Shards(self.names, self.zero)]
+        self.groups = {"dp": mesh.group("dp"), "tp": mesh.group("tp")}
+        self.loss_group = mesh.group("dp")
+        self.accum = config.train.grad_accum
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.zero.backward(loss)  # scales the loss under fp16
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        if self.layout.tp == 1:  # ZeRO's own also skips a step's clip on fp16 overflow
+            return float(self.zero.clip_grad_norm_(max_norm))
+        return super().clip_grad_norm_(max_norm)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.zero.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.zero.loss_scale = value

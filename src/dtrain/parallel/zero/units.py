@@ -1,0 +1,224 @@
+"""The flat units on one rank: which parameters each packs, and its buffers.
+
+A unit (dtrain.parallel.flat.FlatUnit) lays some parameters end to end in one flat buffer
+cut into one equal shard per rank. `Unit` adds this rank's tensors for it: the full buffer
+the module's parameters view, this rank's master shard, and the gradient buffers.
+`build_units` packs a module's trainable parameters into units for a ZeRO stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain import comm
+from dtrain.errors import DtrainError
+from dtrain.parallel.flat import FlatUnit, Span, split_by_size
+
+Named = list[tuple[str, nn.Parameter]]
+
+
+@dataclass
+class Unit:
+    """One flat unit's tensors on this rank.
+
+    Attributes:
+        flat: the layout: parameters, their offsets, the shards (dtrain.parallel.flat).
+        full: the whole unit in the compute dtype, padded; the module's parameters are
+            views of it (stage 3: its storage is released between uses).
+        master: this rank's shard in the parameters' dtype (the optimizer updates it; a
+            view of `full` when no copy is needed).
+        module: stage 3: the submodule whose forward gathers the unit (None otherwise).
+        grad: the unsharded gradient being accumulated (compute dtype), or None.
+        pending: parameters whose gradient the current backward has not produced yet.
+        gathering: stage 3: the all-gather in flight, if any.
+        gathered: whether `full` holds the parameters now.
+        backward_started: stage 3: whether this backward has gathered the unit already.
+        pieces: (optimizer parameter group, lo, hi, the optimizer's parameter): where each
+            group meets this rank's shard; the optimizer's parameters are views of `master`.
+        grad_shard: the gradient of `master`, reduced over the group (None until used).
+    """
+
+    flat: FlatUnit
+    full: torch.Tensor
+    master: torch.Tensor
+    module: nn.Module | None = None
+    grad: torch.Tensor | None = None
+    pending: int = 0
+    gathering: Any = None
+    gathered: bool = True
+    backward_started: bool = False
+    pieces: list[tuple[int, int, int, nn.Parameter]] = field(default_factory=list)
+    grad_shard: torch.Tensor | None = None
+
+    def shard_grad(self) -> torch.Tensor:
+        """The gradient shard, created (zero) on first use; the pieces' .grad view it."""
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros_like(self.master)
+            for _, lo, hi, piece in self.pieces:
+                piece.grad = self.grad_shard[lo:hi]
+        return self.grad_shard
+
+    def drop_grad_shard(self) -> None:
+        """Release the gradient shard (and the pieces' .grad views of it)."""
+        self.grad_shard = None
+        for *_, piece in self.pieces:
+            piece.grad = None
+
+    def reset_backward(self) -> None:
+        """Ready for the next backward: every parameter's gradient still to come."""
+        self.pending = len(self.flat.params)
+        self.backward_started = False
+
+    def start_gather(self, group: Any, algorithm: str) -> None:
+        """Stage 3: start all-gathering `full` from every rank's master shard."""
+        if self.gathered or self.gathering is not None:
+            return
+        self.gathering = comm.all_gather(self.master.to(self.full.dtype), group=group,
+                                         async_op=True, algorithm=algorithm)
+
+    @torch.no_grad()
+    def gather(self, group: Any, algorithm: str) -> None:
+        """Stage 3: make `full` hold the parameters again (waits for the all-gather)."""
+        if self.gathered:
+            return
+        self.start_gather(group, algorithm)
+        gathered = self.gathering.wait()
+        self.gathering = None
+        self.full.untyped_storage().resize_(self.flat.padded * self.full.element_size())
+        self.full.copy_(gathered)
+        self.gathered = True
+
+    def free(self) -> None:
+        """Stage 3: release `full`'s memory until the next gather."""
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def shard_spans(self, rank: int) -> Iterator[tuple[Span, nn.Parameter]]:
+        """(span, parameter) for each parameter's elements that `rank`'s shard holds;
+        `span.at` is in shard coordinates (see `segment`)."""
+        params = dict(zip(self.flat.names, self.flat.params, strict=True))
+        for span in self.flat.spans(*self.flat.shard(rank)):
+            yield span, params[span.name]
+
+    def param_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The view of `grad` (created as zeros if needed) that holds `param`'s gradient;
+        None when `param` is not one of the unit's parameters."""
+        for p, offset in zip(self.flat.params, self.flat.offsets, strict=True):
+            if p is param:
+                if self.grad is None:
+                    self.grad = torch.zeros_like(self.full)
+                return self.grad[offset : offset + p.numel()].view(p.shape)
+        return None
+
+
+def segment(shard: torch.Tensor, span: Span) -> torch.Tensor:
+    """The part of a shard-shaped tensor that `span` locates (a view)."""
+    return shard[span.at : span.at + span.hi - span.lo]
+
+
+def one_dtype(named: Named) -> torch.dtype:
+    """The parameters' one dtype.
+
+    Raises:
+        DtrainError: the parameters have several dtypes.
+    """
+    dtypes = {p.dtype for _, p in named}
+    if len(dtypes) > 1:
+        raise DtrainError(f"ZeRO: parameters of several dtypes {sorted(map(str, dtypes))}; "
+                          "cast the model to one dtype")
+    return dtypes.pop()
+
+
+def unit_bytes(units: list[Unit]) -> dict[str, int]:
+    """Bytes the units hold now: "params" (`full`, as materialized), "master" (shards
+    that are not views of `full`) and "grads" (gradient shards and unsharded buffers)."""
+    params = sum(u.full.untyped_storage().nbytes() for u in units)
+    masters = sum(u.master.numel() * u.master.element_size() for u in units
+                  if u.master.untyped_storage().data_ptr()
+                  != u.full.untyped_storage().data_ptr())
+    grads = sum((u.grad_shard.numel() * u.grad_shard.element_size()
+                 if u.grad_shard is not None else 0)
+                + (u.grad.numel() * u.grad.element_size() if u.grad is not None else 0)
+                for u in units)
+    return {"params": params, "master": masters, "grads": grads}
+
+
+@dataclass
+class Built:
+    """Units in the order their gradients are reduced (the reverse of forward), and for
+    stage 3 the root unit (what no submodule unit claims) and the others in forward order."""
+
+    units: list[Unit]
+    root: Unit | None
+    chain: list[Unit]
+
+
+def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage: int,
+                units: list[nn.Module] | None, bucket_mb: float, rank: int, size: int,
+                param_dtype: torch.dtype, compute_dtype: torch.dtype) -> Built:
+    """Pack `named` (trainable parameters) into units: stage 3 one per submodule of
+    `units` (default every element of every nn.ModuleList) plus the root; stages 1-2
+    buckets of about `bucket_mb` in reverse order. `group_of` maps id(parameter) to its
+    optimizer parameter group. The parameters become views of the units' `full`."""
+    if stage == 3:
+        runs = _module_runs(module, named, units)
+    else:
+        runs = [(run, None) for run in split_by_size(list(reversed(named)),
+                                                     int(bucket_mb * 2**20))]
+    built: list[Unit | None] = []
+    for run, unit_module in runs:
+        if not run:
+            built.append(None)
+            continue
+        run = sorted(run, key=lambda item: group_of[id(item[1])])
+        flat = FlatUnit([n for n, _ in run], [p for _, p in run],
+                        [group_of[id(p)] for _, p in run], size)
+        built.append(_make_unit(flat, unit_module, stage, rank, param_dtype, compute_dtype))
+    if stage != 3:
+        return Built(built, None, [])
+    return Built([u for u in reversed(built) if u is not None], built[0], built[1:])
+
+
+def _module_runs(module: nn.Module, named: Named, units: list[nn.Module] | None
+                 ) -> list[tuple[Named, nn.Module]]:
+    """Stage 3: (parameters, module) per unit, the root (what no unit claims, maybe
+    nothing) first, then the units in forward order."""
+    if units is None:
+        units = [m for lst in module.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    owner: dict[int, int] = {}
+    for k, m in enumerate(units):
+        for p in m.parameters():
+            if id(p) in owner and owner[id(p)] != k:
+                raise DtrainError("ZeRO stage 3: a parameter is shared by two units; "
+                                  "make them one unit")
+            owner[id(p)] = k
+    runs = [([(n, p) for n, p in named if id(p) not in owner], module)]
+    for k, m in enumerate(units):
+        run = [(n, p) for n, p in named if owner.get(id(p)) == k]
+        if run:
+            runs.append((run, m))
+    return runs
+
+
+@torch.no_grad()
+def _make_unit(flat: FlatUnit, module: nn.Module | None, stage: int, rank: int,
+               param_dtype: torch.dtype, compute_dtype: torch.dtype) -> Unit:
+    mixed = compute_dtype != param_dtype
+    values = torch.zeros(flat.padded, dtype=param_dtype, device=flat.params[0].device)
+    for p, offset in zip(flat.params, flat.offsets, strict=True):
+        values[offset : offset + p.numel()] = p.detach().reshape(-1)
+    lo, hi = flat.shard(rank)
+    full = values if not mixed else values.to(compute_dtype)
+    master = values[lo:hi] if not mixed and stage < 3 else values[lo:hi].clone()
+    for p, offset in zip(flat.params, flat.offsets, strict=True):
+        p.data = full[offset : offset + p.numel()].view(p.shape)
+    unit = Unit(flat, full, master, module)
+    if stage == 1:
+        unit.grad = torch.zeros_like(full)
+    return unit

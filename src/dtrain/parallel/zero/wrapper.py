@@ -1,0 +1,393 @@
+"""The ZeRO module: hooks that gather, free and reduce-scatter flat units (.units), the
+step over this rank's shards (.optimizer), the clip; state in and out is in .state."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from dtrain import comm
+from dtrain.errors import DtrainError
+from dtrain.parallel import clip
+from dtrain.parallel.buckets import launch_ready
+from dtrain.parallel.clip import GradPart
+from dtrain.parallel.data_parallel import parse_dtype
+from dtrain.parallel.replicas import broadcast_state, check_same_model
+from dtrain.parallel.zero import state as zero_state
+from dtrain.parallel.zero.optimizer import OptimizerFactory, group_index, shard_optimizer
+from dtrain.parallel.zero.optimizer import state_bytes as optimizer_bytes
+from dtrain.parallel.zero.units import Unit, build_units, one_dtype, segment, unit_bytes
+
+GROWTH_INTERVAL = 2000  # fp16: steps without overflow before the loss scale doubles
+ParamTest = Callable[[nn.Parameter], bool]
+
+
+class ZeRO(nn.Module):
+    """Wrap a module and its optimizer so that state is sharded across a group.
+
+    Args:
+        module: the model; parameters and buffers are broadcast from the group's first
+            rank at wrap time.
+        optimizer: a factory `params -> torch.optim.Optimizer` (SGD, Adam, AdamW, ...; any
+            optimizer whose state is per element, shaped like the parameter).
+        stage: 1 (optimizer state), 2 (and gradients) or 3 (and parameters).
+        group: the data-parallel group (e.g. `mesh.group("dp")`); default the world.
+        mixed_precision: "bf16" or "fp16" to compute and communicate in that dtype while
+            the optimizer updates fp32 master weights; fp16 adds dynamic loss scaling
+            (call `model.backward(loss)`). None computes in the parameters' dtype.
+        bucket_mb: size of a unit in stages 1 and 2 (gradients go out unit by unit).
+        units: stage 3: the submodules to gather one at a time, in forward order
+            (default: every element of every nn.ModuleList).
+        algorithm: collective algorithm (see dtrain.comm).
+
+    Raises:
+        DtrainError: a bad stage or option, ranks with different models, or an optimizer
+            factory that leaves out trainable parameters.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: OptimizerFactory,
+        stage: int = 2,
+        group: Any = None,
+        mixed_precision: torch.dtype | str | None = None,
+        bucket_mb: float = 25.0,
+        units: list[nn.Module] | None = None,
+        algorithm: str = "auto",
+    ) -> None:
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise DtrainError(f"ZeRO stage={stage!r}: use 1, 2 or 3")
+        if bucket_mb <= 0:
+            raise DtrainError(f"ZeRO bucket_mb={bucket_mb} must be positive")
+        self.module, self.stage, self.algorithm = module, stage, algorithm
+        self.group = comm.resolve(group)
+        self.rank, self.size = self.group.rank, self.group.size
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise DtrainError("ZeRO: the module has no trainable parameters")
+        if self.size > 1:
+            check_same_model([p for _, p in named], self.group, "ZeRO", algorithm)
+            broadcast_state(module, self.group, algorithm)
+        self.param_dtype = one_dtype(named)
+        self.compute_dtype = parse_dtype(mixed_precision) or self.param_dtype
+        self.mixed = self.compute_dtype != self.param_dtype
+        self._scale = 2.0**16 if self.compute_dtype == torch.float16 else 1.0
+        self._good_steps = 0
+        self._overflow: bool | None = None
+
+        template = optimizer([p for _, p in named])
+        group_of = group_index(template, named)
+        name_of = {id(p): n for n, p in named}
+        self.layout = [[name_of[id(p)] for p in g["params"]] for g in template.param_groups]
+        self.shapes = {n: p.shape for n, p in named}
+        # state_dict key -> the trainable parameter it holds (tied weights: several keys)
+        self.alias = {key: name_of[id(p)] for key, p in
+                      module.named_parameters(remove_duplicate=False) if id(p) in name_of}
+        built = build_units(module, named, group_of, stage, units, bucket_mb, self.rank,
+                            self.size, self.param_dtype, self.compute_dtype)
+        self.units: list[Unit] = built.units  # in the order their gradients are reduced
+        self._root, self._chain = built.root, built.chain  # stage 3 (chain: forward order)
+        self.optimizer = shard_optimizer(template, self.units, self.rank)
+        self._sync = True
+        self._finalize_queued = False
+        self._next_launch = 0
+        self._works: list[tuple[Unit, Any]] = []
+        self._hooks = [module.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
+        for unit in self.units:
+            for i, p in enumerate(unit.flat.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    self._grad_hook(unit, unit.flat.offsets[i])))
+        if stage == 3:
+            for k, unit in enumerate(self._chain):
+                self._hooks.append(unit.module.register_forward_pre_hook(
+                    lambda m, args, k=k: self._gather_for_forward(k)))
+                self._hooks.append(unit.module.register_forward_hook(
+                    lambda m, args, out, k=k: self._after_forward(k, out)))
+            self._hooks.append(module.register_forward_hook(self._after_root_forward))
+            for unit in self.units:
+                self._free(unit)
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        for unit in self.units:
+            unit.reset_backward()
+        if self._root is not None:
+            self._gather(self._root)
+        if self._chain:
+            self._start_gather(self._chain[0])
+        if self.mixed:
+            cast = lambda t: t.to(self.compute_dtype) if (  # noqa: E731
+                isinstance(t, torch.Tensor) and t.is_floating_point()) else t
+            return tree_map(cast, args), tree_map(cast, kwargs)
+        return None
+
+    def _gather_for_forward(self, k: int) -> None:
+        self._gather(self._chain[k])
+        if k + 1 < len(self._chain):
+            self._start_gather(self._chain[k + 1])  # prefetch while this one computes
+
+    def _after_forward(self, k: int, output: Any) -> None:
+        unit = self._chain[k]
+        self._free(unit)
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, k=k: self._before_backward(k))
+
+    def _after_root_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not torch.is_grad_enabled():  # no backward follows
+            for unit in self.units:
+                self._free(unit)
+        elif self._root is not None:  # gathered again for this output's backward, which may
+            for t in tree_flatten(output)[0]:  # come after other forwards (a pipeline)
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad: self._gather(self._root))
+
+    def _before_backward(self, k: int) -> None:
+        unit = self._chain[k]
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        self._gather(unit)
+        if k > 0:  # prefetch the unit whose backward comes next
+            self._start_gather(self._chain[k - 1])
+
+    # ----------------------------------------------------------------- stage 3 gathers
+    def _start_gather(self, unit: Unit) -> None:
+        unit.start_gather(self.group, self.algorithm)
+
+    def _gather(self, unit: Unit) -> None:
+        unit.gather(self.group, self.algorithm)
+
+    def _free(self, unit: Unit) -> None:
+        if self.stage == 3:
+            unit.free()
+
+    # ----------------------------------------------------------------- backward
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, with the loss scaled under fp16 mixed precision."""
+        (loss * self._scale if self._scale != 1.0 else loss).backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate unsharded gradients locally, without communication, inside this
+        context; the first backward outside it reduces everything accumulated so far."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _grad_hook(self, unit: Unit, offset: int):
+        def hook(param: torch.Tensor) -> None:
+            with torch.no_grad():
+                if unit.grad is None:
+                    unit.grad = torch.zeros_like(unit.full)
+                unit.grad[offset : offset + param.numel()].add_(param.grad.reshape(-1))
+                param.grad = None
+            if not self._finalize_queued:
+                self._finalize_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            unit.pending -= 1
+            if unit.pending == 0:
+                if unit is not self._root:  # the root's parameters serve till backward ends
+                    self._free(unit)
+                if self._sync:
+                    self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        self._next_launch = launch_ready(self.units, self._next_launch, self._launch)
+
+    def _launch(self, unit: Unit) -> None:
+        work = comm.reduce_scatter(unit.grad, op="avg", group=self.group, async_op=True,
+                                   algorithm=self.algorithm)
+        self._works.append((unit, work))
+        if self.stage >= 2:
+            unit.grad = None  # released once the collective has read it
+
+    @torch.no_grad()
+    def _finalize(self) -> None:
+        """At the end of backward: send what is left, wait, keep each rank's shard."""
+        self._finalize_queued = False
+        for unit in self.units:  # ready for the next backward, with or without a forward
+            self._free(unit)
+            unit.reset_backward()
+        if self._sync:
+            self.reduce_gradients()
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter what backward has not sent yet (everything accumulated under
+        `no_sync`) and keep this rank's shard: what the first backward outside `no_sync`
+        does at its end. For callers that adjust accumulated gradients first (a pipeline
+        summing a tied weight's gradient across stages, via `accumulated_grad`)."""
+        for unit in self.units[self._next_launch :]:
+            if unit.grad is None:
+                unit.grad = torch.zeros_like(unit.full)
+            self._launch(unit)
+        for unit, work in self._works:
+            unit.shard_grad().add_(work.wait())
+            if unit.grad is not None:  # stage 1 keeps its buffer for the next step
+                unit.grad.zero_()
+        self._works.clear()
+        self._next_launch = 0
+        self._overflow = None
+
+    def accumulated_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The unsharded gradient of `param` accumulated under `no_sync` (a view; zeros if
+        backward has not reached it)."""
+        for unit in self.units:
+            grad = unit.param_grad(param)
+            if grad is not None:
+                return grad
+        raise DtrainError("ZeRO.accumulated_grad: the parameter is not one of this module's")
+
+    # ----------------------------------------------------------------- step
+    def _has_overflow(self) -> bool:
+        """fp16: whether any rank's gradients hold inf or nan (then the step is skipped)."""
+        if self._scale == 1.0:
+            return False
+        if self._overflow is None:
+            bad = any(not torch.isfinite(u.shard_grad()).all() for u in self.units)
+            flag = torch.tensor([float(bad)])
+            self._overflow = comm.all_reduce(flag, op="max", group=self.group,
+                                             algorithm=self.algorithm).item() > 0
+            if not self._overflow:
+                for unit in self.units:
+                    unit.shard_grad().mul_(1.0 / self._scale)
+        return self._overflow
+
+    def grad_parts(self, is_split: ParamTest | None = None,
+                   counted: ParamTest | None = None) -> list[GradPart]:
+        """This rank's reduced gradient shards as parts of a global norm (see
+        dtrain.parallel.clip), summed over "dp", and over "tp" too where `is_split(param)`
+        (a tensor-parallel block); `counted(param)` False marks a copy another rank counts
+        (a tied weight's second holder). One part per unit without predicates, else one per
+        parameter range. Under fp16 the shards are unscaled first (collective over the
+        group, once per backward); after an overflow they hold inf or nan."""
+        self._has_overflow()
+        parts = []
+        for unit in self.units:
+            if is_split is None and counted is None:
+                parts.append(GradPart(unit.shard_grad(), over=("dp",)))
+                continue
+            for span, param in unit.shard_spans(self.rank):
+                split = is_split is not None and is_split(param)
+                parts.append(GradPart(segment(unit.shard_grad(), span),
+                                      over=("dp", "tp") if split else ("dp",),
+                                      counted=counted is None or counted(param)))
+        return parts
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global 2-norm is at most `max_norm`; returns the norm
+        before clipping (as torch.nn.utils.clip_grad_norm_ on the unsharded gradients), or
+        inf when fp16 gradients overflowed (the step will be skipped)."""
+        if self._has_overflow():
+            return torch.tensor(float("inf"))
+        norm = clip.clip_grad_norm_(self.grad_parts(), max_norm, groups={"dp": self.group})
+        return torch.tensor(norm, dtype=torch.float32, device=self.units[0].master.device)
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Update this rank's shards, then (stages 1 and 2) all-gather the parameters.
+        Returns False when fp16 overflow skipped the step (the loss scale halves)."""
+        if self._has_overflow():
+            self._scale /= 2
+            self._good_steps = 0
+            return False
+        self.optimizer.step()
+        if self._scale != 1.0:
+            self._good_steps += 1
+            if self._good_steps % GROWTH_INTERVAL == 0:
+                self._scale *= 2
+        self.refresh_parameters()
+        return True
+
+    @torch.no_grad()
+    def refresh_parameters(self) -> None:
+        """Rebuild the full parameters from every rank's master shard (stages 1 and 2;
+        stage 3 gathers at the next forward)."""
+        if self.stage == 3:
+            return
+        works = []
+        for unit in self.units:
+            shard = unit.full[slice(*unit.flat.shard(self.rank))]
+            if self.mixed:
+                shard.copy_(unit.master)
+            works.append(comm.all_gather(shard, group=self.group, async_op=True,
+                                         algorithm=self.algorithm))
+        for unit, work in zip(self.units, works, strict=True):
+            unit.full.copy_(work.wait())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients of the last step (and any accumulated under no_sync);
+        `set_to_none` also releases the gradient shards until the next backward."""
+        for unit in self.units:
+            if set_to_none:
+                unit.drop_grad_shard()
+            elif unit.grad_shard is not None:
+                unit.grad_shard.zero_()
+            if unit.grad is not None:
+                if self.stage == 1:
+                    unit.grad.zero_()
+                else:
+                    unit.grad = None
+        self._overflow = None
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self._scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self._scale = float(value)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The full (unsharded) state_dict of the wrapped module, in the parameters' own
+        dtype, keys without a wrapper prefix. Collective: call it on every rank."""
+        return zero_state.full_state(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True,
+                        assign: bool = False):
+        """Load a full state_dict (as `state_dict` returns or the unwrapped module's);
+        each rank keeps its shard. Collective."""
+        zero_state.load_full_state(self, state_dict, strict)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The full optimizer state_dict, as the optimizer built by the factory on the
+        unwrapped module would return it. Collective."""
+        return zero_state.full_optimizer_state(self)
+
+    def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full optimizer state_dict (as `optimizer_state_dict` returns)."""
+        zero_state.load_full_optimizer_state(self, state_dict)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards of the master weights and optimizer state, described per
+        parameter so that a run of any size can load them (`load_sharded_state_dict`)."""
+        return zero_state.sharded_state(self)
+
+    def load_sharded_state_dict(self, shards: list[dict[str, Any]]) -> None:
+        """Load the `sharded_state_dict()` of every rank of a run, whatever its size."""
+        zero_state.load_sharded_state(self, shards)
+
+    # ----------------------------------------------------------------- introspection
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds now: parameters (the module's, as
+        materialized, plus separate master shards), gradients and optimizer state."""
+        return {**unit_bytes(self.units), "optimizer": optimizer_bytes(self.optimizer)}
