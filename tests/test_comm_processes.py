@@ -110,7 +110,7 @@ def _absent_rank(algorithm: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("algorithm", ["native", "ring"])
+@pytest.mark.parametrize("algorithm", [pytest.param("native", marks=pytest.mark.slow), "ring"])
 def test_timeout_names_the_rank_that_never_arrived(algorithm: str) -> None:
     results = run_ranks(_absent_rank, 3, algorithm, collective_timeout=2)
     for rank in (0, 2):

@@ -165,7 +165,7 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
         assert not status.exists() or "zombie" in status.read_text()
 
 
-def test_readme_example_trains() -> None:
+def test_data_parallel_example_trains() -> None:
     example = Path(__file__).parent.parent / "examples" / "data_parallel.py"
     result = dtrain("run", "-n", "2", str(example))
     assert result.returncode == 0, result.stderr

@@ -121,7 +121,7 @@ def test_a_waiting_rank_sleeps_instead_of_spinning() -> None:
     assert cpu_seconds[0] < 0.5, cpu_seconds  # two seconds of waiting
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_data_parallel_on_shm_equals_single_process(world_size: int) -> None:
     results = run_ranks(train_ranks, world_size, "plain", 0.002, 1, env=SHM)
     assert_matches(results, train_reference("plain", world_size, 1))

@@ -122,7 +122,7 @@ def test_gpt_outputs_loss_and_gradients_equal_unsplit(size: int) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_training_steps_equal_one_process(size: int) -> None:
     base = gpt()
     serial = copy.deepcopy(base)
