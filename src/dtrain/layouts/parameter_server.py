@@ -28,8 +28,9 @@ class ParameterServer(Holding):
     """A worker's replica; its optimizer is remote (step() pushes and pulls, and carries
     the scheduler's learning rate along)."""
 
-    checkpoint_group = None  # the first worker writes its replica alone; the optimizer
-    # state lives in the servers' snapshots
+    # The first worker writes its replica alone; the optimizer state lives in the
+    # servers' snapshots.
+    checkpoint_group = None
 
     def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any) -> None:
         # Pushes overlap backward unless the gradient must first be clipped whole.
