@@ -11,6 +11,7 @@ from dtrain.layout import Layout
 from dtrain.layouts.holding import Holding, build_optimizer
 from dtrain.layouts.state import Names, Tensors
 from dtrain.mesh import Mesh
+from dtrain.parallel.clip import GradPart
 from dtrain.parallel.data_parallel import DataParallel
 
 
@@ -28,3 +29,6 @@ class Replicated(Holding):
         self.groups = {"tp": mesh.group("tp")}
         self.loss_group = mesh.group("dp")
         self.accum = config.train.grad_accum
+
+    def grad_parts(self) -> list[GradPart]:
+        return self.module.grad_parts(is_split=self.names.is_split)

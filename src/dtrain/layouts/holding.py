@@ -46,9 +46,12 @@ class Holding:
         layout: the Layout they implement.
         module: the module(s) to run, as one nn.Module (train/eval mode follows it).
         optimizers: the optimizers whose learning rate a scheduler sets.
-        held: how the parameters are held, for checkpoints and the clip (layouts.state).
+        held: how the parameters are held, for checkpoints and steps (layouts.state).
         names: the logical names of the parameters.
         groups: the mesh groups by axis ("dp", "tp", "pp") the clip sums over.
+
+    and define `grad_parts()`: the strategy's own (DataParallel, ZeRO, Pipeline), told
+    which parameters are tensor-parallel blocks.
         loss_group: the group the reported loss is averaged over (None: this rank's own).
     """
 
@@ -91,8 +94,9 @@ class Holding:
             return model_loss(self.module, x, y)
 
     def grad_parts(self) -> list[GradPart]:
-        """Every gradient this rank holds, and how it counts toward the global norm."""
-        return [part for h in self.held for part in h.grad_parts()]
+        """Every gradient this rank holds, and how it counts toward the global norm (each
+        strategy's own `grad_parts`)."""
+        raise NotImplementedError
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the gradients so the whole model's gradient norm is at most `max_norm`;

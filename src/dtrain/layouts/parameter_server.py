@@ -14,6 +14,7 @@ from dtrain.layout import Layout
 from dtrain.layouts.holding import Holding
 from dtrain.layouts.state import Names, Tensors
 from dtrain.mesh import Mesh
+from dtrain.parallel.clip import GradPart
 
 
 def ps_settings(config: Any) -> ps.Settings:
@@ -45,6 +46,9 @@ class ParameterServer(Holding):
         pc = config.parallel
         self._how = (f"{pc.consistency} parameter-server training with {pc.servers} "
                      "server(s) per machine")
+
+    def grad_parts(self) -> list[GradPart]:
+        return [GradPart(p.grad) for p in self.module.parameters() if p.grad is not None]
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.worker.accumulate()

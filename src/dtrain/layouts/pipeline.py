@@ -15,6 +15,7 @@ from dtrain.layouts.holding import Batch, Holding, build_optimizer
 from dtrain.layouts.state import Names, Shards, Tensors
 from dtrain.layouts.zero import zero_of
 from dtrain.mesh import Mesh
+from dtrain.parallel.clip import GradPart
 from dtrain.parallel.data_parallel import DataParallel
 
 
@@ -52,6 +53,9 @@ class Pipelined(Holding):
         forwards and backwards interleave, with spans of their own)."""
         (x, y), = batches
         return self.pipe.step(x, y).detach()
+
+    def grad_parts(self) -> list[GradPart]:
+        return self.pipe.grad_parts(is_split=self.names.is_split)  # a tied copy counted once
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.pipe.evaluate(x, y)

@@ -31,7 +31,6 @@ from dtrain import tensor_parallel
 from dtrain.checkpoint.universal import MODEL, OPTIM, Checkpoint, Piece, pieces_of
 from dtrain.errors import DtrainError
 from dtrain.layout import Split
-from dtrain.parallel.clip import GradPart
 from dtrain.parallel.zero import ZeRO
 from dtrain.parallel.zero import state as zero_state
 
@@ -97,10 +96,6 @@ class Names:
                               "another model config")
         return block
 
-    def grad_part(self, p: nn.Parameter) -> GradPart:
-        """How `p`'s gradient (whole, or its tp block) counts in the global norm."""
-        return GradPart(p.grad, ("tp",) if self.is_split(p) else (), counted=self.counted(p))
-
 
 def optimizer_keys(ckpt: Checkpoint) -> dict[str, list[str]]:
     """Per logical tensor, the names of its per-element optimizer state in `ckpt`."""
@@ -121,9 +116,6 @@ class Tensors:
     params: list[nn.Parameter]
     optimizer: torch.optim.Optimizer | None = None
     dp: tuple[int, int] = (0, 1)
-
-    def grad_parts(self) -> list[GradPart]:
-        return [self.names.grad_part(p) for p in self.params if p.grad is not None]
 
     def step(self) -> None:
         self.optimizer.step()
@@ -173,9 +165,6 @@ class Shards:
 
     def _own(self) -> dict[str, nn.Parameter]:
         return dict(self.zero.module.named_parameters())
-
-    def grad_parts(self) -> list[GradPart]:
-        return self.zero.grad_parts(self.names.is_split, self.names.counted)
 
     def step(self) -> None:
         self.zero.step()  # its shards, then (stages 1-2) all-gathers the parameters

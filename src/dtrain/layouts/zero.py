@@ -12,6 +12,7 @@ from dtrain.layout import Layout
 from dtrain.layouts.holding import Holding, build_optimizer
 from dtrain.layouts.state import Names, Shards
 from dtrain.mesh import Mesh
+from dtrain.parallel.clip import GradPart
 from dtrain.parallel.zero import ZeRO
 
 
@@ -34,6 +35,9 @@ class Sharded(Holding):
         self.groups = {"dp": mesh.group("dp"), "tp": mesh.group("tp")}
         self.loss_group = mesh.group("dp")
         self.accum = config.train.grad_accum
+
+    def grad_parts(self) -> list[GradPart]:
+        return self.zero.grad_parts(is_split=self.names.is_split, counted=self.names.counted)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.zero.backward(loss)  # scales the loss under fp16
