@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 
 import torch
 import torch.distributed as dist
-from dp_vs_ddp import step_fn, time_steps
+from dp_vs_ddp import alternate, step_fn
 from results_md import replace_section
 
 import dtrain
@@ -43,14 +42,10 @@ def main() -> None:
         models[name] = dtrain.DataParallel(GPT(GPTConfig()), group=group)
         steps[name] = step_fn(models[name], torch.optim.AdamW(models[name].parameters(), lr=1e-3),
                               batch)
-        time_steps(steps[name], 3)  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for r in range(args.rounds):
-        for name in list(steps) if r % 2 == 0 else list(reversed(steps)):
-            times[name].append(time_steps(steps[name], args.steps))
+    seconds = alternate(steps, args.rounds, args.steps)
     drift = max((a - b).abs().max().item() for a, b in zip(
         models["shm"].module.parameters(), models["gloo"].module.parameters(), strict=True))
-    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    ms = {name: t * 1e3 for name, t in seconds.items()}
     if not world.is_main:
         return
     ratio = ms["shm"] / ms["gloo"]

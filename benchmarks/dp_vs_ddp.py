@@ -67,6 +67,18 @@ def time_steps(step, n: int) -> float:
     return (time.perf_counter() - start) / n
 
 
+def alternate(steps: dict, rounds: int, per_round: int, warmup: int = 3) -> dict[str, float]:
+    """The median seconds per step of each of `steps` (name -> step function), timed in
+    `rounds` rounds of `per_round` steps each, their order flipped every round."""
+    for step in steps.values():
+        time_steps(step, warmup)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(rounds):
+        for name in list(steps) if r % 2 == 0 else list(reversed(steps)):
+            times[name].append(time_steps(steps[name], per_round))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def compare(grad_dtype: str | None, args: argparse.Namespace) -> dict:
     world = dtrain.init()
     ours, theirs = make_pair(grad_dtype, args.bucket_mb)
@@ -77,17 +89,10 @@ def compare(grad_dtype: str | None, args: argparse.Namespace) -> dict:
         "dtrain": step_fn(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3), batch),
         "ddp": step_fn(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-3), batch),
     }
-    for step in steps.values():
-        time_steps(step, 3)  # warm-up
-    times = {name: [] for name in steps}
-    for r in range(args.rounds):
-        order = list(steps) if r % 2 == 0 else list(reversed(steps))
-        for name in order:
-            times[name].append(time_steps(steps[name], args.steps))
+    median = alternate(steps, args.rounds, args.steps)
     # Same work: both models took the same steps on the same data from the same weights.
     drift = max((a - b).abs().max().item() for a, b in
                 zip(ours.module.parameters(), theirs.module.parameters(), strict=True))
-    median = {name: statistics.median(t) for name, t in times.items()}
     return {"grad_dtype": grad_dtype or "fp32", "dtrain_ms": median["dtrain"] * 1e3,
             "ddp_ms": median["ddp"] * 1e3, "ratio": median["dtrain"] / median["ddp"],
             "max_param_diff": drift}

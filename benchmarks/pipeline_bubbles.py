@@ -49,8 +49,8 @@ def data(m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def ours(schedule: str, m: int, chunks: int, timeline: bool = False):
     gpt = make_gpt()
-    mine = pipeline.pieces_for(pipeline.gpt_pieces(gpt, 2 * chunks))
-    pipe = pipeline.Pipeline(mine, microbatches=m, schedule=schedule, loss_fn=pipeline.gpt_loss,
+    mine = pipeline.pieces_for(pipeline.cut(gpt, 2 * chunks))
+    pipe = pipeline.Pipeline(mine, microbatches=m, schedule=schedule, loss_fn=pipeline.lm_loss,
                              timeline=timeline)
     opt = torch.optim.AdamW(torch.nn.ModuleList(mine).parameters(), lr=1e-4)
     x, y = data(m)
@@ -67,10 +67,10 @@ def theirs(schedule: str, m: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     rank = dist.get_rank()
-    piece = pipeline.gpt_pieces(make_gpt(), 2)[rank]
+    piece = pipeline.cut(make_gpt(), 2)[rank]
     stage = PipelineStage(piece, rank, 2, torch.device("cpu"))
     kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    sched = kind(stage, n_microbatches=m, loss_fn=pipeline.gpt_loss)
+    sched = kind(stage, n_microbatches=m, loss_fn=pipeline.lm_loss)
     opt = torch.optim.AdamW(piece.parameters(), lr=1e-4)
     x, y = data(m)
 

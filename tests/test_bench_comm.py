@@ -46,6 +46,7 @@ def test_json_has_every_algorithm_with_nccl_tests_bandwidths(tmp_path: Path) -> 
                 assert r["chosen"] == ""
 
 
+@pytest.mark.slow
 def test_shm_and_gloo_side_by_side(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = dtrain("bench", "comm", "-n", "2", "--backend", "shm,gloo", "--ops", "all_reduce",

@@ -45,6 +45,7 @@ def _subgroups() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_mesh_subgroups_reduce_only_within_themselves() -> None:
     results = run_ranks(_subgroups, 4)
     for rank, result in enumerate(results):

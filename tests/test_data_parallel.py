@@ -132,6 +132,7 @@ def test_equals_single_process(world_size: int, bucket_mb: float) -> None:
     assert_matches(results, train_reference("plain", world_size, 1))
 
 
+@pytest.mark.slow
 def test_adam_equals_single_process() -> None:
     results = run_ranks(train_ranks, 3, "adam", 0.002, 1)
     assert_matches(results, train_reference("adam", 3, 1))

@@ -172,7 +172,7 @@ def shell_commands() -> list[tuple[str, list[str], list[str]]]:
                 if not (token == "dtrain" or token.endswith("/dtrain") or module):
                     continue
                 rest = tokens[i + 1:]
-                path = rest[:2] if rest[:1] == ["bench"] else rest[:1]
+                path = rest[:2] if rest[:1] in (["bench"], ["data"]) else rest[:1]
                 if path and path[0].startswith("-"):
                     path = []
                 flags = []
@@ -185,7 +185,7 @@ def shell_commands() -> list[tuple[str, list[str], list[str]]]:
     return found
 
 
-NAME = re.compile(r"(?<![\w/.-])dtrain(?:\.[A-Za-z_]\w*)+")
+NAME = re.compile(r"(?<![\w/.-])dtrain(?:\.[A-Za-z_]\w*)+(?![\w/])")  # not "dtrain.x/1"
 
 
 def dotted_names() -> tuple[dict[str, str], dict[str, str], list[tuple[str, str, list[str]]]]:

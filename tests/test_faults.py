@@ -198,6 +198,7 @@ def _save_for_ever(folder: Path, saving) -> None:
 TRIALS = 50
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_of_saving_never_loses_the_newest_checkpoint(
         tmp_path: Path) -> None:
     """50 times: a process saving checkpoints in a loop is SIGKILLed at a random moment.

@@ -10,6 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.cli import dtrain, free_port, one_error_line
 
 HELLO = """
@@ -165,6 +167,7 @@ def test_ctrl_c_stops_every_rank(tmp_path: Path) -> None:
         assert not status.exists() or "zombie" in status.read_text()
 
 
+@pytest.mark.slow
 def test_data_parallel_example_trains() -> None:
     example = Path(__file__).parent.parent / "examples" / "data_parallel.py"
     result = dtrain("run", "-n", "2", str(example))

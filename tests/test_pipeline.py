@@ -51,10 +51,10 @@ def serial() -> tuple[list[float], dict]:
 def train_pipeline(base: GPT, pp: int, schedule: str, chunks: int, microbatches: int,
                    wrap=None, group=None, batch: slice = slice(None)) -> dict:
     model = copy.deepcopy(base)
-    mine = pipeline.pieces_for(pipeline.gpt_pieces(model, pp * chunks), group)
+    mine = pipeline.pieces_for(pipeline.cut(model, pp * chunks), group)
     modules = [wrap(piece) for piece in mine] if wrap else mine
     pipe = pipeline.Pipeline(modules, group, microbatches=microbatches, schedule=schedule,
-                             loss_fn=pipeline.gpt_loss,
+                             loss_fn=pipeline.lm_loss,
                              tied=pipeline.tied_weights(model, mine, group))
     opt = adamw(nn.ModuleList(mine).parameters())
     losses = []
@@ -135,9 +135,9 @@ def test_timeline_records_every_action_in_schedule_order() -> None:
 
     def body(rank: int) -> tuple[list, list]:
         model = copy.deepcopy(base)
-        mine = pipeline.pieces_for(pipeline.gpt_pieces(model, 2))
+        mine = pipeline.pieces_for(pipeline.cut(model, 2))
         pipe = pipeline.Pipeline(mine, microbatches=4, schedule="1f1b",
-                                 loss_fn=pipeline.gpt_loss, timeline=True)
+                                 loss_fn=pipeline.lm_loss, timeline=True)
         pipe.step(*tokens(0))
         return pipe.events, pipe.actions
 

@@ -8,8 +8,18 @@ import json
 import pytest
 import torch
 
+from dtrain.models import ModelConfig, build, resolve
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.planner import Layout, Links, bubble, estimate, layouts, plan, profile_gpt
+from dtrain.planner import (
+    Layout,
+    Links,
+    bubble,
+    estimate,
+    layouts,
+    plan,
+    profile_gpt,
+    profile_model,
+)
 from dtrain.planner.estimate import in_flight, stage_blocks
 from dtrain.planner.measure import measured_peak
 from tests.cli import dtrain, one_error_line
@@ -20,6 +30,8 @@ BLOCK = 128 + (64 * 192 + 192) + (64 * 64 + 64) + 128 + (64 * 256 + 256) + (256 
 EMBED = 256 * 64 + 64 * 64  # wte (the head's weight too) and wpe
 PSI = EMBED + 4 * BLOCK + 128  # and ln_f
 FREE = Links.given(1e9, 0)  # links that cost nothing
+LLAMA = ModelConfig(arch="llama", vocab_size=256, block_size=64, n_layer=4, n_head=4,
+                    n_kv_head=2, n_embd=64, ffn_hidden=128, tie_embeddings=False)
 
 
 @pytest.fixture(scope="module")
@@ -85,17 +97,20 @@ STRATEGIES = [Layout(2), Layout(2, zero=1), Layout(2, zero=2), Layout(2, zero=3)
               Layout(1, tp=2), Layout(1, pp=2, microbatches=4)]
 
 
-def _peaks(cfg: GPTConfig, batch: int) -> list[int]:
+def _peaks(cfg: GPTConfig | ModelConfig, batch: int) -> list[int]:
     return [measured_peak(cfg, layout, batch, steps=2) for layout in STRATEGIES]
 
 
 @pytest.mark.timeout(240)
-def test_memory_matches_measured_peaks_within_15_percent():
+@pytest.mark.parametrize("model", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
+def test_memory_matches_measured_peaks_within_15_percent(model: str):
+    """Planned against measured peaks of real runs, for dtrain's GPT and Llama."""
+    cfg, profile_of = (CFG, profile_gpt) if model == "gpt" else (LLAMA, profile_model)
     batch = 8
-    measured = run_ranks(_peaks, 2, CFG, batch, timeout=200)
+    measured = run_ranks(_peaks, 2, cfg, batch, timeout=200)
     for i, layout in enumerate(STRATEGIES):
         micro = batch // (layout.dp * layout.microbatches)
-        planned = estimate(profile_gpt(CFG, micro), layout, 1e12, 1e12, FREE).total
+        planned = estimate(profile_of(cfg, micro), layout, 1e12, 1e12, FREE).total
         peak = max(rank[i] for rank in measured)
         assert abs(planned / peak - 1) <= 0.15, f"{layout}: planned {planned}, measured {peak}"
 
@@ -139,3 +154,15 @@ def test_tracker_counts_live_bytes_and_in_place_resizes():
         a.untyped_storage().resize_(0)
         torch.ones(1)
         assert live.live == 4  # the resized storage counts 0, the unnamed ones are gone
+
+
+
+def test_llama_parameters_and_tensor_parallel_degrees():
+    """dtrain's Llama traced like the GPT: every parameter counted once (the untied head on
+    the last stage), and tp only where it divides the key/value heads."""
+    profile = profile_model(LLAMA, 2)
+    assert profile.params.total == sum(p.numel() for p in build(LLAMA).parameters())
+    assert profile.params_head.total == 64 + 256 * 64 and profile.tied == 0
+    assert profile.tp_degrees(8) == [1, 2]
+    llama_8b = resolve(ModelConfig(arch="llama", preset="llama-3-8b", block_size=256), 256)
+    assert profile_model(llama_8b, 1).params.total == 8_030_261_248

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from dtrain.checkpoint import atomic, universal
+from dtrain.data import batches, open_data
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.train.data import ByteSequences, batches, read_corpus, split
 from tests.cli import TINY_MODEL, dtrain, one_error_line
 
 TINY = TINY_MODEL + """
@@ -177,7 +177,7 @@ def test_export_loads_into_the_plain_model_with_the_same_eval_loss(
     for state in (torch.load(out, weights_only=True), model_of(folder)):
         gpt = GPT(config)
         gpt.load_state_dict(state)
-        data = ByteSequences(split(read_corpus("", 200_000), 0.05, 32)[1], 32)
+        data = open_data("", "text", "bytes", 200_000, 0.05, 32).val
         stream = batches(data, 16, 1, 0, seed=0, shuffle=False)
         with torch.no_grad():
             loss = sum(gpt(x, y)[1].item() for _, (x, y) in zip(range(2), stream, strict=False))
@@ -195,6 +195,7 @@ def test_resume_into_another_model_is_one_line(one_process_run: tuple) -> None:
     assert "model.n_embd = 32 there, 64 here" in one_error_line(result)
 
 
+@pytest.mark.slow
 def test_parameter_server_run_equals_one_process(tmp_path: Path) -> None:
     """mode = "ps", sync: two workers and two servers holding AdamW's state reach the
     weights of one process on the global batch (the lr schedule travels with each push).

@@ -31,7 +31,7 @@ _EXPORTS = {
     "shutdown": "dtrain.world",
 }
 # Every module and subpackage of dtrain, reachable as `dtrain.<name>` on first use.
-_SUBPACKAGES = ("checkpoint", "comm", "config", "errors", "faults", "launch", "layout",
+_SUBPACKAGES = ("checkpoint", "comm", "config", "data", "errors", "faults", "launch", "layout",
                 "layouts", "mesh", "models", "parallel", "pipeline", "planner", "ps", "sizes",
                 "tensor_parallel", "testing", "timeline", "tools", "train", "world")
 

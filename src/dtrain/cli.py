@@ -1,6 +1,7 @@
 """The `dtrain` command: `dtrain run` starts ranks, `dtrain train` trains a model,
 `dtrain plan` predicts memory and time of every layout before a run, `dtrain export`
-writes a checkpoint as one plain state_dict, `dtrain bench comm` measures the collectives
+writes a checkpoint as one plain state_dict or a Hugging Face folder, `dtrain data
+prepare` tokenizes a corpus into shards, `dtrain bench comm` measures the collectives
 and `dtrain bench scaling` the speed-up of a training job from 1 to N workers.
 
 Errors a user can fix print as one line (`dtrain: error: ...`) with a non-zero exit code;
@@ -93,14 +94,34 @@ def _parser() -> argparse.ArgumentParser:
     _add_launch_flags(train, default_nproc=None)
 
     export = sub.add_parser(
-        "export", help="write a checkpoint's model as one plain state_dict file",
+        "export", help="write a checkpoint's model as a state_dict file or a Hugging Face folder",
         description=(
             "Write the model of a dtrain checkpoint (any layout) as one state_dict file that "
-            "loads into the unparallelized model with load_state_dict; no dtrain needed."
+            "loads into the unparallelized model with load_state_dict, or with --format hf "
+            "as a Hugging Face folder (config.json, model.safetensors, tokenizer.json) that "
+            "transformers' AutoModelForCausalLM.from_pretrained loads; no dtrain needed."
         ),
     )
     export.add_argument("checkpoint", help="a checkpoints folder (its newest) or one checkpoint")
-    export.add_argument("out", help="output file: .safetensors or .pt")
+    export.add_argument("out", help="output: a .safetensors or .pt file, or a folder with "
+                                    "--format hf")
+    export.add_argument("--format", choices=("state_dict", "hf"), default="state_dict",
+                        help="state_dict (default) or hf (a Hugging Face model folder)")
+
+    data = sub.add_parser("data", help="prepare training data",
+                          description="Prepare training data: `dtrain data prepare`.")
+    data_sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    prepare = data_sub.add_parser(
+        "prepare", help="tokenize text or JSONL files into token shards",
+        description=(
+            "Tokenize text files, folders or JSONL files (a \"text\" field per line) into "
+            "memory-mapped token shards for [data] format = \"tokens\": in parallel over "
+            "processes, in constant memory, with a progress bar."
+        ),
+    )
+    from dtrain.data.prepare import add_arguments
+
+    add_arguments(prepare)
 
     plan = sub.add_parser(
         "plan", help="predict memory, communication and step time of every layout",
@@ -185,9 +206,20 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
+    if args.format == "hf":
+        from dtrain.tools.export_hf import export_hf
+
+        print(f"dtrain: wrote {export_hf(args.checkpoint, args.out)}")
+        return
     from dtrain.checkpoint.universal import export
 
     print(f"dtrain: wrote {export(args.checkpoint, args.out)}")
+
+
+def _data(args: argparse.Namespace) -> None:
+    from dtrain.data.prepare import run
+
+    run(args)
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -227,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run" and args.backend:
             os.environ["DTRAIN_BACKEND"] = args.backend  # read by dtrain.init in every rank
         command = {"run": _run, "train": _train, "bench": _bench, "export": _export,
-                   "plan": _plan}[args.command]
+                   "plan": _plan, "data": _data}[args.command]
         return exit_code_of(lambda: command(args))
     except KeyboardInterrupt:
         print("dtrain: interrupted", file=sys.stderr)

@@ -4,8 +4,10 @@ Every key has a default, so an empty file (or none) trains the built-in job. Unk
 wrong types and values out of range are errors that name the key and say what fits;
 `--set section.key=value` overrides any key (the value is read as TOML, else as a string).
 
-    [model]     n_layer = 4, n_head = 4, n_embd = 128, block_size = 128
+    [model]     arch = "gpt", n_layer = 4, n_head = 4, n_embd = 128, block_size = 128
+                arch = "llama", preset = "llama-tiny"; arch = "hf", hf_config = "dir/"
     [data]      path = "corpus/"        # text file or folder; default: Python's stdlib
+                format = "tokens", tokenizer = "tokenizer.json"
     [optimizer] name = "adamw", lr = 3e-3, warmup_steps = 20
     [train]     steps = 400, batch_size = 32, eval_every = 100, out_dir = "runs/default"
     [parallel]  nproc = 2, tp = 1, bucket_mb = 25, grad_dtype = "fp32", zero = 0
@@ -28,14 +30,22 @@ from typing import Any
 
 from dtrain.errors import ConfigError
 from dtrain.layout import Layout, resolve_layout
-from dtrain.models.gpt import GPTConfig
+from dtrain.models.config import ARCHS, ModelConfig, check_shape
 from dtrain.ps.settings import CONSISTENCY
 
 
 @dataclass
 class DataConfig:
     path: str = ""
-    """A text file or a folder of them; empty means the Python standard library's .py files."""
+    """A text file or a folder of them, a JSON-lines file or folder (format = "jsonl"), or
+    a folder of token shards (format = "tokens"); empty means the Python standard
+    library's .py files."""
+    format: str = "text"
+    """text (files read whole), jsonl (a "text" field per line) or tokens (shards written
+    by `dtrain data prepare`: memory-mapped, read lazily)."""
+    tokenizer: str = "bytes"
+    """bytes (one token per byte, 256 ids) or the path of a Hugging Face tokenizer.json;
+    with format = "tokens" the shards' own index names it."""
     max_bytes: int = 4_000_000
     """Read at most this many bytes of the corpus."""
     val_fraction: float = 0.05
@@ -146,7 +156,9 @@ class LoggingConfig:
     log_every: int = 10
     """Print a progress line every this many steps."""
     sample_tokens: int = 200
-    """Bytes of text to generate at the end; 0 skips the sample."""
+    """Tokens of text to generate at the end; 0 skips the sample."""
+    sample_prompt: str = "def "
+    """Text the sample continues."""
     timeline: str = ""
     """Path of a Chrome-trace JSON timeline of every rank's steps, data loading, forward,
     backward, optimizer and collectives (dtrain.timeline; open it in ui.perfetto.dev)."""
@@ -154,7 +166,7 @@ class LoggingConfig:
 
 @dataclass
 class Config:
-    model: GPTConfig = field(default_factory=GPTConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -171,6 +183,8 @@ class Config:
 
 CHOICES = {
     "optimizer.name": ("adamw", "adam", "sgd"),
+    "data.format": ("text", "jsonl", "tokens"),
+    "model.arch": ARCHS,
     "optimizer.schedule": ("cosine", "constant"),
     "parallel.grad_dtype": ("fp32", "bf16", "fp16"),
     "parallel.backend": ("auto", "gloo", "nccl", "shm"),
@@ -180,12 +194,14 @@ CHOICES = {
     "parallel.mode": ("collective", "ps"),
     "parallel.consistency": CONSISTENCY,
 }
-POSITIVE = {"model.vocab_size", "model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
+POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
             "train.eval_batches", "parallel.nproc", "parallel.tp", "parallel.pp",
             "parallel.microbatches", "parallel.virtual_stages", "parallel.bucket_mb",
             "checkpoint.keep_last", "optimizer.lr", "logging.log_every", "parallel.servers"}
-NON_NEGATIVE = {"model.dropout", "optimizer.weight_decay", "optimizer.momentum",
+NON_NEGATIVE = {"model.dropout", "model.vocab_size", "model.n_kv_head", "model.ffn_hidden",
+                "model.rope_theta", "model.norm_eps", "optimizer.weight_decay",
+                "optimizer.momentum",
                 "optimizer.warmup_steps", "optimizer.min_lr_ratio", "optimizer.grad_clip",
                 "train.eval_every", "parallel.dp", "checkpoint.every", "logging.sample_tokens",
                 "parallel.staleness", "parallel.snapshot_every"}
@@ -202,6 +218,13 @@ def _check_type(key: str, value: Any, kind: Any) -> Any:
     if kind is float and isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key} = {value!r} must be a finite number")
     origin = typing.get_origin(kind)
+    if origin is dict:
+        key_kind, value_kind = typing.get_args(kind)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} = {value!r} must be a table, e.g. {{\"pattern\" = "
+                              "\"colwise\"}")
+        return {_check_type(f"{key}.{k}", k, key_kind): _check_type(f"{key}.{k}", v, value_kind)
+                for k, v in value.items()}
     if origin is list:
         (item,) = typing.get_args(kind)
         if not isinstance(value, list):
@@ -244,13 +267,7 @@ def _validate(config: Config) -> None:
             if key in NON_NEGATIVE and value < 0:
                 raise ConfigError(f"{key} = {value!r} must not be negative")
     m = config.model
-    if m.n_embd % m.n_head:
-        raise ConfigError(
-            f"model.n_head = {m.n_head} does not divide model.n_embd = {m.n_embd}: "
-            "choose a head count that divides the width"
-        )
-    if m.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size = {m.vocab_size} must be at least 256 (bytes)")
+    check_shape(m, config.parallel.tp)
     if len(config.optimizer.betas) != 2 or not all(0 <= b < 1 for b in config.optimizer.betas):
         raise ConfigError(f"optimizer.betas = {config.optimizer.betas} must be two numbers in "
                           "[0, 1), e.g. [0.9, 0.95]")
@@ -263,10 +280,6 @@ def _validate(config: Config) -> None:
     if p.mixed_precision != "fp32" and not p.zero:
         raise ConfigError(f"parallel.mixed_precision = {p.mixed_precision!r} needs parallel.zero "
                           "= 1, 2 or 3 (DataParallel takes parallel.grad_dtype)")
-    for count, what in ((m.n_head, "model.n_head"), (m.vocab_size, "model.vocab_size")):
-        if count % p.tp:
-            raise ConfigError(f"parallel.tp = {p.tp} does not divide {what} = {count}: choose "
-                              f"a tensor-parallel degree that divides {count}")
     if p.mixed_precision == "fp16" and (p.tp > 1 or p.pp > 1):
         raise ConfigError("parallel.mixed_precision = \"fp16\" with parallel.tp or pp > 1 is "
                           "not supported (its loss scaling is per ZeRO group): use \"bf16\"")
@@ -284,7 +297,7 @@ def _validate_pipeline(config: Config) -> None:
     from dtrain.pipeline.schedules import check
 
     p = config.parallel
-    if p.pp * p.virtual_stages > config.model.n_layer:
+    if config.model.arch == "gpt" and p.pp * p.virtual_stages > config.model.n_layer:
         raise ConfigError(f"parallel.pp x parallel.virtual_stages = {p.pp * p.virtual_stages} "
                           f"stages but the model has {config.model.n_layer} layers: use at most "
                           f"{config.model.n_layer} stages")

@@ -14,6 +14,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("collectives", ("dtrain.comm",)),
     ("mesh", ("dtrain.mesh", "dtrain.faults")),
     ("checkpoint", ("dtrain.checkpoint",)),
+    ("data", ("dtrain.data",)),
     ("models", ("dtrain.models",)),
     ("data parallel", ("dtrain.parallel",)),
     ("tensor parallel", ("dtrain.tensor_parallel",)),

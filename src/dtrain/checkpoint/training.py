@@ -57,10 +57,11 @@ def open_checkpoint(path: str, model: dict[str, Any]) -> Checkpoint:
 
 
 def save(folder: Path, step: int, held: Any, schedulers: list, config: dict[str, Any],
-         keep_last: int) -> Path:
+         keep_last: int, described: dict[str, Any] | None = None) -> Path:
     """Every rank of `held.checkpoint_group` writes the pieces it owns into the checkpoint
     of `step` in `folder`, with its RNG state; the first adds the run's description
-    (`config`: the config as a dict). Returns the checkpoint's folder."""
+    (`config`: the config as a dict; `described`: more keys for the metadata, such as the
+    resolved model an export rebuilds). Returns the checkpoint's folder."""
     target = folder / f"step-{step:08d}"
     if not held.writes_checkpoint:
         return target
@@ -69,7 +70,8 @@ def save(folder: Path, step: int, held: Any, schedulers: list, config: dict[str,
     meta = {"config": config, "layout": held.layout.to_dict(), "aliases": held.aliases(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
                              for g in optimizer.param_groups],
-            "scheduler": schedulers[0].state_dict(), "loss_scale": held.loss_scale}
+            "scheduler": schedulers[0].state_dict(), "loss_scale": held.loss_scale,
+            **(described or {})}
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()

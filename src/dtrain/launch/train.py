@@ -56,11 +56,9 @@ def train_command(args: argparse.Namespace) -> None:
 
     world_size = config.parallel.nproc * args.nnodes
     layout_of(config, world_size)  # the check every rank makes again
-    if config.data.path:  # a bad corpus costs no start-up either (the ranks read it again)
-        from dtrain.train.data import read_corpus, split
+    from dtrain.train.check import check_job
 
-        split(read_corpus(config.data.path, config.data.max_bytes), config.data.val_fraction,
-              config.model.block_size)
+    check_job(config)  # a bad corpus or model costs no start-up either
     from dtrain.checkpoint import atomic
 
     out_dir = Path(config.train.out_dir)

@@ -22,7 +22,6 @@ from typing import Any
 
 from torch import nn
 
-from dtrain import tensor_parallel
 from dtrain.layout import Layout
 from dtrain.layouts.data_parallel import Replicated
 from dtrain.layouts.holding import Holding, build_optimizer
@@ -30,6 +29,7 @@ from dtrain.layouts.parameter_server import ParameterServer
 from dtrain.layouts.pipeline import Pipelined
 from dtrain.layouts.zero import Sharded
 from dtrain.mesh import Mesh
+from dtrain.tensor_parallel.plan_of import split_model
 
 HOLDINGS: dict[str, type[Holding]] = {
     "dp": Replicated, "zero": Sharded, "pp": Pipelined, "ps": ParameterServer}
@@ -49,9 +49,9 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any) -> Holding:
     """This rank's Holding of `model` (the same whole model on every rank) in `layout`
     over `mesh`; `config` gives the options (`[parallel]`, `[optimizer]`, `[train]`).
 
-    tp > 1 splits `model`'s layers in place first, by the plan for the configured model.
+    tp > 1 splits `model`'s layers in place first, by its family's plan or `[model]
+    tp_plan` (dtrain.tensor_parallel.plan_of).
     """
     if layout.tp > 1:
-        tensor_parallel.parallelize(model, tensor_parallel.gpt_plan(config.model),
-                                    mesh.group("tp"))
+        split_model(model, mesh.group("tp"), config.model.tp_plan)
     return HOLDINGS[kind_of(layout)](model, mesh, layout, config)

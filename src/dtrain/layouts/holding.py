@@ -29,14 +29,15 @@ from dtrain import timeline
 from dtrain.checkpoint.universal import Checkpoint, Piece
 from dtrain.layout import Layout
 from dtrain.layouts.state import Held, Names, collect
+from dtrain.models import loss_of_output
 from dtrain.parallel.clip import GradPart, clip_grad_norm_
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def model_loss(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The loss of a model that returns (logits, loss) for (inputs, targets)."""
-    return module(x, y)[1]
+    """The loss of a model for (inputs, targets): its (logits, loss) or its `.loss`."""
+    return loss_of_output(module(x, y))
 
 
 class Holding:

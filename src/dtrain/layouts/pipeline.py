@@ -25,7 +25,7 @@ class Pipelined(Holding):
     def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any) -> None:
         pc, group, dp = config.parallel, mesh.group("pp"), mesh.group("dp")
         self.layout = layout
-        mine = pipeline.pieces_for(pipeline.gpt_pieces(model, layout.pp * layout.virtual_stages),
+        mine = pipeline.pieces_for(pipeline.cut(model, layout.pp * layout.virtual_stages),
                                    group)
         tied = pipeline.tied_weights(model, mine, group)
         self.names = Names(model, tp=(mesh.coords["tp"], layout.tp),
@@ -44,7 +44,7 @@ class Pipelined(Holding):
         self.module = nn.ModuleList(wrapped)
         self.pipe = pipeline.Pipeline(wrapped, group, microbatches=layout.microbatches,
                                       schedule=layout.schedule,
-                                      loss_fn=pipeline.gpt_loss_of(model), tied=tied)
+                                      loss_fn=pipeline.loss_of(model), tied=tied)
         self.groups = {"dp": dp, "tp": mesh.group("tp"), "pp": group}
         self.loss_group = dp
 

@@ -87,14 +87,31 @@ class Names:
 
     def local(self, ckpt: Checkpoint, name: str, p: nn.Parameter) -> torch.Tensor:
         """This rank's block of the logical tensor `name` (p's shape)."""
-        whole = ckpt.tensor(name)
         split = self.split.get(id(p))
-        block = split.shard(whole, *self.tp) if split is not None else whole
-        if block.shape != p.shape:
-            raise DtrainError(f"checkpoint {ckpt.path}: {name} has shape {tuple(block.shape)} "
-                              f"there but this model needs {tuple(p.shape)}: it was saved from "
-                              "another model config")
+        if split is None:
+            block = ckpt.tensor(name)
+        elif hasattr(ckpt, "block"):  # a source that reads a slice (models.weights)
+            block = ckpt.block(name, split, *self.tp)
+        else:
+            block = split.shard(ckpt.tensor(name), *self.tp)
+        _check_shape(ckpt, name, block.shape, p)
         return block
+
+    def span(self, ckpt: Checkpoint, name: str, p: nn.Parameter, lo: int, hi: int
+             ) -> torch.Tensor:
+        """Elements lo..hi of this rank's block of `name`, flattened (a ZeRO shard's span);
+        a source that reads rows (models.weights) reads only the rows holding them."""
+        if id(p) in self.split or not hasattr(ckpt, "rows"):
+            return self.local(ckpt, name, p).reshape(-1)[lo:hi]
+        _check_shape(ckpt, name, ckpt.shape(name), p)
+        return ckpt.rows(name, lo, hi)
+
+
+def _check_shape(ckpt: Any, name: str, shape: tuple[int, ...], p: nn.Parameter) -> None:
+    if tuple(shape) != tuple(p.shape):
+        raise DtrainError(f"checkpoint {ckpt.path}: {name} has shape {tuple(shape)} there but "
+                          f"this model needs {tuple(p.shape)}: it was saved from another "
+                          "model config")
 
 
 def optimizer_keys(ckpt: Checkpoint) -> dict[str, list[str]]:
@@ -202,7 +219,7 @@ class Shards:
         state: dict[str, zero_state.Segments] = defaultdict(lambda: defaultdict(list))
         for n, lo, hi in zero_state.span_ranges(self.zero):
             p, name = own[n], names.canonical[id(own[n])]
-            params[n].append((lo, hi, names.local(ckpt, MODEL + name, p).reshape(-1)[lo:hi]))
+            params[n].append((lo, hi, names.span(ckpt, MODEL + name, p, lo, hi)))
             for key in keys[name]:
                 block = names.local(ckpt, f"{OPTIM}{name}/{key}", p).reshape(-1)
                 state[key][n].append((lo, hi, block[lo:hi]))

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.models.stages import StagedLM
+
 
 @dataclass
 class GPTConfig:
@@ -75,14 +77,14 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class GPT(nn.Module):
+class GPT(StagedLM):
     """Decoder-only transformer returning logits, or (logits, loss) given targets."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_head={cfg.n_head} does not divide n_embd={cfg.n_embd}")
-        self.cfg = cfg
+        self.cfg, self.block_size = cfg, cfg.block_size
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -100,30 +102,13 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        t = idx.shape[1]
-        if t > self.cfg.block_size:
-            raise ValueError(f"sequence of {t} tokens exceeds block_size={self.cfg.block_size}")
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.ln_f(x))
-        if targets is None:
-            return logits
-        loss = self.loss_fn(logits.view(-1, logits.size(-1)), targets.view(-1))
-        return logits, loss
+    # How the pipeline cuts it (dtrain.models.Stages).
+    def stage_parts(self) -> tuple[list[str], str, list[str]]:
+        return ["wte", "wpe", "drop"], "blocks", ["ln_f", "head"]
 
-    @torch.no_grad()
-    def generate(
-        self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Append `new_tokens` sampled tokens to each row of `idx`."""
-        for _ in range(new_tokens):
-            logits = self(idx[:, -self.cfg.block_size :])[:, -1, :] / temperature
-            probs = F.softmax(logits, dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
-        return idx
+    def stage_in(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def stage_out(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dtrain.layout import Layout
 from dtrain.planner.estimate import Estimate, bubble, estimate
 from dtrain.planner.links import Links
-from dtrain.planner.profile import Profile, profile_factory, profile_gpt
+from dtrain.planner.profile import Profile, profile_factory, profile_gpt, profile_model
 from dtrain.planner.tracker import LiveBytes
 
 MICROBATCHES = (1, 2, 4)  # pipelines try m = pp times these
@@ -88,4 +88,5 @@ def recommend(estimates: list[Estimate]) -> tuple[Estimate | None, str]:
 
 
 __all__ = ["Estimate", "Layout", "Links", "LiveBytes", "Profile", "bubble", "estimate",
-           "layouts", "plan", "profile_factory", "profile_gpt", "recommend"]
+           "layouts", "plan", "profile_factory", "profile_gpt", "profile_model",
+           "recommend"]

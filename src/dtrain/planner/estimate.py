@@ -224,13 +224,13 @@ def _compute_s(profile: Profile, layout: Layout, accum: int, flops: float) -> fl
     devices = layout.dp * layout.tp * layout.pp
     sequences = profile.micro_batch * layout.dp * accum * layout.microbatches
     tokens = sequences * max(profile.seq_len, 1)
-    if profile.gpt is None:
+    if profile.shape is None:
         matmul = profile.params.total
         attention = 0.0
     else:
-        cfg = profile.gpt
-        matmul = cfg.n_layer * profile.params_block.total + cfg.vocab_size * cfg.n_embd
-        attention = cfg.n_layer * cfg.block_size * cfg.n_embd
+        shape = profile.shape
+        matmul = shape.n_layer * profile.params_block.total + shape.vocab_size * shape.n_embd
+        attention = shape.n_layer * shape.seq_len * shape.n_embd
     work = 6 * (matmul + attention) * tokens / devices
     if layout.pp > 1:
         most = max(sum(b) for b in stage_blocks(profile, layout.pp, layout.virtual_stages))

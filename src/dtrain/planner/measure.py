@@ -1,7 +1,8 @@
-"""The planner's check: the peak memory of a real run of dtrain's GPT in a layout.
+"""The planner's check: the peak memory of a real run of dtrain's GPT (or another built-in
+model, given its resolved `[model]` section) in a layout.
 
 `measured_peak` builds the model and strategy the way `dtrain train` does (tp splits the
-whole GPT, pp cuts it into pieces and frees the others, DataParallel or ZeRO wraps each
+whole model, pp cuts it into pieces and frees the others, DataParallel or ZeRO wraps each
 piece over dp), trains a few steps on random tokens with AdamW, and returns this rank's
 peak of live tensor bytes (dtrain.planner.tracker; on CUDA `max_memory_allocated` would
 read the same). Call it on every rank of an initialized world of `dp * tp * pp` ranks.
@@ -11,16 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from dtrain import pipeline, tensor_parallel
+from dtrain import models, pipeline, tensor_parallel
 from dtrain.layout import Layout
 from dtrain.mesh import Mesh
+from dtrain.models.config import ModelConfig
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.parallel.data_parallel import DataParallel
 from dtrain.parallel.zero import ZeRO
 from dtrain.planner.tracker import LiveBytes
 
 
-def measured_peak(cfg: GPTConfig, layout: Layout, batch: int, steps: int = 3,
+def measured_peak(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int, steps: int = 3,
                   bucket_mb: float = 25.0) -> int:
     """Peak live tensor bytes on this rank over steps 2..`steps` of a `batch`-sequence
     global batch: the steady state, with optimizer state. The first step is left out: it
@@ -30,9 +32,9 @@ def measured_peak(cfg: GPTConfig, layout: Layout, batch: int, steps: int = 3,
         mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
         dp_group = mesh.group("dp")
         torch.manual_seed(0)
-        gpt = GPT(cfg)
+        gpt = GPT(cfg) if isinstance(cfg, GPTConfig) else models.build(cfg)
         if layout.tp > 1:
-            tensor_parallel.parallelize(gpt, tensor_parallel.gpt_plan(cfg), mesh.group("tp"))
+            tensor_parallel.split_model(gpt, mesh.group("tp"))
 
         def wrap(module: torch.nn.Module):
             if layout.zero:
@@ -43,12 +45,12 @@ def measured_peak(cfg: GPTConfig, layout: Layout, batch: int, steps: int = 3,
         pipe = None
         if layout.pp > 1:
             pp_group = mesh.group("pp")
-            mine = pipeline.pieces_for(pipeline.gpt_pieces(gpt, layout.pp), pp_group)
+            mine = pipeline.pieces_for(pipeline.cut(gpt, layout.pp), pp_group)
             pipeline.release_others(gpt, mine)
             model = torch.nn.ModuleList(wrap(p) for p in mine)
             pipe = pipeline.Pipeline(list(model), pp_group, microbatches=layout.microbatches,
                                      schedule=layout.schedule,
-                                     loss_fn=pipeline.gpt_loss_of(gpt),
+                                     loss_fn=pipeline.loss_of(gpt),
                                      tied=pipeline.tied_weights(gpt, mine, pp_group))
         else:
             model = wrap(gpt)

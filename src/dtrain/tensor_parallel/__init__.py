@@ -23,6 +23,7 @@ from dtrain.tensor_parallel.functions import (
     reduce_from_group,
     scatter_last,
 )
+from dtrain.tensor_parallel.hf_plans import hf_plan
 from dtrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -30,7 +31,8 @@ from dtrain.tensor_parallel.layers import (
 )
 from dtrain.tensor_parallel.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from dtrain.tensor_parallel.parallelize import Colwise, Rowwise, Vocab, VocabLoss, parallelize
-from dtrain.tensor_parallel.plans import bert_plan, gpt_plan
+from dtrain.tensor_parallel.plan_of import plan_of, split_model
+from dtrain.tensor_parallel.plans import bert_plan, gpt_plan, llama_plan
 from dtrain.tensor_parallel.state import (
     clip_grad_norm_,
     full_grads,
@@ -45,7 +47,7 @@ __all__ = [
     "Colwise", "ColumnParallelLinear", "RowParallelLinear", "Rowwise", "Split", "Vocab",
     "VocabLoss", "VocabParallelCrossEntropy", "VocabParallelEmbedding", "bert_plan",
     "clip_grad_norm_", "copy_to_group", "full_grads", "full_optimizer_state",
-    "full_state_dict", "gather_last", "gpt_plan", "load_full_state_dict", "parallelize",
-    "parameter_bytes", "placements", "reduce_from_group", "scatter_last",
-    "vocab_parallel_cross_entropy",
+    "full_state_dict", "gather_last", "gpt_plan", "hf_plan", "llama_plan",
+    "load_full_state_dict", "parallelize", "parameter_bytes", "placements", "plan_of",
+    "reduce_from_group", "scatter_last", "split_model", "vocab_parallel_cross_entropy",
 ]

@@ -1,4 +1,4 @@
-"""Ready plans: dtrain's GPT, and Hugging Face's BERT as an example for a library model.
+"""Ready plans: dtrain's GPT and Llama, and Hugging Face's BERT as an example for a library model.
 
 A plan names, for each layer, how it is split. Attention follows Megatron-LM: Q, K and V
 split by heads (column-parallel), the output projection by its input (row-parallel), so a
@@ -8,6 +8,7 @@ block costs two all-reduces forward (after attention, after the MLP) and two bac
 from __future__ import annotations
 
 from dtrain.models.gpt import GPTConfig
+from dtrain.models.llama import LlamaConfig
 from dtrain.tensor_parallel.parallelize import Colwise, Style
 
 
@@ -23,6 +24,30 @@ def gpt_plan(cfg: GPTConfig) -> dict[str, Style | str]:
         "blocks.*.attn.proj": "rowwise",
         "blocks.*.mlp.fc": "colwise",
         "blocks.*.mlp.proj": "rowwise",
+        "head": "colwise",
+        "loss_fn": "vocab_loss",
+    }
+
+
+def llama_plan(cfg: LlamaConfig) -> dict[str, Style | str]:
+    """dtrain's Llama: Q split by query heads, K and V by key/value heads (so the
+    tensor-parallel degree must divide `cfg.n_kv_head`, and each rank's query heads read
+    its own key/value heads), the SwiGLU's gate and up column-parallel and down
+    row-parallel; the embedding and the head split by vocabulary (tied or not) and the loss
+    vocab-parallel, as in `gpt_plan`. RMSNorms stay replicated.
+
+    `parallelize` raises ConfigError when tp does not divide the heads, the key/value heads,
+    the MLP width or the vocabulary.
+    """
+    return {
+        "embed": "vocab",
+        "blocks.*.attn.q_proj": Colwise(heads=cfg.n_head),
+        "blocks.*.attn.k_proj": Colwise(heads=cfg.n_kv_head),
+        "blocks.*.attn.v_proj": Colwise(heads=cfg.n_kv_head),
+        "blocks.*.attn.o_proj": "rowwise",
+        "blocks.*.mlp.gate": "colwise",
+        "blocks.*.mlp.up": "colwise",
+        "blocks.*.mlp.down": "rowwise",
         "head": "colwise",
         "loss_fn": "vocab_loss",
     }

@@ -1,6 +1,7 @@
 """`dtrain plan`: every layout of a model on N devices, with its memory, traffic and time.
 
     dtrain plan                                   # the built-in GPT on its 2 ranks
+    dtrain plan --set model.arch=llama --set model.preset=llama-3-8b -n 64 --memory 80GB
     dtrain plan -n 8 --memory 80GB --layers 24 --embd 1024 --heads 16 --block 1024 \\
         --vocab 50304 --batch 64 --tflops 300 --bandwidth 100
     dtrain plan my.toml -n 4 --json plan.json     # a training config's model and batch
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, key, what in (("--layers", "n_layer", "blocks"), ("--heads", "n_head", "heads"),
                             ("--embd", "n_embd", "width"), ("--vocab", "vocab_size", "vocab"),
                             ("--block", "block_size", "sequence length")):
-        parser.add_argument(flag, type=int, dest=key, help=f"GPT {what} (model.{key})")
+        parser.add_argument(flag, type=int, dest=key, help=f"model {what} (model.{key})")
     parser.add_argument("--model", metavar="MODULE:FACTORY", help="plan a model of your own: "
                         "FACTORY() returns (model, inputs for one sample); dp and ZeRO only")
     parser.add_argument("--tflops", type=float, help="compute rate per device in TFLOP/s "
@@ -104,7 +105,9 @@ def _links(args: argparse.Namespace):
 def plan_command(args: argparse.Namespace) -> None:
     """Run `dtrain plan` as parsed by the CLI."""
     from dtrain.config import load_config
-    from dtrain.planner import plan, profile_factory, profile_gpt, recommend
+    from dtrain.data import vocab_of
+    from dtrain.models import resolve
+    from dtrain.planner import plan, profile_factory, profile_model, recommend
 
     overrides = list(args.overrides) + [
         f"model.{key}={getattr(args, key)}" for key in
@@ -132,7 +135,9 @@ def plan_command(args: argparse.Namespace) -> None:
     if args.model:
         trace = functools.cache(lambda b: profile_factory(args.model, b))
     else:
-        trace = functools.cache(lambda b: profile_gpt(config.model, b))
+        dc = config.data
+        shape = resolve(config.model, vocab_of(dc.path, dc.format, dc.tokenizer))
+        trace = functools.cache(lambda b: profile_model(shape, b))
     estimates = plan(trace, devices, memory, batch, flops, links, config.optimizer.name,
                      config.train.grad_accum, config.parallel.bucket_mb, schedules)
     if not estimates:

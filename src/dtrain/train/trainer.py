@@ -3,7 +3,9 @@
     dtrain train                                  # built-in GPT on 2 local ranks
     dtrain train my.toml --set train.steps=500    # your config, one key overridden
 
-Every rank builds the same model and hands it to dtrain.layouts, which lays it out as
+Every rank reads the data (dtrain.data), builds the same model (dtrain.models: dtrain's
+GPT or Llama, a Hugging Face causal LM, or a user's module, optionally starting from a
+Hugging Face folder's weights) and hands it to dtrain.layouts, which lays it out as
 `[parallel]` says (tp, then pp, then DataParallel or ZeRO over dp; or parameter-server
 workers) and returns a Holding: the one interface this loop drives, whatever the layout.
 Every rank writes the pieces of the state it owns into universal checkpoints
@@ -13,6 +15,7 @@ and finally prints a sample of generated text.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -21,15 +24,17 @@ from typing import Any
 
 import torch
 
-from dtrain import comm, faults, layouts, timeline
+from dtrain import comm, faults, layouts, models, timeline
 from dtrain import world as world_mod
 from dtrain.checkpoint import training
 from dtrain.checkpoint.universal import MODEL, Checkpoint
 from dtrain.config import Config, OptimizerConfig, layout_of, per_rank_batch
+from dtrain.data import Tokenizer, TokenSequences, batches, open_data
 from dtrain.layouts import Holding
 from dtrain.mesh import Mesh
-from dtrain.models.gpt import GPT
-from dtrain.train.data import ByteSequences, batches, read_corpus, split
+from dtrain.models.config import ModelConfig
+from dtrain.models.generate import generate
+from dtrain.models.weights import weights_of
 from dtrain.train.metrics import MetricsLog, Progress
 
 
@@ -52,7 +57,7 @@ def mean_over(value: float, group: Any, device: torch.device) -> float:
 
 
 @torch.no_grad()
-def evaluate(held: Holding, data: ByteSequences, batch_size: int, n_batches: int,
+def evaluate(held: Holding, data: TokenSequences, batch_size: int, n_batches: int,
              mesh: Mesh, device: torch.device) -> float:
     """Mean loss over the first `n_batches` held-out batches of every dp rank's shard."""
     dp_size, dp_rank = mesh.size("dp"), mesh.coords["dp"]
@@ -92,34 +97,42 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     resume = open_checkpoint(resume_from, config) if resume_from else None
     start = resume.step if resume is not None else 0
 
-    train_bytes, val_bytes = split(
-        read_corpus(config.data.path, config.data.max_bytes), config.data.val_fraction,
-        mc.block_size,
-    )
-    train_data = ByteSequences(train_bytes, mc.block_size)
-    val_data = ByteSequences(val_bytes, mc.block_size)
+    dc = config.data
+    data = open_data(dc.path, dc.format, dc.tokenizer, dc.max_bytes, dc.val_fraction,
+                     mc.block_size)
+    train_data, val_data = data.train, data.val
     per_rank = per_rank_batch(config, layout.dp)  # sequences per forward
 
+    shape = models.resolve(mc, data.vocab_size)
     torch.manual_seed(tc.seed)
-    gpt = GPT(mc).to(world.device)
-    n_params = sum(p.numel() for p in gpt.parameters())
-    held = layouts.build(gpt, mesh, layout, config)
+    model = models.build(shape).to(world.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    weights = weights_of(shape, model) if shape.init_from and resume is None else None
+    held = layouts.build(model, mesh, layout, config)
     stream = batches(train_data, tc.batch_size, layout.dp, mesh.coords["dp"], tc.seed,
                      shuffle=True, accum=held.accum, start=start)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(
         o, lambda s: lr_factor(s, tc.steps, config.optimizer)) for o in held.optimizers]
     if resume is not None:
         training.restore(resume, held, schedulers, layout)
+    elif weights is not None:
+        held.restore(weights)  # each rank reads the slices it holds
     held.start()
 
     out_dir = Path(tc.out_dir)
     progress = Progress(tc.steps, config.logging.log_every, enabled=world.is_main)
     metrics = MetricsLog(metrics_path or config.logging.metrics, enabled=world.is_main)
-    progress.write(f"dtrain: {world.world_size} rank(s), {held.describe()}; GPT "
-                   f"{n_params / 1e6:.2f}M parameters; {len(train_data):,} training sequences "
-                   f"of {mc.block_size} bytes; global batch {tc.batch_size}")
+    progress.write(f"dtrain: {world.world_size} rank(s), {held.describe()}; "
+                   f"{describe_model(shape, model)} {n_params / 1e6:.2f}M parameters; "
+                   f"{len(train_data):,} training sequences of {mc.block_size} tokens "
+                   f"({data.tokenizer.name}); global batch {tc.batch_size}")
     if resume is not None:
         progress.write(f"resumed from {resume.path} (step {start})")
+    elif weights is not None:
+        progress.write(f"weights from {weights.path}")
+    tokenizer_file = data.tokenizer.path and str(Path(data.tokenizer.path).resolve())
+    described = {"model": dataclasses.asdict(shape), "tokenizer": tokenizer_file,
+                 **model_meta(model)}
     tokens_per_step = tc.batch_size * mc.block_size
     losses: list[float] = []
     eval_losses: list[tuple[int, float]] = []
@@ -134,7 +147,8 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     def save(step: int) -> Path:
         with timeline.span("checkpoint", "checkpoint", step=step):
             return training.save(out_dir / "checkpoints", step, held, schedulers,
-                                 config.to_dict(), config.checkpoint.keep_last)
+                                 config.to_dict(), config.checkpoint.keep_last,
+                                 described)
 
     def train_step() -> float:
         """Forward and backward of one global batch, the optimizer step; the mean loss."""
@@ -175,12 +189,8 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     if world.is_main:
         progress.write(f"checkpoint: {path}")
     if config.logging.sample_tokens and world.is_main:  # from the checkpoint: whole, here
-        plain = GPT(mc).to(world.device)
-        ckpt = Checkpoint(path)
-        plain.load_state_dict({n: ckpt.tensor(MODEL + n) for n in ckpt.names(MODEL)}
-                              | {a: ckpt.tensor(MODEL + n) for a, n in
-                                 ckpt.meta["aliases"].items()})
-        progress.write("sample:\n" + sample(plain, config.logging.sample_tokens, world.device))
+        progress.write("sample:\n" + sample(shape, Checkpoint(path), data.tokenizer,
+                                             config.logging, world.device))
     metrics.close()
     if own_timeline:
         progress.write(f"timeline: {_write_own_timeline(world)}")
@@ -200,9 +210,32 @@ def _write_own_timeline(world: world_mod.World) -> str:
     return out
 
 
-def sample(model: GPT, n_tokens: int, device: torch.device, prompt: str = "def ") -> str:
-    """Generate `n_tokens` bytes after `prompt` and decode them as text."""
-    model.eval()
-    idx = torch.tensor([list(prompt.encode())], dtype=torch.long, device=device)
-    out = model.generate(idx, n_tokens, generator=torch.Generator(device).manual_seed(0))
-    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+def model_meta(model: torch.nn.Module) -> dict[str, Any]:
+    """What an export needs beyond the config: a Hugging Face model's own config."""
+    hf = getattr(model, "hf", None)
+    return {"hf_config": hf.config.to_dict()} if hf is not None else {}
+
+
+def describe_model(shape: ModelConfig, model: torch.nn.Module) -> str:
+    """The model in a few words, for the banner."""
+    if shape.arch == "hf":
+        return f"Hugging Face {type(model.hf).__name__}"
+    if shape.arch == "custom":
+        return type(model).__name__
+    return {"gpt": "GPT", "llama": "Llama"}[shape.arch] + (f" ({shape.preset})"
+                                                          if shape.preset else "")
+
+
+def sample(shape: ModelConfig, ckpt: Checkpoint, tokenizer: Tokenizer, cfg: Any,
+           device: torch.device) -> str:
+    """Generate `cfg.sample_tokens` tokens after `cfg.sample_prompt` with the model saved
+    in `ckpt` (built whole), decoded as text."""
+    torch.manual_seed(0)
+    plain = models.build(shape).to(device)
+    plain.load_state_dict({n: ckpt.tensor(MODEL + n) for n in ckpt.names(MODEL)}
+                          | {a: ckpt.tensor(MODEL + n) for a, n in ckpt.meta["aliases"].items()})
+    prompt = tokenizer.encode(cfg.sample_prompt) or tokenizer.separator
+    idx = torch.tensor([prompt], dtype=torch.long, device=device)
+    out = generate(plain, idx, cfg.sample_tokens, shape.block_size,
+                   generator=torch.Generator(device).manual_seed(0))
+    return tokenizer.decode(out[0].tolist())

@@ -1,66 +1,54 @@
-"""Text data for language modelling: a corpus read as bytes, cut into training sequences.
+"""Training sequences cut from a token stream, the train/held-out split, and the batches.
 
-The default corpus is the Python standard library's own source code, which every Python
-installation ships, so the demo needs no download. Any text file or folder works too.
-The last `val_fraction` of the bytes is held out for evaluation.
+A token source is anything sliceable with `len`: a tensor or array of ids, `TokenShards`
+(memory-mapped shards), or a `View` of either. Nothing here copies a source whole.
 """
 
 from __future__ import annotations
 
-import sysconfig
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Protocol
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from dtrain.errors import ConfigError
 
 
-def _stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+class Tokens(Protocol):
+    """A sliceable token source: `len` and `source[a:b]` (ids a..b-1)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: slice) -> torch.Tensor | np.ndarray: ...
 
 
-def _read_files(files: list[Path], max_bytes: int, what: str) -> bytes:
-    parts, total = [], 0
-    for path in files:
-        data = path.read_bytes()
-        if b"\0" in data[:8192]:
-            if len(files) == 1:
-                raise ConfigError(f"data.path {what!r} looks binary (NUL bytes): give a text file")
-            continue  # a folder may hold a stray binary; skip it
-        parts.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    return b"\n".join(parts)[:max_bytes]
+class View:
+    """Tokens `start`..`stop`-1 of a source, sliced without copying it."""
+
+    def __init__(self, source: Tokens, start: int, stop: int) -> None:
+        self.source, self.start, self.stop = source, start, stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: slice) -> torch.Tensor | np.ndarray:
+        start, stop, step = index.indices(len(self))
+        if step != 1:
+            raise ValueError("a token view is sliced with step 1 only")
+        return self.source[self.start + start : self.start + stop]
 
 
-def read_corpus(path: str, max_bytes: int) -> bytes:
-    """Read up to `max_bytes` of text from a file, a folder (recursively), or the stdlib.
+class TokenSequences(Dataset):
+    """Non-overlapping windows of `block_size` tokens, each with its next-token targets.
 
-    Raises:
-        ConfigError: the path is missing, empty, or binary.
+    Item i is (tokens[i*B : i*B+B], tokens[i*B+1 : i*B+B+1]) as int64 tensors, B being
+    `block_size`; the last token of one window is the first target of the next.
     """
-    if not path:
-        return _read_files(_stdlib_files(), max_bytes, "stdlib")
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"data.path {path!r} does not exist")
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
-    data = _read_files(files, max_bytes, path)
-    if not data:
-        raise ConfigError(f"data.path {path!r} holds no text")
-    return data
 
-
-class ByteSequences(Dataset):
-    """Non-overlapping windows of `block_size` bytes, each with its next-byte targets."""
-
-    def __init__(self, data: bytes, block_size: int) -> None:
-        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    def __init__(self, tokens: Tokens, block_size: int) -> None:
+        self.tokens = tokens
         self.block_size = block_size
 
     def __len__(self) -> int:
@@ -68,22 +56,25 @@ class ByteSequences(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = i * self.block_size
-        chunk = self.tokens[start : start + self.block_size + 1].long()
+        chunk = torch.as_tensor(self.tokens[start : start + self.block_size + 1]).long()
         return chunk[:-1], chunk[1:]
 
 
-def split(data: bytes, val_fraction: float, block_size: int) -> tuple[bytes, bytes]:
-    """Split into (train, held-out) at the end; both must hold at least one sequence.
+def split(tokens: Tokens, val_fraction: float, block_size: int) -> tuple[View, View]:
+    """Split into (train, held-out) views at the end; both must hold at least one sequence.
+
+    The held-out part is the last int(n * val_fraction) of the n tokens.
 
     Raises:
         ConfigError: the corpus is too small for the block size.
     """
-    cut = len(data) - int(len(data) * val_fraction)
-    train, val = data[:cut], data[cut:]
+    n = len(tokens)
+    cut = n - int(n * val_fraction)
+    train, val = View(tokens, 0, cut), View(tokens, cut, n)
     for name, part in (("training", train), ("held-out", val)):
         if len(part) <= block_size:
             raise ConfigError(
-                f"the corpus's {name} part has {len(part)} bytes, too few for "
+                f"the corpus's {name} part has {len(part)} tokens, too few for "
                 f"model.block_size = {block_size}: give more data or a smaller block size"
             )
     return train, val

@@ -1,0 +1,280 @@
+"""Token shards: a tokenized corpus on disk, written once and read lazily.
+
+A folder of `.bin` files, each raw little-endian token ids (uint16, or uint32 when the
+vocabulary has more than 65,536 ids), and `index.json`:
+
+    {"format": "dtrain.tokens/1", "dtype": "uint16", "vocab_size": 50257,
+     "tokenizer": "tokenizer.json", "tokens": 1234567,
+     "shards": [{"file": "shard-00000.bin", "tokens": 1000000}, ...]}
+
+"tokenizer" is "bytes" or the name of the tokenizer file, which the folder then holds as
+`tokenizer.json`. `ShardWriter` writes a folder atomically (into a temporary folder beside
+it, renamed into place at the end); `TokenShards` memory-maps each shard on first use, so
+reading a window touches only the pages it needs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+import torch
+
+from dtrain.errors import ConfigError
+
+FORMAT = "dtrain.tokens/1"
+INDEX = "index.json"
+TOKENIZER_FILE = "tokenizer.json"
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+AGAIN = "run `dtrain data prepare` again"
+
+
+def choose_dtype(vocab_size: int, dtype: str = "auto") -> str:
+    """The shard dtype: `dtype` if "uint16" or "uint32", else (auto) the smallest that
+    holds every id below `vocab_size`.
+
+    Raises:
+        ConfigError: `dtype` is none of auto, uint16, uint32.
+    """
+    if dtype == "auto":
+        return "uint16" if vocab_size <= 1 << 16 else "uint32"
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not a token dtype: give auto, uint16 or uint32")
+    return dtype
+
+
+class ShardWriter:
+    """Writes token ids into shards of `shard_size` tokens, atomically.
+
+    Ids go straight to the open shard file, so memory stays constant. The folder is built
+    as a hidden temporary folder beside `out` and renamed to `out` by `finish()`; leaving
+    the `with` block without `finish()` (an error) removes it, so nothing is left at `out`.
+
+    Use:
+        with ShardWriter(out, vocab_size) as writer:
+            writer.write(ids)
+            index = writer.finish()
+    """
+
+    def __init__(self, out: str, vocab_size: int, tokenizer: str = "bytes",
+                 tokenizer_file: str | None = None, shard_size: int = 100_000_000,
+                 dtype: str = "auto", key: str = "OUT") -> None:
+        """Check `out` and open the temporary folder.
+
+        Args:
+            out: the folder to write; it must not exist or be empty.
+            vocab_size: the tokenizer's vocabulary, recorded in the index.
+            tokenizer: "bytes" or the tokenizer file's name, recorded in the index.
+            tokenizer_file: a tokenizer.json to copy into the folder.
+            shard_size: tokens per shard file (the last one holds the rest).
+            dtype: auto, uint16 or uint32 (see `choose_dtype`).
+            key: what `out` is called in messages.
+
+        Raises:
+            ConfigError: `out` exists and is not an empty folder, or a bad dtype.
+        """
+        if shard_size < 1:
+            raise ConfigError(f"--shard-size {shard_size} must be at least 1 token")
+        self.out = Path(out)
+        if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
+            raise ConfigError(f"{key} {out!r} exists and is not empty: remove it or choose "
+                              "another folder")
+        self.dtype = choose_dtype(vocab_size, dtype)
+        self._limit = np.iinfo(DTYPES[self.dtype]).max
+        self.vocab_size, self.tokenizer, self.shard_size = vocab_size, tokenizer, shard_size
+        self.tokens = 0
+        self.shards: list[dict[str, object]] = []
+        self._file = None
+        self._finished = False
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".tmp",
+                                          dir=self.out.parent))
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, self._tmp / TOKENIZER_FILE)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        if not self._finished:
+            self.abort()
+
+    def write(self, ids: np.ndarray | list[int]) -> None:
+        """Append token ids, starting new shards as they fill.
+
+        Raises:
+            ConfigError: an id is negative or does not fit the dtype.
+        """
+        ids = np.asarray(ids)
+        if ids.size == 0:
+            return
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high > self._limit:
+            bad = low if low < 0 else high
+            fix = ("give --dtype uint32" if self.dtype == "uint16" and bad > 0
+                   and bad < 1 << 32 else "the tokenizer's ids must lie in 0 .. 2**32 - 1")
+            raise ConfigError(f"token id {bad} does not fit the shards' dtype {self.dtype}: "
+                              f"{fix}")
+        ids = ids.astype(DTYPES[self.dtype], copy=False)
+        while ids.size:
+            if self._file is None:
+                name = f"shard-{len(self.shards):05d}.bin"
+                self._file = open(self._tmp / name, "wb")  # closed by _close_shard
+                self.shards.append({"file": name, "tokens": 0})
+            shard = self.shards[-1]
+            take = ids[: self.shard_size - shard["tokens"]]
+            take.tofile(self._file)
+            shard["tokens"] += take.size
+            self.tokens += take.size
+            ids = ids[take.size :]
+            if shard["tokens"] == self.shard_size:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def finish(self) -> dict[str, object]:
+        """Write the index and rename the folder into place; return the index.
+
+        Raises:
+            ConfigError: `out` appeared meanwhile and is not empty.
+        """
+        self._close_shard()
+        index = {"format": FORMAT, "dtype": self.dtype, "vocab_size": self.vocab_size,
+                 "tokenizer": self.tokenizer, "tokens": self.tokens, "shards": self.shards}
+        (self._tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+        try:
+            os.rename(self._tmp, self.out)  # replaces an empty folder, atomically
+        except OSError as exc:
+            self.abort()
+            raise ConfigError(f"OUT {str(self.out)!r} cannot be written ({exc.strerror}): "
+                              "remove it or choose another folder") from exc
+        self._finished = True
+        return index
+
+    def abort(self) -> None:
+        """Remove the temporary folder: nothing is written at `out`."""
+        self._close_shard()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def read_index(path: str, key: str = "data.path") -> dict:
+    """The checked `index.json` of a token-shard folder (the shard files are not opened).
+
+    Raises:
+        ConfigError: the folder or its index is missing, unparseable, of another format,
+            of an unknown dtype, or malformed.
+    """
+    folder = Path(path)
+    where = f"{key} {path!r}"
+    if not path or not folder.is_dir():
+        state = "is empty" if not path else "is not a folder"
+        raise ConfigError(f'{where} {state}: data.format = "tokens" needs a folder written '
+                          "by `dtrain data prepare`")
+    file = folder / INDEX
+    if not file.is_file():
+        raise ConfigError(f"{where} holds no {INDEX}: give a folder written by `dtrain data "
+                          'prepare` (or set data.format = "text" or "jsonl")')
+    try:
+        index = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{where}: {INDEX} cannot be read ({exc}): {AGAIN}") from exc
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        found = index.get("format") if isinstance(index, dict) else None
+        raise ConfigError(f"{where}: {INDEX} is not a dtrain token index (format {found!r}, "
+                          f"expected {FORMAT!r}): {AGAIN}")
+    if index.get("dtype") not in DTYPES:
+        raise ConfigError(f"{where}: {INDEX} names dtype {index.get('dtype')!r}, not uint16 or "
+                          f"uint32: {AGAIN}")
+    shards = index.get("shards")
+    well_formed = (
+        isinstance(index.get("vocab_size"), int) and index["vocab_size"] > 0
+        and isinstance(index.get("tokenizer"), str) and isinstance(shards, list)
+        and all(isinstance(s, dict) and isinstance(s.get("file"), str)
+                and isinstance(s.get("tokens"), int) and s["tokens"] >= 0 for s in shards)
+        and index.get("tokens") == sum(s["tokens"] for s in shards))
+    if not well_formed:
+        raise ConfigError(f"{where}: {INDEX} is malformed (vocab_size, tokenizer, tokens or "
+                          f"shards missing or inconsistent): {AGAIN}")
+    return index
+
+
+class TokenShards:
+    """The token ids of a shard folder as one sliceable sequence, read lazily.
+
+    `shards[a:b]` is an int64 tensor of ids a..b-1, read from the memory maps of only the
+    shards that window crosses; each shard is mapped on first use.
+    """
+
+    def __init__(self, path: str, key: str = "data.path") -> None:
+        """Read the index and check every shard file's size (no shard is read).
+
+        Raises:
+            ConfigError: a bad index (see `read_index`), a missing shard file, or one whose
+                size is not its tokens times the dtype's size (truncated).
+        """
+        self.path = path
+        self.index = read_index(path, key)
+        self.dtype = DTYPES[self.index["dtype"]]
+        self.vocab_size: int = self.index["vocab_size"]
+        self.tokenizer: str = self.index["tokenizer"]
+        self._files: list[Path] = []
+        self._starts: list[int] = []
+        total = 0
+        for shard in self.index["shards"]:
+            file = Path(path) / shard["file"]
+            expected = shard["tokens"] * self.dtype.itemsize
+            if not file.is_file():
+                raise ConfigError(f"{key} {path!r}: shard {shard['file']} is missing: {AGAIN}")
+            size = file.stat().st_size
+            if size != expected:
+                raise ConfigError(
+                    f"{key} {path!r}: shard {shard['file']} has {size} bytes, not "
+                    f"{shard['tokens']} tokens x {self.dtype.itemsize} = {expected} (truncated "
+                    f"or damaged): {AGAIN}")
+            if shard["tokens"]:  # an empty file cannot be memory-mapped, and holds nothing
+                self._files.append(file)
+                self._starts.append(total)
+                total += shard["tokens"]
+        self._length = total
+        self._maps: list[np.memmap | None] = [None] * len(self._files)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def _map(self, i: int) -> np.memmap:
+        if self._maps[i] is None:
+            self._maps[i] = np.memmap(self._files[i], dtype=self.dtype, mode="r")
+        return self._maps[i]
+
+    def __getitem__(self, index: slice | int) -> torch.Tensor | int:
+        """Ids `index` (a slice with step 1) as an int64 tensor, or one id as an int."""
+        if isinstance(index, int):
+            position = index + self._length if index < 0 else index
+            if not 0 <= position < self._length:
+                raise IndexError(f"token {index} out of range for {self._length} tokens")
+            return int(self[position : position + 1][0])
+        start, stop, step = index.indices(self._length)
+        if step != 1:
+            raise ValueError("token shards are sliced with step 1 only")
+        pieces = []
+        shard = bisect.bisect_right(self._starts, start) - 1
+        while start < stop:
+            offset = start - self._starts[shard]
+            mapped = self._map(shard)
+            piece = mapped[offset : offset + stop - start]
+            pieces.append(piece.astype(np.int64))
+            start += piece.size
+            shard += 1
+        if not pieces:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.from_numpy(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])

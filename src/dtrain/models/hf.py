@@ -1,0 +1,268 @@
+"""Any Hugging Face causal LM as a dtrain model (`arch = "hf"`).
+
+    [model]
+    arch = "hf"
+    hf_config = "my-model/"         # its config.json, or the folder holding it
+
+`build_hf` builds what transformers' AutoModelForCausalLM makes of the config, freshly
+initialized from torch's current RNG (no download, no weights: `init_from` is loaded by
+the layouts through `hf_names`), and wraps it in `HFCausalLM`, which gives it dtrain's
+calls: forward(idx, targets) -> (logits, loss) through a `loss_fn` module (tensor
+parallelism swaps it for the vocab-parallel loss), pipeline stages for the Llama family
+(Llama, Mistral, Qwen2) and GPT-2, and `after_split` for tensor parallelism.
+
+Attention is SDPA: without a mask it is causal, so the pipeline's stages call the blocks
+with `attention_mask=None`. GPT-2's `Conv1D` layers (an nn.Linear with its weight stored
+[in, out]) become nn.Linear at build time, so tensor-parallel styles apply to them like any
+Linear; `transposed` names those weights, which GPT-2's own files keep transposed.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.errors import ConfigError
+from dtrain.models.config import ModelConfig
+
+
+class Family(enum.Enum):
+    """Model layouts whose parts dtrain knows, for cutting them into pipeline stages."""
+
+    ROTARY = "rotary"  # model.embed_tokens, model.layers, model.norm, model.rotary_emb
+    GPT2 = "gpt2"  # transformer.wte/wpe/drop, transformer.h, transformer.ln_f
+
+
+FAMILIES = {"llama": Family.ROTARY, "mistral": Family.ROTARY, "qwen2": Family.ROTARY,
+            "gpt2": Family.GPT2}
+"""Hugging Face model_type -> the family whose pipeline stages dtrain knows."""
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _config_file(cfg: ModelConfig) -> tuple[str, Path]:
+    """(the key that names the config, the config.json it names)."""
+    key, value = ("hf_config", cfg.hf_config) if cfg.hf_config else ("init_from", cfg.init_from)
+    if not value:
+        raise ConfigError("model.arch = \"hf\" needs model.hf_config (a Hugging Face config.json "
+                          "or a folder holding one) or model.init_from (a model folder)")
+    path = Path(value)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ConfigError(f"model.{key} = {value!r}: {file} does not exist: give a Hugging Face "
+                          "config.json or a folder holding one")
+    return key, file
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model.arch = \"hf\" needs Hugging Face transformers: "
+                          "pip install 'dtrain[hf]'") from None
+    return transformers
+
+
+def _read_config(key: str, file: Path) -> Any:
+    """The transformers config in `file`, without running any code from the Hub."""
+    transformers = _transformers()
+
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"model.{key}: {file} is not JSON ({_one_line(exc)}): give a "
+                          "Hugging Face config.json") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ConfigError(f"model.{key}: {file} has no \"model_type\": give a Hugging Face "
+                          "config.json")
+    model_type = data["model_type"]
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ConfigError(f"model.{key}: transformers {transformers.__version__} does not know "
+                          f"model_type {model_type!r} ({file}): use a model type it ships "
+                          "(dtrain runs no code from the Hub)")
+    data.pop("auto_map", None)  # remote code: never run
+    try:
+        return transformers.CONFIG_MAPPING[model_type].from_dict(data)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise ConfigError(f"model.{key}: transformers rejects {file}: "
+                          f"{_one_line(exc)}") from None
+
+
+def _causal_lm_class(key: str, file: Path, config: Any) -> type:
+    """The causal-LM class transformers builds for `config`.
+
+    BERT-like encoders also have an LM-head class in that mapping, but only as a decoder
+    (`is_decoder = true`); as they are, they attend both ways."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    model_type = config.model_type
+    encoder = (model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+               and not getattr(config, "is_decoder", False))
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or encoder:
+        what = "an encoder" if encoder else "not a causal LM in transformers"
+        raise ConfigError(f"model.{key}: model_type {model_type!r} ({file}) is {what}: arch "
+                          "\"hf\" needs a causal LM (e.g. llama, mistral, qwen2, gpt2)")
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def _check_shape(cfg: ModelConfig, key: str, file: Path, config: Any) -> None:
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and vocab < cfg.vocab_size:
+        raise ConfigError(f"model.{key}: vocab_size = {vocab} in {file} is smaller than the "
+                          f"data's {cfg.vocab_size} token ids: use a config with vocab_size >= "
+                          f"{cfg.vocab_size}, or data with a smaller vocabulary")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and cfg.block_size > positions:
+        name = config.attribute_map.get("max_position_embeddings", "max_position_embeddings")
+        raise ConfigError(f"model.block_size = {cfg.block_size} exceeds {name} = {positions} "
+                          f"in {file}: lower model.block_size to at most {positions}")
+
+
+def build_hf(cfg: ModelConfig) -> HFCausalLM:
+    """The causal LM of `cfg.hf_config` (a config.json or its folder; when empty, the
+    config.json in `cfg.init_from`), randomly initialized from torch's current RNG in
+    float32 with SDPA attention (eager for a model without it); its dropout probabilities
+    are the config's. Weights from `init_from` are not loaded here.
+
+    Raises:
+        ConfigError: no config named, the file missing or not JSON, a model type
+            transformers does not know or that is not a causal LM, a vocabulary smaller than
+            `cfg.vocab_size`, or `cfg.block_size` beyond the model's positions.
+    """
+    transformers = _transformers()
+    key, file = _config_file(cfg)
+    config = _read_config(key, file)
+    model_class = _causal_lm_class(key, file, config)
+    _check_shape(cfg, key, file, config)
+    attention = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+    try:
+        hf = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention, dtype=torch.float32, trust_remote_code=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model.{key}: transformers cannot build {file}: "
+                          f"{_one_line(exc)}") from None
+    return HFCausalLM(hf, cfg.block_size)
+
+
+def _linear_of(conv: nn.Module) -> nn.Linear:
+    """An nn.Linear computing what a transformers Conv1D does (its weight transposed)."""
+    linear = nn.Linear(conv.nx, conv.nf, bias=conv.bias is not None, device="meta")
+    linear.weight = nn.Parameter(conv.weight.detach().t().contiguous(),
+                                 requires_grad=conv.weight.requires_grad)
+    if conv.bias is not None:
+        linear.bias = conv.bias
+    return linear
+
+
+def _convert_conv1d(root: nn.Module, prefix: str) -> set[str]:
+    """Replace every Conv1D under `root` by its nn.Linear; the names of their weights."""
+    from transformers.pytorch_utils import Conv1D
+
+    converted = set()
+    for name, module in list(root.named_modules()):
+        if isinstance(module, Conv1D):
+            parent, _, child = name.rpartition(".")
+            setattr(root.get_submodule(parent), child, _linear_of(module))
+            converted.add(f"{prefix}{name}.weight")
+    return converted
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM (the submodule `hf`) returning logits, or (logits, loss)
+    given next-token targets.
+
+    Args:
+        hf: the transformers model (…ForCausalLM); its Conv1D layers become nn.Linear.
+        block_size: the longest sequence it will see (dtrain's `[model] block_size`).
+    """
+
+    def __init__(self, hf: nn.Module, block_size: int) -> None:
+        super().__init__()
+        self.hf = hf
+        self.block_size = block_size
+        # Parameter names ("hf....weight") whose Hugging Face tensor is this one transposed.
+        self.transposed: set[str] = _convert_conv1d(hf, "hf.")
+        self.family: Family | None = FAMILIES.get(hf.config.model_type)
+        self.loss_fn = nn.CrossEntropyLoss()  # a module, so tensor parallelism can swap it
+        self.train()
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # No labels: transformers would shift them, and dtrain's targets are already the
+        # next tokens.
+        logits = self.hf(input_ids=idx, use_cache=False).logits
+        if targets is None:
+            return logits
+        return logits, self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def after_split(self, tp_size: int) -> None:
+        """Fix what counts whole heads once tensor parallelism has split the layers across
+        `tp_size` ranks (dtrain.tensor_parallel.plan_of.split_model calls it).
+
+        GPT-2's attention cuts its fused QKV output into Q, K and V by `split_size` (the
+        whole width): a rank holds `1/tp_size` of each, so that becomes width / tp_size,
+        and `num_heads` the heads it holds. The Llama family needs nothing: its reshapes
+        count heads with -1 and its key/value groups are a ratio tensor parallelism keeps.
+        """
+        if self.family is not Family.GPT2:
+            return
+        config = self.hf.config
+        for block in self.hf.transformer.h:
+            block.attn.split_size = config.n_embd // tp_size
+            block.attn.num_heads = config.n_head // tp_size
+
+    # How the pipeline cuts it (dtrain.models.Stages).
+    def stage_parts(self) -> tuple[list[str], str, list[str]]:
+        config = self.hf.config
+        if self.family is None:
+            raise ConfigError(f"pipeline stages for model type {config.model_type!r} are not "
+                              f"known: dtrain cuts {', '.join(FAMILIES)}; use pp = 1, or give "
+                              "your own module the Stages methods (arch = \"custom\")")
+        window = getattr(config, "sliding_window", None)
+        if window is not None and window < self.block_size:
+            raise ConfigError(f"pipeline stages of {config.model_type!r} attend causally over "
+                              f"the whole block, but its sliding_window = {window} is shorter "
+                              f"than model.block_size = {self.block_size}: lower block_size "
+                              "to the window or use pp = 1")
+        if self.family is Family.ROTARY:
+            return ["hf.model.embed_tokens"], "hf.model.layers", ["hf.model.norm", "hf.lm_head"]
+        return (["hf.transformer.wte", "hf.transformer.wpe", "hf.transformer.drop"],
+                "hf.transformer.h", ["hf.transformer.ln_f", "hf.lm_head"])
+
+    def stage_in(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.family is Family.ROTARY:
+            return self.hf.model.embed_tokens(idx)
+        body = self.hf.transformer
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return body.drop(body.wte(idx) + body.wpe(positions))
+
+    def stage_block(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if self.family is Family.ROTARY:
+            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            rotary = self.hf.model.rotary_emb(h, positions)
+            out = block(h, attention_mask=None, position_ids=positions,
+                        position_embeddings=rotary)
+        else:
+            out = block(h, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out  # older transformers return tuples
+
+    def stage_out(self, h: torch.Tensor) -> torch.Tensor:
+        norm = self.hf.model.norm if self.family is Family.ROTARY else self.hf.transformer.ln_f
+        return self.hf.lm_head(norm(h))
+
+
+def hf_names(model: HFCausalLM) -> dict[str, tuple[str, bool]]:
+    """dtrain parameter name (as `model.named_parameters()` gives it: a tied head is not
+    listed) -> (the Hugging Face parameter name, whether the tensor is stored transposed
+    there: GPT-2's Conv1D weights)."""
+    return {name: (name.removeprefix("hf."), name in model.transposed)
+            for name, _ in model.named_parameters()}

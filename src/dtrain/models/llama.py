@@ -1,0 +1,255 @@
+"""dtrain's Llama: RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP.
+
+The architecture of Meta's Llama 2 and 3 as Hugging Face's `LlamaForCausalLM` computes it
+(no biases, pre-norm blocks, rotary embeddings in the rotate-half convention), so its
+weights map one to one onto that model's (dtrain.models.convert) and its logits agree to
+float rounding. `PRESETS` names the published shapes, and a tiny one for tests and demos.
+
+    model = Llama(llama_config(resolve(ModelConfig(arch="llama", preset="llama-tiny"), 256)))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtrain.errors import ConfigError
+from dtrain.models.config import ModelConfig
+from dtrain.models.stages import StagedLM
+
+_LLAMA_3 = {"vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5}
+PRESETS: dict[str, tuple[str, dict]] = {
+    "llama-tiny": ("llama", {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_kv_head": 2,
+                             "ffn_hidden": 352, "vocab_size": 0, "block_size": 128,
+                             "tie_embeddings": False, "rope_theta": 10000.0,
+                             "norm_eps": 1e-5}),
+    "llama-3.2-1b": ("llama", {**_LLAMA_3, "n_layer": 16, "n_embd": 2048, "n_head": 32,
+                               "n_kv_head": 8, "ffn_hidden": 8192, "block_size": 131072,
+                               "tie_embeddings": True}),
+    "llama-3-8b": ("llama", {**_LLAMA_3, "n_layer": 32, "n_embd": 4096, "n_head": 32,
+                             "n_kv_head": 8, "ffn_hidden": 14336, "block_size": 8192,
+                             "tie_embeddings": False}),
+    "llama-3-70b": ("llama", {**_LLAMA_3, "n_layer": 80, "n_embd": 8192, "n_head": 64,
+                              "n_kv_head": 8, "ffn_hidden": 28672, "block_size": 8192,
+                              "tie_embeddings": False}),
+}
+"""Named shapes: preset -> ("llama", ModelConfig shape keys). Llama 3.2's published model
+also scales its rotary frequencies for long contexts ("llama3" rope scaling), which dtrain's
+Llama does not: the shape is the same, the positions past 8192 are not."""
+
+
+@dataclass
+class LlamaConfig:
+    """Shape of dtrain's Llama (from the `[model]` section by `llama_config`).
+
+    Raises:
+        ConfigError: on construction, heads that do not divide the width or each other, or
+            an odd head size.
+    """
+
+    vocab_size: int = 256
+    """Number of token ids."""
+    block_size: int = 128
+    """Longest context, in tokens."""
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Query heads per block; must divide n_embd, into an even head size."""
+    n_kv_head: int = 2
+    """Key/value heads (grouped-query attention); must divide n_head."""
+    n_embd: int = 128
+    """Width of the residual stream."""
+    ffn_hidden: int = 352
+    """Hidden width of the SwiGLU MLP."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding's frequencies."""
+    norm_eps: float = 1e-5
+    """RMSNorm's epsilon."""
+    tie_embeddings: bool = False
+    """The output head shares the token embedding's weight."""
+    dropout: float = 0.0
+    """Dropout on the attention probabilities (Hugging Face's attention_dropout)."""
+
+    def __post_init__(self) -> None:
+        if self.n_head <= 0 or self.n_embd % self.n_head:
+            raise ConfigError(f"model.n_head = {self.n_head} does not divide model.n_embd = "
+                              f"{self.n_embd}: choose a head count that divides it")
+        if self.n_kv_head <= 0 or self.n_head % self.n_kv_head:
+            raise ConfigError(f"model.n_kv_head = {self.n_kv_head} does not divide model.n_head"
+                              f" = {self.n_head}: choose a key/value head count that divides it")
+        if (self.n_embd // self.n_head) % 2:
+            raise ConfigError(f"model.n_embd / model.n_head = {self.n_embd // self.n_head} is "
+                              "odd: rotary embeddings need an even head size")
+
+
+def llama_ffn_hidden(n_embd: int) -> int:
+    """Llama's MLP width for `n_embd`: 8/3 of it, rounded up to a multiple of 256."""
+    return math.ceil(int(2 * 4 * n_embd / 3) / 256) * 256
+
+
+def llama_config(cfg: ModelConfig) -> LlamaConfig:
+    """The LlamaConfig of a resolved `[model]` section (presets applied, vocabulary set):
+    n_kv_head 0 means n_head, ffn_hidden 0 Llama's rule (`llama_ffn_hidden`).
+
+    Raises:
+        ConfigError: the heads do not divide the width or each other, or the head size is odd.
+    """
+    return LlamaConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size,
+                       n_layer=cfg.n_layer, n_head=cfg.n_head,
+                       n_kv_head=cfg.n_kv_head or cfg.n_head, n_embd=cfg.n_embd,
+                       ffn_hidden=cfg.ffn_hidden or llama_ffn_hidden(cfg.n_embd),
+                       rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
+                       tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout)
+
+
+def parameter_count(cfg: LlamaConfig) -> int:
+    """Parameters of `Llama(cfg)` (a tied head counted once), without building it."""
+    head_dim = cfg.n_embd // cfg.n_head
+    attention = 2 * cfg.n_embd * cfg.n_head * head_dim + 2 * cfg.n_embd * cfg.n_kv_head * head_dim
+    block = attention + 3 * cfg.n_embd * cfg.ffn_hidden + 2 * cfg.n_embd
+    embeddings = cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2)
+    return embeddings + cfg.n_layer * block + cfg.n_embd
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back, as Hugging Face's Llama."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotary(t: int, head_dim: int, theta: float, device: torch.device,
+           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of positions 0..t-1, each (t, head_dim): the frequencies repeated across
+    the two halves of a head, as Hugging Face's rotate-half convention pairs them."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    freqs = torch.arange(t, device=device).float()[:, None] * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+# torch 2.5 and later attend grouped queries to their key/value head without copies.
+_SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.theta = cfg.rope_theta
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`rope`: the (cos, sin) of x's positions, computed once per forward by the model
+        (computed here when not given)."""
+        b, t, _ = x.shape
+        # Head counts from the projections' output widths: under tensor parallelism a rank
+        # holds only its own query and key/value heads (dtrain.tensor_parallel.llama_plan).
+        q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        cos, sin = rope if rope is not None else rotary(t, self.head_dim, self.theta,
+                                                        x.device, q.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        drop = self.dropout if self.training else 0.0
+        group = q.shape[1] // k.shape[1]
+        if group > 1 and not _SDPA_GQA:  # query head i reads key/value head i // group
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        gqa = {"enable_gqa": True} if group > 1 and _SDPA_GQA else {}
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True, **gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.up = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.down = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(StagedLM):
+    """Llama returning logits, or (logits, loss) given targets (its LlamaConfig has
+    checked the shape)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg, self.block_size = cfg, cfg.block_size
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.loss_fn = nn.CrossEntropyLoss()  # a module, so tensor parallelism can swap it
+        self._rope_cache: tuple = (None, None)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module: nn.Module) -> None:
+        # Hugging Face's initializer_range = 0.02; RMSNorm weights start at ones.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+
+    # How the pipeline cuts it (dtrain.models.Stages).
+    def stage_parts(self) -> tuple[list[str], str, list[str]]:
+        return ["embed"], "blocks", ["norm", "head"]
+
+    def stage_in(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.embed(idx)
+
+    def stage_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return block(x, self._rope(x))
+
+    def stage_out(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))
+
+    def _rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary (cos, sin) of x's positions, kept for the blocks that follow (every
+        block of a forward shares them)."""
+        key = (x.shape[1], x.device, x.dtype, type(x))  # a fake tensor is not a real one
+        if self._rope_cache[0] != key:
+            head_dim = self.cfg.n_embd // self.cfg.n_head
+            self._rope_cache = (key, rotary(x.shape[1], head_dim, self.cfg.rope_theta,
+                                            x.device, x.dtype))
+        return self._rope_cache[1]

@@ -1,0 +1,126 @@
+"""A language model cut into pipeline pieces by its blocks (dtrain.models.Stages).
+
+A piece holds the model's own submodules under their own dotted names (`blocks.3` stays
+`blocks.3`, `hf.model.layers.5` stays `hf.model.layers.5`), so a piece's state_dict is a
+slice of the model's. The first piece also holds the input part (embeddings), the last the
+output part (final norm, head). A weight the two share (a head tied to the token
+embedding) is named by `tied_weights` when the two sit on different ranks, so the Pipeline
+sums its gradients there as autograd does for one shared weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain import comm
+from dtrain.errors import ConfigError
+from dtrain.models.stages import Stages
+from dtrain.pipeline.partition import stage_sizes
+
+
+def _place(root: nn.Module, dotted: str, module: nn.Module) -> None:
+    """Put `module` at `dotted` inside `root`, making plain containers on the way."""
+    *path, leaf = dotted.split(".")
+    for part in path:
+        if not hasattr(root, part):
+            root.add_module(part, nn.Module())
+        root = getattr(root, part)
+    root.add_module(leaf, module)
+
+
+class Piece(nn.Module):
+    """Consecutive blocks of a model, with its input part (first piece) or output part
+    (last piece); runs them through the model's own `stage_*` methods."""
+
+    def __init__(self, model: Stages, blocks: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        inputs, blocks_name, outputs = model.stage_parts()
+        for name in (inputs if first else []) + (outputs if last else []):
+            _place(self, name, model.get_submodule(name))
+        every = model.get_submodule(blocks_name)
+        self.held_blocks = [every[i] for i in blocks]
+        _place(self, blocks_name, nn.ModuleDict({str(i): every[i] for i in blocks}))
+        self._model = (model,)  # a tuple: the whole model is not a submodule of the piece
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        model = self._model[0]
+        if self.first:
+            x = model.stage_in(x)
+        for block in self.held_blocks:
+            x = model.stage_block(block, x)
+        return model.stage_out(x) if self.last else x
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    if not isinstance(model, Stages):
+        raise ConfigError(f"{type(model).__name__} does not say how to cut it into pipeline "
+                          "stages: give it stage_parts, stage_in, stage_block and stage_out "
+                          "(dtrain.models.Stages)")
+    return model.get_submodule(model.stage_parts()[1])
+
+
+def cut(model: nn.Module, parts: int, balance: str | Sequence[int] = "params") -> list[Piece]:
+    """Cut `model` into `parts` pieces of consecutive blocks (pp x virtual stages).
+
+    Raises:
+        ConfigError: the model is not a `Stages`, more pieces than blocks, or explicit
+            sizes that do not fit.
+    """
+    sizes = stage_sizes(list(_blocks(model)), parts, balance)
+    pieces, start = [], 0
+    for i, size in enumerate(sizes):
+        pieces.append(Piece(model, range(start, start + size), i == 0, i == parts - 1))
+        start += size
+    return pieces
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on the last piece's output."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def loss_of(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss of `model` as it computes it (its `loss_fn` module, vocab-parallel once
+    tensor parallelism has replaced it), for the last piece's output; `lm_loss` for a
+    model without one."""
+    loss_fn = getattr(model, "loss_fn", None)
+    if loss_fn is None:
+        return lm_loss
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    return loss
+
+
+def release_others(model: nn.Module, mine: Sequence[nn.Module]) -> None:
+    """Free the storage of every parameter of `model` that none of this rank's pieces
+    holds: each rank builds the whole model (so every rank draws the same initial weights),
+    then keeps only its stages. The names and shapes stay known; the values are gone."""
+    kept = {id(p) for piece in mine for p in piece.parameters()}
+    for p in model.parameters():
+        if id(p) not in kept:
+            p.data = p.data.new_empty(0)
+
+
+def tied_weights(model: nn.Module, mine: Sequence[Piece], group: Any = None) -> list:
+    """The (parameter, peer) pairs for `Pipeline(tied=...)`: each parameter both the input
+    part (first stage's rank) and the output part (last stage's rank) hold, when those are
+    different ranks."""
+    g = comm.resolve(group)
+    if g.size == 1:
+        return []
+    inputs, _, outputs = model.stage_parts()
+    ids_in = {id(p): p for n in inputs for p in model.get_submodule(n).parameters()}
+    shared = [p for n in outputs for p in model.get_submodule(n).parameters() if id(p) in ids_in]
+    pairs = []
+    if any(p.first for p in mine):
+        pairs += [(p, g.size - 1) for p in shared]
+    if any(p.last for p in mine):
+        pairs += [(p, 0) for p in shared]
+    return pairs

@@ -1,0 +1,33 @@
+"""What every rank of `dtrain train` would find wrong with its data and model, found once
+before any rank starts: one line and exit 2, nothing written."""
+
+from __future__ import annotations
+
+import torch
+
+from dtrain import models
+from dtrain.config import Config
+from dtrain.data import open_data, vocab_of
+from dtrain.tensor_parallel.parallelize import matches
+from dtrain.tensor_parallel.plan_of import plan_of
+
+
+def check_job(config: Config) -> None:
+    """Read the data's vocabulary (and the corpus, when one is named), resolve the model
+    against it and build it on the meta device (no memory).
+
+    Raises:
+        ConfigError: the data, the tokenizer, the model's arch, preset, Hugging Face
+            config or factory, their vocabularies, or the tensor-parallel plan do not fit.
+    """
+    dc = config.data
+    if dc.path:  # the stdlib default is known good; a user's corpus is read once here
+        vocab = open_data(dc.path, dc.format, dc.tokenizer, dc.max_bytes, dc.val_fraction,
+                          config.model.block_size).vocab_size
+    else:
+        vocab = vocab_of(dc.path, dc.format, dc.tokenizer)
+    shape = models.resolve(config.model, vocab)
+    with torch.device("meta"):
+        model = models.build(shape)
+    if config.parallel.tp > 1:  # a plan that names nothing, or none at all
+        matches(model, plan_of(model, config.model.tp_plan))
