@@ -91,6 +91,7 @@ def test_bytes_tokenizer_is_utf8() -> None:
     tok = load_tokenizer("bytes")
     assert (tok.vocab_size, tok.separator, tok.path, tok.name) == (256, [10], None, "bytes")
     assert tok.encode("hé") == [104, 195, 169] and tok.decode([104, 195, 169]) == "hé"
+    assert tok.decode([104, 300, 105]) == "hi"  # a larger model's ids beyond the bytes
 
 
 def test_tokenizer_file_round_trips_and_adds_no_special_tokens(tmp_path: Path) -> None:

@@ -67,7 +67,8 @@ class ByteTokenizer(Tokenizer):
         return np.frombuffer(data, dtype=np.uint8)
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
+        # A model may have more ids than bytes (vocab_size above 256): those decode to nothing.
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
 class FileTokenizer(Tokenizer):
