@@ -186,8 +186,7 @@ def test_gpt_exports_as_gpt2(tmp_path: Path) -> None:
     assert dtrain("export", str(checkpoints), str(out), "--format", "hf").returncode == 0
     theirs = AutoModelForCausalLM.from_pretrained(out).eval()
     ours = models.build(models.ModelConfig(**universal.Checkpoint(checkpoints).meta["model"]))
-    ours.load_state_dict(weights(checkpoints) | {"head.weight": weights(checkpoints)[
-        "wte.weight"]})
+    ours.load_state_dict(universal.Checkpoint(checkpoints).model_state())
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours.eval()(ids), rtol=1e-4, atol=1e-5)
@@ -355,8 +354,7 @@ def test_hugging_face_gpt2_round_trip(tmp_path: Path) -> None:
     assert type(theirs).__name__ == "GPT2LMHeadModel"
     ckpt = universal.Checkpoint(checkpoints)
     ours = models.build(models.ModelConfig(**ckpt.meta["model"])).eval()
-    state = weights(checkpoints)
-    ours.load_state_dict(state | {a: state[n] for a, n in ckpt.meta["aliases"].items()})
+    ours.load_state_dict(ckpt.model_state())
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours(ids), rtol=1e-4, atol=1e-5)

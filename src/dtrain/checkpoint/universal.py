@@ -341,6 +341,13 @@ class Checkpoint:
         self._cache = (name, whole)
         return whole
 
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's state_dict: every tensor under `model/`, and each tied
+        weight under its other names too (the same tensor)."""
+        state = {name: self.tensor(MODEL + name) for name in self.names(MODEL)}
+        return state | {alias: state[name]
+                        for alias, name in self.meta.get("aliases", {}).items()}
+
     def rank_tensors(self, rank: int) -> dict[str, torch.Tensor]:
         """The tensors rank `rank` kept for itself (e.g. RNG states)."""
         file = self._file(_name(rank, "safetensors"))
@@ -359,9 +366,9 @@ def export(path: str | Path, out: str | Path) -> Path:
     if out.suffix not in (".safetensors", ".pt"):
         raise DtrainError(f"dtrain export: {out} must end in .safetensors or .pt")
     ckpt = Checkpoint(path)
-    state = {name: ckpt.tensor(MODEL + name).clone() for name in ckpt.names(MODEL)}
-    for alias, name in ckpt.meta.get("aliases", {}).items():  # tied weights, both names
-        state[alias] = state[name] if out.suffix == ".pt" else state[name].clone()
+    state = ckpt.model_state()
+    if out.suffix == ".safetensors":  # it stores no tensor twice: tied weights as copies
+        state = {name: tensor.clone() for name, tensor in state.items()}
     tmp = out.with_name(f".{out.name}.tmp")
     if out.suffix == ".pt":
         torch.save(state, tmp)

@@ -28,8 +28,8 @@ from dtrain.models.config import ARCHS, ModelConfig, with_preset
 from dtrain.models.gpt import GPTConfig
 from dtrain.models.stages import Stages
 
-__all__ = ["ARCHS", "ModelConfig", "Stages", "build", "gpt_config", "loss_of_output", "presets",
-           "resolve"]
+__all__ = ["ARCHS", "ModelConfig", "Stages", "build", "gpt_config", "hf_names",
+           "loss_of_output", "presets", "resolve"]
 
 
 def presets() -> dict[str, tuple[str, dict[str, Any]]]:
@@ -82,6 +82,25 @@ def build(cfg: ModelConfig) -> nn.Module:
     from dtrain.models.custom import build_custom
 
     return build_custom(cfg)
+
+
+def hf_names(cfg: ModelConfig, model: nn.Module | None = None) -> dict[str, tuple[str, bool]]:
+    """dtrain parameter name -> (its Hugging Face name, whether it is stored transposed
+    there) for the model `cfg` (resolved) describes; arch "hf" needs the `model` built
+    from it (its Conv1D layers), the built-in archs only the shape.
+
+    Raises:
+        ConfigError: a custom model, which has no Hugging Face form.
+    """
+    if cfg.arch in ("gpt", "llama"):
+        from dtrain.models.convert import hf_names as built_in_names
+
+        return built_in_names(cfg)
+    if cfg.arch == "hf":
+        from dtrain.models.hf import hf_names as wrapped_names
+
+        return wrapped_names(model)
+    raise ConfigError("a custom model has no Hugging Face form")
 
 
 def gpt_config(cfg: ModelConfig) -> GPTConfig:

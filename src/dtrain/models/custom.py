@@ -20,26 +20,28 @@ from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
 
 
-def load_factory(spec: str):
-    """The function `spec` ("package.module:function") names.
+def load_factory(spec: str, where: str = ""):
+    """The function `spec` ("package.module:function") names; errors start with `where`
+    (default: `model.factory = 'spec'`).
 
     Raises:
         ConfigError: the spec is malformed, the module does not import, or the name is not
             a function in it.
     """
+    where = where or f"model.factory = {spec!r}"
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"model.factory = {spec!r}: use \"package.module:function\"")
+        raise ConfigError(f"{where}: use package.module:function")
     if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` would find it
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any failure to import is the user's to fix
-        raise ConfigError(f"model.factory = {spec!r}: cannot import {module_name}: "
+        raise ConfigError(f"{where}: cannot import {module_name}: "
                           f"{type(exc).__name__}: {exc}") from None
     function = getattr(module, attr, None)
     if not callable(function):
-        raise ConfigError(f"model.factory = {spec!r}: {module_name} has no function {attr!r}")
+        raise ConfigError(f"{where}: {module_name} has no function {attr!r}")
     return function
 
 

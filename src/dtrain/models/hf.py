@@ -70,15 +70,18 @@ def _transformers() -> Any:
     return transformers
 
 
-def _read_config(key: str, file: Path) -> Any:
-    """The transformers config in `file`, without running any code from the Hub."""
-    transformers = _transformers()
-
+def _read_json(key: str, file: Path) -> Any:
     try:
-        data = json.loads(file.read_text())
+        return json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"model.{key}: {file} is not JSON ({_one_line(exc)}): give a "
                           "Hugging Face config.json") from None
+
+
+def _config_of(key: str, file: Path | str, data: Any) -> Any:
+    """The transformers config of `data` (read from `file`), without running any code
+    from the Hub."""
+    transformers = _transformers()
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise ConfigError(f"model.{key}: {file} has no \"model_type\": give a Hugging Face "
                           "config.json")
@@ -87,7 +90,7 @@ def _read_config(key: str, file: Path) -> Any:
         raise ConfigError(f"model.{key}: transformers {transformers.__version__} does not know "
                           f"model_type {model_type!r} ({file}): use a model type it ships "
                           "(dtrain runs no code from the Hub)")
-    data.pop("auto_map", None)  # remote code: never run
+    data = {k: v for k, v in data.items() if k != "auto_map"}  # remote code: never run
     try:
         return transformers.CONFIG_MAPPING[model_type].from_dict(data)
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
@@ -95,7 +98,7 @@ def _read_config(key: str, file: Path) -> Any:
                           f"{_one_line(exc)}") from None
 
 
-def _causal_lm_class(key: str, file: Path, config: Any) -> type:
+def _causal_lm_class(key: str, file: Path | str, config: Any) -> type:
     """The causal-LM class transformers builds for `config`.
 
     BERT-like encoders also have an LM-head class in that mapping, but only as a decoder
@@ -113,7 +116,7 @@ def _causal_lm_class(key: str, file: Path, config: Any) -> type:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def _check_shape(cfg: ModelConfig, key: str, file: Path, config: Any) -> None:
+def _check_shape(cfg: ModelConfig, key: str, file: Path | str, config: Any) -> None:
     vocab = getattr(config, "vocab_size", None)
     if vocab is not None and vocab < cfg.vocab_size:
         raise ConfigError(f"model.{key}: vocab_size = {vocab} in {file} is smaller than the "
@@ -126,11 +129,12 @@ def _check_shape(cfg: ModelConfig, key: str, file: Path, config: Any) -> None:
                           f"in {file}: lower model.block_size to at most {positions}")
 
 
-def build_hf(cfg: ModelConfig) -> HFCausalLM:
+def build_hf(cfg: ModelConfig, saved: dict[str, Any] | None = None) -> HFCausalLM:
     """The causal LM of `cfg.hf_config` (a config.json or its folder; when empty, the
-    config.json in `cfg.init_from`), randomly initialized from torch's current RNG in
-    float32 with SDPA attention (eager for a model without it); its dropout probabilities
-    are the config's. Weights from `init_from` are not loaded here.
+    config.json in `cfg.init_from`), or of `saved` (the config as a dict, as a checkpoint
+    records it), randomly initialized from torch's current RNG in float32 with SDPA
+    attention (eager for a model without it); its dropout probabilities are the config's.
+    Weights from `init_from` are not loaded here.
 
     Raises:
         ConfigError: no config named, the file missing or not JSON, a model type
@@ -138,8 +142,12 @@ def build_hf(cfg: ModelConfig) -> HFCausalLM:
             `cfg.vocab_size`, or `cfg.block_size` beyond the model's positions.
     """
     transformers = _transformers()
-    key, file = _config_file(cfg)
-    config = _read_config(key, file)
+    if saved is None:
+        key, file = _config_file(cfg)
+        data = _read_json(key, file)
+    else:
+        key, file, data = "hf_config", "the checkpoint's record of it", saved
+    config = _config_of(key, file, data)
     model_class = _causal_lm_class(key, file, config)
     _check_shape(cfg, key, file, config)
     attention = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"

@@ -143,15 +143,9 @@ def weights_of(cfg: Any, model: torch.nn.Module) -> HFWeights:
         ConfigError: the arch cannot start from Hugging Face weights, or the folder does
             not hold the model's tensors.
     """
-    if cfg.arch in ("gpt", "llama"):
-        from dtrain.models.convert import hf_names
+    from dtrain.models import hf_names
 
-        names = hf_names(cfg)
-    elif cfg.arch == "hf":
-        from dtrain.models.hf import hf_names
-
-        names = hf_names(model)
-    else:
+    if cfg.arch == "custom":
         raise ConfigError("model.init_from reads Hugging Face weights into arch gpt, llama "
                           "or hf: a custom model loads its own weights in its factory")
-    return HFWeights(cfg.init_from, names)
+    return HFWeights(cfg.init_from, hf_names(cfg, model))

@@ -24,8 +24,6 @@ layouts (dp, ZeRO) only, since tensor and pipeline parallelism need a plan and p
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +31,7 @@ from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
+from dtrain.models.custom import load_factory
 from dtrain.models.gpt import GPTConfig
 from dtrain.planner.tracker import LiveBytes
 
@@ -281,28 +280,12 @@ def profile_model(cfg: ModelConfig, micro_batch: int) -> Profile:
     )
 
 
-def load_factory(spec: str) -> Callable[[], tuple[nn.Module, tuple]]:
-    """`package.module:function` -> the function.
-
-    Raises:
-        ConfigError: not of that form, or nothing importable there.
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"--model {spec!r}: use package.module:function")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"--model {spec!r}: {exc}") from None
-    return factory
-
-
 def profile_factory(spec: str, micro_batch: int) -> Profile:
     """Trace a user's model: `factory()` returns (model, inputs for a batch of one); the
     forward returns a loss, or outputs whose floating-point sum stands for one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    factory = load_factory(spec)
+    factory = load_factory(spec, f"--model {spec!r}")
     with FakeTensorMode():
         try:
             model, inputs = factory()

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from dtrain.checkpoint.universal import MODEL, Checkpoint
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.models import ModelConfig
+from dtrain.models import ModelConfig, hf_names
 
 
 def _model_of(ckpt: Checkpoint) -> ModelConfig:
@@ -42,21 +42,18 @@ def hf_format(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, tuple[str, bo
         ConfigError: a custom model (it has no Hugging Face format).
     """
     cfg = _model_of(ckpt)
-    if cfg.arch in ("gpt", "llama"):
-        from dtrain.models.convert import hf_config_of, hf_names
+    if cfg.arch == "custom":
+        raise ConfigError("a custom model has no Hugging Face format: export it with OUT "
+                          "ending in .safetensors (a plain state_dict)")
+    if cfg.arch != "hf":
+        from dtrain.models.convert import hf_config_of
 
         return hf_config_of(cfg), hf_names(cfg)
-    if cfg.arch == "hf":
-        from dtrain.models.hf import build_hf, hf_names
+    from dtrain.models.hf import build_hf
 
-        hf_config = ckpt.meta["hf_config"]
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "config.json").write_text(json.dumps(hf_config))
-            with torch.device("meta"):
-                model = build_hf(dataclasses.replace(cfg, hf_config=tmp, init_from=""))
-        return hf_config, hf_names(model)
-    raise ConfigError("a custom model has no Hugging Face format: export it with OUT ending "
-                      "in .safetensors (a plain state_dict)")
+    with torch.device("meta"):
+        model = build_hf(cfg, saved=ckpt.meta["hf_config"])
+    return ckpt.meta["hf_config"], hf_names(cfg, model)
 
 
 def export_hf(path: str | Path, out: str | Path) -> Path:

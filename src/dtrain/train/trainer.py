@@ -27,7 +27,7 @@ import torch
 from dtrain import comm, faults, layouts, models, timeline
 from dtrain import world as world_mod
 from dtrain.checkpoint import training
-from dtrain.checkpoint.universal import MODEL, Checkpoint
+from dtrain.checkpoint.universal import Checkpoint
 from dtrain.config import Config, OptimizerConfig, layout_of, per_rank_batch
 from dtrain.data import Tokenizer, TokenSequences, batches, open_data
 from dtrain.layouts import Holding
@@ -232,8 +232,7 @@ def sample(shape: ModelConfig, ckpt: Checkpoint, tokenizer: Tokenizer, cfg: Any,
     in `ckpt` (built whole), decoded as text."""
     torch.manual_seed(0)
     plain = models.build(shape).to(device)
-    plain.load_state_dict({n: ckpt.tensor(MODEL + n) for n in ckpt.names(MODEL)}
-                          | {a: ckpt.tensor(MODEL + n) for a, n in ckpt.meta["aliases"].items()})
+    plain.load_state_dict(ckpt.model_state())
     prompt = tokenizer.encode(cfg.sample_prompt) or tokenizer.separator
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
     out = generate(plain, idx, cfg.sample_tokens, shape.block_size,
