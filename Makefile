@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dtrain-installed
 
-.PHONY: demo test test-slow test-all bench lint clean
+.PHONY: demo test test-slow test-gpu test-all bench lint clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -22,6 +22,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# The CUDA lane (NCCL, CUDA tensors, bf16, split-form construction on the GPU): on a
+# machine with a GPU; skipped cleanly elsewhere.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
 
 # Everything: the quick suite, then the slow tests (what CI runs).
 test-all: test test-slow

@@ -36,6 +36,7 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 RUN_ELSEWHERE = {
     "examples/data_parallel.py": "tests/test_launcher.py",
     "examples/parameter_server.py": "tests/test_ps.py",
+    "examples/bigger_than_a_rank.py": "tests/test_split_build.py",
 }
 """Examples another test already runs (and checks more closely): not run twice."""
 SHELL = {"bash", "sh", "console", "shell"}

@@ -73,9 +73,9 @@ def weights(checkpoints: Path) -> dict[str, torch.Tensor]:
     return {n: ckpt.tensor(universal.MODEL + n) for n in ckpt.names()}
 
 
-def assert_same_run(got: tuple, want: tuple) -> None:
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(weights(got[2]), weights(want[2]), rtol=1e-4, atol=2e-5)
+def assert_same_run(got: tuple, want: tuple, rtol: float = 1e-5) -> None:
+    torch.testing.assert_close(got[0], want[0], rtol=rtol, atol=1e-6)
+    torch.testing.assert_close(weights(got[2]), weights(want[2]), rtol=10 * rtol, atol=2e-5)
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +83,33 @@ def llama_one(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     return run(tmp_path_factory.mktemp("llama"), "one", LLAMA, ["-n", "1"])
 
 
+SP = ["--set", "parallel.sequence_parallel=true"]
+FULL = ["--set", "memory.activation_checkpointing='full'"]
+SELECTIVE = ["--set", "memory.activation_checkpointing='selective'"]
+
+
 @pytest.mark.parametrize("args, banner", [
-    pytest.param(["-n", "4", *TP2, *PP2], "pipeline of 2 stages (1f1b, 2 micro-batches) x "
-                 "tensor parallel over 2", marks=pytest.mark.slow),
+    pytest.param(["-n", "4", *TP2, *PP2, *SP, *SELECTIVE], "pipeline of 2 stages (1f1b, 2 "
+                 "micro-batches) x tensor parallel over 2 x data parallel over 1; sequence "
+                 "parallel; recomputing 2 attention cores", marks=pytest.mark.slow),
     pytest.param(["-n", "2"], "data parallel over 2", marks=pytest.mark.slow),
-    pytest.param(["-n", "2", *ZERO3], "ZeRO stage 3 over 2", marks=pytest.mark.slow),
-    pytest.param(["-n", "2", *TP2], "tensor parallel over 2"),
+    pytest.param(["-n", "2", *ZERO3, *FULL], "ZeRO stage 3 over 2; recomputing 2 blocks",
+                 marks=pytest.mark.slow),
+    pytest.param(["-n", "2", *TP2, *SP, *FULL], "tensor parallel over 2 x data parallel over 1; "
+                 "sequence parallel; recomputing 2 blocks"),
+    pytest.param(["-n", "2", *TP2], "tensor parallel over 2", marks=pytest.mark.slow),
     pytest.param(["-n", "2", *PP2], "pipeline of 2 stages", marks=pytest.mark.slow),
-], ids=["tp2xpp2", "dp2", "zero3", "tp2", "pp2"])
+], ids=["tp2xpp2-sp-selective", "dp2", "zero3-full", "tp2-sp-full", "tp2", "pp2"])
 def test_llama_in_every_layout_equals_one_process(tmp_path: Path, llama_one: tuple,
                                                   args: list[str], banner: str) -> None:
     """dtrain's Llama (grouped-query attention, untied head): losses per step and final
-    weights equal one process's."""
+    weights equal one process's, with sequence parallelism and activation checkpointing
+    too."""
     got = run(tmp_path, "many", LLAMA, args)
     assert banner in got[3] and "Llama" in got[3]
-    assert_same_run(got, llama_one)
+    # Sequence parallelism sums in another order (reduce-scatters, the norms' gradients
+    # across tp): float rounding of 1e-5 becomes a few 1e-5 after some steps.
+    assert_same_run(got, llama_one, rtol=1e-4 if "sequence parallel" in banner else 1e-5)
 
 
 def hf_llama_config(folder: Path) -> Path:

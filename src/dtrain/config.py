@@ -1,3 +1,5 @@
+# Over 400 lines: the whole config schema (every section and key, with its docs) and its
+# checks in one module, so a key is defined, documented and validated in one place.
 """The training config: TOML sections mapped onto dataclasses, checked strictly.
 
 Every key has a default, so an empty file (or none) trains the built-in job. Unknown keys,
@@ -13,6 +15,7 @@ wrong types and values out of range are errors that name the key and say what fi
     [parallel]  nproc = 2, tp = 1, bucket_mb = 25, grad_dtype = "fp32", zero = 0
                 mode = "ps", servers = 1, consistency = "ssp", staleness = 2
     [checkpoint] every = 0, keep_last = 2, resume = "auto"
+    [memory]    activation_checkpointing = "full"    # or "selective", "none"
     [logging]   metrics = "metrics.jsonl", log_every = 10
 """
 
@@ -135,6 +138,11 @@ class ParallelConfig:
     snapshot_every: int = 0
     """With mode = "ps": servers snapshot their shards to out_dir/ps-snapshots every this
     many updates (0: never); restarted servers resume from them."""
+    sequence_parallel: bool = False
+    """With tp > 1: run the norms, dropouts and residuals between the tensor-parallel
+    layers on 1/tp of the sequence each (all-gather in, reduce-scatter out instead of an
+    all-reduce; Korthikanti et al., 2022); dtrain's GPT and Llama. model.block_size must
+    divide by tp."""
 
 
 @dataclass
@@ -147,6 +155,17 @@ class CheckpointConfig:
     """Resume from a checkpoint: "auto" (the newest in train.out_dir/checkpoints, if any),
     or the path of a checkpoints folder or of one checkpoint in it, saved in any layout.
     Empty: start afresh (an elastic restart resumes as "auto")."""
+
+
+@dataclass
+class MemoryConfig:
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward instead of keeping them: none; full (each
+    transformer block's, keeping only its input); selective (only the attention core's:
+    large activations, cheap to recompute)."""
+    checkpoint_modules: list[str] = field(default_factory=list)
+    """Instead of activation_checkpointing's choice, recompute exactly these modules:
+    dotted names, `*` standing for one name component (e.g. "blocks.*.mlp")."""
 
 
 @dataclass
@@ -172,6 +191,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -193,6 +213,7 @@ CHOICES = {
     "parallel.mixed_precision": ("fp32", "bf16", "fp16"),
     "parallel.mode": ("collective", "ps"),
     "parallel.consistency": CONSISTENCY,
+    "memory.activation_checkpointing": ("none", "full", "selective"),
 }
 POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
@@ -288,6 +309,12 @@ def _validate(config: Config) -> None:
     if p.mode == "ps" and (p.tp > 1 or p.pp > 1 or p.zero or p.dp):
         raise ConfigError("parallel.mode = \"ps\" trains whole replicas on the workers: "
                           "leave parallel.tp, pp, zero and dp at their defaults")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1 (it splits the "
+                          "sequence across the tensor-parallel ranks): set parallel.tp")
+    if p.sequence_parallel and m.block_size % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel: model.block_size = {m.block_size} does "
+                          f"not divide by parallel.tp = {p.tp}: make it a multiple of {p.tp}")
     if p.zero and p.grad_dtype != "fp32":
         raise ConfigError("parallel.grad_dtype is for DataParallel; with parallel.zero set "
                           "parallel.mixed_precision instead")

@@ -146,6 +146,10 @@ class Split:
         return torch.cat([p.chunk(size, dim=self.dim)[rank] for p in parts],
                          dim=self.dim).contiguous()
 
+    def block_shape(self, shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+        """The shape of each rank's block of a tensor of `shape`."""
+        return tuple(n // size if d == self.dim else n for d, n in enumerate(shape))
+
     def join(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """The whole tensor from every rank's block, in rank order (inverse of `shard`)."""
         per_rank = [b.chunk(self.chunks, dim=self.dim) for b in blocks]

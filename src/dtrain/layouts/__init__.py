@@ -29,6 +29,7 @@ from dtrain.layouts.parameter_server import ParameterServer
 from dtrain.layouts.pipeline import Pipelined
 from dtrain.layouts.zero import Sharded
 from dtrain.mesh import Mesh
+from dtrain.models import init, recompute
 from dtrain.tensor_parallel.plan_of import split_model
 
 HOLDINGS: dict[str, type[Holding]] = {
@@ -45,13 +46,44 @@ def kind_of(layout: Layout) -> str:
     return "pp" if layout.pp > 1 else "zero" if layout.zero else "dp"
 
 
-def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any) -> Holding:
+def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
+          weights: Any = None) -> Holding:
     """This rank's Holding of `model` (the same whole model on every rank) in `layout`
-    over `mesh`; `config` gives the options (`[parallel]`, `[optimizer]`, `[train]`).
+    over `mesh`; `config` gives the options (`[parallel]`, `[optimizer]`, `[train]`,
+    `[memory]`).
 
     tp > 1 splits `model`'s layers in place first, by its family's plan or `[model]
-    tp_plan` (dtrain.tensor_parallel.plan_of).
+    tp_plan` (dtrain.tensor_parallel.plan_of), with `parallel.sequence_parallel` if set;
+    `[memory]` chooses the modules recomputed in backward (dtrain.models.recompute).
+
+    A `model` built in split form (its parameters on the meta device, dtrain.models.init)
+    is never whole anywhere: each rank allocates only what it holds, on the mesh's device,
+    and restores it from `weights` (a checkpoint, or Hugging Face weights) or else from the
+    initial values for `train.seed`, the same as one process's.
     """
+    skeleton = init.is_skeleton(model)
+    if skeleton and weights is None:
+        weights = init.Initial(model, config.train.seed)  # the whole model's names and rules
     if layout.tp > 1:
-        split_model(model, mesh.group("tp"), config.model.tp_plan)
-    return HOLDINGS[kind_of(layout)](model, mesh, layout, config)
+        split_model(model, mesh.group("tp"), config.model.tp_plan,
+                    config.parallel.sequence_parallel)
+    recomputed = recompute.apply(model, config.memory)  # split layers, before pp cuts blocks
+    kind = kind_of(layout)
+    if skeleton and kind in ("dp", "ps"):  # these hold their (tp blocks of the) model whole
+        init.allocate(model, mesh.world.device)
+    held = HOLDINGS[kind](model, mesh, layout, config)
+    if skeleton:
+        held.restore(weights)
+    held.notes = _notes(config, recomputed)
+    return held
+
+
+def _notes(config: Any, recomputed: list[str]) -> tuple[str, ...]:
+    """The banner's words for sequence parallelism and what is recomputed."""
+    notes = ["sequence parallel"] if config.parallel.sequence_parallel else []
+    if recomputed:
+        mode = config.memory.activation_checkpointing
+        what = "modules" if config.memory.checkpoint_modules else \
+            {"full": "blocks", "selective": "attention cores"}[mode]
+        notes.append(f"recomputing {len(recomputed)} {what}")
+    return tuple(notes)

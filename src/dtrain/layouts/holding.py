@@ -120,9 +120,13 @@ class Holding:
     def close(self) -> None:
         """Called after the last step."""
 
+    notes: tuple[str, ...] = ()
+    """What else the banner says of how the model is held (sequence parallel, what is
+    recomputed)."""
+
     def describe(self) -> str:
         """The layout in words, for the banner."""
-        return self.layout.describe()
+        return "; ".join([self.layout.describe(), *self.notes])
 
     # ------------------------------------------------------------------ checkpoints
     @property

@@ -66,4 +66,4 @@ class ParameterServer(Holding):
         self.worker.close()
 
     def describe(self) -> str:
-        return self.layout.describe(self._how)
+        return "; ".join([self.layout.describe(self._how), *self.notes])

@@ -15,6 +15,7 @@ from dtrain.layouts.holding import Batch, Holding, build_optimizer
 from dtrain.layouts.state import Names, Shards, Tensors
 from dtrain.layouts.zero import zero_of
 from dtrain.mesh import Mesh
+from dtrain.models import init
 from dtrain.parallel.clip import GradPart
 from dtrain.parallel.data_parallel import DataParallel
 
@@ -27,11 +28,15 @@ class Pipelined(Holding):
         self.layout = layout
         mine = pipeline.pieces_for(pipeline.cut(model, layout.pp * layout.virtual_stages),
                                    group)
+        device = mesh.world.device  # a model built in split form: only my pieces get memory
+        if not layout.zero:
+            for piece in mine:
+                init.allocate(piece, device)
         tied = pipeline.tied_weights(model, mine, group)
         self.names = Names(model, tp=(mesh.coords["tp"], layout.tp),
                            skip={id(p) for p, peer in tied if peer < group.rank()})
         if layout.zero:
-            wrapped = [zero_of(piece, dp, config) for piece in mine]
+            wrapped = [zero_of(piece, dp, config, device) for piece in mine]
             self.optimizers = [z.optimizer for z in wrapped]
             self.held = [Shards(self.names, z) for z in wrapped]
         else:

@@ -20,7 +20,7 @@ of it, so the layout that saved and the layout that loads are independent.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +97,18 @@ class Names:
         _check_shape(ckpt, name, block.shape, p)
         return block
 
+    def fill_(self, ckpt: Checkpoint, name: str, p: nn.Parameter) -> None:
+        """Copy this rank's block of `name` into `p`; a source that reads slices
+        (models.weights) writes it a few rows at a time, never the block whole beside p."""
+        if not hasattr(ckpt, "copy_into"):
+            p.copy_(self.local(ckpt, name, p))
+            return
+        split = self.split.get(id(p))
+        shape = ckpt.shape(name) if split is None else split.block_shape(ckpt.shape(name),
+                                                                          self.tp[1])
+        _check_shape(ckpt, name, shape, p)
+        ckpt.copy_into(p, name, split, *self.tp if split is not None else (0, 1))
+
     def span(self, ckpt: Checkpoint, name: str, p: nn.Parameter, lo: int, hi: int
              ) -> torch.Tensor:
         """Elements lo..hi of this rank's block of `name`, flattened (a ZeRO shard's span);
@@ -164,7 +176,7 @@ class Tensors:
         names, scalars, keys = self.names, ckpt.extra.get("scalars", {}), optimizer_keys(ckpt)
         for p in self.params:
             name = names.canonical[id(p)]
-            p.copy_(names.local(ckpt, MODEL + name, p))
+            names.fill_(ckpt, MODEL + name, p)
             if self.optimizer is not None and (keys[name] or name in scalars):
                 state = {key: names.local(ckpt, f"{OPTIM}{name}/{key}", p).to(p.dtype).clone()
                          for key in keys[name]}
@@ -215,18 +227,38 @@ class Shards:
         """Set this rank's shards (and their optimizer state) from `ckpt`."""
         names, own = self.names, self._own()
         scalars, keys = ckpt.extra.get("scalars", {}), optimizer_keys(ckpt)
-        params: zero_state.Segments = defaultdict(list)
+        ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
         state: dict[str, zero_state.Segments] = defaultdict(lambda: defaultdict(list))
         for n, lo, hi in zero_state.span_ranges(self.zero):
             p, name = own[n], names.canonical[id(own[n])]
-            params[n].append((lo, hi, names.span(ckpt, MODEL + name, p, lo, hi)))
+            ranges[n].append((lo, hi))
             for key in keys[name]:
                 block = names.local(ckpt, f"{OPTIM}{name}/{key}", p).reshape(-1)
                 state[key][n].append((lo, hi, block[lo:hi]))
         group_scalars = [{key: torch.tensor(v, dtype=torch.float32) for key, v in
                           scalars.get(names.canonical[id(own[group[0]])], {}).items()}
                          if group else {} for group in self.zero.layout]
+        params = _Spans(ranges, lambda n, lo, hi: names.span(
+            ckpt, MODEL + names.canonical[id(own[n])], own[n], lo, hi))
         zero_state.load_segments(self.zero, params, state, group_scalars, None)
+
+
+class _Spans(Mapping):
+    """Parameter name -> [(lo, hi, its elements lo..hi)], read when asked and not kept:
+    restoring a shard holds one parameter's span at a time, not a second copy of it."""
+
+    def __init__(self, ranges: dict[str, list[tuple[int, int]]],
+                 read: Callable[[str, int, int], torch.Tensor]) -> None:
+        self.ranges, self.read = ranges, read
+
+    def __getitem__(self, name: str) -> list[tuple[int, int, torch.Tensor]]:
+        return [(lo, hi, self.read(name, lo, hi)) for lo, hi in self.ranges[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.ranges)
+
+    def __len__(self) -> int:
+        return len(self.ranges)
 
 
 Held = Tensors | Shards

@@ -12,16 +12,20 @@ from dtrain.layout import Layout
 from dtrain.layouts.holding import Holding, build_optimizer
 from dtrain.layouts.state import Names, Shards
 from dtrain.mesh import Mesh
+from dtrain.models import init
 from dtrain.parallel.clip import GradPart
 from dtrain.parallel.zero import ZeRO
 
 
-def zero_of(module: nn.Module, group: Any, config: Any) -> ZeRO:
-    """`module` wrapped in ZeRO over `group` as `[parallel]` and `[optimizer]` say."""
+def zero_of(module: nn.Module, group: Any, config: Any, device: torch.device) -> ZeRO:
+    """`module` wrapped in ZeRO over `group` as `[parallel]` and `[optimizer]` say; a
+    module built in split form gets its shards (only) on `device`."""
     pc = config.parallel
     mixed = None if pc.mixed_precision == "fp32" else pc.mixed_precision
+    init.allocate_buffers(module, device)
     return ZeRO(module, lambda _: build_optimizer(module.parameters(), config.optimizer),
-                stage=pc.zero, group=group, bucket_mb=pc.bucket_mb, mixed_precision=mixed)
+                stage=pc.zero, group=group, bucket_mb=pc.bucket_mb, mixed_precision=mixed,
+                device=device)
 
 
 class Sharded(Holding):
@@ -29,7 +33,7 @@ class Sharded(Holding):
 
     def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any) -> None:
         self.layout, self.names = layout, Names(model, tp=(mesh.coords["tp"], layout.tp))
-        self.module = self.zero = zero_of(model, mesh.group("dp"), config)
+        self.module = self.zero = zero_of(model, mesh.group("dp"), config, mesh.world.device)
         self.optimizers = [self.zero.optimizer]
         self.held = [Shards(self.names, self.zero)]
         self.groups = {"dp": mesh.group("dp"), "tp": mesh.group("tp")}

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.models.stages import StagedLM
+from dtrain.models.stages import AttentionCore, StagedLM
 
 
 @dataclass
@@ -39,18 +39,18 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = cfg.n_embd // cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.core = AttentionCore(cfg.dropout)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # Head count from the width of qkv's output: under tensor parallelism a rank holds
-        # only its own heads (dtrain.tensor_parallel splits Q, K and V by heads).
-        q, k, v = self.qkv(x).chunk(3, dim=2)
-        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
-        drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        # Heads and time from qkv's output: under tensor parallelism a rank holds only its
+        # own heads (Q, K and V split by heads), and under sequence parallelism x is this
+        # rank's part of the sequence, which qkv gathers whole.
+        qkv = self.qkv(x)
+        b, t = qkv.shape[:2]
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2)
+                   for z in qkv.chunk(3, dim=2))
+        return self.proj(self.core(q, k, v).transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):

@@ -19,7 +19,7 @@ from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
-from dtrain.models.stages import StagedLM
+from dtrain.models.stages import AttentionCore, StagedLM
 
 _LLAMA_3 = {"vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5}
 PRESETS: dict[str, tuple[str, dict]] = {
@@ -139,10 +139,6 @@ def rotary(t: int, head_dim: int, theta: float, device: torch.device,
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-# torch 2.5 and later attend grouped queries to their key/value head without copies.
-_SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
@@ -156,29 +152,25 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.core = AttentionCore(cfg.dropout)
         self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
-        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`rope`: the (cos, sin) of x's positions, computed once per forward by the model
         (computed here when not given)."""
-        b, t, _ = x.shape
-        # Head counts from the projections' output widths: under tensor parallelism a rank
-        # holds only its own query and key/value heads (dtrain.tensor_parallel.llama_plan).
-        q, k, v = (proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        # Head counts and time from the projections' outputs: under tensor parallelism a rank
+        # holds only its own query and key/value heads (dtrain.tensor_parallel.llama_plan),
+        # and under sequence parallelism x is this rank's part of the sequence, which the
+        # projections gather whole.
+        q, k, v = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        b, t = q.shape[:2]
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         cos, sin = rope if rope is not None else rotary(t, self.head_dim, self.theta,
                                                         x.device, q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        drop = self.dropout if self.training else 0.0
-        group = q.shape[1] // k.shape[1]
-        if group > 1 and not _SDPA_GQA:  # query head i reads key/value head i // group
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        gqa = {"enable_gqa": True} if group > 1 and _SDPA_GQA else {}
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True, **gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(self.core(q, k, v).transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -244,12 +236,19 @@ class Llama(StagedLM):
     def stage_out(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(x))
 
+    sequence_parts: int = 1
+    """How many parts the blocks' input is of the whole sequence: tp under sequence
+    parallelism (set by dtrain.tensor_parallel.apply_sequence_parallel), where each rank's
+    blocks see their part and attention gathers the whole."""
+
     def _rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary (cos, sin) of x's positions, kept for the blocks that follow (every
-        block of a forward shares them)."""
-        key = (x.shape[1], x.device, x.dtype, type(x))  # a fake tensor is not a real one
+        """The rotary (cos, sin) of the whole sequence's positions (x holds 1 /
+        `sequence_parts` of it), kept for the blocks that follow (every block of a forward
+        shares them)."""
+        t = x.shape[1] * self.sequence_parts
+        key = (t, x.device, x.dtype, type(x))  # a fake tensor is not a real one
         if self._rope_cache[0] != key:
             head_dim = self.cfg.n_embd // self.cfg.n_head
-            self._rope_cache = (key, rotary(x.shape[1], head_dim, self.cfg.rope_theta,
-                                            x.device, x.dtype))
+            self._rope_cache = (key, rotary(t, head_dim, self.cfg.rope_theta, x.device,
+                                            x.dtype))
         return self._rope_cache[1]

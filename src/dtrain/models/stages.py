@@ -22,7 +22,11 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+# torch 2.5 and later attend grouped queries to their key/value head without copies.
+_SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 @runtime_checkable
@@ -68,3 +72,23 @@ class StagedLM(nn.Module):
 
     def stage_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return block(x)
+
+
+class AttentionCore(nn.Module):
+    """Causal attention of (batch, heads, time, head size) queries, keys and values:
+    softmax(q k^T / sqrt(d)) v with dropout on the probabilities while training. A module of
+    its own (no parameters) so activation checkpointing can recompute just it ("selective",
+    dtrain.models.recompute). Fewer key/value heads than query heads are grouped-query
+    attention: query head i reads key/value head i // (heads / kv heads)."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        drop = self.dropout if self.training else 0.0
+        group = q.shape[1] // k.shape[1]
+        if group > 1 and not _SDPA_GQA:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        gqa = {"enable_gqa": True} if group > 1 and _SDPA_GQA else {}
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True, **gqa)

@@ -3,11 +3,12 @@
 `init_from` starts a run from such a folder in any layout: the layouts restore their
 parameters from it exactly as from a dtrain checkpoint (dtrain.layouts.state), through the
 few calls a checkpoint answers (`tensor`, `names`, `extra`, `path`) and two a checkpoint
-does not (`block`, `rows`). Names are dtrain's (`model/` + the model's parameter name),
-mapped to the folder's by a table of (Hugging Face name, transposed). A rank reads only
-what it holds: a tensor-parallel rank its block of each split tensor, a ZeRO rank the
-rows that hold its shard's elements, each a slice of the file. There is no optimizer
-state.
+does not (`block`, `rows`), all served by `SlicedWeights` from one slice reader (which
+dtrain.models.init's initial values share). Names are dtrain's (`model/` + the model's
+parameter name), mapped to the folder's by a table of (Hugging Face name, transposed). A
+rank reads only what it holds: a tensor-parallel rank its block of each split tensor, a
+ZeRO rank the rows that hold its shard's elements, each a slice of the file. There is no
+optimizer state.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from safetensors import safe_open
 from dtrain.checkpoint.universal import MODEL
 from dtrain.errors import ConfigError
 from dtrain.layout import Split
+
+ROWS_AT_ONCE = 1 << 20
+"""Elements `copy_into` reads at a time (at least one row)."""
 
 
 def _files(folder: Path) -> dict[str, Path]:
@@ -42,7 +46,107 @@ def _files(folder: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
-class HFWeights:
+class SlicedWeights:
+    """Model weights read the way a checkpoint is (names `model/` + the parameter's), from
+    a source that can read any rectangular slice of a tensor (`_read`): whole tensors, a
+    tensor-parallel block, or the rows holding a ZeRO shard's elements. No optimizer
+    state. Subclasses define `_names`, `shape` and `_read`."""
+
+    extra: dict[str, Any] = {}
+    path: Any
+
+    def _names(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of the tensor dtrain calls `name`."""
+        raise NotImplementedError
+
+    def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """The slice `index` (one slice per dimension, in dtrain's orientation) of `name`."""
+        raise NotImplementedError
+
+    @staticmethod
+    def plain(name: str) -> str:
+        """The model's parameter name of a checkpoint name (`model/` dropped)."""
+        return name.removeprefix(MODEL)
+
+    def names(self, prefix: str = MODEL) -> list[str]:
+        return self._names() if prefix == MODEL else []
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor dtrain calls `name` (model/...)."""
+        return self._read(name, tuple(slice(None) for _ in self.shape(name))).contiguous()
+
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements lo..hi of the tensor `name` flattened, reading only the rows (of dtrain's
+        orientation) that hold them."""
+        shape = self.shape(name)
+        if hi <= lo:
+            return torch.empty(0)
+        if not shape:
+            return self.tensor(name).reshape(-1)[lo:hi]
+        row = 1
+        for n in shape[1:]:
+            row *= n
+        first, last = lo // row, (hi - 1) // row + 1
+        index = (slice(first, last), *(slice(None) for _ in shape[1:]))
+        return self._read(name, index).reshape(-1)[lo - first * row : hi - first * row]
+
+    def block(self, name: str, split: Split, part: int, parts: int) -> torch.Tensor:
+        """Block `part` of `parts` of the tensor `name` cut as `split` (Split.shard's
+        result), read as slices."""
+        shape = self.shape(name)
+        size = shape[split.dim] // split.chunks
+        step = size // parts
+        blocks = []
+        for chunk in range(split.chunks):
+            lo = chunk * size + part * step
+            index = [slice(None)] * len(shape)
+            index[split.dim] = slice(lo, lo + step)
+            blocks.append(self._read(name, tuple(index)))
+        return torch.cat(blocks, dim=split.dim).contiguous()
+
+
+    def copy_into(self, out: torch.Tensor, name: str, split: Split | None = None,
+                  part: int = 0, parts: int = 1) -> None:
+        """Write block `part` of `parts` of `name` cut as `split` (None: the whole tensor)
+        into `out`, a few rows at a time: what it costs beyond `out` is one group of rows."""
+        shape = self.shape(name)
+        if not shape or out.dim() == 0:
+            out.copy_(self.tensor(name).reshape(out.shape))
+            return
+        per = max(1, ROWS_AT_ONCE // max(1, out[0].numel()))
+        for a in range(0, out.shape[0], per):
+            b = min(a + per, out.shape[0])
+            out[a:b].copy_(self._block_rows(name, shape, split, part, parts, a, b))
+
+    def _block_rows(self, name: str, shape: tuple[int, ...], split: Split | None, part: int,
+                    parts: int, a: int, b: int) -> torch.Tensor:
+        """Rows a..b of the block (Split.shard's layout: each fused chunk's part in turn)."""
+        whole = [slice(None)] * len(shape)
+        if split is None:
+            return self._read(name, (slice(a, b), *whole[1:]))
+        size = shape[split.dim] // split.chunks
+        step = size // parts
+        if split.dim == 0:  # block row r is chunk r // step's row r % step of this part
+            pieces = []
+            for r in range(a, b):
+                if pieces and r % step:
+                    continue
+                k, end = r // step, min(b, (r // step + 1) * step)
+                lo = k * size + part * step + r % step
+                pieces.append(self._read(name, (slice(lo, lo + end - r), *whole[1:])))
+            return torch.cat(pieces)
+        blocks = []
+        for k in range(split.chunks):
+            index = [slice(a, b), *whole[1:]]
+            index[split.dim] = slice(k * size + part * step, k * size + (part + 1) * step)
+            blocks.append(self._read(name, tuple(index)))
+        return torch.cat(blocks, dim=split.dim)
+
+
+class HFWeights(SlicedWeights):
     """The weights in `folder`, named by `names`: dtrain name -> (Hugging Face name,
     whether the tensor is stored transposed there).
 
@@ -50,8 +154,6 @@ class HFWeights:
         ConfigError: the folder holds no safetensors weights, or lacks a tensor the model
             needs.
     """
-
-    extra: dict[str, Any] = {}
 
     def __init__(self, folder: str | Path, names: dict[str, tuple[str, bool]]) -> None:
         self.path = Path(folder)
@@ -74,65 +176,27 @@ class HFWeights:
         short = hf_name.partition(".")[2]
         return short if short in self.files else None
 
-    def names(self, prefix: str = MODEL) -> list[str]:
-        return list(self.names_map) if prefix == MODEL else []
+    def _names(self) -> list[str]:
+        return list(self.names_map)
 
     def _slice(self, name: str) -> tuple[Any, bool]:
-        hf_name, transposed = self.names_map[name.removeprefix(MODEL)]
+        hf_name, transposed = self.names_map[self.plain(name)]
         stored = self._stored(hf_name)
         file = self.files[stored]
         if file not in self._open:
             self._open[file] = safe_open(str(file), framework="pt")
         return self._open[file].get_slice(stored), transposed
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The whole tensor dtrain calls `name` (model/...)."""
-        piece, transposed = self._slice(name)
-        whole = piece[:]
-        return whole.t().contiguous() if transposed else whole
-
     def shape(self, name: str) -> tuple[int, ...]:
-        """The shape of the tensor dtrain calls `name`."""
         piece, transposed = self._slice(name)
         shape = tuple(piece.get_shape())
         return shape[::-1] if transposed else shape
 
-    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements lo..hi of the tensor `name` flattened, reading only the rows (of dtrain's
-        orientation) that hold them."""
+    def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         piece, transposed = self._slice(name)
-        shape = self.shape(name)
-        if hi <= lo:
-            return torch.empty(0)
-        row = 1
-        for n in shape[1:]:
-            row *= n
-        first, last = lo // row, (hi - 1) // row + 1
-        if transposed:
-            block = piece[:, first:last].t()
-        else:
-            block = piece[first:last]
-        return block.reshape(-1)[lo - first * row : hi - first * row]
-
-    def block(self, name: str, split: Split, part: int, parts: int) -> torch.Tensor:
-        """Block `part` of `parts` of the tensor `name` cut as `split` (Split.shard's
-        result), read as slices of the file."""
-        piece, transposed = self._slice(name)
-        shape = piece.get_shape()
-        if transposed:
-            shape = shape[::-1]
-        size = shape[split.dim] // split.chunks
-        step = size // parts
-        blocks = []
-        for chunk in range(split.chunks):
-            lo = chunk * size + part * step
-            index = [slice(None)] * len(shape)
-            index[split.dim] = slice(lo, lo + step)
-            if transposed:
-                blocks.append(piece[tuple(index[::-1])].t())
-            else:
-                blocks.append(piece[tuple(index)])
-        return torch.cat(blocks, dim=split.dim).contiguous()
+        if not index:
+            return piece[:]
+        return piece[index[::-1]].t() if transposed else piece[index]
 
 
 def weights_of(cfg: Any, model: torch.nn.Module) -> HFWeights:

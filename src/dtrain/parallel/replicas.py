@@ -32,6 +32,9 @@ def check_same_model(params: list[nn.Parameter], group: comm.Group, who: str,
 
 @torch.no_grad()
 def broadcast_state(module: nn.Module, group: comm.Group, algorithm: str = "auto") -> None:
-    """Copy the group's first rank's parameters and buffers into every rank's module."""
+    """Copy the group's first rank's parameters and buffers into every rank's module
+    (not those on the meta device: a model built in split form has no values yet)."""
     for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_meta:
+            continue
         comm.broadcast(tensor.data, src=0, group=group, algorithm=algorithm)

@@ -98,16 +98,6 @@ def loss_of(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     return loss
 
 
-def release_others(model: nn.Module, mine: Sequence[nn.Module]) -> None:
-    """Free the storage of every parameter of `model` that none of this rank's pieces
-    holds: each rank builds the whole model (so every rank draws the same initial weights),
-    then keeps only its stages. The names and shapes stay known; the values are gone."""
-    kept = {id(p) for piece in mine for p in piece.parameters()}
-    for p in model.parameters():
-        if id(p) not in kept:
-            p.data = p.data.new_empty(0)
-
-
 def tied_weights(model: nn.Module, mine: Sequence[Piece], group: Any = None) -> list:
     """The (parameter, peer) pairs for `Pipeline(tied=...)`: each parameter both the input
     part (first stage's rank) and the output part (last stage's rank) hold, when those are

@@ -11,9 +11,11 @@ cache are left out).
 Under `FakeTensorMode` the same mode measures a model that is never allocated: the planner
 traces one forward and backward of a micro-batch so (dtrain.planner.profile).
 
-An optional `split` test divides the bytes in two kinds (for tensor parallelism: tensors
-a rank holds only 1/tp of); `series` then keeps (other, split) after every operation, so
-the peak for any divisor is `max(other + split / tp)`.
+An optional `kind` labels each tensor with one of `kinds` kinds when it is made (for
+tensor parallelism: tensors every rank holds whole, tensors a rank holds 1/tp of, tensors
+sequence parallelism divides; dtrain.planner.trace); `series` then keeps the bytes of each
+kind after every operation, so the peak for any divisor is `max(whole + split / tp ...)`.
+`relabel` changes a tensor's kind later (a layer's input, once the layer says what it is).
 """
 
 from __future__ import annotations
@@ -30,18 +32,25 @@ from torch.utils._pytree import tree_flatten
 class LiveBytes(TorchDispatchMode):
     """Count the bytes of live tensors created while the mode is active.
 
+    With `limit` (bytes), an operation that leaves more alive raises MemoryError: a memory
+    cap on tensors alone, which the process's address space (threads, the allocator's
+    cache) would blur.
+
     Attributes:
         live: bytes alive after the latest operation.
         peak: the largest `live` seen (reset with `reset_peak`).
-        series: (other bytes, split bytes) after every operation, if `split` was given.
+        series: the bytes of each kind after every operation, if `kind` was given.
     """
 
-    def __init__(self, split: Callable[[torch.Tensor], bool] | None = None) -> None:
+    def __init__(self, kind: Callable[[torch.Tensor], int] | None = None, kinds: int = 2,
+                 limit: int | None = None) -> None:
         super().__init__()
-        self._storages: dict[int, tuple[weakref.ref, bool]] = {}
-        self._split = split
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}
+        self._kind = kind
+        self._kinds = kinds if kind is not None else 1
+        self.limit = limit
         self.live = self.peak = 0
-        self.series: list[tuple[int, int]] = []
+        self.series: list[tuple[int, ...]] = []
 
     def watch(self, tensors: Any) -> None:
         """Count tensors made before the mode started (a model's parameters, say)."""
@@ -53,31 +62,44 @@ class LiveBytes(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak = self.live
 
+    def relabel(self, t: torch.Tensor, kind: int) -> None:
+        """Count `t`'s storage (if noted) as `kind` from now on."""
+        if t.is_meta:
+            return
+        key = id(t.untyped_storage())
+        known = self._storages.get(key)
+        if known is not None and known[0]() is not None and known[1] != kind:
+            self._storages[key] = (known[0], kind)
+            self._update()
+
     def _note(self, t: torch.Tensor) -> None:
+        if t.is_meta:  # shapes only, no memory (a model built in split form)
+            return
         storage = t.untyped_storage()
         key = id(storage)
         known = self._storages.get(key)
         if known is None or known[0]() is None:
-            split = self._split is not None and self._split(t)
-            self._storages[key] = (weakref.ref(storage), split)
+            kind = self._kind(t) if self._kind is not None else 0
+            self._storages[key] = (weakref.ref(storage), kind)
 
     def _update(self) -> None:
-        other = split = 0
+        by_kind = [0] * self._kinds
         dead = []
-        for key, (ref, is_split) in self._storages.items():
+        for key, (ref, kind) in self._storages.items():
             storage = ref()
             if storage is None:
                 dead.append(key)
-            elif is_split:
-                split += storage.nbytes()
             else:
-                other += storage.nbytes()
+                by_kind[kind] += storage.nbytes()
         for key in dead:
             del self._storages[key]
-        self.live = other + split
+        self.live = sum(by_kind)
         self.peak = max(self.peak, self.live)
-        if self._split is not None:
-            self.series.append((other, split))
+        if self.limit is not None and self.live > self.limit:
+            raise MemoryError(f"live tensors hold {self.live / 2**20:.1f} MiB, over the cap of "
+                              f"{self.limit / 2**20:.1f} MiB")
+        if self._kind is not None:
+            self.series.append(tuple(by_kind))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

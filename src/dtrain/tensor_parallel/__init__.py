@@ -14,14 +14,20 @@ big for one device trains at all, and every rank computes a slice of every layer
 
 Layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, and the
 vocab-parallel cross-entropy; their communication is in `functions` (Megatron's f and g).
+`apply_sequence_parallel` (or `split_model(..., sequence_parallel=True)`) then keeps the
+activations between the split layers as 1/tp of the sequence on each rank (`sequence`).
 """
 
 from dtrain.layout import Split
 from dtrain.tensor_parallel.functions import (
+    SequenceGather,
     copy_to_group,
     gather_last,
+    gather_sequence,
     reduce_from_group,
+    reduce_scatter_sequence,
     scatter_last,
+    scatter_sequence,
 )
 from dtrain.tensor_parallel.hf_plans import hf_plan
 from dtrain.tensor_parallel.layers import (
@@ -33,6 +39,7 @@ from dtrain.tensor_parallel.loss import VocabParallelCrossEntropy, vocab_paralle
 from dtrain.tensor_parallel.parallelize import Colwise, Rowwise, Vocab, VocabLoss, parallelize
 from dtrain.tensor_parallel.plan_of import plan_of, split_model
 from dtrain.tensor_parallel.plans import bert_plan, gpt_plan, llama_plan
+from dtrain.tensor_parallel.sequence import apply_sequence_parallel
 from dtrain.tensor_parallel.state import (
     clip_grad_norm_,
     full_grads,
@@ -44,10 +51,11 @@ from dtrain.tensor_parallel.state import (
 )
 
 __all__ = [
-    "Colwise", "ColumnParallelLinear", "RowParallelLinear", "Rowwise", "Split", "Vocab",
-    "VocabLoss", "VocabParallelCrossEntropy", "VocabParallelEmbedding", "bert_plan",
-    "clip_grad_norm_", "copy_to_group", "full_grads", "full_optimizer_state",
-    "full_state_dict", "gather_last", "gpt_plan", "hf_plan", "llama_plan",
-    "load_full_state_dict", "parallelize", "parameter_bytes", "placements", "plan_of",
-    "reduce_from_group", "scatter_last", "split_model", "vocab_parallel_cross_entropy",
+    "Colwise", "ColumnParallelLinear", "RowParallelLinear", "Rowwise", "SequenceGather",
+    "Split", "Vocab", "VocabLoss", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
+    "apply_sequence_parallel", "bert_plan", "clip_grad_norm_", "copy_to_group", "full_grads",
+    "full_optimizer_state", "full_state_dict", "gather_last", "gather_sequence", "gpt_plan",
+    "hf_plan", "llama_plan", "load_full_state_dict", "parallelize", "parameter_bytes",
+    "placements", "plan_of", "reduce_from_group", "reduce_scatter_sequence", "scatter_last",
+    "scatter_sequence", "split_model", "vocab_parallel_cross_entropy",
 ]

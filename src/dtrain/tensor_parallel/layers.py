@@ -5,7 +5,10 @@
     VocabParallelEmbedding rows of the table split; ids outside a rank's rows give zeros
 
 A column-parallel layer followed by a row-parallel one (an MLP, or attention's QKV and
-output projection) communicates once forward and once backward. Each layer's `splits`
+output projection) communicates once forward and once backward. Under sequence
+parallelism (dtrain.tensor_parallel.sequence) the column-parallel layer all-gathers its
+input from each rank's part of the sequence and the row-parallel one reduce-scatters its
+output back into parts, in place of the two all-reduces. Each layer's `splits`
 says how its parameters are cut (dtrain.layout.Split), which is what
 `parallelize`, the state functions and gradient clipping read.
 
@@ -26,9 +29,11 @@ from dtrain import comm
 from dtrain.errors import ConfigError
 from dtrain.layout import Split
 from dtrain.tensor_parallel.functions import (
+    SequenceGather,
     copy_to_group,
     gather_last,
     reduce_from_group,
+    reduce_scatter_sequence,
     scatter_last,
 )
 
@@ -59,6 +64,9 @@ class ColumnParallelLinear(nn.Module):
         chunks: the output is `chunks` fused parts (3 for attention's QKV); each part is
             split on its own so every rank gets whole heads of Q, K and V.
         algorithm: the dtrain.comm algorithm for this layer's collectives.
+        sequence_gather: the input is this rank's part of the sequence (sequence
+            parallelism): gather it whole with this SequenceGather, which the layers reading
+            the same input share, instead of copying it to the group.
 
     Raises:
         ConfigError: the group size does not divide the output features (of each part).
@@ -66,11 +74,13 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, group: Any = None, chunks: int = 1,
-                 algorithm: str = "auto", device: Any = None, dtype: Any = None) -> None:
+                 algorithm: str = "auto", device: Any = None, dtype: Any = None,
+                 sequence_gather: SequenceGather | None = None) -> None:
         super().__init__()
         self.group, self.algorithm = comm.resolve(group), algorithm
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
+        self.sequence_gather = sequence_gather
         local = per_rank(out_features, self.group.size, "output features", chunks)
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(local, in_features, **kw))
@@ -81,7 +91,11 @@ class ColumnParallelLinear(nn.Module):
             _uniform_(self.bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_group(x, self.group, self.algorithm), self.weight, self.bias)
+        if self.sequence_gather is not None:
+            x = self.sequence_gather(x)
+        else:
+            x = copy_to_group(x, self.group, self.algorithm)
+        y = F.linear(x, self.weight, self.bias)
         if not self.gather_output:
             return y
         y = gather_last(y, self.group, self.algorithm)  # [part 0, part 1, ..] of rank 0, ..
@@ -92,7 +106,8 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"({self.weight.shape[0]} here), gather_output={self.gather_output}")
+                f"({self.weight.shape[0]} here), gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_gather is not None}")
 
 
 class RowParallelLinear(nn.Module):
@@ -107,6 +122,10 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: the input is already this rank's block (the output of a
             ColumnParallelLinear); if False the whole input is given and split here.
         group, algorithm: as for ColumnParallelLinear.
+        sequence_parallel: return this rank's part of the sequence (dimension 1) of the
+            sum (reduce-scatter) instead of all of it (all-reduce); the bias is added to
+            the part, so its gradient is this part's (summed over the group by
+            dtrain.tensor_parallel.sequence).
 
     Raises:
         ConfigError: the group size does not divide the input features.
@@ -114,11 +133,12 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = True, group: Any = None, algorithm: str = "auto",
-                 device: Any = None, dtype: Any = None) -> None:
+                 device: Any = None, dtype: Any = None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.algorithm = comm.resolve(group), algorithm
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
         local = per_rank(in_features, self.group.size, "input features")
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, local, **kw))
@@ -131,12 +151,14 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_last(x, self.group, self.algorithm)
-        y = reduce_from_group(F.linear(x, self.weight), self.group, self.algorithm)
+        reduce = reduce_scatter_sequence if self.sequence_parallel else reduce_from_group
+        y = reduce(F.linear(x, self.weight), self.group, self.algorithm)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} ({self.weight.shape[1]} here), "
-                f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}")
+                f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}"
+                f", sequence_parallel={self.sequence_parallel}")
 
 
 class VocabParallelEmbedding(nn.Module):

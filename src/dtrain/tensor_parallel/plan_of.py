@@ -10,6 +10,9 @@
 
 A model whose code counts whole heads somewhere its layers do not tell (GPT-2's fused
 QKV split) defines `after_split(tp_size)`, called once its layers are split.
+
+Sequence parallelism (`[parallel] sequence_parallel`, dtrain.tensor_parallel.sequence)
+is for dtrain's GPT and Llama only: Hugging Face models reshape by their input's length.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dtrain.models.llama import Llama
 from dtrain.tensor_parallel.hf_plans import hf_plan
 from dtrain.tensor_parallel.parallelize import Style, parallelize
 from dtrain.tensor_parallel.plans import gpt_plan, llama_plan
+from dtrain.tensor_parallel.sequence import apply_sequence_parallel
 
 
 def plan_of(model: nn.Module, given: dict[str, Any] | None = None) -> dict[str, Style | str]:
@@ -47,11 +51,36 @@ def plan_of(model: nn.Module, given: dict[str, Any] | None = None) -> dict[str, 
                       "\"rowwise\", ...}")
 
 
-def split_model(model: nn.Module, group: Any, given: dict[str, Any] | None = None) -> nn.Module:
+def check_sequence_parallel(model: nn.Module) -> None:
+    """Raises ConfigError unless `model` is one sequence parallelism works with: dtrain's
+    GPT or Llama (a Hugging Face model reshapes by its input's length)."""
+    if not isinstance(model, (GPT, Llama)):
+        raise ConfigError(f"parallel.sequence_parallel works with model.arch = \"gpt\" or "
+                          f"\"llama\" only, not {type(model).__name__} (Hugging Face models "
+                          "reshape by their input's length): set parallel.sequence_parallel "
+                          "= false")
+
+
+def split_model(model: nn.Module, group: Any, given: dict[str, Any] | None = None,
+                sequence_parallel: bool = False, algorithm: str = "auto") -> nn.Module:
     """Split `model`'s layers across the tensor-parallel `group` by `plan_of(model, given)`,
-    then let the model fix what counts whole heads (`after_split`)."""
-    parallelize(model, plan_of(model, given), group)
+    then let the model fix what counts whole heads (`after_split`).
+
+    `sequence_parallel`: also run the activations between the split layers on each rank's
+    1/tp of the sequence (`apply_sequence_parallel`). `algorithm`: the dtrain.comm
+    algorithm of the layers' collectives.
+
+    Raises:
+        ConfigError: no plan for the model (`plan_of`), a plan that does not fit it
+            (`parallelize`), or sequence parallelism asked of a model other than dtrain's
+            GPT or Llama.
+    """
+    if sequence_parallel:
+        check_sequence_parallel(model)
+    parallelize(model, plan_of(model, given), group, algorithm)
     after = getattr(model, "after_split", None)
     if after is not None:
         after(comm.resolve(group).size)
+    if sequence_parallel:
+        apply_sequence_parallel(model, group, algorithm)
     return model

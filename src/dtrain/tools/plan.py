@@ -6,10 +6,17 @@
         --vocab 50304 --batch 64 --tflops 300 --bandwidth 100
     dtrain plan my.toml -n 4 --json plan.json     # a training config's model and batch
     dtrain plan --model mypkg.models:build -n 4   # a model of your own (dp and ZeRO only)
+    dtrain plan -n 4 --memory 2GB --recompute full --sequence-parallel on
 
 Figures are per rank, for the busiest rank of each layout (dtrain.planner). The compute
 rate defaults to a matrix multiply timed on this machine; link costs to the calibration
 `dtrain bench comm --calibrate` saved (else assumed, and said so).
+
+Activation recomputation and sequence parallelism start from the config's (`[memory]
+activation_checkpointing`, `[parallel] sequence_parallel`); by default (`auto`) a layout
+that does not fit so takes sequence parallelism, then recomputes more (selective, then
+full), whichever fits at the least time. `--recompute MODE` and `--sequence-parallel
+on|off` fix them instead.
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ import math
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from dtrain.errors import ConfigError
 from dtrain.sizes import parse_size
 from dtrain.tools import check_output
+
+if TYPE_CHECKING:
+    from dtrain.config import Config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds per collective call, in microseconds (with --bandwidth)")
     parser.add_argument("--schedules", default="1f1b", metavar="LIST",
                         help="pipeline schedules to consider: gpipe,1f1b (default 1f1b)")
+    parser.add_argument("--recompute", default="auto",
+                        choices=("auto", "none", "selective", "full"),
+                        help="activation recomputation to plan with (default auto: the "
+                        "config's memory.activation_checkpointing, or more where a layout "
+                        "does not fit without)")
+    parser.add_argument("--sequence-parallel", default="auto", choices=("auto", "on", "off"),
+                        help="sequence parallelism for tp layouts (default auto: the config's "
+                        "parallel.sequence_parallel, or on where a layout does not fit "
+                        "without)")
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON ('-': "
                         "standard output, instead of the table)")
 
@@ -102,12 +122,31 @@ def _links(args: argparse.Namespace):
     return links
 
 
+def plan_choices(args: argparse.Namespace, config: Config
+                 ) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+    """The recomputation modes and sequence-parallel settings each layout may take,
+    preferred first: `--recompute` and `--sequence-parallel` when given, else the
+    config's (`[memory]`, `[parallel]`) and those saving more memory after them."""
+    from dtrain.planner import RECOMPUTE
+
+    if args.recompute != "auto":
+        modes: tuple[str, ...] = (args.recompute,)
+    else:
+        modes = RECOMPUTE[RECOMPUTE.index(config.memory.activation_checkpointing):]
+    if args.sequence_parallel != "auto":
+        seq: tuple[bool, ...] = (args.sequence_parallel == "on",)
+    else:
+        seq = (True,) if config.parallel.sequence_parallel else (False, True)
+    return modes, seq
+
+
 def plan_command(args: argparse.Namespace) -> None:
     """Run `dtrain plan` as parsed by the CLI."""
     from dtrain.config import load_config
     from dtrain.data import vocab_of
     from dtrain.models import resolve
     from dtrain.planner import plan, profile_factory, profile_model, recommend
+    from dtrain.planner.construction import whole_model
 
     overrides = list(args.overrides) + [
         f"model.{key}={getattr(args, key)}" for key in
@@ -138,8 +177,13 @@ def plan_command(args: argparse.Namespace) -> None:
         dc = config.data
         shape = resolve(config.model, vocab_of(dc.path, dc.format, dc.tokenizer))
         trace = functools.cache(lambda b: profile_model(shape, b))
+    if config.memory.checkpoint_modules:
+        raise ConfigError("memory.checkpoint_modules is not planned: dtrain plan counts the "
+                          "activation_checkpointing modes (none, selective, full); leave "
+                          "checkpoint_modules out, or plan with --recompute MODE")
+    modes, seq = plan_choices(args, config)
     estimates = plan(trace, devices, memory, batch, flops, links, config.optimizer.name,
-                     config.train.grad_accum, config.parallel.bucket_mb, schedules)
+                     config.train.grad_accum, config.parallel.bucket_mb, schedules, modes, seq)
     if not estimates:
         raise ConfigError(f"no layout of {devices} devices splits a batch of {batch}: make "
                           "--batch a multiple of the device count")
@@ -150,7 +194,9 @@ def plan_command(args: argparse.Namespace) -> None:
         "memory_per_device": memory, "memory_from": memory_from, "global_batch": batch,
         "seq_len": profile.seq_len, "optimizer": config.optimizer.name,
         "flops_per_device": flops, "flops_from": "given" if args.tflops else "timed here",
-        "links": links.source, "recommended": best.to_dict() if best else None, "why": why,
+        "links": links.source, "whole_model_bytes": int(whole_model(profile.params)),
+        "recompute_choices": list(modes), "sequence_parallel_choices": list(seq),
+        "recommended": best.to_dict() if best else None, "why": why,
         "layouts": [e.to_dict() for e in estimates],
     }
     if args.json:
@@ -173,14 +219,23 @@ def _print_table(info: dict, estimates, why: str, out=sys.stdout) -> None:
           f"{info['optimizer']}", file=out)
     print(f"compute: {info['flops_per_device'] / 1e12:.3g} TFLOP/s per device "
           f"({info['flops_from']}); links: {info['links']}", file=out)
-    print("memory per rank (busiest rank); comm: bytes handed to collectives per step", file=out)
-    header = (f"{'layout':34} {'params':>10} {'grads':>10} {'optim':>10} {'activ.':>10} "
-              f"{'total':>10} {'fits':>4} {'comm/step':>10} {'bubble':>6} {'step':>9}")
+    print(f"recompute: {' or '.join(info['recompute_choices'])}; sequence parallel: "
+          f"{' or '.join('on' if s else 'off' for s in info['sequence_parallel_choices'])} "
+          "(sp: on, for tp layouts)", file=out)
+    print("memory per rank (busiest rank); build: the peak while the layout builds it from a "
+          f"skeleton (the whole model is {_size(info['whole_model_bytes'])}, what every rank "
+          "held before split-form construction); comm: bytes handed to collectives per step",
+          file=out)
+    width = max([28, *(len(e.label) for e in estimates)])
+    header = (f"{'layout':{width}} {'recompute':>9} {'params':>10} {'grads':>10} {'optim':>10} "
+              f"{'activ.':>10} {'total':>10} {'fits':>4} {'build':>10} {'comm/step':>10} "
+              f"{'bubble':>6} {'step':>9}")
     print(header, file=out)
     print("-" * len(header), file=out)
     for e in estimates:
-        print(f"{str(e.layout):34} {_size(e.params):>10} {_size(e.grads):>10} "
+        print(f"{e.label:{width}} {e.recompute:>9} {_size(e.params):>10} {_size(e.grads):>10} "
               f"{_size(e.optimizer):>10} {_size(e.activations):>10} {_size(e.total):>10} "
-              f"{'yes' if e.fits else 'NO':>4} {_size(sum(e.traffic.values())):>10} "
-              f"{e.bubble:>6.0%} {e.step_s * 1e3:>7.1f}ms", file=out)
+              f"{'yes' if e.fits else 'NO':>4} {_size(e.construction):>10} "
+              f"{_size(sum(e.traffic.values())):>10} {e.bubble:>6.0%} "
+              f"{e.step_s * 1e3:>7.1f}ms", file=out)
     print(f"recommended: {why}", file=out)

@@ -8,8 +8,9 @@ import torch
 from dtrain import models
 from dtrain.config import Config
 from dtrain.data import open_data, vocab_of
+from dtrain.models import recompute
 from dtrain.tensor_parallel.parallelize import matches
-from dtrain.tensor_parallel.plan_of import plan_of
+from dtrain.tensor_parallel.plan_of import check_sequence_parallel, plan_of
 
 
 def check_job(config: Config) -> None:
@@ -18,7 +19,8 @@ def check_job(config: Config) -> None:
 
     Raises:
         ConfigError: the data, the tokenizer, the model's arch, preset, Hugging Face
-            config or factory, their vocabularies, or the tensor-parallel plan do not fit.
+            config or factory, their vocabularies, the tensor-parallel plan, sequence
+            parallelism or the modules to recompute do not fit.
     """
     dc = config.data
     if dc.path:  # the stdlib default is known good; a user's corpus is read once here
@@ -31,3 +33,6 @@ def check_job(config: Config) -> None:
         model = models.build(shape)
     if config.parallel.tp > 1:  # a plan that names nothing, or none at all
         matches(model, plan_of(model, config.model.tp_plan))
+    if config.parallel.sequence_parallel:
+        check_sequence_parallel(model)
+    recompute.apply(model, config.memory)  # modules that do not exist, a mode it lacks

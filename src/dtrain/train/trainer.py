@@ -3,11 +3,13 @@
     dtrain train                                  # built-in GPT on 2 local ranks
     dtrain train my.toml --set train.steps=500    # your config, one key overridden
 
-Every rank reads the data (dtrain.data), builds the same model (dtrain.models: dtrain's
-GPT or Llama, a Hugging Face causal LM, or a user's module, optionally starting from a
-Hugging Face folder's weights) and hands it to dtrain.layouts, which lays it out as
-`[parallel]` says (tp, then pp, then DataParallel or ZeRO over dp; or parameter-server
-workers) and returns a Holding: the one interface this loop drives, whatever the layout.
+Every rank reads the data (dtrain.data), builds the same model in split form (dtrain.models:
+dtrain's GPT or Llama, a Hugging Face causal LM, or a user's module, its parameters on the
+meta device) and hands it to dtrain.layouts, which lays it out as `[parallel]` says (tp,
+then pp, then DataParallel or ZeRO over dp; or parameter-server workers), allocates only
+what this rank holds and fills it from the initial values for the seed, a Hugging Face
+folder's weights or the checkpoint resumed; it returns a Holding: the one interface this
+loop drives, whatever the layout.
 Every rank writes the pieces of the state it owns into universal checkpoints
 (dtrain.checkpoint), which resume in any layout. Rank 0 prints progress, writes metrics,
 and finally prints a sample of generated text.
@@ -32,6 +34,7 @@ from dtrain.config import Config, OptimizerConfig, layout_of, per_rank_batch
 from dtrain.data import Tokenizer, TokenSequences, batches, open_data
 from dtrain.layouts import Holding
 from dtrain.mesh import Mesh
+from dtrain.models import init
 from dtrain.models.config import ModelConfig
 from dtrain.models.generate import generate
 from dtrain.models.weights import weights_of
@@ -105,18 +108,16 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
 
     shape = models.resolve(mc, data.vocab_size)
     torch.manual_seed(tc.seed)
-    model = models.build(shape).to(world.device)
+    model = init.skeleton(lambda: models.build(shape))  # each rank makes what it holds
     n_params = sum(p.numel() for p in model.parameters())
     weights = weights_of(shape, model) if shape.init_from and resume is None else None
-    held = layouts.build(model, mesh, layout, config)
+    held = layouts.build(model, mesh, layout, config, weights=resume or weights)
     stream = batches(train_data, tc.batch_size, layout.dp, mesh.coords["dp"], tc.seed,
                      shuffle=True, accum=held.accum, start=start)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(
         o, lambda s: lr_factor(s, tc.steps, config.optimizer)) for o in held.optimizers]
-    if resume is not None:
+    if resume is not None:  # the options, schedule and RNG too
         training.restore(resume, held, schedulers, layout)
-    elif weights is not None:
-        held.restore(weights)  # each rank reads the slices it holds
     held.start()
 
     out_dir = Path(tc.out_dir)
@@ -229,10 +230,9 @@ def describe_model(shape: ModelConfig, model: torch.nn.Module) -> str:
 def sample(shape: ModelConfig, ckpt: Checkpoint, tokenizer: Tokenizer, cfg: Any,
            device: torch.device) -> str:
     """Generate `cfg.sample_tokens` tokens after `cfg.sample_prompt` with the model saved
-    in `ckpt` (built whole), decoded as text."""
+    in `ckpt` (built whole here, straight from the checkpoint), decoded as text."""
     torch.manual_seed(0)
-    plain = models.build(shape).to(device)
-    plain.load_state_dict(ckpt.model_state())
+    plain = init.materialized(init.skeleton(lambda: models.build(shape)), ckpt, device)
     prompt = tokenizer.encode(cfg.sample_prompt) or tokenizer.separator
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
     out = generate(plain, idx, cfg.sample_tokens, shape.block_size,

@@ -117,6 +117,22 @@ class Unit:
         return None
 
 
+IN_FLIGHT = 2
+"""Reduce-scatters of gradient units a backward leaves running before it waits for the
+oldest (overlap with the next units' backward, memory of two units' gradients)."""
+
+
+def settle(works: list[tuple[Unit, Any]], keep: int = IN_FLIGHT) -> None:
+    """Wait for all but the `keep` latest of `works` (unit, its reduce-scatter) and add
+    each one's result to the unit's shard gradient: a unit's whole gradient lives until its
+    collective has read it, so a bounded number in flight bounds backward's memory."""
+    while len(works) > keep:
+        unit, work = works.pop(0)
+        unit.shard_grad().add_(work.wait())
+        if unit.grad is not None:  # stage 1 keeps its buffer for the next step
+            unit.grad.zero_()
+
+
 def segment(shard: torch.Tensor, span: Span) -> torch.Tensor:
     """The part of a shard-shaped tensor that `span` locates (a view)."""
     return shard[span.at : span.at + span.hi - span.lo]
@@ -161,11 +177,16 @@ class Built:
 
 def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage: int,
                 units: list[nn.Module] | None, bucket_mb: float, rank: int, size: int,
-                param_dtype: torch.dtype, compute_dtype: torch.dtype) -> Built:
+                param_dtype: torch.dtype, compute_dtype: torch.dtype,
+                device: torch.device | None = None) -> Built:
     """Pack `named` (trainable parameters) into units: stage 3 one per submodule of
     `units` (default every element of every nn.ModuleList) plus the root; stages 1-2
     buckets of about `bucket_mb` in reverse order. `group_of` maps id(parameter) to its
-    optimizer parameter group. The parameters become views of the units' `full`."""
+    optimizer parameter group. The parameters become views of the units' `full`.
+
+    Parameters on the meta device (a model built in split form, dtrain.models.init) get
+    uninitialized memory on `device` instead of copies: at stage 3 only this rank's shard
+    (`full` is released from the start), the values to be restored into the shards."""
     if stage == 3:
         runs = _module_runs(module, named, units)
     else:
@@ -179,7 +200,8 @@ def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage
         run = sorted(run, key=lambda item: group_of[id(item[1])])
         flat = FlatUnit([n for n, _ in run], [p for _, p in run],
                         [group_of[id(p)] for _, p in run], size)
-        built.append(_make_unit(flat, unit_module, stage, rank, param_dtype, compute_dtype))
+        built.append(_make_unit(flat, unit_module, stage, rank, param_dtype, compute_dtype,
+                                device))
     if stage != 3:
         return Built(built, None, [])
     return Built([u for u in reversed(built) if u is not None], built[0], built[1:])
@@ -208,17 +230,44 @@ def _module_runs(module: nn.Module, named: Named, units: list[nn.Module] | None
 
 @torch.no_grad()
 def _make_unit(flat: FlatUnit, module: nn.Module | None, stage: int, rank: int,
-               param_dtype: torch.dtype, compute_dtype: torch.dtype) -> Unit:
+               param_dtype: torch.dtype, compute_dtype: torch.dtype,
+               device: torch.device | None = None) -> Unit:
     mixed = compute_dtype != param_dtype
+    lo, hi = flat.shard(rank)
+    if flat.params[0].is_meta:
+        return _empty_unit(flat, module, stage, lo, hi, param_dtype, compute_dtype,
+                           device or torch.device("cpu"))
     values = torch.zeros(flat.padded, dtype=param_dtype, device=flat.params[0].device)
     for p, offset in zip(flat.params, flat.offsets, strict=True):
         values[offset : offset + p.numel()] = p.detach().reshape(-1)
-    lo, hi = flat.shard(rank)
     full = values if not mixed else values.to(compute_dtype)
     master = values[lo:hi] if not mixed and stage < 3 else values[lo:hi].clone()
     for p, offset in zip(flat.params, flat.offsets, strict=True):
         p.data = full[offset : offset + p.numel()].view(p.shape)
     unit = Unit(flat, full, master, module)
+    if stage == 1:
+        unit.grad = torch.zeros_like(full)
+    return unit
+
+
+def _empty_unit(flat: FlatUnit, module: nn.Module | None, stage: int, lo: int, hi: int,
+                param_dtype: torch.dtype, compute_dtype: torch.dtype,
+                device: torch.device) -> Unit:
+    """A unit of meta parameters: memory for what this rank holds, values to come (the
+    parameters become views of `full`, which stage 3 releases right away)."""
+    full = torch.empty(flat.padded, dtype=compute_dtype, device=device)  # never touched
+    if stage == 3 or compute_dtype != param_dtype:
+        master = torch.zeros(hi - lo, dtype=param_dtype, device=device)
+    else:
+        master = full[lo:hi]
+    for p, offset in zip(flat.params, flat.offsets, strict=True):
+        shape = p.shape  # the same object, made real, then a view of `full` as usual
+        torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=p.dtype, device=device),
+                                                 requires_grad=p.requires_grad))
+        p.data = full[offset : offset + shape.numel()].view(shape)
+    if stage == 3:
+        full.untyped_storage().resize_(0)
+    unit = Unit(flat, full, master, module, gathered=stage != 3)
     if stage == 1:
         unit.grad = torch.zeros_like(full)
     return unit

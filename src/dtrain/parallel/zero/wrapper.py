@@ -21,7 +21,7 @@ from dtrain.parallel.replicas import broadcast_state, check_same_model
 from dtrain.parallel.zero import state as zero_state
 from dtrain.parallel.zero.optimizer import OptimizerFactory, group_index, shard_optimizer
 from dtrain.parallel.zero.optimizer import state_bytes as optimizer_bytes
-from dtrain.parallel.zero.units import Unit, build_units, one_dtype, segment, unit_bytes
+from dtrain.parallel.zero.units import Unit, build_units, one_dtype, segment, settle, unit_bytes
 
 GROWTH_INTERVAL = 2000  # fp16: steps without overflow before the loss scale doubles
 ParamTest = Callable[[nn.Parameter], bool]
@@ -44,6 +44,9 @@ class ZeRO(nn.Module):
         units: stage 3: the submodules to gather one at a time, in forward order
             (default: every element of every nn.ModuleList).
         algorithm: collective algorithm (see dtrain.comm).
+        device: where the units of a module built on the meta device are allocated
+            (dtrain.models.init; each rank allocates its shards only, values to be
+            restored, e.g. by dtrain.layouts); default the CPU.
 
     Raises:
         DtrainError: a bad stage or option, ranks with different models, or an optimizer
@@ -60,6 +63,7 @@ class ZeRO(nn.Module):
         bucket_mb: float = 25.0,
         units: list[nn.Module] | None = None,
         algorithm: str = "auto",
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
@@ -91,7 +95,8 @@ class ZeRO(nn.Module):
         self.alias = {key: name_of[id(p)] for key, p in
                       module.named_parameters(remove_duplicate=False) if id(p) in name_of}
         built = build_units(module, named, group_of, stage, units, bucket_mb, self.rank,
-                            self.size, self.param_dtype, self.compute_dtype)
+                            self.size, self.param_dtype, self.compute_dtype,
+                            torch.device(device) if device is not None else None)
         self.units: list[Unit] = built.units  # in the order their gradients are reduced
         self._root, self._chain = built.root, built.chain  # stage 3 (chain: forward order)
         self.optimizer = shard_optimizer(template, self.units, self.rank)
@@ -216,6 +221,7 @@ class ZeRO(nn.Module):
         self._works.append((unit, work))
         if self.stage >= 2:
             unit.grad = None  # released once the collective has read it
+        settle(self._works)
 
     @torch.no_grad()
     def _finalize(self) -> None:
@@ -237,11 +243,7 @@ class ZeRO(nn.Module):
             if unit.grad is None:
                 unit.grad = torch.zeros_like(unit.full)
             self._launch(unit)
-        for unit, work in self._works:
-            unit.shard_grad().add_(work.wait())
-            if unit.grad is not None:  # stage 1 keeps its buffer for the next step
-                unit.grad.zero_()
-        self._works.clear()
+        settle(self._works, 0)
         self._next_launch = 0
         self._overflow = None
 

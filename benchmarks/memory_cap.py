@@ -1,0 +1,429 @@
+"""The largest GPT that trains under a cap on each rank's live tensor bytes: one process,
+dtrain ZeRO-3 (split-form construction, full recomputation), PyTorch FSDP2 with
+activation checkpointing, and dtrain tp=2 x ZeRO-3 with sequence parallelism.
+
+    python benchmarks/memory_cap.py [--cap-mib 128 --write]
+
+A probe is one spawned world (tests/distributed.py's `run_ranks`, gloo, 1 thread per
+rank) that builds a GPT of `n_layer` blocks (width fixed) and trains it 3 steps with AdamW
+on `--batch` sequences of 64 tokens per model replica, construction included, under
+`dtrain.planner.tracker.LiveBytes(limit=cap)` on every rank (the CPU's equivalent of
+`torch.cuda.max_memory_allocated`, raising MemoryError past the cap). n_layer is found by
+growing it until a probe fails (one process: doubling from 4; the others: from 4 times
+one process's answer, perfect sharding over 4 ranks, in steps of 25%), then bisecting.
+
+The setups:
+  one process  the GPT built whole, AdamW, no recomputation (no process group work).
+  zero3        4 ranks: `[parallel] zero = 3`, `[memory] activation_checkpointing =
+               "full"`, built in split form (init.skeleton -> layouts.build).
+  fsdp2        4 ranks: the GPT built under torch.device("meta"), every block wrapped in
+               torch's checkpoint_wrapper then `fully_shard`, the root `fully_shard`,
+               `to_empty(device="cpu")` and normal(0, 0.02) init; the same AdamW
+               (dtrain's build_optimizer). DTensors are counted by their local shards.
+  tp2_zero3_sp 4 ranks: tp=2 x ZeRO-3 over dp=2, sequence parallel, full recomputation.
+
+dtrain's collectives with algorithm "auto" time their candidates on first use (probe
+tensors up to 16 MiB): every dtrain probe first trains one step of a 1-block GPT on the
+same mesh, outside the cap, so that one-time cost is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from results_md import replace_section
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from dtrain.planner.tracker import LiveBytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.distributed
+from tests.distributed import run_ranks  # noqa: E402
+
+MiB = 2**20
+WIDTH = {"n_head": 4, "n_embd": 256, "block_size": 64}
+SEQUENCE = WIDTH["block_size"]
+STEPS = 3
+SETUPS = ("one_process", "zero3", "fsdp2", "tp2_zero3_sp")
+PARALLEL = {"zero3": {"zero": 3},
+            "tp2_zero3_sp": {"tp": 2, "dp": 2, "zero": 3, "sequence_parallel": True}}
+
+
+def gpt_shape(n_layer: int) -> dict:
+    return {"arch": "gpt", "n_layer": n_layer, **WIDTH}
+
+
+def parameter_count(n_layer: int) -> int:
+    from dtrain import models
+    from dtrain.models import init
+
+    shape = models.resolve(models.ModelConfig(**gpt_shape(n_layer)), 256)
+    model = init.skeleton(lambda: models.build(shape))
+    return sum(p.numel() for p in model.parameters())
+
+
+def config_of(n_layer: int, setup: str, world_size: int, batch: int):
+    from dtrain.config import config_from_dict
+
+    parallel = PARALLEL.get(setup, {})
+    replicas = world_size // parallel.get("tp", 1)
+    return config_from_dict({
+        "model": gpt_shape(n_layer),
+        "optimizer": {"name": "adamw"},
+        "train": {"batch_size": batch * replicas, "seed": 0},
+        "parallel": {"nproc": world_size, **parallel},
+        "memory": {"activation_checkpointing": "none" if setup == "one_process" else "full"},
+    })
+
+
+def tokens(rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 256, (batch, SEQUENCE + 1),
+                        generator=torch.Generator().manual_seed(rank))
+    return ids[:, :-1], ids[:, 1:]
+
+
+class Tracker(LiveBytes):
+    """LiveBytes counting a DTensor by its local shard: the wrapper's own storage reports
+    the global size and holds no memory (FSDP2's parameters, gradients and AdamW state
+    are DTensors; the ops on their shards run inside DTensor's dispatch, below this mode).
+
+    With `contents`, it also keeps what is alive at the peak: how many storages of each
+    size (MiB, rounded), and the operation that reached it."""
+
+    def __init__(self, limit: int | None = None, contents: bool = False) -> None:
+        super().__init__(limit=limit)
+        self.contents = contents
+        self.at_peak: tuple[str, list[tuple[float, int]]] | None = None
+
+    def _note(self, t: torch.Tensor) -> None:
+        if isinstance(t, DTensor):
+            with torch.no_grad():
+                t = t.to_local()
+        super()._note(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.peak
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.contents and self.peak > before:
+            sizes: dict[float, int] = {}
+            for ref, _ in self._storages.values():
+                storage = ref()
+                if storage is not None and storage.nbytes() >= 2**17:
+                    size = round(storage.nbytes() / MiB, 2)
+                    sizes[size] = sizes.get(size, 0) + 1
+            self.at_peak = (str(func), sorted(sizes.items(), reverse=True))
+        return out
+
+
+# ------------------------------------------------------------------ one rank of a probe
+def dtrain_steps(n_layer: int, setup: str, batch: int, mesh, tracker) -> float:
+    """Build in split form and train STEPS steps; returns the last loss."""
+    import dtrain
+    from dtrain import layouts, models
+    from dtrain.config import layout_of
+    from dtrain.models import init
+
+    world = dtrain.world.current()
+    config = config_of(n_layer, setup, world.world_size, batch)
+    layout = layout_of(config, world.world_size)
+    shape = models.resolve(config.model, 256)
+    with tracker:
+        model = init.skeleton(lambda: models.build(shape))
+        held = layouts.build(model, mesh, layout, config)
+        x, y = tokens(mesh.coords["dp"], batch)
+        for _ in range(STEPS):
+            loss = held.forward_backward([(x, y)])
+            held.step()
+            held.zero_grad()
+    return float(loss)
+
+
+def probe_dtrain(n_layer: int, setup: str, batch: int, tracker: Tracker) -> float:
+    """One rank: warm the collectives up on a 1-block GPT, then train under the cap."""
+    import dtrain
+    from dtrain.config import layout_of
+    from dtrain.mesh import Mesh
+
+    world = dtrain.world.current()
+    layout = layout_of(config_of(1, setup, world.world_size, batch), world.world_size)
+    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+    dtrain_steps(1, setup, batch, mesh, LiveBytes())
+    return dtrain_steps(n_layer, setup, batch, mesh, tracker)
+
+
+def probe_one_process(n_layer: int, batch: int, tracker: Tracker) -> float:
+    from dtrain import models
+    from dtrain.layouts import build_optimizer
+
+    config = config_of(n_layer, "one_process", 1, batch)
+    with tracker:
+        torch.manual_seed(0)
+        model = models.build(models.resolve(config.model, 256))
+        optimizer = build_optimizer(model.parameters(), config.optimizer)
+        x, y = tokens(0, batch)
+        for _ in range(STEPS):
+            loss = model(x, y)[1]
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return loss.item()
+
+
+def fsdp2_model(n_layer: int, mesh) -> nn.Module:
+    """The GPT sharded by FSDP2 per block and at the root, blocks recomputed, built on the
+    meta device and allocated shard by shard."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    from dtrain import models
+
+    shape = models.resolve(models.ModelConfig(**gpt_shape(n_layer)), 256)
+    with torch.device("meta"):
+        model = models.build(shape)
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block)
+        fully_shard(model.blocks[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+    assert model.head.weight is model.wte.weight  # still tied
+    return model
+
+
+def probe_fsdp2(n_layer: int, batch: int, tracker: Tracker) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dtrain
+    from dtrain.layouts import build_optimizer
+
+    world = dtrain.world.current()
+    config = config_of(n_layer, "zero3", world.world_size, batch)
+    mesh = init_device_mesh("cpu", (world.world_size,))
+    with tracker:
+        model = fsdp2_model(n_layer, mesh)
+        optimizer = build_optimizer(model.parameters(), config.optimizer)
+        x, y = tokens(world.rank, batch)
+        for _ in range(STEPS):
+            loss = model(x, y)[1]
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return loss.item()
+
+
+def probe(setup: str, n_layer: int, batch: int, cap: int | None,
+          contents: bool) -> tuple[int, float, tuple | None]:
+    """One rank of one probe: (this rank's peak live bytes, the last loss, what was alive
+    at the peak if `contents`)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="DTensor random operators")
+    tracker = Tracker(limit=cap, contents=contents)
+    if setup == "one_process":
+        loss = probe_one_process(n_layer, batch, tracker)
+    elif setup == "fsdp2":
+        loss = probe_fsdp2(n_layer, batch, tracker)
+    else:
+        loss = probe_dtrain(n_layer, setup, batch, tracker)
+    return tracker.peak, loss, tracker.at_peak
+
+
+# ------------------------------------------------------------------ the search
+def trains(setup: str, n_layer: int, batch: int, cap: int | None, log: list[dict],
+           contents: bool = False) -> bool:
+    """Whether `n_layer` blocks train STEPS steps under the cap on every rank (one world);
+    with `contents`, print what the busiest rank held at its peak."""
+    world_size = 1 if setup == "one_process" else 4
+    start = time.perf_counter()
+    try:
+        results = run_ranks(probe, world_size, setup, n_layer, batch, cap, contents,
+                            timeout=1800, collective_timeout=120)
+        ok, peak = True, max(p for p, _, _ in results)
+        if contents:
+            op, sizes = max(results, key=lambda r: r[0])[2]
+            print(f"at the peak ({op}), storages of at least 0.125 MiB: "
+                  + ", ".join(f"{n} x {size} MiB" for size, n in sizes))
+    except AssertionError as exc:
+        if "MemoryError" not in str(exc):
+            raise
+        ok, peak = False, None
+    seconds = time.perf_counter() - start
+    log.append({"setup": setup, "n_layer": n_layer, "trains": ok, "peak": peak,
+                "seconds": round(seconds, 1)})
+    print(f"{setup:>13} n_layer={n_layer:4d}: "
+          f"{'trains, peak %.1f MiB' % (peak / MiB) if ok else 'over the cap'} "
+          f"({seconds:.0f} s)", flush=True)
+    return ok
+
+
+def largest(setup: str, start: int, growth: float, batch: int, cap: int,
+            log: list[dict]) -> int:
+    """The largest n_layer that trains: from `start`, multiply by `growth` until a probe
+    fails (or divide until one trains), then bisect.
+
+    Raises:
+        RuntimeError: not even one block trains under the cap.
+    """
+    n = start
+    if trains(setup, n, batch, cap, log):
+        lo = n
+        while True:
+            n = max(lo + 1, round(lo * growth))
+            if not trains(setup, n, batch, cap, log):
+                hi = n
+                break
+            lo = n
+    else:
+        hi = n
+        while True:
+            n = min(hi - 1, round(hi / growth))
+            if n < 1:
+                raise RuntimeError(f"{setup}: one block does not train under the cap")
+            if trains(setup, n, batch, cap, log):
+                lo = n
+                break
+            hi = n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if trains(setup, mid, batch, cap, log):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cap-mib", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per model replica")
+    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--probe", metavar="SETUP:N_LAYER", help="run one probe only")
+    parser.add_argument("--contents", action="store_true",
+                        help="with --probe and no cap: what is alive at the peak")
+    parser.add_argument("--json", metavar="PATH", help="also write the probes as JSON")
+    parser.add_argument("--from-json", metavar="PATH", help="write the section of a saved run")
+    parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    cap = args.cap_mib * MiB
+    log: list[dict] = []
+    if args.probe:
+        setup, n_layer = args.probe.split(":")
+        trains(setup, int(n_layer), args.batch, None if args.contents else cap, log,
+               args.contents)
+        return
+    if args.from_json:
+        replace_section("memory_cap", section(json.loads(Path(args.from_json).read_text())))
+        return
+    load = os.getloadavg()[0]
+    started = time.time()
+    found: dict[str, int] = {}
+    for setup in args.setups.split(","):
+        if setup == "one_process":
+            found[setup] = largest(setup, 4, 2.0, args.batch, cap, log)
+        else:  # from perfect sharding over 4 ranks, in steps of 25%
+            found[setup] = largest(setup, 4 * found.get("one_process", 8), 1.25, args.batch,
+                                   cap, log)
+    minutes = (time.time() - started) / 60
+    rows = {s: {"n_layer": n, "params": parameter_count(n),
+                "peak": next(p["peak"] for p in log if p["setup"] == s and p["n_layer"] == n
+                             and p["trains"])} for s, n in found.items()}
+    summary = {"cap_mib": args.cap_mib, "batch": args.batch, "rows": rows, "probes": log,
+               "load_before": load, "load_after": os.getloadavg()[0], "minutes": minutes,
+               "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    print(json.dumps(rows, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    if args.write:
+        replace_section("memory_cap", section(summary))
+
+
+NAMES = {
+    "one_process": "(a) one process, no recomputation",
+    "zero3": "(b) dtrain ZeRO-3, 4 ranks, split form, full recomputation",
+    "fsdp2": "(c) PyTorch FSDP2, 4 ranks, meta init, checkpoint_wrapper per block",
+    "tp2_zero3_sp": "(d) dtrain tp=2 x ZeRO-3 (dp=2), sequence parallel, full recomputation",
+}
+
+
+def section(summary: dict) -> list[str]:
+    rows, cap = summary["rows"], summary["cap_mib"]
+    base = rows.get("one_process", {}).get("params")
+    lines = [
+        f"## The largest GPT that trains under a per-rank cap of {cap} MiB of live tensors",
+        "",
+        f"Command: `python benchmarks/memory_cap.py --cap-mib {cap} --batch "
+        f"{summary['batch']} --write`  ",
+        f"Date: {summary['date']}. Machine: {os.cpu_count()} cores, {platform.machine()}, torch "
+        f"{torch.__version__}, gloo, 1 thread per rank; load average {summary['load_before']:.1f}"
+        f" before, {summary['load_after']:.1f} after (shared with other work; the figures are "
+        f"bytes, not times, so load does not move them); {summary['minutes']:.0f} min in all.  ",
+        f"Model: GPT, width {WIDTH['n_embd']}, {WIDTH['n_head']} heads, vocabulary 256, "
+        f"{summary['batch']} sequences x {SEQUENCE} tokens per model replica, AdamW "
+        f"(dtrain's `[optimizer]` defaults), {STEPS} steps, construction included; n_layer "
+        "searched (one process: doubling from 4; the others: from 4x one process's answer, "
+        "in steps of 25%; then bisection), each probe one spawned world. dtrain's collectives "
+        "calibrate (`algorithm = \"auto\"`, probes up to 16 MiB) in a warm-up step of a "
+        "1-block GPT on the same mesh before the cap applies; FSDP2's are torch's own.",
+        "",
+        "| setup | largest n_layer | parameters | x (a) | peak per rank (MiB) |",
+        "|---|---|---|---|---|",
+    ]
+    for setup, row in rows.items():
+        ratio = f"**{row['params'] / base:.2f}x**" if base else "-"
+        lines.append(f"| {NAMES[setup]} | {row['n_layer']} | {row['params'] / 1e6:.2f}M | "
+                     f"{ratio} | {row['peak'] / MiB:.1f} |")
+    lines += ["", "Every probe (n_layer: peak MiB of the busiest rank, or over the cap):", ""]
+    for setup in rows:
+        probes = [p for p in summary["probes"] if p["setup"] == setup]
+        lines.append(f"- {setup}: " + ", ".join(
+            f"{p['n_layer']}: {p['peak'] / MiB:.1f}" if p["trains"] else f"{p['n_layer']}: over"
+            for p in probes))
+    if {"one_process", "zero3", "fsdp2"} <= set(rows):
+        b, c = rows["zero3"], rows["fsdp2"]
+        times = b["params"] / base
+        lines += [
+            "",
+            "| target | value | met? |",
+            "|---|---|---|",
+            f"| (b) at least 3.5x (a) | {times:.2f}x | {'yes' if times >= 3.5 else 'no'} |",
+            f"| (b) at least (c) | {b['params'] / 1e6:.2f}M vs {c['params'] / 1e6:.2f}M "
+            f"({b['n_layer']} vs {c['n_layer']} layers) | "
+            f"{'yes' if b['params'] >= c['params'] else 'no'} |",
+        ]
+    lines += [
+        "",
+        "Both sharded setups hold the same state, 4 bytes per parameter per rank at 4 ranks "
+        "(3.0 MiB per block); they differ in what backward holds besides. At the busiest "
+        "rank's peak (`python benchmarks/memory_cap.py --probe zero3:37 --contents`, and "
+        "`--probe fsdp2:38 --contents`) dtrain's ZeRO-3 held four to five buffers of one whole "
+        "unit (a block, 3.01 MiB: gathered parameters and flat gradient buffers), FSDP2 two "
+        "(this block's and the prefetched block's parameters) besides the per-parameter "
+        "gradients it is computing: about one block more for dtrain, the layer by which (b) "
+        "can fall short of (c). dtrain's peak at a given depth also varies from run to run "
+        "by up to about a block, with the timing of its asynchronous gathers and "
+        "reduce-scatters (at 37 layers, four runs on 2026-11-24 peaked at 123.4 to 128.1 "
+        "MiB), so its answer moves by a layer from run to run; FSDP2's peak on the CPU "
+        "repeated to the byte.",
+    ]
+    return lines
+
+
+if __name__ == "__main__":
+    main()

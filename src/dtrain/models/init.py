@@ -1,0 +1,309 @@
+"""Models built in split form: parameters on the meta device, values only where held.
+
+    model = skeleton(lambda: build(cfg))   # no parameter memory: shapes, names, ties
+    initial = Initial(model, seed=1337)    # every parameter's initial values, by name
+    # dtrain.layouts splits and shards the skeleton, allocates what this rank holds, then
+    held.restore(initial)                  # each rank computes only its own slices
+
+An initial value is a function of (seed, parameter name) alone, never of the layout: each
+parameter's whole tensor is drawn in groups of rows of at most `CHUNK` elements, each group
+from its own generator keyed by (seed, name, group). A rank holding a tensor-parallel
+block, a ZeRO shard or a pipeline stage computes just the groups covering its slice (a
+column block: every group, one at a time), so construction needs its share of the model
+plus one group, and one process and any layout start from the same weights.
+
+How a parameter is drawn (`Init`) comes from the model:
+
+| model                 | Linear / Embedding weights      | everything else                  |
+|-----------------------|---------------------------------|----------------------------------|
+| dtrain's GPT, Llama   | normal(0, 0.02)                 | biases 0, norm weights 1         |
+| Hugging Face          | normal(0, initializer_range)    | its own `_init_weights` (whole)  |
+| custom                | torch's defaults, or the model's `init_rules()`; else the     |
+|                       | owning module's `reset_parameters()` (whole)                    |
+
+A "whole" rule builds the owning module alone on the CPU, seeded by its name, and keeps
+the values: exact but not chunked (norms and biases, small).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.errors import ConfigError
+from dtrain.models.weights import SlicedWeights
+
+CHUNK = 1 << 20
+"""Elements per generator group (at least one row)."""
+
+
+@dataclass(frozen=True)
+class Init:
+    """How one parameter's whole tensor is drawn.
+
+    kind: "normal" (mean `a`, std `b`), "uniform" (between `a` and `b`), "constant"
+    (every element `a`), or "module" (`fill(module)` initializes a copy of the owning
+    module, seeded by the parameter's name; the tensor is then taken whole).
+    zero_row: a row set to zero after drawing (an embedding's padding index).
+    """
+
+    kind: str
+    a: float = 0.0
+    b: float = 0.0
+    zero_row: int | None = None
+    fill: Callable[[nn.Module], None] | None = None
+
+
+def normal(std: float, zero_row: int | None = None) -> Init:
+    return Init("normal", 0.0, std, zero_row)
+
+
+def constant(value: float) -> Init:
+    return Init("constant", value)
+
+
+# ------------------------------------------------------------------ the skeleton
+def skeleton(build: Callable[[], nn.Module]) -> nn.Module:
+    """`build()`'s model with every parameter on the meta device: shapes, names and ties,
+    no memory. Built under `torch.device("meta")`; a model whose buffers then lack values
+    (rotary frequencies a Hugging Face model computes once, a mask) is built again with
+    only its parameters moved to the meta device as they are registered (each allocated
+    for that moment only; torch's layers allocate without touching the memory)."""
+    with torch.device("meta"):
+        model = build()
+    if not any(b.is_meta for b in model.buffers()):
+        return model
+    with _parameters_on_meta():
+        return build()
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def is_skeleton(model: nn.Module) -> bool:
+    """Whether any of `model`'s parameters are on the meta device (values not yet made)."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def allocate(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """Give `module`'s meta parameters uninitialized memory on `device` (the parameter
+    objects stay the same, so tied parameters stay tied) and move its buffers there;
+    returns `module`."""
+    for p in module.parameters():  # each once; swapped in place, so ties and ids hold
+        if p.is_meta:
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device),
+                                                     requires_grad=p.requires_grad))
+    return allocate_buffers(module, device)
+
+
+def allocate_buffers(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """Move `module`'s buffers to `device` (values kept), parameters untouched."""
+    for m in module.modules():
+        for name, b in list(m.named_buffers(recurse=False)):
+            if b is not None and b.device != torch.device(device):
+                setattr(m, name, b.to(device))
+    return module
+
+
+# ------------------------------------------------------------------ rules per model
+def _owner(model: nn.Module, name: str) -> tuple[str, nn.Module, str]:
+    path, _, pname = name.rpartition(".")
+    return path, model.get_submodule(path) if path else model, pname
+
+
+def _whole(init: Callable[[nn.Module], None]) -> Init:
+    return Init("module", fill=init)
+
+
+def _reset(module: nn.Module) -> None:
+    module.reset_parameters()
+
+
+def _torch_default(module: nn.Module, pname: str) -> Init | None:
+    """torch's own initialization of its common layers, drawn in chunks."""
+    if isinstance(module, nn.Linear):
+        bound = 1 / math.sqrt(module.in_features) if module.in_features else 0.0
+        return Init("uniform", -bound, bound)
+    if isinstance(module, nn.Embedding) and pname == "weight":
+        return Init("normal", 0.0, 1.0, module.padding_idx)
+    return None
+
+
+def _norm(module: nn.Module, pname: str) -> Init | None:
+    if "Norm" in type(module).__name__ and pname in ("weight", "bias"):
+        return constant(1.0 if pname == "weight" else 0.0)
+    return None
+
+
+def _gpt_like(module: nn.Module, pname: str) -> Init:
+    """dtrain's GPT and Llama: normal(0, 0.02) weights, zero biases, unit norms."""
+    if isinstance(module, (nn.Linear, nn.Embedding)) and pname == "weight":
+        return normal(0.02)
+    return _norm(module, pname) or constant(0.0)
+
+
+def _hf_rule(hf: nn.Module) -> Callable[[nn.Module, str], Init]:
+    config = hf.config
+    std = getattr(config, "initializer_range", None) or 0.02
+
+    def rule(module: nn.Module, pname: str) -> Init:
+        if isinstance(module, nn.Linear) and pname == "weight":
+            return normal(std)
+        if isinstance(module, nn.Embedding) and pname == "weight":
+            return normal(std, module.padding_idx)
+        return _whole(hf._init_weights)
+
+    return rule
+
+
+def _custom_rule(module: nn.Module, pname: str) -> Init:
+    rule = _torch_default(module, pname) or _norm(module, pname)
+    if rule is not None:
+        return rule
+    if callable(getattr(module, "reset_parameters", None)):
+        return _whole(_reset)
+    raise ConfigError(f"{type(module).__name__}.{pname} has no known initialization to build "
+                      "it in split form: give the module a reset_parameters() or the model "
+                      "an init_rules() returning {parameter name: dtrain.models.init.Init}")
+
+
+def init_rules(model: nn.Module) -> dict[str, Init]:
+    """How each parameter of `model` (by its name in `named_parameters()`, tied ones
+    once) is drawn; see the module docstring.
+
+    Raises:
+        ConfigError: a custom model's parameter has no known initialization.
+    """
+    from dtrain.models.gpt import GPT
+    from dtrain.models.hf import HFCausalLM
+    from dtrain.models.llama import Llama
+
+    given = model.init_rules() if callable(getattr(model, "init_rules", None)) else {}
+    if isinstance(model, (GPT, Llama)):
+        rule = _gpt_like
+    elif isinstance(model, HFCausalLM):
+        rule = _hf_rule(model.hf)
+    else:
+        rule = _custom_rule
+    rules = {}
+    for name, _ in model.named_parameters():
+        if name in given:
+            rules[name] = given[name]
+        else:
+            _, module, pname = _owner(model, name)
+            rules[name] = rule(module, pname)
+    return rules
+
+
+# ------------------------------------------------------------------ the values
+def _key(seed: int, name: str, group: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{name}:{group}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class Initial(SlicedWeights):
+    """The initial values of `model`'s parameters for `seed`, read the way a checkpoint is
+    (names `model/` + the parameter's), computed on demand and only as far as asked:
+    `tensor` (whole), `block` (a tensor-parallel block), `rows` (a ZeRO span). No
+    optimizer state.
+
+    Raises:
+        ConfigError: a custom model's parameter has no known initialization.
+    """
+
+    def __init__(self, model: nn.Module, seed: int) -> None:
+        self.seed = seed
+        self.path = f"initial weights (seed {seed})"
+        self.rules = init_rules(model)
+        params = dict(model.named_parameters())
+        self.shapes = {n: tuple(p.shape) for n, p in params.items()}
+        self.dtypes = {n: p.dtype for n, p in params.items()}
+        self.owners = {n: _owner(model, n) for n, r in self.rules.items() if r.kind == "module"}
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def _names(self) -> list[str]:
+        return list(self.shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[self.plain(name)]
+
+    def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        name = self.plain(name)
+        rule, shape = self.rules[name], self.shapes[name]
+        if rule.kind == "module" or not shape:
+            return self._module_value(name)[index] if shape else self._module_value(name)
+        row = math.prod(shape[1:])
+        per_group = max(1, CHUNK // max(row, 1))
+        first, last, _ = index[0].indices(shape[0])
+        parts = []
+        for group in range(first // per_group, (last - 1) // per_group + 1 if last > first else 0):
+            lo = group * per_group
+            values = self._group(name, rule, group, lo, min(lo + per_group, shape[0]))
+            take = values[max(first, lo) - lo : min(last, lo + per_group) - lo]
+            parts.append(take[(slice(None), *index[1:])].clone())
+        if not parts:
+            return torch.empty((0, *shape[1:]), dtype=self.dtypes[name])[(slice(None),
+                                                                          *index[1:])]
+        return torch.cat(parts)
+
+    def _group(self, name: str, rule: Init, group: int, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo..hi of `name`'s whole tensor: group `group` of its draw."""
+        shape = (hi - lo, *self.shapes[name][1:])
+        out = torch.empty(shape, dtype=torch.float32)
+        generator = torch.Generator().manual_seed(_key(self.seed, name, group))
+        if rule.kind == "normal":
+            out.normal_(rule.a, rule.b, generator=generator)
+        elif rule.kind == "uniform":
+            out.uniform_(rule.a, rule.b, generator=generator)
+        else:
+            out.fill_(rule.a)
+        if rule.zero_row is not None and lo <= rule.zero_row < hi:
+            out[rule.zero_row - lo] = 0
+        return out.to(self.dtypes[name])
+
+    def _module_value(self, name: str) -> torch.Tensor:
+        """The whole tensor, from a copy of its owning module built alone on the CPU."""
+        if self._last is not None and self._last[0] == name:
+            return self._last[1]
+        path, module, pname = self.owners[name]
+        alone = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_key(self.seed, name, 0))
+            self.rules[name].fill(alone)
+        value = getattr(alone, pname).detach()
+        self._last = (name, value)
+        return value
+
+
+def materialized(model: nn.Module, weights: Any, device: torch.device | str = "cpu"
+                 ) -> nn.Module:
+    """`model` (a skeleton) whole on `device` with the values of `weights` (`Initial`, a
+    checkpoint, Hugging Face weights): what one process trains."""
+    from dtrain.checkpoint.universal import MODEL
+
+    allocate(model, device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights.tensor(MODEL + name))
+    return model
