@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 from results_md import replace_section
 
+import dtrain
+from dtrain import layouts, models
+from dtrain.config import config_from_dict, layout_of
+from dtrain.mesh import Mesh
 from dtrain.models import init
+from dtrain.planner.measure import calibrate
+from dtrain.planner.tracker import LiveBytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.distributed
 from tests.distributed import run_ranks  # noqa: E402
@@ -40,18 +46,12 @@ LAYOUTS = {"tp=2": (2, {"tp": 2}), "ZeRO-3": (4, {"zero": 3})}
 
 
 def config_of(shape: dict, parallel: dict, world_size: int):
-    from dtrain.config import config_from_dict
-
     return config_from_dict({"model": shape, "optimizer": {"name": "adamw"},
                              "train": {"batch_size": world_size, "seed": 0},
                              "parallel": {"nproc": world_size, **parallel}})
 
 
 def build(shape: dict, parallel: dict, mesh, split_form: bool):
-    import dtrain
-    from dtrain import layouts, models
-    from dtrain.config import layout_of
-
     world = dtrain.world.current()
     config = config_of(shape, parallel, world.world_size)
     resolved = models.resolve(config.model, 256)
@@ -75,12 +75,6 @@ def parameter_bytes(held) -> int:
 def rank_peaks(parallel: dict) -> dict[str, int]:
     """One rank: the peak live bytes of building in split form and the old way, and what
     is alive once built (the Holding: parameters or shards, and gradient buffers)."""
-    import dtrain
-    from dtrain.config import layout_of
-    from dtrain.mesh import Mesh
-    from dtrain.planner.measure import calibrate
-    from dtrain.planner.tracker import LiveBytes
-
     world = dtrain.world.current()
     layout = layout_of(config_of(SHAPE, parallel, world.world_size), world.world_size)
     mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
@@ -104,8 +98,6 @@ def main() -> None:
     args = parser.parse_args()
     load = os.getloadavg()[0]
     started = datetime.datetime.now()
-    from dtrain import models
-
     shape = models.resolve(models.ModelConfig(**SHAPE), 256)
     skeleton = init.skeleton(lambda: models.build(shape))
     params = sum(p.numel() for p in skeleton.parameters())
@@ -130,7 +122,9 @@ def main() -> None:
         f"({params / 1e6:.2f}M parameters: {whole / MiB:.1f} MiB whole in fp32). Peak: "
         "live tensor bytes from the first line of construction to the end of "
         "`layouts.build` (restore included), the busiest rank's; collectives calibrated "
-        f"before. Chunk: {init.CHUNK} elements x 4 bytes = {4 * init.CHUNK / MiB:.0f} MiB.",
+        "before, unmeasured (`dtrain.planner.measure.calibrate` on the same mesh, then a "
+        f"1-block GPT built). Chunk: {init.CHUNK} elements x 4 bytes = "
+        f"{4 * init.CHUNK / MiB:.0f} MiB.",
         "",
         "| layout | ranks N | split form: peak (MiB) | / whole | held once built: parameters "
         "+ other (MiB) | peak - held (MiB) | target: whole / N + chunk (MiB) | met? | peak "

@@ -193,10 +193,11 @@ def section(results: list[dict], summary: dict, args: argparse.Namespace) -> lis
                               for r in results)
     lines += [
         "",
-        "Selective misses both of its targets at this shape. Without dropout it keeps exactly "
-        "what no recomputation keeps (PyTorch's fused CPU attention keeps only its output and "
-        "log-sum-exp, and the recomputed core keeps its inputs q, k, v instead) and costs the "
-        "attention's forward once more. With dropout it drops exactly what dropout added, "
+        "Selective misses both of its targets at this shape. Without dropout it keeps what "
+        "no recomputation keeps (PyTorch's fused CPU attention keeps its inputs q, k, v, its "
+        "output, which the output projection keeps anyway, and a small log-sum-exp; the "
+        "recomputed core keeps the same inputs) and costs the attention's forward once "
+        "more. With dropout it drops exactly what dropout added, "
         f"the T x T attention probabilities: {dropped['none']['kept'] / MiB:.1f} -> "
         f"{dropped['selective']['kept'] / MiB:.1f} MiB, the dropout-free figure. They are "
         f"{share:.0%} of what forward keeps here (T = 128 against width 128 and a 352-wide "

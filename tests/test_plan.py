@@ -187,6 +187,7 @@ selective recomputation drops (the fused kernel keeps little else to drop)."""
 MODES = ("none", "selective", "full")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_recomputation_sequence_parallelism_and_construction_match_measured(native: dict):
     """Each recomputation mode with and without sequence parallelism at tp=2, and the

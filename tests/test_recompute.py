@@ -183,7 +183,7 @@ def test_apply_reads_the_memory_section() -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_hugging_face_models_equal_no_recomputation(family: str, mode: str) -> None:
     transformers = pytest.importorskip("transformers")

@@ -276,6 +276,7 @@ def gloo_rank(base: nn.Module) -> dict:
     return {"loss": loss.detach(), "grads": tp.full_grads(model)}
 
 
+@pytest.mark.slow  # the thread tests above cover the same in the quick suite
 @pytest.mark.timeout(120)
 def test_two_processes_on_gloo_equal_one_process() -> None:
     """The same collectives on gloo (real processes) as on threads above."""

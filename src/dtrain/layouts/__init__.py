@@ -30,7 +30,8 @@ from dtrain.layouts.pipeline import Pipelined
 from dtrain.layouts.zero import Sharded
 from dtrain.mesh import Mesh
 from dtrain.models import init, recompute
-from dtrain.tensor_parallel.plan_of import split_model
+from dtrain.tensor_parallel.plan_of import check_sequence_parallel, split_model
+from dtrain.tensor_parallel.sequence import apply_sequence_parallel
 
 HOLDINGS: dict[str, type[Holding]] = {
     "dp": Replicated, "zero": Sharded, "pp": Pipelined, "ps": ParameterServer}
@@ -64,9 +65,11 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
     skeleton = init.is_skeleton(model)
     if skeleton and weights is None:
         weights = init.Initial(model, config.train.seed)  # the whole model's names and rules
+    sequence = config.parallel.sequence_parallel and layout.tp > 1
+    if sequence:
+        check_sequence_parallel(model)
     if layout.tp > 1:
-        split_model(model, mesh.group("tp"), config.model.tp_plan,
-                    config.parallel.sequence_parallel)
+        split_model(model, mesh.group("tp"), config.model.tp_plan)
     recomputed = recompute.apply(model, config.memory)  # split layers, before pp cuts blocks
     kind = kind_of(layout)
     if skeleton and kind in ("dp", "ps"):  # these hold their (tp blocks of the) model whole
@@ -74,6 +77,8 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
     held = HOLDINGS[kind](model, mesh, layout, config)
     if skeleton:
         held.restore(weights)
+    if sequence:  # after allocation: its gradient hooks go on the real parameters
+        apply_sequence_parallel(model, mesh.group("tp"))
     held.notes = _notes(config, recomputed)
     return held
 

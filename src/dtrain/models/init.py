@@ -109,7 +109,8 @@ def is_skeleton(model: nn.Module) -> bool:
 def allocate(module: nn.Module, device: torch.device | str) -> nn.Module:
     """Give `module`'s meta parameters uninitialized memory on `device` (the parameter
     objects stay the same, so tied parameters stay tied) and move its buffers there;
-    returns `module`."""
+    returns `module`. Hooks registered on a meta parameter do not follow it (its tensor is
+    swapped): register them after."""
     for p in module.parameters():  # each once; swapped in place, so ties and ids hold
         if p.is_meta:
             torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device),
