@@ -75,7 +75,7 @@ def weights(checkpoints: Path) -> dict[str, torch.Tensor]:
 
 def assert_same_run(got: tuple, want: tuple) -> None:
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(weights(got[2]), weights(want[2]), rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(weights(got[2]), weights(want[2]), rtol=1e-4, atol=5e-5)
 
 
 @pytest.fixture(scope="module")

@@ -240,7 +240,10 @@ class Initial(SlicedWeights):
         params = dict(model.named_parameters())
         self.shapes = {n: tuple(p.shape) for n, p in params.items()}
         self.dtypes = {n: p.dtype for n, p in params.items()}
-        self.owners = {n: _owner(model, n) for n, r in self.rules.items() if r.kind == "module"}
+        # Copies of the modules a "module" rule builds, taken now, on the meta device: the
+        # model's own will hold a layout's views (ZeRO-3's released storage) by restore time.
+        self.owners = {n: (_owner(model, n)[2], copy.deepcopy(_owner(model, n)[1]))
+                       for n, r in self.rules.items() if r.kind == "module"}
         self._last: tuple[str, torch.Tensor] | None = None
 
     def _names(self) -> list[str]:
@@ -287,7 +290,7 @@ class Initial(SlicedWeights):
         """The whole tensor, from a copy of its owning module built alone on the CPU."""
         if self._last is not None and self._last[0] == name:
             return self._last[1]
-        path, module, pname = self.owners[name]
+        pname, module = self.owners[name]
         alone = copy.deepcopy(module).to_empty(device="cpu", recurse=False)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_key(self.seed, name, 0))
