@@ -111,7 +111,7 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     model = init.skeleton(lambda: models.build(shape))  # each rank makes what it holds
     n_params = sum(p.numel() for p in model.parameters())
     weights = weights_of(shape, model) if shape.init_from and resume is None else None
-    held = layouts.build(model, mesh, layout, config, weights=resume or weights)
+    held = layouts.build(model, mesh, layout, config, weights=weights)
     stream = batches(train_data, tc.batch_size, layout.dp, mesh.coords["dp"], tc.seed,
                      shuffle=True, accum=held.accum, start=start)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(
