@@ -162,11 +162,16 @@ def probe_one_process(n_layer: int, batch: int, tracker: Tracker) -> float:
         model = models.build(models.resolve(config.model, 256))
         optimizer = build_optimizer(model.parameters(), config.optimizer)
         x, y = tokens(0, batch)
-        for _ in range(STEPS):
-            loss = model(x, y)[1]
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        return train_steps(model, optimizer, x, y)
+
+
+def train_steps(model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """STEPS steps of one batch; the last loss."""
+    for _ in range(STEPS):
+        loss = model(x, y)[1]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
     return loss.item()
 
 
@@ -201,12 +206,7 @@ def probe_fsdp2(n_layer: int, batch: int, tracker: Tracker) -> float:
         model = fsdp2_model(n_layer, mesh)
         optimizer = build_optimizer(model.parameters(), config.optimizer)
         x, y = tokens(world.rank, batch)
-        for _ in range(STEPS):
-            loss = model(x, y)[1]
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    return loss.item()
+        return train_steps(model, optimizer, x, y)
 
 
 def probe(setup: str, n_layer: int, batch: int, cap: int | None,

@@ -36,6 +36,7 @@ import statistics
 import time
 
 import torch
+from dp_vs_ddp import step_fn
 from results_md import replace_section
 
 from dtrain import models
@@ -60,17 +61,6 @@ def build(dropout: float, mode: str) -> tuple[torch.nn.Module, torch.optim.Optim
 def batch(size: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, 256, (size, length + 1), generator=torch.Generator().manual_seed(0))
     return ids[:, :-1], ids[:, 1:]
-
-
-def step_fn(model, optimizer, data):
-    x, y = data
-
-    def step() -> None:
-        model(x, y)[1].backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
 
 
 def memory(model, optimizer, data) -> dict[str, int]:

@@ -33,6 +33,7 @@ import os
 import platform
 
 import torch
+from dp_vs_ddp import step_fn
 from results_md import replace_section
 from torch import nn
 
@@ -102,17 +103,6 @@ class Labels:
         self.tracker.__exit__(*exc)
         for hook in self._hooks:
             hook.remove()
-
-
-def step_fn(model, optimizer, data):
-    x, y = data
-
-    def step() -> None:
-        model(x, y)[1].backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
 
 
 def memory(model, optimizer, data) -> dict:
