@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dtrain-installed
 
-.PHONY: demo test test-slow test-gpu test-all bench lint clean
+.PHONY: demo test test-slow test-gpu test-all install-launchers bench lint clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -30,6 +30,12 @@ test-gpu: $(STAMP)
 
 # Everything: the quick suite, then the slow tests (what CI runs).
 test-all: test test-slow
+
+# Open MPI, SLURM and munge, for the real-launcher tests (tests/test_real_launchers.py,
+# slow; skipped without them): Debian or Ubuntu, as root.
+install-launchers:
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin slurm-wlm munge
 
 bench: $(STAMP)
 	$(VENV)/bin/dtrain run -n 2 benchmarks/dp_vs_ddp.py

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.launcher.api as elastic_api
 import zmq
 
 from dtrain import ps
 from dtrain.checkpoint import universal
 from dtrain.cli import main
 from dtrain.config import load_config
+from dtrain.launch import runner
 from dtrain.tools import comm_bench
 from dtrain.train import trainer
 from tests.cli import dtrain, one_error_line
@@ -51,7 +51,7 @@ def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("this input was accepted: dtrain would start ranks or train")
 
-    monkeypatch.setattr(elastic_api, "elastic_launch", refuse)
+    monkeypatch.setattr(runner, "run_agent", refuse)
     monkeypatch.setattr(trainer, "train", refuse)
     monkeypatch.setattr(comm_bench, "bench", refuse)
     (tmp_path / "hello.py").write_text("print('hello')\n")
@@ -208,7 +208,13 @@ FLAGS = [
                  id="run-nodes-without-master"),
     pytest.param(["run", "--nnodes", "2", "--node-rank", "2", "--master", "127.0.0.1:1", HELLO],
                  "--node-rank 2 must be in [0, 2)", 2, id="run-node-rank-out-of-range"),
-    pytest.param(["run", "--nnodes", "0", HELLO], "--nnodes 0 must be at least 1", 2,
+    pytest.param(["run", "--nnodes", "3:2", HELLO], "--nnodes 3:2: MIN 3 is more than MAX 2",
+                 2, id="run-nnodes-min-above-max"),
+    pytest.param(["run", "--nnodes", "0:2", HELLO], "--nnodes 0:2: at least 1 machine is "
+                 "needed", 2, id="run-nnodes-min-zero"),
+    pytest.param(["run", "--nnodes", "1:x", HELLO], "--nnodes '1:x' is not N or MIN:MAX", 2,
+                 id="run-nnodes-not-numbers"),
+    pytest.param(["run", "--nnodes", "0", HELLO], "--nnodes 0: at least 1 machine is needed", 2,
                  id="run-zero-nodes"),
     pytest.param(["run", "--join-timeout", "0", HELLO], "--join-timeout 0 must be at least 1", 2,
                  id="run-zero-join-timeout"),
@@ -230,7 +236,9 @@ FLAGS = [
                  id="train-zero-ranks"),
     pytest.param(["train", "-n", "-2"], "parallel.nproc = -2 must be positive", 2,
                  id="train-negative-ranks"),
-    pytest.param(["train", "--nnodes", "0"], "--nnodes 0 must be at least 1", 2,
+    pytest.param(["train", "--nnodes", "3:2"], "--nnodes 3:2: MIN 3 is more than MAX 2", 2,
+                 id="train-nnodes-min-above-max"),
+    pytest.param(["train", "--nnodes", "0"], "--nnodes 0: at least 1 machine is needed", 2,
                  id="train-zero-nodes"),
     pytest.param(["train", "--node-rank", "3"], "--node-rank 3 must be in [0, 1)", 2,
                  id="train-node-rank-out-of-range"),

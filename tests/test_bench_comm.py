@@ -21,6 +21,7 @@ BUS_FACTOR_2_RANKS = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.
 QUICK = ("--iters", "2", "--warmup", "1")
 
 
+@pytest.mark.slow
 def test_json_has_every_algorithm_with_nccl_tests_bandwidths(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = dtrain("bench", "comm", "-n", "2", "--max-bytes", "64K", *QUICK, "--json", str(out))

@@ -13,8 +13,9 @@ from tests.comm_cases import FLOATS, INTS, cases, check, exercise
 LENGTHS = (0, 1, 7, 1_000_003)
 
 
-# 4 and 5 ranks (another non-power of two, like 3) run with `make test-slow`.
-@pytest.mark.parametrize("size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow),
+# 3, 4 and 5 ranks (non-powers of two and 4) run with `make test-slow`.
+@pytest.mark.parametrize("size", [1, 2, pytest.param(3, marks=pytest.mark.slow),
+                                  pytest.param(4, marks=pytest.mark.slow),
                                   pytest.param(5, marks=pytest.mark.slow)])
 def test_matrix(size: int) -> None:
     todo = cases(FLOATS + INTS, LENGTHS)

@@ -153,6 +153,7 @@ def test_parameter_unused_on_some_or_all_ranks(world_size: int) -> None:
     assert_matches(results, reference)
 
 
+@pytest.mark.slow
 def test_bf16_gradient_communication() -> None:
     results = run_ranks(train_ranks, 2, "bf16", 0.002, 1)
     assert_matches(results, train_reference("bf16", 2, 1), tol=2e-2)

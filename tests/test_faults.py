@@ -30,7 +30,10 @@ from tests.test_train import model_of, short_run, short_run_result
 
 # ------------------------------------------------------------------- elastic restarts
 KILL_RANK_1_AT_STEP_5 = {"DTRAIN_FAULT": "kill@step=5,rank=1"}
-RESTART = ["--max-restarts", "1", "--set", "checkpoint.every=2"]
+# Blocking saves: the checkpoint of step 4 is published before step 5, where rank 1 dies (a
+# background save would still be writing it, and the run would resume from step 2).
+RESTART = ["--max-restarts", "1", "--set", "checkpoint.every=2",
+           "--set", "checkpoint.background=false"]
 NO_DECAY = ["--set", "optimizer.weight_decay=0", "--set", "optimizer.grad_clip=0"]
 MODES = {
     "dp": ["-n", "2"],
@@ -125,7 +128,9 @@ def test_a_stalled_or_diverging_rank_is_named_and_nothing_is_left(
     run_id = f"faults{os.getpid()}{fault}{backend}"
     start = time.monotonic()
     result = dtrain("run", "-n", "2", "--backend", backend, str(job), str(tmp_path), fault,
-                    env={"DTRAIN_TIMEOUT": "5", "DTRAIN_RUN_ID": run_id}, timeout=90)
+                    env={"DTRAIN_TIMEOUT": "5", "DTRAIN_RUN_ID": run_id,
+                         "DTRAIN_STALL_TIMEOUT": "0"},  # the collective's own diagnosis
+                    timeout=90)
     elapsed = time.monotonic() - start
     assert result.returncode != 0
     assert message in result.stdout + result.stderr, result.stdout + result.stderr
@@ -134,6 +139,28 @@ def test_a_stalled_or_diverging_rank_is_named_and_nothing_is_left(
     for rank in (0, 1):
         assert not _alive(int((tmp_path / f"pid-{rank}").read_text())), f"rank {rank} lives on"
     assert not list(segment.SHM_DIR.glob(f"{segment.PREFIX}{run_id}-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stalled_rank_is_failed_within_seconds_not_at_the_collective_timeout(
+        tmp_path: Path) -> None:
+    """Rank 1 stops (SIGSTOP) while rank 0 waits in an all-reduce that would time out only
+    after 120 s: the launcher finds rank 1 stopped for 5 s, kills it, and the job ends
+    well within 10 s of the stop, naming it. (test-slow: about 15 s.)"""
+    job = tmp_path / "job.py"
+    job.write_text(textwrap.dedent(JOB))
+    start = time.monotonic()
+    result = dtrain("run", "-n", "2", str(job), str(tmp_path), "stop",
+                    env={"DTRAIN_TIMEOUT": "120"}, timeout=90)
+    elapsed = time.monotonic() - start
+    error = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0
+    assert error.startswith("dtrain: error: rank 1 was stopped (SIGSTOP) for 5s and killed "
+                            "(set DTRAIN_STALL_TIMEOUT to allow longer)"), result.stderr
+    assert elapsed < 25, elapsed  # start-up, 5 s stopped, the stop of rank 0
+    for rank in (0, 1):
+        assert not _alive(int((tmp_path / f"pid-{rank}").read_text())), f"rank {rank} lives on"
 
 
 def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:

@@ -96,7 +96,7 @@ SELECTIVE = ["--set", "memory.activation_checkpointing='selective'"]
     pytest.param(["-n", "2", *ZERO3, *FULL], "ZeRO stage 3 over 2; recomputing 2 blocks",
                  marks=pytest.mark.slow),
     pytest.param(["-n", "2", *TP2, *SP, *FULL], "tensor parallel over 2 x data parallel over 1; "
-                 "sequence parallel; recomputing 2 blocks"),
+                 "sequence parallel; recomputing 2 blocks", marks=pytest.mark.slow),
     pytest.param(["-n", "2", *TP2], "tensor parallel over 2", marks=pytest.mark.slow),
     pytest.param(["-n", "2", *PP2], "pipeline of 2 stages", marks=pytest.mark.slow),
 ], ids=["tp2xpp2-sp-selective", "dp2", "zero3-full", "tp2-sp-full", "tp2", "pp2"])
@@ -155,6 +155,7 @@ def test_hugging_face_models_in_layouts_equal_one_process(tmp_path: Path, family
     assert_same_run(got, one)
 
 
+@pytest.mark.slow
 def test_export_to_hugging_face_and_back_in_another_layout(tmp_path: Path,
                                                           llama_one: tuple) -> None:
     """`dtrain export --format hf`: transformers loads the folder and gives dtrain's logits;

@@ -50,6 +50,7 @@ eval_batches = 2
 
 [checkpoint]
 every = 2
+background = false  # published before the next step begins, where the drills hold
 
 [logging]
 log_every = 1
@@ -180,6 +181,7 @@ def start(host: Host, master: Host, node_rank: int, folder: Path, name: str,
     if not config.exists():
         config.write_text(TINY)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_TIMEOUT": str(TIMEOUT_S),
+           "DTRAIN_STALL_TIMEOUT": "120",  # the drill's held rank is not a stall
            # gloo picks its interface from the hostname, which names 127.0.0.1 here
            "GLOO_SOCKET_IFNAME": host.ifname, **(env or {})}
     out, err = folder / f"{name}.out", folder / f"{name}.err"
@@ -250,8 +252,9 @@ def test_dp4_across_2x2_ranks_trains(hosts: tuple[Host, Host], tmp_path: Path) -
 
 
 LOST_B = (r"dtrain: error: lost node 1 \(ranks 2-3\): no heartbeat from its launcher for \d+s "
-          r"\(the machine is down or the network to it is cut\); then rank [01] exited with "
-          r"code 1 \(1 other rank failed too\); its output is above")
+          r"\(the machine is down or the network to it is cut\); (then rank [01] exited with "
+          r"code 1 \(1 other rank failed too\); its output is above|the ranks here were "
+          r"stopped)")
 LOST_A = (r"dtrain: error: lost node 0 \(ranks 0-1\): its store at 10\.213\.0\.1:\d+ cannot be "
           r"reached \(the machine is down, the network to it is cut, or its launcher has ended: "
           r"see its output\); then rank [23] exited with code 1 \(1 other rank failed too\); its "
@@ -286,8 +289,9 @@ def test_a_lost_host_is_named(hosts: tuple[Host, Host], tmp_path: Path, lost: st
           f"{error}")
     assert code != 0, both(job_a, job_b)
     assert re.fullmatch(message, error), both(job_a, job_b)
-    # the collective's timeout, the ranks' diagnosis (3 s), the agent stopping them
-    assert took < TIMEOUT_S + 15, both(job_a, job_b)
+    # the heartbeat's grace (5 s), then the agent stopping the ranks: well before the
+    # collective's timeout
+    assert took < 12, both(job_a, job_b)
     assert not survivor.host.pids(), "the surviving host left processes behind"
 
 
@@ -301,9 +305,9 @@ def wait_until(condition, timeout: float, what: str) -> None:
 @pytest.mark.timeout(300)
 def test_both_hosts_restart_and_resume_when_the_link_comes_back(
         hosts: tuple[Host, Host], tmp_path: Path) -> None:
-    """A cut link fails the ranks on both hosts; with --max-restarts 1 each agent restarts
-    its own, which meet again once the link is back and resume from the newest checkpoint
-    (an elastic restart resumes by itself)."""
+    """A cut link: each launcher finds the other silent and stops its ranks; with
+    --max-restarts 1 each agent restarts its own, which meet again in a new rendezvous round
+    once the link is back and resume from the newest checkpoint."""
     a, b = hosts
     flags = ["--max-restarts", "1"]
     job_b = start(b, a, 1, tmp_path, "b", *flags, env={"DTRAIN_FAULT": HOLD_AT_STEP_3})
@@ -311,36 +315,50 @@ def test_both_hosts_restart_and_resume_when_the_link_comes_back(
     wait_for_checkpoint(tmp_path, 2, [job_a, job_b])
     ip("-n", b.ns, "link", "set", b.ifname, "down")
     b.signal_all(signal.SIGCONT)  # rank 2 goes on into step 3, which the cut holds up
-    wait_until(lambda: "timed out" in job_a.stderr.lower(), TIMEOUT_S + 30,
-               "host A's ranks to time out")
+    wait_until(lambda: "lost node 1" in job_a.stderr, 30,
+               "host A's launcher to notice that B is silent")
     ip("-n", b.ns, "link", "set", b.ifname, "up")
     code_a = job_a.wait(timeout=180)
     code_b = job_b.wait(timeout=60)
     assert_resumed_to_the_end(tmp_path, (a, b), (job_a, job_b), (code_a, code_b))
 
 
-@pytest.mark.timeout(300)
+REJOINS = 20  # in a row: a rejoin that works only by luck of timing fails one of them
+
+
+@pytest.mark.timeout(60 * REJOINS)
 def test_a_host_restarted_after_a_crash_rejoins_and_resumes(
         hosts: tuple[Host, Host], tmp_path: Path) -> None:
-    """Host B crashes after the checkpoint of step 2 and is started again with the same
-    command: the job goes on from the newest checkpoint on both hosts.
+    """Host B crashes as soon as the job has published a new checkpoint and is started
+    again with the same command, 20 times in a row in one job: each time the job goes on
+    from the newest checkpoint on both hosts, and it ends well.
 
-    How, today: host A's ranks fail at once (connection reset) and its agent restarts them
-    (attempt 1), to wait DTRAIN_TIMEOUT for B's. B's fresh agent starts attempt 0, whose
-    ranks find the addresses the dead attempt 0 left in the store and fail to connect
-    ("could not reach ..."); its agent restarts them as attempt 1, which meets A's and
-    resumes. So B needs --max-restarts >= 1 too, and must be back within A's wait (here
-    2 x TIMEOUT_S). A rendezvous that numbers its rounds would make this direct."""
+    How: host A's ranks fail at once (connection reset); A's launcher finds B silent and,
+    with a restart left, starts a new rendezvous round, which waits for two nodes. B's fresh
+    launcher joins that round (whenever it comes back within the join timeout), and both
+    resume from the newest checkpoint."""
     a, b = hosts
-    flags = ["--max-restarts", "1"]
-    wide = {"DTRAIN_TIMEOUT": str(2 * TIMEOUT_S)}  # how long A's restarted ranks wait for B's
-    job_b = start(b, a, 1, tmp_path, "b", *flags,
-                  env={**wide, "DTRAIN_FAULT": HOLD_AT_STEP_3})
-    job_a = start(a, a, 0, tmp_path, "a", *flags, env=wide)
-    wait_for_checkpoint(tmp_path, 2, [job_a, job_b])
-    b.signal_all(signal.SIGKILL)  # the machine dies: every process on it at once
-    job_b.wait(timeout=30)
-    again = start(b, a, 1, tmp_path, "b2", *flags, env=wide)
-    code_a = job_a.wait(timeout=180)
-    code_b = again.wait(timeout=60)
-    assert_resumed_to_the_end(tmp_path, (a, b), (job_a, again), (code_a, code_b))
+    steps = ["--set", "train.steps=600"]
+    job_a = start(a, a, 0, tmp_path, "a", "--max-restarts", str(REJOINS), *steps)
+    job_b = start(b, a, 1, tmp_path, "b0", *steps)
+    newest = 0
+    for crash in range(REJOINS):
+        # the round B's new launcher joined has resumed, then saved a checkpoint of its own
+        wait_until(lambda n=crash: job_a.stdout.count("resumed from") >= n, 120,
+                   f"the job to resume after crash {crash}")
+        wait_until(lambda seen=newest: _newest_step(tmp_path) > seen, 120,
+                   f"a checkpoint after step {newest} (crash {crash})")
+        newest = _newest_step(tmp_path)
+        b.signal_all(signal.SIGKILL)  # the machine dies: every process on it at once
+        job_b.wait(timeout=30)
+        job_b = start(b, a, 1, tmp_path, f"b{crash + 1}", *steps)
+    code_a, code_b = job_a.wait(timeout=300), job_b.wait(timeout=60)
+    assert (code_a, code_b) == (0, 0), both(job_a, job_b)
+    assert job_a.stdout.count("resumed from") == REJOINS, both(job_a, job_b)
+    assert _newest_step(tmp_path) == 600
+    assert not a.pids() and not b.pids()
+
+
+def _newest_step(folder: Path) -> int:
+    listed = atomic.read_index(folder / "run" / "checkpoints")
+    return listed[-1]["step"] if listed else 0

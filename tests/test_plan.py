@@ -325,6 +325,7 @@ def test_plan_command_json_and_table(tmp_path):
     assert "recommended:" in result.stdout and "tp2" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_plan_command_says_when_nothing_fits_and_refuses_bad_sizes():
     result = dtrain("plan", "--memory", "1KB", "--tflops", "1", "--bandwidth", "1",

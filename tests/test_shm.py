@@ -191,6 +191,7 @@ print("hier", world.rank, type(group).__name__, type(group.local).__name__)
 """
 
 
+@pytest.mark.slow
 def test_hierarchical_all_reduce_over_two_hosts_equals_the_flat_one(tmp_path: Path) -> None:
     path = tmp_path / "hier.py"
     path.write_text(HIER)

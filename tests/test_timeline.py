@@ -104,6 +104,7 @@ def _calibrated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         for op, names in AVAILABLE.items() if len(names) > 1})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_train_records_steps_phases_and_collectives_of_every_rank(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,6 +22,7 @@ _EXPORTS = {
     "DtrainError": "dtrain.errors",
     "LaunchError": "dtrain.errors",
     "Layout": "dtrain.layout",
+    "LiveReplicas": "dtrain.parallel.live",
     "Mesh": "dtrain.mesh",
     "DataParallel": "dtrain.parallel.data_parallel",
     "ShardedSampler": "dtrain.train.sampler",
@@ -36,7 +37,7 @@ _SUBPACKAGES = ("checkpoint", "comm", "config", "data", "errors", "faults", "lau
                 "tensor_parallel", "testing", "timeline", "tools", "train", "world")
 
 __all__ = [
-    "ConfigError", "DataParallel", "DtrainError", "LaunchError", "Layout", "Mesh",
+    "ConfigError", "DataParallel", "DtrainError", "LaunchError", "Layout", "LiveReplicas", "Mesh",
     "ShardedSampler",
     "World", "ZeRO", "init", "shutdown",
 ]
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from dtrain.layout import Layout
     from dtrain.mesh import Mesh
     from dtrain.parallel.data_parallel import DataParallel
+    from dtrain.parallel.live import LiveReplicas
     from dtrain.parallel.zero import ZeRO
     from dtrain.train.sampler import ShardedSampler
     from dtrain.world import World, init, shutdown

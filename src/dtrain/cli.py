@@ -30,8 +30,12 @@ class _Parser(argparse.ArgumentParser):
 def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> None:
     p.add_argument("-n", "--nproc", type=int, default=default_nproc,
                    help="processes (ranks) on this machine")
-    p.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's index (0 hosts)")
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX",
+                   help="machines in the job (default 1); MIN:MAX: elastic, starts with the "
+                        "machines that arrive and goes on when some leave or join")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="0: this machine hosts the rendezvous at --master (default: the first "
+                        "launcher able to listen there does)")
     p.add_argument("--master", metavar="HOST:PORT",
                    help="address of node 0's rendezvous store (needed with --nnodes > 1)")
     p.add_argument("--max-restarts", type=int, default=0,
@@ -172,8 +176,9 @@ def _parser() -> argparse.ArgumentParser:
 def _check_launch_flags(args: argparse.Namespace) -> None:
     """The launch flags dtrain run and dtrain train need before anything is computed
     from them (the launcher checks the others)."""
-    if args.nnodes < 1:
-        raise ConfigError(f"--nnodes {args.nnodes} must be at least 1")
+    from dtrain.launch.runner import parse_nnodes
+
+    args.min_nodes, args.nnodes = parse_nnodes(args.nnodes)
     if args.join_timeout < 1:
         raise ConfigError(f"--join-timeout {args.join_timeout} must be at least 1 (seconds)")
 
@@ -199,9 +204,9 @@ def _run(args: argparse.Namespace) -> None:
         command, nproc, env = plan(command, args.nproc, args.servers, args.nnodes,
                                    args.server_host, args.snapshot_dir, args.snapshot_every)
     launch(LaunchSpec(
-        command=command, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-        master=args.master, max_restarts=args.max_restarts, join_timeout=args.join_timeout,
-        env=env, timeline=args.timeline or "",
+        command=command, nproc=nproc, nnodes=args.nnodes, min_nodes=args.min_nodes,
+        node_rank=args.node_rank, master=args.master, max_restarts=args.max_restarts,
+        join_timeout=args.join_timeout, env=env, timeline=args.timeline or "",
     ))
 
 

@@ -143,6 +143,14 @@ class ParallelConfig:
     layers on 1/tp of the sequence each (all-gather in, reduce-scatter out instead of an
     all-reduce; Korthikanti et al., 2022); dtrain's GPT and Llama. model.block_size must
     divide by tp."""
+    fault_tolerance: str = "restart"
+    """When a rank dies: restart (every rank restarts from the newest checkpoint, up to
+    --max-restarts times) or live (data-parallel replicas: one that dies or stalls is
+    dropped at the next step and the others go on without restarting; with --max-restarts
+    K it is restarted in place up to K times and recovers its state from a live peer)."""
+    step_timeout: float = 5.0
+    """With fault_tolerance = "live": seconds a step waits for a late replica before it is
+    dropped (also each collective's timeout)."""
 
 
 @dataclass
@@ -155,6 +163,11 @@ class CheckpointConfig:
     """Resume from a checkpoint: "auto" (the newest in train.out_dir/checkpoints, if any),
     or the path of a checkpoints folder or of one checkpoint in it, saved in any layout.
     Empty: start afresh (an elastic restart resumes as "auto")."""
+    background: bool = True
+    """Write the checkpoints saved every `every` steps from a background thread: the step's
+    state is copied to CPU memory and training goes on while it is written, published
+    atomically as a blocking save is. The last save of a run always blocks. false: every
+    save blocks."""
 
 
 @dataclass
@@ -212,6 +225,7 @@ CHOICES = {
     "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
     "parallel.mixed_precision": ("fp32", "bf16", "fp16"),
     "parallel.mode": ("collective", "ps"),
+    "parallel.fault_tolerance": ("restart", "live"),
     "parallel.consistency": CONSISTENCY,
     "memory.activation_checkpointing": ("none", "full", "selective"),
 }
@@ -315,9 +329,23 @@ def _validate(config: Config) -> None:
     if p.sequence_parallel and m.block_size % p.tp:
         raise ConfigError(f"parallel.sequence_parallel: model.block_size = {m.block_size} does "
                           f"not divide by parallel.tp = {p.tp}: make it a multiple of {p.tp}")
+    if p.fault_tolerance == "live":
+        _validate_live(p)
     if p.zero and p.grad_dtype != "fp32":
         raise ConfigError("parallel.grad_dtype is for DataParallel; with parallel.zero set "
                           "parallel.mixed_precision instead")
+
+
+def _validate_live(p: ParallelConfig) -> None:
+    for name, value, plain in (("mode", p.mode, "collective"), ("zero", p.zero, 0),
+                               ("tp", p.tp, 1), ("pp", p.pp, 1)):
+        if value != plain:
+            raise ConfigError(f"parallel.fault_tolerance = \"live\" keeps data-parallel replicas "
+                              f"alive, not parallel.{name} = {value!r} (a rank's part of the "
+                              f"model or optimizer would die with it): use {name} = {plain!r} "
+                              "or fault_tolerance = \"restart\"")
+    if p.step_timeout <= 0:
+        raise ConfigError(f"parallel.step_timeout = {p.step_timeout} must be positive (seconds)")
 
 
 def _validate_pipeline(config: Config) -> None:

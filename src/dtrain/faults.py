@@ -10,9 +10,11 @@ The variable holds one fault, `ACTION@POINT[=VALUE][,rank=R][,attempt=A]`:
 - POINT: where dtrain checks for it. `step=K`: as training step K begins (dtrain train);
   `save`: inside a checkpoint write, after this rank's data file is written and before the
   checkpoint is published.
-- rank: the global rank that fails (default: every rank).
-- attempt: the elastic attempt it fails in (TORCHELASTIC_RESTART_COUNT; default 0, the
-  first), so a job restarted with `--max-restarts` runs through the second time.
+- rank: the global rank that fails (default: every rank); a live replica's id.
+- attempt: the attempt it fails in (default 0, the first), so a job restarted with
+  `--max-restarts`, or in a new round of an elastic job, runs through the second time:
+  under dtrain's launcher the rendezvous round less one (DTRAIN_ROUND), else torch's
+  TORCHELASTIC_RESTART_COUNT.
 
 Unset, each check is one environment lookup. The fault tests (tests/test_faults.py) and the
 RESULTS table of faults are built on it.
@@ -69,8 +71,8 @@ def at(point: str, value: object = "") -> None:
     fault = parse(text)
     if fault.point != point or (fault.value and fault.value != str(value)):
         return
-    rank = int(os.environ.get("RANK", "0"))
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    rank = int(os.environ.get("DTRAIN_LIVE_ID") or os.environ.get("RANK", "0"))  # a replica's
+    attempt = attempt_number()
     if (fault.rank is not None and fault.rank != rank) or fault.attempt != attempt:
         return
     print(f"dtrain: injected fault {text!r} on rank {rank}", file=sys.stderr, flush=True)
@@ -86,3 +88,12 @@ def at(point: str, value: object = "") -> None:
         from dtrain.comm.collectives import broadcast
 
         broadcast(torch.zeros(7), 0)
+
+
+def attempt_number() -> int:
+    """This process's attempt: 0 in the first rendezvous round (or start), 1 in the next...;
+    a live replica's replacement counts one more each time it is started again."""
+    again = int(os.environ.get("DTRAIN_LIVE_INCARNATION", "0") or 0)
+    if os.environ.get("DTRAIN_ROUND"):
+        return int(os.environ["DTRAIN_ROUND"]) - 1 + again
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) + again

@@ -10,7 +10,7 @@ from __future__ import annotations
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("definitions", ("dtrain.errors", "dtrain.sizes", "dtrain.layout", "dtrain.layers")),
     ("timeline", ("dtrain.timeline",)),
-    ("world", ("dtrain.world",)),
+    ("world", ("dtrain.world", "dtrain.agreed_port")),
     ("collectives", ("dtrain.comm",)),
     ("mesh", ("dtrain.mesh", "dtrain.faults")),
     ("checkpoint", ("dtrain.checkpoint",)),

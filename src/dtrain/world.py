@@ -8,6 +8,11 @@ none of them, a script is a one-process world and runs unchanged.
 Terms (as in MPI): the *rank* numbers a process among all of them (0..world_size-1); the
 *local rank* numbers it among the processes on its own machine (it picks the GPU); the
 *node rank* numbers the machine.
+
+mpirun and srun do not say where rank 0 listens. When every rank runs on one machine and
+neither MASTER_ADDR nor MASTER_PORT is set, rank 0 listens on 127.0.0.1 at a port the
+kernel picks and the ranks agree on it through a file (dtrain.agreed_port); across
+machines MASTER_ADDR must be set (SLURM: the first host of the node list).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dtrain import agreed_port
 from dtrain import timeline as timeline_mod
 from dtrain.errors import DtrainError
 from dtrain.timeline import Recorder
@@ -31,6 +37,8 @@ from dtrain.timeline import Recorder
 DEFAULT_TIMEOUT_S = 180.0
 DEFAULT_MASTER_PORT = 29500
 BACKENDS = ("gloo", "nccl", "shm")
+LAUNCHERS = {"dtrain": "dtrain run", "torchrun": "torchrun", "slurm": "SLURM",
+             "openmpi": "Open MPI", "mpich": "MPICH"}
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,11 @@ class World:
         role: "worker", or "server" for parameter-server processes.
         source: whose environment described the world: "dtrain", "torchrun", "slurm",
             "openmpi", "mpich" or "single".
-        master_addr, master_port: where rank 0's rendezvous store listens.
+        master_addr, master_port: where rank 0's rendezvous store listens; port 0 until
+            `init()` agrees a free one when `port_key` is set.
+        port_key: names the job (the same in all its ranks) when its ranks, all on this
+            machine, agree a free port at `init()` (dtrain.agreed_port); else empty.
+        job: the launcher's job id (SLURM's), for messages; else empty.
         backend: "gloo", "nccl", or "shm" (dtrain's shared memory between the ranks of a
             host, over a gloo process group); empty before `init()`.
         device: the device this process computes on.
@@ -65,6 +77,17 @@ class World:
     backend: str = ""
     device: torch.device = torch.device("cpu")
     timeline: Recorder | None = field(default=None, repr=False, compare=False)
+    port_key: str = ""
+    job: str = ""
+
+    def describe(self) -> str:
+        """Who started this process, in a few words for a banner: "rank 0 of 2 from SLURM
+        (job 12, node 0)", "rank 1 of 2 from Open MPI (node 0)", "one process"."""
+        if self.source == "single":
+            return "one process"
+        where = f"job {self.job}, node {self.node_rank}" if self.job else f"node {self.node_rank}"
+        return (f"rank {self.rank} of {self.world_size} from "
+                f"{LAUNCHERS.get(self.source, self.source)} ({where})")
 
     @property
     def is_main(self) -> bool:
@@ -99,19 +122,32 @@ def first_slurm_host(nodelist: str) -> str:
     return re.sub(r"\[([^\]]*)\]", first_of_bracket, first)
 
 
+def _check_one_machine(source: str, size: int, local_size: int) -> None:
+    """An MPI world without MASTER_ADDR must be on one machine: 127.0.0.1 reaches rank 0."""
+    if local_size < size:
+        raise DtrainError(
+            f"{LAUNCHERS[source]} started {size} ranks on several machines ({local_size} on "
+            "this one) but MASTER_ADDR is not set: export MASTER_ADDR=<host of rank 0> (and "
+            "MASTER_PORT) for every rank, e.g. mpirun -x MASTER_ADDR=node0 -x MASTER_PORT=29500")
+
+
 def detect(env: Mapping[str, str]) -> World:
     """Describe the world from a launcher's environment variables (no side effects).
 
     Checked in order: dtrain's launcher and torchrun (RANK, WORLD_SIZE, LOCAL_RANK, ...),
     SLURM (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), OpenMPI (OMPI_COMM_WORLD_*), MPICH
     and Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID). With none, a one-process world.
+    SLURM on one node and MPI on one machine, without MASTER_ADDR and MASTER_PORT, give a
+    `port_key`: `init()` then agrees a free port on 127.0.0.1 among the ranks.
 
     Raises:
-        DtrainError: a variable is not an integer, or an MPI world has no MASTER_ADDR.
+        DtrainError: a variable is not an integer, or an MPI world spans machines (or has
+            no job name in its environment) and MASTER_ADDR is not set.
     """
     role = env.get("DTRAIN_ROLE", "worker")
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_MASTER_PORT
     addr = env.get("MASTER_ADDR", "127.0.0.1")
+    unset = "MASTER_ADDR" not in env and "MASTER_PORT" not in env
 
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
@@ -128,12 +164,19 @@ def detect(env: Mapping[str, str]) -> World:
         match = re.match(r"\d+", per_node)
         local_size = int(match.group()) if match else size
         node = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else rank // local_size
+        job = env.get("SLURM_JOB_ID", "")
+        nodes = next((env[k] for k in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES",
+                                       "SLURM_JOB_NUM_NODES") if k in env), "")
+        if unset and size > 1 and job and nodes == "1":
+            key = f"slurm-{job}.{env.get('SLURM_STEP_ID', '')}"
+            return World(rank, size, local, local_size, node, role, "slurm", "127.0.0.1", 0,
+                         port_key=key, job=job)
         nodelist = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))
         if "MASTER_ADDR" not in env and nodelist:
             addr = first_slurm_host(nodelist)
-        if "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
+        if "MASTER_PORT" not in env and job:
             port = 10000 + _int(env, "SLURM_JOB_ID") % 20000
-        return World(rank, size, local, local_size, node, role, "slurm", addr, port)
+        return World(rank, size, local, local_size, node, role, "slurm", addr, port, job=job)
 
     mpi = {
         "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
@@ -145,12 +188,18 @@ def detect(env: Mapping[str, str]) -> World:
             rank, size = _int(env, k_rank), _int(env, k_size)
             local = _int(env, k_local) if k_local in env else 0
             local_size = _int(env, k_local_size) if k_local_size in env else size
-            if size > 1 and "MASTER_ADDR" not in env:
-                raise DtrainError(
-                    f"{source} started {size} ranks but MASTER_ADDR is not set: export "
-                    "MASTER_ADDR=<host of rank 0> (and MASTER_PORT) for every rank"
-                )
             node = rank // local_size
+            if size > 1 and "MASTER_ADDR" not in env:
+                _check_one_machine(source, size, local_size)
+                job_name = env.get("PMIX_NAMESPACE", env.get("OMPI_MCA_ess_base_jobid", ""))
+                if "MASTER_PORT" not in env and job_name:
+                    return World(rank, size, local, local_size, node, role, source,
+                                 "127.0.0.1", 0, port_key=f"{source}-{job_name}")
+                if "MASTER_PORT" not in env:
+                    raise DtrainError(
+                        f"{LAUNCHERS[source]} started {size} ranks with no job name in their "
+                        "environment (PMIX_NAMESPACE) to agree a port by: export MASTER_PORT="
+                        "<free port> for every rank")
             return World(rank, size, local, local_size, node, role, source, addr, port)
 
     return World(role=role)
@@ -170,21 +219,30 @@ def _torch_backend(world: World) -> str:
     return "gloo" if world.backend == "shm" else world.backend  # shm bootstraps over gloo
 
 
-def _init_process_group(world: World, timeout: timedelta) -> None:
+def _init_process_group(world: World, timeout: timedelta) -> World:
+    """Initialize torch.distributed for `world`; returns it with the port it agreed on."""
     if world.world_size == 1:
         # A private in-memory store: no port, yet every collective works on the group of one.
         dist.init_process_group(
             _torch_backend(world), store=dist.HashStore(), rank=0, world_size=1,
             timeout=timeout,
         )
-        return
+        return world
+    if world.port_key:
+        store = agreed_port.local_store(world.port_key, world.rank, world.world_size, timeout)
+        world = replace(world, master_port=store.port, port_key="")
+        dist.init_process_group(_torch_backend(world), store=store, rank=world.rank,
+                                world_size=world.world_size, timeout=timeout)
+        return world
     where = f"{world.master_addr}:{world.master_port}"
     how: dict[str, object] = {"init_method": f"tcp://{where}"}
     try:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # The agent's store outlives a restart, and with it the addresses the previous
-            # attempt's ranks published there: each attempt gets keys of its own.
-            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            # attempt's ranks published there: each attempt (each rendezvous round of
+            # dtrain's launcher) gets keys of its own.
+            attempt = os.environ.get("DTRAIN_ATTEMPT") or os.environ.get(
+                "TORCHELASTIC_RESTART_COUNT", "0")
             agent = dist.TCPStore(world.master_addr, world.master_port, world.world_size,
                                   is_master=False, timeout=timeout)
             how = {"store": dist.PrefixStore(f"dtrain/attempt-{attempt}/", agent)}
@@ -209,6 +267,7 @@ def _init_process_group(world: World, timeout: timedelta) -> None:
                 "reachable"
             ) from None
         raise
+    return world
 
 
 def init(backend: str | None = None, timeout: float | None = None,
@@ -257,7 +316,7 @@ def init(backend: str | None = None, timeout: float | None = None,
     world = _with_timeline(world, timeline or os.environ.get("DTRAIN_TIMELINE"))
     if not dist.is_initialized():
         excepthook = sys.excepthook
-        _init_process_group(world, timedelta(seconds=_timeout_s(timeout)))
+        world = _init_process_group(world, timedelta(seconds=_timeout_s(timeout)))
         if world.source == "dtrain":
             sys.excepthook = excepthook  # dtrain run prefixes every line with the rank already
         atexit.register(_shutdown_at_exit)

@@ -5,4 +5,5 @@
 - `dtrain.checkpoint.universal`: the layout-free format (logical tensors in pieces, one
   `index.json` per checkpoint) and `export` to one plain state_dict.
 - `dtrain.checkpoint.training`: what `dtrain train` saves and how it resumes.
+- `dtrain.checkpoint.background`: saves written by a thread while training goes on.
 """

@@ -4,7 +4,8 @@ A save writes every rank's pieces of the model and optimizer (its Holding's `sta
 into a universal checkpoint (dtrain.checkpoint.universal), with the run's config, layout,
 optimizer options, learning-rate schedule, fp16 loss scale and each rank's RNG state.
 Restoring sets the same from a checkpoint of any layout; the RNG only when the layout is
-the one that saved it (its ranks are then the same ranks).
+the one that saved it (its ranks are then the same ranks). `save_in_background` copies the
+same state to memory and writes it from a thread while training goes on.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.checkpoint import atomic
+from dtrain.checkpoint import atomic, background
+from dtrain.checkpoint.background import PendingSave
 from dtrain.checkpoint.universal import Checkpoint
 from dtrain.checkpoint.universal import save as save_pieces
 from dtrain.errors import ConfigError, DtrainError
@@ -26,8 +28,10 @@ from dtrain.layout import Layout
 
 def resume_path(resume: str, out_dir: str | Path) -> str | None:
     """The checkpoint to resume from: `resume` ("auto": the newest in the run's folder,
-    if any; or a path), and after an elastic restart the newest one in the run's folder."""
-    if not resume and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+    if any; or a path), and after an elastic restart or a later rendezvous round (env
+    DTRAIN_ROUND, from dtrain's launcher) the newest one in the run's folder."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    if not resume and (restarted or int(os.environ.get("DTRAIN_ROUND", "1") or 1) > 1):
         resume = "auto"
     if resume == "auto":
         resume = str(Path(out_dir) / "checkpoints")
@@ -61,10 +65,43 @@ def save(folder: Path, step: int, held: Any, schedulers: list, config: dict[str,
     """Every rank of `held.checkpoint_group` writes the pieces it owns into the checkpoint
     of `step` in `folder`, with its RNG state; the first adds the run's description
     (`config`: the config as a dict; `described`: more keys for the metadata, such as the
-    resolved model an export rebuilds). Returns the checkpoint's folder."""
+    resolved model an export rebuilds). Returns the checkpoint's folder once it is
+    published. A background save still in flight is waited for first.
+
+    Raises:
+        DtrainError: this checkpoint, or the background one before it, was not saved.
+    """
     target = folder / f"step-{step:08d}"
     if not held.writes_checkpoint:
         return target
+    background.finish(held.checkpoint_group)
+    pieces, extra, meta, rng = _state(held, schedulers, config, described)
+    return save_pieces(folder, step, pieces, extra, meta, keep_last,
+                       group=held.checkpoint_group, rank_tensors=rng)
+
+
+def save_in_background(folder: Path, step: int, held: Any, schedulers: list,
+                       config: dict[str, Any], keep_last: int,
+                       described: dict[str, Any] | None = None) -> PendingSave:
+    """`save`, written by a background thread (dtrain.checkpoint.background): waits for the
+    previous background save, copies this step's state to CPU memory and returns; training
+    goes on while the copy is written. `wait()` on the result returns the published folder.
+
+    Raises:
+        DtrainError: the previous background save was not saved.
+    """
+    if not held.writes_checkpoint:
+        return PendingSave(folder, step, path=folder / f"step-{step:08d}")
+    background.finish(held.checkpoint_group)
+    pieces, extra, meta, rng = _state(held, schedulers, config, described)
+    return background.save(folder, step, pieces, extra, meta, keep_last,
+                           group=held.checkpoint_group, rank_tensors=rng)
+
+
+def _state(held: Any, schedulers: list, config: dict[str, Any],
+           described: dict[str, Any] | None) -> tuple[list, dict, dict, dict]:
+    """What a save writes: this rank's pieces, the optimizer scalars, the run's metadata
+    (JSON) and this rank's RNG state."""
     pieces, extra = held.state()
     optimizer = schedulers[0].optimizer
     meta = {"config": config, "layout": held.layout.to_dict(), "aliases": held.aliases(),
@@ -75,8 +112,7 @@ def save(folder: Path, step: int, held: Any, schedulers: list, config: dict[str,
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    return save_pieces(folder, step, pieces, extra, json.loads(json.dumps(meta, default=str)),
-                       keep_last, group=held.checkpoint_group, rank_tensors=rng)
+    return pieces, extra, json.loads(json.dumps(meta, default=str)), rng
 
 
 def restore(ckpt: Checkpoint, held: Any, schedulers: list, layout: Layout) -> None:

@@ -115,50 +115,70 @@ def save(folder: str | Path, step: int, pieces: list[Piece], extra: dict[str, An
     `rank_tensors` (e.g. RNG states) stay per rank, read back with `Checkpoint.rank_tensors`.
     Returns the checkpoint's folder: `step-NNNNNNNN`, or on the first rank `step-NNNNNNNN.K`
     when that step was saved before (the old copy is deleted once the new one is listed).
+    Raises DtrainError (one line: why, what is kept) when the checkpoint is not saved.
     """
     from dtrain import comm
 
     g = None if group is None else comm.resolve(None if group == "world" else group)
     rank, size = (0, 1) if g is None else (g.rank, g.size)
     folder = Path(folder)
-    final = folder / f"step-{step:08d}"
-    tmp = folder / f".{final.name}.tmp"
+    tmp, final = unpublished(folder, step), folder / f"step-{step:08d}"
     if rank == 0:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            listed = {e["file"] for e in atomic.read_index(folder)}
-            for stale in [*folder.glob(".step-*.tmp"), *folder.glob("step-*")]:
-                if stale.is_dir() and stale.name not in listed:  # left by crashed saves
-                    shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
-        except OSError as exc:
-            raise _not_saved(folder, step, exc) from None
+        prepare(folder, step)
     if g is not None:
         comm.barrier(group=g)
-    tensors = {p.key: p.values.contiguous() for p in pieces}
-    tensors.update({f"rank/{k}": v.contiguous() for k, v in (rank_tensors or {}).items()})
-    data = tmp / _name(rank, "safetensors")
     try:
-        save_file(tensors, str(data))
-        atomic.fsync(data)
-        side = {"pieces": [p.describe(data.name) for p in pieces], "extra": extra,
-                "sha256": atomic.sha256(data)}
-        (tmp / _name(rank, "json")).write_text(json.dumps(side))
-        atomic.fsync(tmp / _name(rank, "json"))
-        faults.at("save")
+        write_rank(tmp, rank, pieces, extra, rank_tensors)
         if g is not None:
             comm.barrier(group=g)
         if rank == 0:
-            final = _publish(folder, tmp, final, step, size, meta, keep_last)
+            final = publish(folder, step, size, meta, keep_last)
     except (OSError, SafetensorError) as exc:  # disk full, quota, read-only: the unfinished
         shutil.rmtree(tmp, ignore_errors=True)  # folder goes
-        raise _not_saved(folder, step, exc) from None
+        raise not_saved(folder, step, exc) from None
     if g is not None:
         comm.barrier(group=g)
     return final
 
 
-def _not_saved(folder: Path, step: int, exc: Exception) -> DtrainError:
+def unpublished(folder: Path, step: int) -> Path:
+    """The hidden folder the ranks write the checkpoint of `step` into."""
+    return folder / f".step-{step:08d}.tmp"
+
+
+def prepare(folder: Path, step: int) -> None:
+    """(The first rank, before the others write.) Remove what crashed saves left (folders
+    the index does not list) and make the hidden folder of `step`; DtrainError if it cannot.
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        listed = {e["file"] for e in atomic.read_index(folder)}
+        for stale in [*folder.glob(".step-*.tmp"), *folder.glob("step-*")]:
+            if stale.is_dir() and stale.name not in listed:  # left by crashed saves
+                shutil.rmtree(stale, ignore_errors=True)
+        unpublished(folder, step).mkdir()
+    except OSError as exc:
+        raise not_saved(folder, step, exc) from None
+
+
+def write_rank(tmp: Path, rank: int, pieces: list[Piece], extra: dict[str, Any],
+               rank_tensors: dict[str, torch.Tensor] | None) -> None:
+    """Write and flush rank `rank`'s two files into the hidden folder `tmp`: its pieces
+    (and `rank_tensors`) and their description with the data file's checksum (raises
+    OSError or SafetensorError)."""
+    tensors = {p.key: p.values.contiguous() for p in pieces}
+    tensors.update({f"rank/{k}": v.contiguous() for k, v in (rank_tensors or {}).items()})
+    data = tmp / _name(rank, "safetensors")
+    save_file(tensors, str(data))
+    atomic.fsync(data)
+    side = {"pieces": [p.describe(data.name) for p in pieces], "extra": extra,
+            "sha256": atomic.sha256(data)}
+    (tmp / _name(rank, "json")).write_text(json.dumps(side))
+    atomic.fsync(tmp / _name(rank, "json"))
+    faults.at("save")
+
+
+def not_saved(folder: Path, step: int, exc: Exception) -> DtrainError:
     """The one line a failed save ends a run with: why, and what is still there."""
     why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     why = why.rpartition("I/O error: ")[2]  # safetensors': "...: I/O error: File too large"
@@ -168,10 +188,11 @@ def _not_saved(folder: Path, step: int, exc: Exception) -> DtrainError:
     return DtrainError(f"checkpoint of step {step} not saved in {folder}: {why}; {kept}")
 
 
-def _publish(folder: Path, tmp: Path, final: Path, step: int, size: int,
-             meta: dict[str, Any], keep_last: int) -> Path:
-    """Merge the ranks' descriptions into index.json, then make the folder visible;
-    returns where it now is."""
+def publish(folder: Path, step: int, size: int, meta: dict[str, Any], keep_last: int) -> Path:
+    """(The first rank, once all `size` ranks have written.) Merge the ranks' descriptions
+    into index.json, make the folder visible, list it and drop all but the newest
+    `keep_last` (raises OSError); returns where it now is."""
+    tmp, final = unpublished(folder, step), folder / f"step-{step:08d}"
     tensors: dict[str, dict[str, Any]] = {}
     files: dict[str, str] = {}
     extra: dict[str, Any] = {}

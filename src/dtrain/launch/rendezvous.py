@@ -1,21 +1,36 @@
-"""The job's rendezvous: torch's static TCP rendezvous, its store listening on one address.
+"""The job's rendezvous: torch's dynamic rendezvous (torchrun's `c10d` engine, with rounds),
+its store listening on the master's address only.
 
-Node 0 hosts the store every rank meets in (`--master HOST:PORT`). torch's static
-rendezvous lets that store listen on every interface of the machine, so anyone who can
-reach it could write into a job. dtrain opens the listening socket itself, bound to the
-master's address only (127.0.0.1 for a one-machine job), and hands it to the store.
+One launcher hosts the store every node meets in (`--master HOST:PORT`): the one started
+with `--node-rank 0`, or, without it, the first that can listen there. torch would let that
+store listen on every interface of the machine, so anyone who can reach it could write into
+a job; dtrain opens the listening socket itself, bound to the master's address only
+(127.0.0.1 for a one-machine job; there the kernel picks a free port), and hands it over.
 
-One machine also needs no free-port guess: the socket binds port 0 and the kernel picks.
+On that store torch's dynamic rendezvous runs rounds: a round admits between `min_nodes`
+and `max_nodes` launchers (after `min_nodes` have come it waits `last_call` seconds more for
+others), numbers them by address, and closes. A node that joins later waits for the next
+round, and the agents of a round restart their ranks to admit it; a node that leaves stops
+beating (torch's keep-alive, every `KEEP_ALIVE_S`) and is dropped from the next round. The
+ranks of each round meet in keys of that round only (`ATTEMPT_ENV`), so nothing a previous
+round left in the store can mislead them.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import socket
+import threading
+import uuid
+from datetime import timedelta
 
 from dtrain.errors import LaunchError
 
-BACKEND = "dtrain-static"
+ATTEMPT_ENV = "DTRAIN_ATTEMPT"  # read by dtrain.world: the keys the ranks meet under
+ROUND_ENV = "DTRAIN_ROUND"  # the job's round (1, 2, ...): dtrain train resumes after the first
+KEEP_ALIVE_S = 1  # torch's rendezvous keep-alive; a node silent for 3 of them is dropped
+STORE_TIMEOUT_S = 30.0
 
 
 def listen(host: str, port: int) -> tuple[int, int]:
@@ -42,21 +57,139 @@ def listen(host: str, port: int) -> tuple[int, int]:
     return sock.detach(), bound
 
 
-def register() -> None:
-    """Make BACKEND known to torch's elastic agent (again is fine)."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+def try_listen(host: str, port: int) -> int | None:
+    """The store's socket if this launcher can host it at `host`:`port`; None when another
+    process already listens there or the address is not this machine's."""
+    try:
+        return listen(host, port)[0]
+    except LaunchError:
+        return None
 
-    rendezvous_handler_registry.register(BACKEND, _create)
+
+def local_address(host: str, port: int) -> str:
+    """This machine's address on the route to `host` (how the rendezvous orders nodes:
+    hosts sharing a hostname, as containers and namespaces do, still sort by address)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                           socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))  # a datagram socket sends nothing to connect
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
 
 
-def _create(params):  # a RendezvousHandler for torch's registry
+def node_id(host: str, port: int) -> str:
+    """A name for this launcher, unique in the job (its address, pid and a random tag)."""
+    return f"{local_address(host, port)}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def open_store(host: str, port: int, listen_fd: int | None, timeout_s: float):
+    """The job's store: served here on `listen_fd`, else a client of `host`:`port`."""
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
 
-    handler = create_rdzv_handler(params)
-    handler.get_backend = lambda: BACKEND  # the agent checks it is the backend it asked for
-    fd = params.get_as_int("listen_fd")
-    if fd is not None:  # node 0: the store serves on dtrain's socket
-        handler._store = TCPStore(handler.master_addr, handler.master_port, handler.world_size,
-                                  True, handler.timeout, multi_tenant=True, master_listen_fd=fd)
-    return handler
+    timeout = timedelta(seconds=timeout_s)
+    if listen_fd is not None:
+        return TCPStore(host, port, None, True, timeout, multi_tenant=True,
+                        master_listen_fd=listen_fd, wait_for_workers=False)
+    return TCPStore(host, port, None, False, timeout)
+
+
+class Rendezvous:
+    """torch's DynamicRendezvousHandler for the agent, with what dtrain adds:
+
+    - the ranks bootstrap from the job's own store (the master's address, never a port
+      guessed elsewhere), under keys of the round (`ATTEMPT_ENV`);
+    - each round's members and their rank counts are known (`members`), for the heartbeat;
+    - nodes are numbered by `order` (the node rank asked for; the store's host asks for 0),
+      then by address;
+    - `membership_changed()` makes the agent restart its ranks for a new round without
+      spending a restart, as torch does when a node is waiting: for a node that left.
+    """
+
+    def __init__(self, store, host: str, port: int, run_id: str, node_id: str, min_nodes: int,
+                 max_nodes: int, join_timeout: float, last_call: float, nproc: int,
+                 order: int | None = None, on_round=None) -> None:
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+        )
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+            DynamicRendezvousHandler,
+            RendezvousTimeout,
+        )
+
+        self.store, self.host, self.port, self.nproc = store, host, port, nproc
+        self.node_id = node_id
+        # torch's shared worker store would listen on every interface: dtrain's is the job's
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        self.inner = DynamicRendezvousHandler.from_backend(
+            run_id, store, C10dRendezvousBackend(store, run_id), min_nodes, max_nodes,
+            local_addr=f"{999999 if order is None else order:06d}/{local_address(host, port)}",
+            timeout=RendezvousTimeout(join=timedelta(seconds=join_timeout),
+                                      last_call=timedelta(seconds=last_call),
+                                      close=timedelta(seconds=10)),
+            keep_alive_interval=KEEP_ALIVE_S, keep_alive_max_attempt=3)
+        self.members: list[tuple[str, int]] = []  # (node id, ranks) of the round, by node rank
+        self.rounds = 0  # rounds this launcher took part in
+        self.node_rank = 0  # this launcher's node rank, and its first rank, in the last round
+        self.first_rank = 0
+        self._on_round = on_round  # called with `members` after each round
+        self._changed = threading.Event()
+
+    # --- torch's RendezvousHandler interface, as the agent calls it
+    def get_backend(self) -> str:
+        return "c10d"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def next_rendezvous(self):
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+        info = self.inner.next_rendezvous()
+        self._changed.clear()
+        round_store = info.store  # torch's prefix for this round: no other round shares it
+        if info.rank == 0:  # the job's rounds so far, counted in the store (not the round's)
+            count = self.store.add("dtrain/rounds", 1)
+            round_store.set("dtrain/attempt", f"{count}-{uuid.uuid4().hex[:8]}")
+        attempt = round_store.get("dtrain/attempt").decode()
+        os.environ[ATTEMPT_ENV] = attempt
+        os.environ[ROUND_ENV] = attempt.partition("-")[0]
+        round_store.set(f"dtrain/member/{info.rank}", f"{self.node_id} {self.nproc}")
+        self.members = [tuple(round_store.get(f"dtrain/member/{r}").decode().split())
+                        for r in range(info.world_size)]
+        self.members = [(node, int(n)) for node, n in self.members]
+        self.rounds += 1
+        self.node_rank = info.rank
+        self.first_rank = sum(n for _, n in self.members[:info.rank])
+        if self._on_round is not None:
+            self._on_round(self.members)
+        return RendezvousInfo(round_store, info.rank, info.world_size,
+                              RendezvousStoreInfo(self.host, self.port))
+
+    def is_closed(self) -> bool:
+        return self.inner.is_closed()
+
+    def set_closed(self) -> None:
+        self.inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        try:
+            waiting = self.inner.num_nodes_waiting()
+        except Exception:  # noqa: BLE001 - the store is out of reach: the heartbeat tells
+            waiting = 0
+        return waiting + (1 if self._changed.is_set() else 0)
+
+    def get_run_id(self) -> str:
+        return self.inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        try:
+            return self.inner.shutdown()
+        except Exception:  # noqa: BLE001 - the store is gone with its host: nothing to close
+            return False
+
+    # --- dtrain's
+    def membership_changed(self) -> None:
+        """A node of the round has left: the agent starts a new round at its next check."""
+        self._changed.set()

@@ -6,11 +6,12 @@ adds what a user sees: output lines prefixed with the rank, a single line naming
 that failed and its exit code, a free port for single-machine runs, sane thread counts,
 and errors for a missing script or an unreachable master instead of tracebacks.
 
-Several machines: run the same command on each with `--nnodes M --node-rank R --master
-HOST:PORT`; node 0 hosts the rendezvous store at HOST:PORT (a static rendezvous, so node
-ranks are the ones given). Each launcher beats on a counter in that store, so that when
-ranks fail because a machine died or was cut off, the error line names it
-(heartbeat.Heartbeat).
+Several machines: run the same command on each with `--nnodes N` (or `MIN:MAX`, elastic)
+and `--master HOST:PORT`; node 0 (`--node-rank 0`, or the first launcher able to listen
+there) hosts the job's store at HOST:PORT, where the launchers meet in rounds of torch's
+dynamic rendezvous (dtrain.launch.rendezvous). Each launcher beats on a counter in that
+store (heartbeat.Heartbeat): a machine that goes silent is noticed within seconds, named in
+the error line, and, in an elastic job, left behind in a new round.
 """
 
 from __future__ import annotations
@@ -39,8 +40,12 @@ class LaunchSpec:
             Python program runs through dtrain.launch.bootstrap (it dies with the agent and
             notes its exit time).
         nproc: ranks on this machine.
-        nnodes: machines in the job.
-        node_rank: this machine's index; node 0 hosts the rendezvous.
+        nnodes: machines in the job (the most, when `min_nodes` is less).
+        min_nodes: an elastic job (`--nnodes MIN:MAX`) starts, and goes on, with at least
+            this many machines; None: `nnodes` exactly.
+        node_rank: 0 hosts the rendezvous store at `master`; None: the first launcher able
+            to listen there does. Node ranks in the job are the rendezvous's, by address.
+        last_call: once `min_nodes` have joined, seconds a round waits for more.
         master: HOST:PORT of node 0's store; a free local port when None (one machine).
         max_restarts: times the agent restarts all ranks after a failure.
         raw_local_rank0: local rank 0 writes straight to this terminal, unprefixed, so it
@@ -55,11 +60,13 @@ class LaunchSpec:
     command: list[str]
     nproc: int
     nnodes: int = 1
-    node_rank: int = 0
+    min_nodes: int | None = None
+    node_rank: int | None = None
     master: str | None = None
     max_restarts: int = 0
     raw_local_rank0: bool = False
     join_timeout: int = 120
+    last_call: float = 5.0
     env: dict[str, str] = field(default_factory=dict)
     timeline: str = ""
 
@@ -72,16 +79,37 @@ def parse_master(master: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def parse_nnodes(text: str | int) -> tuple[int, int]:
+    """`--nnodes N` or `MIN:MAX` as (min, max).
+
+    Raises:
+        ConfigError: not numbers, MIN below 1, or MIN above MAX.
+    """
+    low, sep, high = str(text).partition(":")
+    if not low.strip().isdigit() or (sep and not high.strip().isdigit()):
+        raise ConfigError(f"--nnodes {text!r} is not N or MIN:MAX (for example 2, or 1:4)")
+    first, last = int(low), int(high if sep else low)
+    if first < 1:
+        raise ConfigError(f"--nnodes {text}: at least 1 machine is needed")
+    if first > last:
+        raise ConfigError(f"--nnodes {text}: MIN {first} is more than MAX {last}")
+    return first, last
+
+
 def validate(spec: LaunchSpec) -> None:
     """Check the numbers a user typed before anything starts."""
     if spec.nproc < 1:
         raise ConfigError(f"-n {spec.nproc}: the number of processes must be at least 1")
     if spec.nnodes < 1:
         raise ConfigError(f"--nnodes {spec.nnodes} must be at least 1")
-    if not 0 <= spec.node_rank < spec.nnodes:
+    if spec.min_nodes is not None and not 1 <= spec.min_nodes <= spec.nnodes:
+        raise ConfigError(f"--nnodes {spec.min_nodes}:{spec.nnodes}: MIN must be 1 to MAX")
+    if spec.node_rank is not None and not 0 <= spec.node_rank < spec.nnodes:
         raise ConfigError(
             f"--node-rank {spec.node_rank} must be in [0, {spec.nnodes}) for --nnodes {spec.nnodes}"
         )
+    if spec.join_timeout < 1:
+        raise ConfigError(f"--join-timeout {spec.join_timeout} must be at least 1 (seconds)")
     if spec.nnodes > 1 and spec.master is None:
         raise ConfigError("--nnodes > 1 needs --master HOST:PORT (the address of node 0)")
     if spec.max_restarts < 0:
@@ -118,76 +146,41 @@ def launch(spec: LaunchSpec) -> None:
         LaunchError: a rank failed (its exit code is the error's), the master is
             unreachable, or its port is in use.
     """
-    # Imported here: the agent pulls in much of torch, which `dtrain --help` need not pay.
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     validate(spec)
     timeline = _start_timeline(spec) if spec.timeline else ""
-    listen_fd: dict[str, int] = {}  # node 0 hosts the store, on the master's address only
-    if spec.master is None:
-        host = "127.0.0.1"
-        listen_fd["listen_fd"], port = rendezvous.listen(host, 0)
-    else:
-        host, port = parse_master(spec.master)
-        if spec.node_rank == 0:
-            listen_fd["listen_fd"], _ = rendezvous.listen(host, port)
-    rendezvous.register()
+    host, port, listen_fd = _store_address(spec)
     # Every machine of a job must agree on the run id; the master address is what they share.
     run_id = os.environ.get("DTRAIN_RUN_ID") or (
         uuid.uuid4().hex[:12] if spec.master is None else f"dtrain-{host}-{port}"
     )
-    tee: Std | dict[int, Std] = Std.ALL
-    if spec.raw_local_rank0:
-        tee = {i: Std.NONE if i == 0 else Std.ALL for i in range(spec.nproc)}
     # The agent logs each failure and signal itself; dtrain reports it once, in one line.
     for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="dtrain-logs-") as log_dir:
-        config = LaunchConfig(
-            min_nodes=spec.nnodes,
-            max_nodes=spec.nnodes,
-            nproc_per_node=spec.nproc,
-            run_id=run_id,
-            role="worker",
-            rdzv_backend=rendezvous.BACKEND,
-            rdzv_endpoint=f"{host}:{port}",
-            rdzv_configs={"rank": spec.node_rank, "timeout": spec.join_timeout, **listen_fd},
-            max_restarts=spec.max_restarts,
-            monitor_interval=0.1,
-            start_method="spawn",
-            log_line_prefix_template=PREFIX,
-            logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=tee),
-        )
         saved = dict(os.environ)
         exit_dir = os.path.join(log_dir, "exits")
         os.makedirs(exit_dir)
         os.environ.update({**_rank_env(spec, run_id, exit_dir), **spec.env})
         if timeline:
             os.environ["DTRAIN_TIMELINE"] = timeline  # read by dtrain.init in every rank
-        beat = None
-        if spec.nnodes > 1:  # names a machine that is lost, should ranks here fail
-            beat = heartbeat.Heartbeat(host, port, run_id, spec.node_rank, spec.nnodes,
-                                       spec.nproc)
-        waking = waker.Waker()  # a stopped rank gets the signal that stops the job at once
+        waking = waker.Waker()  # continues stopped ranks once the job ends; fails stalled ones
+        beat = rdzv = None
         try:
-            command = bootstrap.command(spec.command)
-            elastic_launch(config, command[0])(*command[1:])
-        except ChildFailedError as exc:
-            codes = {r: f.exitcode for r, f in exc.failures.items()}
-            rank = exits.first_failed(codes, exit_dir)
-            failure = exc.failures[rank]
-            others = len(exc.failures) - 1
-            more = f" ({others} other rank{'s' if others > 1 else ''} failed too)" if others else ""
-            lost = beat.lost() if beat else ""
-            raise LaunchError(
-                f"{lost}{'; then ' if lost else ''}"
-                f"rank {rank} {_describe(failure.exitcode)}{more}; its output is above",
-                exit_code=_exit_code(failure.exitcode) or 1,
-            ) from None
+            store = rendezvous.open_store(host, port, listen_fd, spec.join_timeout)
+            me = rendezvous.node_id(host, port)
+            if spec.nnodes > 1:  # notices, and names, a machine that is lost
+                beat = heartbeat.Heartbeat(host, port, run_id, me)
+            rdzv = rendezvous.Rendezvous(
+                store, host, port, run_id, me, spec.min_nodes or spec.nnodes, spec.nnodes,
+                spec.join_timeout, spec.last_call, spec.nproc,
+                order=0 if listen_fd is not None else spec.node_rank,
+                on_round=beat.watch if beat else None)
+            result = run_agent(spec, rdzv, beat, log_dir)
+            if result.is_failed():
+                raise _failure(result, exit_dir, beat, waking)
         except SignalException as exc:
             name = signal.Signals(exc.sigval).name
             raise LaunchError(f"stopped by {name}: all ranks were shut down",
@@ -198,38 +191,152 @@ def launch(spec: LaunchSpec) -> None:
             waking.stop()
             if beat:
                 beat.stop()
+            if rdzv is not None:
+                rdzv.shutdown()
             os.environ.clear()
             os.environ.update(saved)
             segment.sweep(segment.sanitize(run_id))  # shm segments a killed rank left named
             if timeline:
-                _merge_timeline(spec, timeline)
+                _merge_timeline(spec, timeline, rdzv)
             sys.stdout.flush()
 
 
-def _local_ranks(spec: LaunchSpec) -> range:
-    """The ranks started on this machine (node_rank * nproc on)."""
-    return range(spec.node_rank * spec.nproc, (spec.node_rank + 1) * spec.nproc)
+def _store_address(spec: LaunchSpec) -> tuple[str, int, int | None]:
+    """Where the job's store listens, and its socket if this launcher hosts it: a free port
+    of 127.0.0.1 for one machine; `--master` for several, hosted by `--node-rank 0` or,
+    without a node rank, by the first launcher able to listen there."""
+    if spec.master is None:
+        fd, port = rendezvous.listen("127.0.0.1", 0)
+        return "127.0.0.1", port, fd
+    host, port = parse_master(spec.master)
+    if spec.node_rank == 0:
+        return host, port, rendezvous.listen(host, port)[0]
+    if spec.node_rank is None:
+        return host, port, rendezvous.try_listen(host, port)
+    return host, port, None
+
+
+def run_agent(spec: LaunchSpec, rdzv: rendezvous.Rendezvous, beat: heartbeat.Heartbeat | None,
+               log_dir: str):
+    """Start the ranks on torch's agent (as torchrun does) and watch them to the end."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    tee: Std | dict[int, Std] = Std.ALL
+    if spec.raw_local_rank0:
+        tee = {i: Std.NONE if i == 0 else Std.ALL for i in range(spec.nproc)}
+    command = bootstrap.command(spec.command)
+    worker = WorkerSpec(role="worker", local_world_size=spec.nproc, entrypoint=command[0],
+                        args=tuple(command[1:]), rdzv_handler=rdzv,
+                        max_restarts=spec.max_restarts, monitor_interval=0.1)
+    agent = _agent_class()(worker, DefaultLogsSpecs(log_dir=log_dir, tee=tee),
+                           start_method="spawn", log_line_prefix_template=PREFIX)
+    agent.membership = _Membership(rdzv, beat, elastic=(spec.min_nodes or spec.nnodes)
+                                   < spec.nnodes)
+    return agent.run()
+
+
+@dataclass
+class _Membership:
+    """What the agent consults when its ranks fail or hang: whether a node has left."""
+
+    rdzv: rendezvous.Rendezvous
+    beat: heartbeat.Heartbeat | None
+    elastic: bool
+    lost: str = ""  # the last node lost, as the head of an error line
+
+    def left(self, failed: bool) -> bool:
+        """Whether a member of the round has left (asked on failure: waiting for its
+        heartbeat's verdict; else: silent for the heartbeat's grace already)."""
+        if self.beat is None:
+            return False
+        self.lost = self.beat.lost() if failed else self.beat.silent()
+        return bool(self.lost)
+
+
+def _agent_class():
+    """torch's LocalElasticAgent, told about dtrain's membership (made on first use: the
+    agent pulls in much of torch, which `dtrain --help` need not pay)."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class Agent(LocalElasticAgent):
+        """An elastic job (`--nnodes MIN:MAX`) whose node is lost goes on with the others in a
+        new round, without spending a restart (torch does so only for nodes that join); a
+        fixed-size one fails at once, naming the node, instead of when the ranks'
+        collectives time out (then restarts if it may, to wait for the node's return). A
+        lost store ends the job either way: the rendezvous lived there."""
+
+        membership: _Membership
+
+        def _monitor_workers(self, worker_group):  # the agent's hook for a subclass
+            result = super()._monitor_workers(worker_group)
+            failed = result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+            if result.state != WorkerState.HEALTHY and not failed:
+                return result
+            if not self.membership.left(failed):
+                return result
+            if self.membership.elastic and not self.membership.beat.store_lost:
+                print(f"dtrain: {self.membership.lost}; going on without it in a new round",
+                      file=sys.stderr, flush=True)
+                self.membership.rdzv.membership_changed()
+                return RunResult(state=WorkerState.HEALTHY)
+            if failed:
+                return result
+            print(f"dtrain: {self.membership.lost}; stopping the ranks here", file=sys.stderr,
+                  flush=True)
+            return RunResult(state=WorkerState.FAILED)
+
+    return Agent
+
+
+def _failure(result, exit_dir: str, beat: heartbeat.Heartbeat | None,
+             waking: waker.Waker) -> LaunchError:
+    """The one error line for a job whose ranks failed: the node lost, the rank that failed
+    first and how."""
+    lost = (beat.lost() if beat else "")
+    if not result.failures:  # stopped for a lost node before any rank failed
+        return LaunchError(f"{lost or 'a node was lost'}; the ranks here were stopped",
+                           exit_code=1)
+    codes = {r: f.exitcode for r, f in result.failures.items()}
+    rank = exits.first_failed(codes, exit_dir)
+    failure = result.failures[rank]
+    others = len(result.failures) - 1
+    more = f" ({others} other rank{'s' if others > 1 else ''} failed too)" if others else ""
+    how = _describe(failure.exitcode)
+    if failure.pid in waking.stalled:
+        how = (f"was stopped (SIGSTOP) for {waking.stalled[failure.pid]:.0f}s and killed "
+               f"(set {waker.STALL_ENV} to allow longer)")
+    return LaunchError(f"{lost}{'; then ' if lost else ''}rank {rank} {how}{more}; its output "
+                       "is above", exit_code=_exit_code(failure.exitcode) or 1)
 
 
 def _start_timeline(spec: LaunchSpec) -> str:
-    """The absolute path the ranks record the timeline for; stale parts removed."""
+    """The absolute path the ranks record the timeline for; stale parts removed (those of
+    this node's ranks; of every rank when the rendezvous will number the nodes)."""
     from dtrain.timeline import part_path, prepare
 
     timeline = prepare(spec.timeline)
-    for rank in _local_ranks(spec):
+    first, count = 0, spec.nnodes * spec.nproc
+    if spec.node_rank is not None:
+        first, count = spec.node_rank * spec.nproc, spec.nproc
+    for rank in range(first, first + count):
         part_path(timeline, rank).unlink(missing_ok=True)
     return timeline
 
 
-def _merge_timeline(spec: LaunchSpec, timeline: str) -> None:
-    """Merge the parts the ranks wrote (all of them, or those a failure left) into one file."""
+def _merge_timeline(spec: LaunchSpec, timeline: str,
+                    rdzv: rendezvous.Rendezvous | None) -> None:
+    """Merge the parts this node's ranks wrote (all of them, or those a failure left) in the
+    last round into one file."""
     from dtrain.timeline import merge_ranks
 
+    node, first = (rdzv.node_rank, rdzv.first_rank) if rdzv else (0, 0)
     out = timeline
     if spec.nnodes > 1:
-        out = f"{timeline.removesuffix('.json')}.node-{spec.node_rank}.json"
+        out = f"{timeline.removesuffix('.json')}.node-{node}.json"
     try:
-        merged = merge_ranks(timeline, _local_ranks(spec), out)
+        merged = merge_ranks(timeline, range(first, first + spec.nproc), out)
     except (OSError, ValueError) as exc:
         print(f"dtrain: could not merge the timeline into {out}: {exc}", file=sys.stderr)
         return

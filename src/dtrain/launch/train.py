@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dtrain.config import layout_of, load_config
 from dtrain.errors import ConfigError
+from dtrain.train.elastic import ELASTIC_ENV
 
 
 def train_command(args: argparse.Namespace) -> None:
@@ -76,8 +77,16 @@ def train_command(args: argparse.Namespace) -> None:
         command, nproc, env = plan(command, pc.nproc, pc.servers, args.nnodes,
                                    snapshot_dir=str(out_dir / "ps-snapshots"),
                                    snapshot_every=pc.snapshot_every)
+    if args.min_nodes < args.nnodes:  # elastic: each round re-derives the layout
+        env[ELASTIC_ENV] = str(world_size)
+    restarts = args.max_restarts
+    if pc.fault_tolerance == "live":  # each rank restarted in place, not the whole job
+        from dtrain.launch import replica
+
+        command, restarts = replica.command(args.max_restarts, command), 0
     launch(LaunchSpec(
-        command=command, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-        master=args.master, max_restarts=args.max_restarts, join_timeout=args.join_timeout,
-        raw_local_rank0=True, env=env, timeline=config.logging.timeline,
+        command=command, nproc=nproc, nnodes=args.nnodes, min_nodes=args.min_nodes,
+        node_rank=args.node_rank, master=args.master, max_restarts=restarts,
+        join_timeout=args.join_timeout, raw_local_rank0=True, env=env,
+        timeline=config.logging.timeline,
     ))

@@ -48,7 +48,7 @@ def kind_of(layout: Layout) -> str:
 
 
 def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
-          weights: Any = None) -> Holding:
+          weights: Any = None, live: Any = None) -> Holding:
     """This rank's Holding of `model` (the same whole model on every rank) in `layout`
     over `mesh`; `config` gives the options (`[parallel]`, `[optimizer]`, `[train]`,
     `[memory]`).
@@ -61,6 +61,9 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
     is never whole anywhere: each rank allocates only what it holds, on the mesh's device,
     and restores it from `weights` (a checkpoint, or Hugging Face weights) or else from the
     initial values for `train.seed`, the same as one process's.
+
+    `live` (a dtrain.parallel.live.LiveReplicas, data parallel only) averages gradients
+    over the replicas alive at each step instead of over the mesh's dp group.
     """
     skeleton = init.is_skeleton(model)
     if skeleton and weights is None:
@@ -74,7 +77,7 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
     kind = kind_of(layout)
     if skeleton and kind in ("dp", "ps"):  # these hold their (tp blocks of the) model whole
         init.allocate(model, mesh.world.device)
-    held = HOLDINGS[kind](model, mesh, layout, config)
+    held = HOLDINGS[kind](model, mesh, layout, config, **({"live": live} if live else {}))
     if skeleton:
         held.restore(weights)
     if sequence:  # after allocation: its gradient hooks go on the real parameters

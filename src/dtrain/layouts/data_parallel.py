@@ -16,13 +16,15 @@ from dtrain.parallel.data_parallel import DataParallel
 
 
 class Replicated(Holding):
-    """The model, whole or split over tp, replicated over dp with DataParallel."""
+    """The model, whole or split over tp, replicated over dp with DataParallel (or over
+    the live replicas of each step, `live`)."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
+                 live: Any = None) -> None:
         pc = config.parallel
         self.layout, self.names = layout, Names(model, tp=(mesh.coords["tp"], layout.tp))
-        self.module = DataParallel(model, group=mesh.group("dp"), bucket_mb=pc.bucket_mb,
-                                   grad_dtype=pc.grad_dtype)
+        self.module = DataParallel(model, group=None if live else mesh.group("dp"),
+                                   bucket_mb=pc.bucket_mb, grad_dtype=pc.grad_dtype, live=live)
         self.optimizers = [build_optimizer(model.parameters(), config.optimizer)]
         self.held = [Tensors(self.names, list(model.parameters()), self.optimizers[0],
                              dp=(mesh.coords["dp"], layout.dp))]

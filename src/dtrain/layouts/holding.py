@@ -73,6 +73,7 @@ class Holding:
     def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
         """Forward and backward of one step's batches (gradients accumulate, and replicas
         communicate after the last only); returns this rank's mean loss (0-d tensor)."""
+        total = torch.zeros(())
         for i, (x, y) in enumerate(batches):
             quiet = contextlib.nullcontext() if i == len(batches) - 1 else self.no_sync()
             with quiet:
@@ -80,7 +81,8 @@ class Holding:
                     loss = model_loss(self.module, x, y).float() / len(batches)
                 with timeline.span("backward", "backward"):
                     self.backward(loss)
-        return loss.detach() * len(batches)
+            total = total.to(loss.device) + loss.detach()
+        return total
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Inside, backward accumulates without communicating."""

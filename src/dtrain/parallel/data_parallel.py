@@ -29,6 +29,8 @@ from dtrain import comm
 from dtrain.errors import DtrainError
 from dtrain.parallel.buckets import Bucket, build_buckets, launch_ready
 from dtrain.parallel.clip import GradPart
+from dtrain.parallel.live import LiveReplicas, Outcome
+from dtrain.parallel.live_group import ReplicaLost
 from dtrain.parallel.replicas import broadcast_state, check_same_model
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -56,12 +58,17 @@ class DataParallel(nn.Module):
         grad_dtype: communicate gradients in this dtype ("bf16", "fp16" or a torch dtype)
             to halve the bytes sent; gradients are cast back to the parameter dtype.
         algorithm: the allreduce algorithm for gradient buckets (see `dtrain.comm`).
+        live: average over the replicas a `LiveReplicas` keeps alive instead of a fixed
+            group (dtrain.parallel.live): a replica that dies is dropped within the step
+            and the survivors' average counts; call `live.begin_step` before each step.
+            The first quorum, not the wrap, makes the replicas identical.
 
     Parameters that receive no gradient in a step (unused branches) are fine: their slots
     are sent as zeros, and a parameter no rank used keeps `grad = None`, as in one process.
 
     Raises:
-        DtrainError: ranks hold models with different parameters.
+        DtrainError: ranks hold models with different parameters; `live` with `group`
+            or with an algorithm other than auto/native.
     """
 
     def __init__(
@@ -71,13 +78,23 @@ class DataParallel(nn.Module):
         bucket_mb: float = 25.0,
         grad_dtype: torch.dtype | str | None = None,
         algorithm: str = "auto",
+        live: LiveReplicas | None = None,
     ) -> None:
         super().__init__()
         if bucket_mb <= 0:
             raise DtrainError(f"bucket_mb={bucket_mb} must be positive")
         self.module = module
-        self.group = comm.resolve(group)
-        self.size = self.group.size
+        self.live = live
+        if live is None:
+            self.group = comm.resolve(group)
+            self.size = self.group.size
+        else:
+            if group is not None or algorithm not in ("auto", "native"):
+                raise DtrainError("DataParallel(live=...) reduces over the live quorum with "
+                                  "gloo's own allreduce: leave group= and algorithm= unset")
+            live.track(module=module)
+            self.group, self.size, algorithm = None, 0, "native"  # size: the quorum's, per step
+            self._sent: dict[int, torch.Tensor] = {}
         self.algorithm = algorithm
         self.grad_dtype = parse_dtype(grad_dtype)
         self._sync = True
@@ -94,7 +111,7 @@ class DataParallel(nn.Module):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     self._make_hook(bucket, i)
                 ))
-        if self.size > 1:
+        if live is None and self.size > 1:
             check_same_model(params, self.group, "DataParallel", algorithm)
             broadcast_state(module, self.group, algorithm)
 
@@ -122,7 +139,8 @@ class DataParallel(nn.Module):
                 return
             if not self._finalize_queued:
                 self._finalize_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    self._finalize if self.live is None else self._finalize_live)
             self._fill_slot(bucket, i, param)
             bucket.ready[i] = True
             bucket.pending -= 1
@@ -138,6 +156,10 @@ class DataParallel(nn.Module):
             slot.zero_()
             bucket.flags[i] = 0
             return
+        if self.live is not None:  # summed, divided once the quorum's size is settled
+            slot.copy_(param.grad)
+            bucket.flags[i] = 1
+            return
         if param.grad.data_ptr() == slot.data_ptr() and param.grad.dtype == slot.dtype:
             slot.mul_(1.0 / self.size)  # accumulated in place in the bucket already
         else:
@@ -150,6 +172,9 @@ class DataParallel(nn.Module):
         self._next_launch = launch_ready(self._buckets, self._next_launch, self._launch)
 
     def _launch(self, bucket: Bucket) -> None:
+        if self.live is not None:
+            self._launch_live(bucket)
+            return
         self._works.append(comm.all_reduce(bucket.buffer, group=self.group, async_op=True,
                                            algorithm=self.algorithm))
 
@@ -176,6 +201,62 @@ class DataParallel(nn.Module):
         self._next_launch = 0
         self._finalize_queued = False
 
+    # ----------------------------------------------------------------- live replicas
+    def _launch_live(self, bucket: Bucket) -> None:
+        """Reduce a copy of the bucket: its own buffer keeps this replica's gradients in
+        case the reduction must be redone over the survivors."""
+        assert self.live is not None
+        if self.live.group is None:
+            raise DtrainError("DataParallel(live=...): call live.begin_step(step) before "
+                              "each step's backward")
+        sent = self._sent[bucket.index] = bucket.buffer.clone()
+        try:
+            self._works.append(comm.all_reduce(sent, group=self.live.group, async_op=True,
+                                               algorithm="native"))
+        except RuntimeError as exc:  # the group broke before the call even started
+            self._works.append(_Failed(exc))
+
+    def _wait_live(self) -> bool:
+        """Whether every bucket's reduction completed (stops at the first that failed)."""
+        try:
+            for work in self._works:
+                work.wait()
+            return True
+        except (ReplicaLost, RuntimeError):
+            return False
+        finally:
+            self._works.clear()
+
+    @torch.no_grad()
+    def _finalize_live(self) -> None:
+        """`_finalize` over live replicas: reduce, agree the result counts (else reduce
+        again over the survivors), then divide by how many replicas took part."""
+        assert self.live is not None
+        for bucket in self._buckets[self._next_launch :]:
+            for i, p in enumerate(bucket.params):
+                if not bucket.ready[i]:
+                    self._fill_slot(bucket, i, p)
+            self._launch(bucket)
+        outcome = self.live.settle(self._wait_live())
+        while outcome is Outcome.REDO:
+            for bucket in self._buckets:
+                self._launch(bucket)
+            outcome = self.live.settle(self._wait_live())
+        committed = outcome is Outcome.COMMIT  # else dropped: its state is replaced anyway
+        for bucket in self._buckets:
+            reduced = self._sent[bucket.index] if committed else bucket.buffer.clone()
+            reduced[: bucket.numel].div_(self.live.size if committed else 1)
+            for i, p in enumerate(bucket.params):
+                if reduced[bucket.numel + i] == 0:
+                    continue  # no replica had a gradient: it stays None, as in one process
+                start = bucket.offsets[i]
+                grad = reduced[start : start + p.numel()].view_as(p)
+                p.grad = grad if self.grad_dtype is None else grad.to(p.dtype)
+            bucket.reset()
+        self._sent.clear()
+        self._next_launch = 0
+        self._finalize_queued = False
+
     # ----------------------------------------------------------------- clipping
     def grad_parts(self, is_split: Callable[[nn.Parameter], bool] | None = None,
                    counted: Callable[[nn.Parameter], bool] | None = None) -> list[GradPart]:
@@ -197,3 +278,13 @@ class DataParallel(nn.Module):
     ):
         """Load into the wrapped module (keys as produced by `state_dict`)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+class _Failed:
+    """The handle of a collective that could not even start."""
+
+    def __init__(self, error: Exception) -> None:
+        self._error = error
+
+    def wait(self) -> None:
+        raise ReplicaLost(f"collective on the live group could not start: {self._error}")

@@ -61,13 +61,15 @@ class Progress:
 
 
 class MetricsLog:
-    """Append one JSON object per line to `path` (no-op when path is empty or disabled)."""
+    """Append one JSON object per line to `path` (no-op when path is empty or disabled); a
+    run resumed by a restart or a new rendezvous round (`resumed`) goes on in the same file,
+    any other starts it anew."""
 
-    def __init__(self, path: str, enabled: bool) -> None:
+    def __init__(self, path: str, enabled: bool, resumed: bool = False) -> None:
         self.file = None
         if path and enabled:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "w", encoding="utf-8")  # closed in close()
+            self.file = open(path, "a" if resumed else "w", encoding="utf-8")  # see close()
 
     def write(self, record: dict[str, Any]) -> None:
         if self.file is not None:

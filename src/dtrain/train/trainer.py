@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ from dtrain.models import init
 from dtrain.models.config import ModelConfig
 from dtrain.models.generate import generate
 from dtrain.models.weights import weights_of
+from dtrain.parallel.live import RunFinished
+from dtrain.train import elastic
+from dtrain.train.live import incarnation, open_live
 from dtrain.train.metrics import MetricsLog, Progress
 
 
@@ -93,6 +97,10 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     # Under dtrain's launcher with a timeline (env DTRAIN_TIMELINE) the launcher merges it.
     own_timeline = "" if os.environ.get("DTRAIN_TIMELINE") else config.logging.timeline
     world = world_mod.init(backend=backend, timeline=own_timeline or None)
+    live = open_live(config)  # live replicas: each rank a world of its own (dtrain.train.live)
+    note = ""
+    if elastic.max_ranks():  # this round's ranks: the layout and accumulation fit them
+        config, note = elastic.adapt(config, world.world_size, elastic.max_ranks())
     tc, mc = config.train, config.model
     layout = layout_of(config, world.world_size)
     mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
@@ -105,28 +113,49 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
                      mc.block_size)
     train_data, val_data = data.train, data.val
     per_rank = per_rank_batch(config, layout.dp)  # sequences per forward
+    replicas = (live.slots, live.replica_id) if live else (layout.dp, mesh.coords["dp"])
+    if live:
+        per_rank_batch(config, live.slots)  # the batch splits over the replicas
 
     shape = models.resolve(mc, data.vocab_size)
     torch.manual_seed(tc.seed)
     model = init.skeleton(lambda: models.build(shape))  # each rank makes what it holds
     n_params = sum(p.numel() for p in model.parameters())
     weights = weights_of(shape, model) if shape.init_from and resume is None else None
-    held = layouts.build(model, mesh, layout, config, weights=weights)
-    stream = batches(train_data, tc.batch_size, layout.dp, mesh.coords["dp"], tc.seed,
-                     shuffle=True, accum=held.accum, start=start)
+    held = layouts.build(model, mesh, layout, config, weights=weights, live=live)
+
+    def stream_from(step: int):
+        return batches(train_data, tc.batch_size, *replicas, tc.seed, shuffle=True,
+                       accum=held.accum, start=step)
+
+    stream = stream_from(start)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(
         o, lambda s: lr_factor(s, tc.steps, config.optimizer)) for o in held.optimizers]
     if resume is not None:  # the options, schedule and RNG too
         training.restore(resume, held, schedulers, layout)
     held.start()
+    if live:  # what a replacement is sent besides the model and optimizer state
+        live.track(optimizer=held.optimizers[0],
+                   save_extra=lambda: {"schedule": schedulers[0].state_dict()},
+                   load_extra=lambda extra: schedulers[0].load_state_dict(extra["schedule"]))
 
     out_dir = Path(tc.out_dir)
-    progress = Progress(tc.steps, config.logging.log_every, enabled=world.is_main)
-    metrics = MetricsLog(metrics_path or config.logging.metrics, enabled=world.is_main)
-    progress.write(f"dtrain: {world.world_size} rank(s), {held.describe()}; "
+    main = world.is_main and (live is None or live.replica_id == 0)
+    progress = Progress(tc.steps, config.logging.log_every, enabled=main)
+    metrics = MetricsLog(metrics_path or config.logging.metrics, enabled=main,
+                         resumed=(resume is not None and not config.checkpoint.resume)
+                         or (live is not None and incarnation() > 0))
+    who = (f"{live.slots} live data-parallel replica(s) (step timeout "
+           f"{config.parallel.step_timeout:g}s)" if live else
+           f"{world.world_size} rank(s), {held.describe()}")
+    progress.write(f"dtrain: {who}; "
                    f"{describe_model(shape, model)} {n_params / 1e6:.2f}M parameters; "
                    f"{len(train_data):,} training sequences of {mc.block_size} tokens "
                    f"({data.tokenizer.name}); global batch {tc.batch_size}")
+    if world.source not in ("single", "dtrain"):  # started by torchrun, srun or mpirun
+        progress.write(f"dtrain: {world.describe()}")
+    if note:
+        progress.write(note)
     if resume is not None:
         progress.write(f"resumed from {resume.path} (step {start})")
     elif weights is not None:
@@ -145,7 +174,12 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
         progress.write(f"step {step:>5}: held-out loss {loss:.4f}")
         metrics.write({"step": step, "eval_loss": loss})
 
+    def writes() -> bool:  # of live replicas, the first of the step's quorum saves
+        return live is None or live.replica_id == min(live.members or (live.replica_id,))
+
     def save(step: int) -> Path:
+        if not writes():
+            return out_dir / "checkpoints"
         with timeline.span("checkpoint", "checkpoint", step=step):
             return training.save(out_dir / "checkpoints", step, held, schedulers,
                                  config.to_dict(), config.checkpoint.keep_last,
@@ -161,14 +195,26 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
         with timeline.span("optimizer", "optimizer"):
             if config.optimizer.grad_clip > 0:
                 held.clip_grad_norm_(config.optimizer.grad_clip)
-            held.step()
+            if live is None or live.committed:  # a dropped replica is sent the state anew
+                held.step()
+                for scheduler in schedulers:
+                    scheduler.step()
             held.zero_grad()
-            for scheduler in schedulers:
-                scheduler.step()
         return mean_over(loss.item(), held.loss_group, world.device)
 
     path = resume.path if resume is not None else out_dir / "checkpoints"
-    for step in range(start + 1, tc.steps + 1):
+    step = start
+    while step < tc.steps:
+        step += 1
+        if live:
+            try:
+                if live.begin_step(step) != step:  # a replacement, at its peers' step
+                    step = live.step
+                    stream = stream_from(step - 1)
+            except RunFinished as exc:  # nothing left to rejoin
+                print(f"dtrain: {exc}", file=sys.stderr, flush=True)
+                live.close()
+                return {"losses": losses, "eval_losses": eval_losses, "checkpoint": ""}
         faults.at("step", step)
         begin = time.perf_counter()
         with timeline.span("step", "step", step=step):
@@ -176,20 +222,31 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
         elapsed = time.perf_counter() - begin
         losses.append(step_loss)
         progress.step(step, step_loss, tokens_per_step / elapsed)
-        metrics.write({"step": step, "loss": step_loss, "lr": schedulers[0].get_last_lr()[0],
-                       "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed})
+        metrics.write({"step": step, "time": time.time(), "loss": step_loss,
+                       "lr": schedulers[0].get_last_lr()[0],
+                       "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed,
+                       **({"replicas": len(live.participants)} if live else {})})
         if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
             run_eval(step)
         if config.checkpoint.every and step % config.checkpoint.every == 0 and step < tc.steps:
-            path = save(step)
+            if config.checkpoint.background and writes():  # training goes on meanwhile
+                with timeline.span("checkpoint", "checkpoint", step=step):
+                    training.save_in_background(out_dir / "checkpoints", step, held,
+                                                schedulers, config.to_dict(),
+                                                config.checkpoint.keep_last, described)
+            else:
+                path = save(step)
     progress.close()
     held.close()
+    if live:
+        live.finish()
+        live.close()
     run_eval(tc.steps)
     if start < tc.steps:
         path = save(tc.steps)
-    if world.is_main:
+    if main:
         progress.write(f"checkpoint: {path}")
-    if config.logging.sample_tokens and world.is_main:  # from the checkpoint: whole, here
+    if config.logging.sample_tokens and main:  # from the checkpoint: whole, here
         progress.write("sample:\n" + sample(shape, Checkpoint(path), data.tokenizer,
                                              config.logging, world.device))
     metrics.close()
