@@ -156,9 +156,9 @@ class Rendezvous:
         os.environ[ATTEMPT_ENV] = attempt
         os.environ[ROUND_ENV] = attempt.partition("-")[0]
         round_store.set(f"dtrain/member/{info.rank}", f"{self.node_id} {self.nproc}")
-        self.members = [tuple(round_store.get(f"dtrain/member/{r}").decode().split())
-                        for r in range(info.world_size)]
-        self.members = [(node, int(n)) for node, n in self.members]
+        said = [round_store.get(f"dtrain/member/{r}").decode().split()
+                for r in range(info.world_size)]
+        self.members = [(node, int(n)) for node, n in said]
         self.rounds += 1
         self.node_rank = info.rank
         self.first_rank = sum(n for _, n in self.members[:info.rank])

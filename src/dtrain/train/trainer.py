@@ -99,8 +99,9 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     world = world_mod.init(backend=backend, timeline=own_timeline or None)
     live = open_live(config)  # live replicas: each rank a world of its own (dtrain.train.live)
     note = ""
-    if elastic.max_ranks():  # this round's ranks: the layout and accumulation fit them
-        config, note = elastic.adapt(config, world.world_size, elastic.max_ranks())
+    most = elastic.max_ranks()
+    if most:  # this round's ranks: the layout and accumulation fit them
+        config, note = elastic.adapt(config, world.world_size, most)
     tc, mc = config.train, config.model
     layout = layout_of(config, world.world_size)
     mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
@@ -177,13 +178,15 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     def writes() -> bool:  # of live replicas, the first of the step's quorum saves
         return live is None or live.replica_id == min(live.members or (live.replica_id,))
 
-    def save(step: int) -> Path:
+    def save(step: int, background: bool = False) -> Any:
+        """The checkpoint of `step`: its folder, or in the background (training goes on
+        while it is written) its PendingSave (dtrain.checkpoint.background)."""
         if not writes():
             return out_dir / "checkpoints"
+        how = training.save_in_background if background else training.save
         with timeline.span("checkpoint", "checkpoint", step=step):
-            return training.save(out_dir / "checkpoints", step, held, schedulers,
-                                 config.to_dict(), config.checkpoint.keep_last,
-                                 described)
+            return how(out_dir / "checkpoints", step, held, schedulers, config.to_dict(),
+                       config.checkpoint.keep_last, described)
 
     def train_step() -> float:
         """Forward and backward of one global batch, the optimizer step; the mean loss."""
@@ -229,11 +232,8 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
         if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
             run_eval(step)
         if config.checkpoint.every and step % config.checkpoint.every == 0 and step < tc.steps:
-            if config.checkpoint.background and writes():  # training goes on meanwhile
-                with timeline.span("checkpoint", "checkpoint", step=step):
-                    training.save_in_background(out_dir / "checkpoints", step, held,
-                                                schedulers, config.to_dict(),
-                                                config.checkpoint.keep_last, described)
+            if config.checkpoint.background:
+                save(step, background=True)
             else:
                 path = save(step)
     progress.close()
