@@ -1,10 +1,11 @@
 """Elastic jobs (`dtrain train --nnodes MIN:MAX`): nodes that leave and join.
 
 Three launchers on this machine stand for three machines, meeting at a store on loopback:
-node A (2 ranks, hosts the store) and node B (2 ranks) start together: 4 ranks. After the
-checkpoint of step 2, B dies for good (SIGKILL of every process it started): A goes on alone
-in a new round (2 ranks) from that checkpoint. After the checkpoint of step 4, node C (1
-rank) arrives: A restarts its ranks for a new round with C (3 ranks), from the newest
+node A (2 ranks, hosts the store) and node B (2 ranks) start together: 4 ranks, tp=2 x dp=2.
+After the checkpoint of step 2, B dies for good (SIGKILL of every process it started): A
+goes on alone in a new round (2 ranks: tp=2, accumulating 3 batches) from that checkpoint.
+After the checkpoint of step 4, node C (1 rank) arrives: A restarts its ranks for a new
+round with C (3 ranks, which tp=2 does not divide: the planner's layout), from the newest
 checkpoint, to the end. Each step's loss and the final weights equal one process's on the
 same global batches.
 
@@ -56,7 +57,8 @@ sample_tokens = 0
 
 def start(folder: Path, name: str, nproc: int, port: int, *flags: str,
           fault: str = "") -> subprocess.Popen:
-    """`dtrain train --nnodes 1:3` of `nproc` ranks, output into `folder/name.out`."""
+    """`dtrain train --nnodes 1:3` of `nproc` ranks with tp=2, output into
+    `folder/name.out`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_TIMEOUT": "30",
            "DTRAIN_STALL_TIMEOUT": "0"}
     if fault:
@@ -64,6 +66,7 @@ def start(folder: Path, name: str, nproc: int, port: int, *flags: str,
     command = [sys.executable, "-m", "dtrain.cli", "train", str(folder / "job.toml"),
                "-n", str(nproc), "--nnodes", "1:3", "--master", f"127.0.0.1:{port}",
                "--join-timeout", "60", "--set", f"train.out_dir='{folder / 'run'}'",
+               "--set", "parallel.tp=2",
                "--metrics", str(folder / "metrics.jsonl"), *flags]
     out = (folder / f"{name}.out").open("w")
     return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -126,6 +129,29 @@ def test_a_round_keeps_the_global_batch_and_no_forward_grows(
     assert 12 // (layout.dp * changed.train.grad_accum) <= largest
 
 
+def test_a_round_tp_does_not_divide_takes_the_planners_best_layout() -> None:
+    """tp=2 on 3 ranks: the planner's fastest layout that fits, with its options, in a
+    config that validates, and said in the banner's note."""
+    config = load_config(None, ["train.batch_size=12", "parallel.tp=2", "model.n_layer=3"])
+    asked = []
+
+    def choose(cfg, world_size, accum):
+        asked.append((world_size, accum))
+        return elastic.planned(cfg, world_size, accum)
+
+    changed, said = elastic.adapt(config, 3, 4, choose)
+    assert asked == [(3, 1)]
+    p = changed.parallel
+    layout = layout_of(changed, 3)
+    assert layout.dp * layout.tp * layout.pp == 3 and p.tp == 1  # 4 heads: no tp=3
+    assert said.startswith("elastic: 3 of up to 4 ranks; tp=2 x pp=1 does not divide it: "
+                           f"the planner's best is dp={layout.dp}, tp=1, pp={layout.pp}"), said
+    assert said.endswith("keeps the global batch of 12"), said
+    # a layout the planner cannot fit: data parallel over every rank, as without a chooser
+    fallback, note = elastic.adapt(config, 3, 4, lambda *_: None)
+    assert layout_of(fallback, 3).dp == 3 and "dropped" in note
+
+
 def test_a_batch_that_cannot_be_cut_for_a_round_is_one_line() -> None:
     config = load_config(None, ["train.batch_size=16"])
     with pytest.raises(ConfigError, match="cannot be cut evenly for 3 ranks"):
@@ -163,11 +189,12 @@ def test_an_elastic_job_goes_from_4_to_2_to_3_ranks_as_one_process_would(tmp_pat
     assert c.wait(timeout=60) == 0, outputs(tmp_path)
 
     text = (tmp_path / "a.out").read_text()
-    assert "4 rank(s), data parallel over 4" in text, outputs(tmp_path)
+    assert "4 rank(s), tensor parallel over 2 x data parallel over 2" in text, outputs(tmp_path)
     assert "lost node 1 (ranks 2-3)" in text and "going on without it" in text, text
-    assert "elastic: 2 of up to 6 ranks" in text, text
-    assert "3 rank(s), data parallel over 3" in text, text
-    assert "elastic: 3 of up to 6 ranks" in text, text
+    assert "2 rank(s), tensor parallel over 2 x data parallel over 1" in text, text
+    assert "elastic: 2 of up to 6 ranks; gradient accumulation 3" in text, text
+    assert ("elastic: 3 of up to 6 ranks; tp=2 x pp=1 does not divide it: the planner's "
+            "best is dp=3") in text, text
     checkpoints = tmp_path / "run" / "checkpoints"
     assert f"resumed from {checkpoints / 'step-00000002'} (step 2)" in text, text
     assert f"resumed from {checkpoints / 'step-00000004'} (step 4)" in text, text

@@ -268,6 +268,39 @@ def test_a_stopped_replica_is_dropped_within_the_step_timeout_and_rejoins(job_of
     assert_matches_simulation(results[:2], steps)
 
 
+@pytest.mark.timeout(60)
+def test_the_store_keeps_only_the_last_rounds_keys() -> None:
+    """A long run does not fill the job's store: the first member deletes each round's
+    keys KEEP rounds later (one replica here, in this process)."""
+    import dtrain
+    from dtrain.parallel.live import LiveReplicas
+    from dtrain.parallel.live_rounds import KEEP
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    live = LiveReplicas(store, 0, 1, **FAST)
+    net = make_model(seed=1)
+    model = dtrain.DataParallel(net, live=live)
+    counts = []
+    try:
+        for step in range(3 * KEEP):
+            live.begin_step(step)
+            x, y = slice_of(step, 0)
+            nn.functional.cross_entropy(model(x), y).backward()
+            assert live.committed
+            net.zero_grad()
+            counts.append(store.num_keys())
+    finally:
+        live.close()
+    rounds = dist.PrefixStore("live/", store)  # as LiveReplicas sees it
+    latest = int(rounds.get("latest"))
+    assert latest >= 3 * KEEP - 1
+    assert rounds.check([f"r/{latest - KEEP + 1}/d", f"r/{latest}/a/0", f"r/{latest}/c0"])
+    assert not any(rounds.check([f"r/{g}/{key}"]) for g in (0, KEEP, latest - KEEP)
+                   for key in ("d", "a/0", "c0", "v0/0"))
+    assert counts[-1] == counts[2 * KEEP] < 2 * counts[KEEP - 1], counts
+
+
 def test_zero_tensor_and_pipeline_parallel_are_refused_with_live_replicas() -> None:
     load_config(None, ["parallel.fault_tolerance='live'"])
     for key, word in (("zero=2", "zero = 2"), ("tp=2", "tp = 2"), ("pp=2", "pp = 2"),

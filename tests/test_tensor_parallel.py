@@ -172,6 +172,22 @@ def test_vocab_parallel_cross_entropy(reduction: str) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_vocab_parallel_cross_entropy_backward_runs_once() -> None:
+    """Backward turns the saved softmax into the gradient in place (one block of logits
+    alive, as Megatron-LM): a second backward through the same graph is refused in words,
+    not answered with a wrong gradient."""
+    def body(rank: int) -> str:
+        part = torch.randn(6, 4, requires_grad=True)
+        loss = tp.vocab_parallel_cross_entropy(part, torch.arange(6), algorithm=ALGORITHM)
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="backward runs once per forward") as caught:
+            loss.backward()
+        return str(caught.value)
+
+    assert all("in place" in message for message in run_threads(body, 2))
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("size", [2, 4])
 def test_block_parameters_are_one_tp_th(size: int) -> None:
     """A parallelized block holds 1/tp of its split weights; LayerNorms and the biases of

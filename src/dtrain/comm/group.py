@@ -120,11 +120,13 @@ class SerialExecutor:
             if item is None:
                 return
             job, future = item
+            item = error = None
             try:
                 job()
-                future.set()
             except BaseException as exc:  # handed to whoever waits on the future
-                future.set(exc)
+                error = exc
+            job = None  # the tensors it holds go now, not when the next job comes
+            future.set(error)
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()

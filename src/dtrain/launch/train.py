@@ -56,7 +56,8 @@ def train_command(args: argparse.Namespace) -> None:
     from dtrain.launch.runner import LaunchSpec, launch
 
     world_size = config.parallel.nproc * args.nnodes
-    layout_of(config, world_size)  # the check every rank makes again
+    if args.min_nodes == args.nnodes:  # (an elastic job's rounds re-derive the layout)
+        layout_of(config, world_size)  # the check every rank makes again
     from dtrain.train.check import check_job
 
     check_job(config)  # a bad corpus or model costs no start-up either

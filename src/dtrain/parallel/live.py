@@ -22,18 +22,17 @@ extra dict by a live peer over the network, and the group grows back at the next
 No step is lost; `history` says which replicas each step averaged.
 
 How replicas agree, through the store only (collectives just move data):
-- Rounds. Replicas meet in numbered rounds: one as each step begins, and another inside a
-  step whenever a reduction failed. Each announces itself (`r/{g}/a/{id}`); the members of
-  the last quorum wait for one another until each arrives, its heartbeat stops for
-  `heartbeat_timeout`, or `step_timeout` passes, and propose the next quorum. The first
-  proposal written (compare_set on `r/{g}/d`) is the decision all of them read. A replica
-  left out of a decision has fallen behind: it recovers as a joiner at a later step.
+- Rounds. Replicas meet in numbered rounds (keys dtrain.parallel.live_rounds deletes):
+  one as each step begins, another in a step whenever a reduction failed. Each announces
+  itself (`r/{g}/a/{id}`); the last quorum's members wait for one another until each
+  arrives, its heartbeat stops for `heartbeat_timeout`, or `step_timeout` passes, and
+  propose the next quorum. The first proposal written (compare_set on `r/{g}/d`) is the
+  decision all read. A replica it left out fell behind: it recovers as a later joiner.
 - Groups. A quorum other than the last gets a new gloo group (dtrain.parallel.live_group)
   whose timeout is `step_timeout`, so a stalled peer fails a collective fast.
 - Votes. After a round's collective work (a reduction, a state transfer) every member
-  posts ok or fail, and again the first verdict written decides for all: commit, or redo
-  in a new round without whoever failed or vanished. A reduction that completed anywhere
-  completed everywhere it was waited on, so members that vanished after it do not undo it.
+  posts ok or fail; the first verdict written decides: commit, or redo in a new round
+  without those that failed or vanished (a reduction done anywhere was done everywhere).
 
 Not supported: ZeRO, tensor and pipeline parallelism (a rank's shard would die with it;
 `[parallel] fault_tolerance = "live"` refuses them).
@@ -58,6 +57,7 @@ from dtrain.errors import DtrainError
 from dtrain.parallel import live_state
 from dtrain.parallel.heartbeat import Heartbeat, Watchdog
 from dtrain.parallel.live_group import LiveGroup, ReplicaLost
+from dtrain.parallel.live_rounds import KEEP, forget
 from dtrain.parallel.live_state import LoadExtra, SaveExtra
 
 _STORE_ERRORS = (RuntimeError, dist.DistError, ValueError)  # a store or gloo that gave up
@@ -166,9 +166,8 @@ class LiveReplicas:
 
     # ------------------------------------------------------------------ the step
     def begin_step(self, step: int) -> int:
-        """Join this step's quorum and return the step to run: `step` itself, or on a
-        replica that was (re)joining, the step its peers are at (its state, optimizer and
-        extra were just replaced by theirs).
+        """Join this step's quorum and return the step to run: `step`, or on a (re)joining
+        replica, its peers' step (its state, optimizer and extra just replaced by theirs).
 
         Raises:
             DtrainError: no live replica let this one in within join_timeout.
@@ -198,8 +197,9 @@ class LiveReplicas:
                     self._leave()
                     return Outcome.DROPPED
                 assert self._quorum is not None and self.step is not None
-                self.history[self.step] = tuple(self._quorum.members)
-                self.committed = True
+                self.history[self.step], self.committed = tuple(self._quorum.members), True
+                if self.replica_id == self._quorum.members[0] and self._quorum.round >= KEEP:
+                    forget(self._store, self._quorum.round - KEEP, self.slots)
                 return Outcome.COMMIT
             quorum = self._form("redo", self.step if self.step is not None else -1)
             if quorum is None:

@@ -19,9 +19,10 @@ gradient the table lists, no activations): `Estimate.total`. Backward's holds th
 activations and the gradients then alive (`grads_in_backward`): DataParallel's buckets
 (and, over micro-batches or accumulated batches, the parameters' own gradients, which
 `zero_grad` released and backward made anew outside the buckets until the last one),
-ZeRO 1's unsharded gradients, ZeRO 2's unit being reduced (its full gradient, a bucket),
-ZeRO 3's root unit's full gradient (from the head's backward to the embedding's) and the
-block's whose backward is under way.
+ZeRO 1's unsharded gradients, with the gradient backward has just computed beside either,
+until it is copied in (the largest parameter's, at most); ZeRO 2's unit being reduced (its
+full gradient, a bucket), ZeRO 3's root unit's full gradient (from the head's backward to
+the embedding's) and the block's whose backward is under way.
 
 Activations are the profile's, per micro-batch, with the recomputation mode planned
 (`[memory] activation_checkpointing`: the profile traces each), times the micro-batches a
@@ -221,7 +222,13 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
     unit = min(PARAM_BYTES * psi, options.bucket_mb * 2**20)
     block_bytes = PARAM_BYTES * profile.params_block.per_rank(tp)
     params, grads, state = PARAM_BYTES * psi, PARAM_BYTES * psi, k * psi
-    backward = grads  # DataParallel's buckets, ZeRO 1's unsharded gradients: always there
+    parts = {"embed"} if first else set()
+    parts |= ({"block"} if sum(blocks) else set()) | ({"head"} if last else set())
+    tensors = [t for t in profile.tensors if t.part in parts and (pp > 1 or not t.tied)]
+    fresh = PARAM_BYTES * max((t.numel / (tp if t.split else 1) for t in tensors), default=0)
+    # DataParallel's buckets, ZeRO 1's unsharded gradients: always there; and the gradient
+    # backward has just made, beside them until copied in (at most the largest parameter's)
+    backward = grads + fresh
     if not layout.zero and (pp > 1 or options.accum > 1):
         backward += grads  # and the gradients micro-batches accumulate before the buckets
     root = PARAM_BYTES * psi - sum(blocks) * block_bytes  # the input and output parts
@@ -249,9 +256,6 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
             params, backward, acts = params - gathered, root, head  # the logits' gradients
     out = _RankFigures(layout, params, grads, state, acts, recompute=options.recompute,
                        sequence_parallel=sp, grads_in_backward=backward)
-    parts = {"embed"} if first else set()
-    parts |= ({"block"} if sum(blocks) else set()) | ({"head"} if last else set())
-    tensors = [t for t in profile.tensors if t.part in parts and (pp > 1 or not t.tied)]
     largest = max(root, block_bytes) if layout.zero == 3 else unit  # a ZeRO unit, in bytes
     out.construction = construction_peak(layout, held, tensors, largest / PARAM_BYTES)
     out.traffic, out.calls = _traffic(profile, layout, psi, first, last, blocks, options, unit)

@@ -8,7 +8,9 @@ logits of vocabulary entries [r*V/n, (r+1)*V/n). For each token,
 needs only three numbers from across the group: the maximum (all-reduce max), and the sum
 of exponentials with the target's logit (one all-reduce of both, since only the rank owning
 the target contributes it). The gradient, softmax(z) - onehot(target), is computed on each
-rank's block. Memory and traffic per token: O(V/n) and three floats instead of O(V).
+rank's block, in place of the softmax forward kept (as Megatron-LM does: one block of
+logits alive in backward, so backward runs once per forward). Memory and traffic per
+token: O(V/n) and three floats instead of O(V).
 """
 
 from __future__ import annotations
@@ -43,16 +45,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = loss.masked_fill(ignored, 0.0)
         exp.div_(total.unsqueeze(-1))  # softmax, kept for backward
         ctx.save_for_backward(exp, local, outside | ignored, ignored)
-        ctx.dtype = logits.dtype
+        ctx.dtype, ctx.consumed = logits.dtype, False
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if ctx.consumed:
+            raise RuntimeError("vocab_parallel_cross_entropy: backward runs once per forward "
+                               "(it turns the saved softmax into the gradient in place)")
+        ctx.consumed = True
         softmax, local, not_here, ignored = ctx.saved_tensors
-        onehot = torch.zeros_like(softmax).scatter_(-1, local.unsqueeze(-1),
-                                                     (~not_here).unsqueeze(-1).float())
-        scale = grad.masked_fill(ignored, 0.0).unsqueeze(-1)
-        return ((softmax - onehot) * scale).to(ctx.dtype), None, None, None, None
+        softmax.scatter_add_(-1, local.unsqueeze(-1), -(~not_here).unsqueeze(-1).float())
+        softmax.mul_(grad.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return softmax.to(ctx.dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Any = None,

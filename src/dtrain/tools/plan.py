@@ -25,9 +25,7 @@ import argparse
 import functools
 import json
 import math
-import os
 import sys
-import time
 from typing import TYPE_CHECKING
 
 from dtrain.errors import ConfigError
@@ -84,42 +82,14 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def _default_memory(devices: int) -> tuple[float, str]:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory, "this machine's GPU"
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return pages / devices, f"this machine's RAM / {devices}"
-
-
-def measured_flops(seconds: float = 0.3) -> float:
-    """FLOP/s of a 512x512 float32 matrix multiply on this machine (one process)."""
-    import torch
-
-    a = torch.randn(512, 512)
-    a @ a
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ a
-        count += 1
-    return 2 * 512**3 * count / (time.perf_counter() - start)
-
-
 def _links(args: argparse.Namespace):
-    from dtrain.comm.select import calibration_path
-    from dtrain.planner.links import DEFAULT_GBPS, DEFAULT_LATENCY_US, Links
+    from dtrain.planner import machine
+    from dtrain.planner.links import DEFAULT_LATENCY_US, Links
 
     if args.bandwidth is not None:
         latency = args.latency if args.latency is not None else DEFAULT_LATENCY_US
         return Links.given(args.bandwidth, latency)
-    measured = Links.calibrated(str(calibration_path()))
-    if measured is not None:
-        return measured
-    links = Links.given(DEFAULT_GBPS, DEFAULT_LATENCY_US)
-    links.source = (f"assumed {DEFAULT_GBPS:g} GB/s and {DEFAULT_LATENCY_US:g} us per call "
-                    "(measure them: dtrain bench comm --calibrate, or give --bandwidth)")
-    return links
+    return machine.links()
 
 
 def plan_choices(args: argparse.Namespace, config: Config
@@ -145,7 +115,7 @@ def plan_command(args: argparse.Namespace) -> None:
     from dtrain.config import load_config
     from dtrain.data import vocab_of
     from dtrain.models import resolve
-    from dtrain.planner import plan, profile_factory, profile_model, recommend
+    from dtrain.planner import machine, plan, profile_factory, profile_model, recommend
     from dtrain.planner.construction import whole_model
 
     overrides = list(args.overrides) + [
@@ -167,8 +137,8 @@ def plan_command(args: argparse.Namespace) -> None:
         raise ConfigError("--schedules is empty: give gpipe, 1f1b or both (gpipe,1f1b)")
     check_output("--json", args.json)
     memory, memory_from = ((parse_size(args.memory, "--memory"), "given") if args.memory
-                           else _default_memory(devices))
-    flops = args.tflops * 1e12 if args.tflops else measured_flops()
+                           else machine.device_memory(devices))
+    flops = args.tflops * 1e12 if args.tflops else machine.measured_flops()
     links = _links(args)
     # cached: plan() and the header below trace the same micro-batch sizes
     if args.model:

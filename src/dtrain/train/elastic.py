@@ -1,33 +1,121 @@
 """An elastic job's layout for the ranks each round brings (`dtrain train --nnodes MIN:MAX`).
 
-The launcher sets `ELASTIC_ENV` to the most ranks the job can have. Each round, every rank
-re-derives the layout for the ranks that came: tensor and pipeline parallelism are kept
-when they still divide the world, else dropped (data parallel over every rank); data
-parallelism takes the rest. The global batch is kept: gradient accumulation grows so that
-no rank's forward holds more sequences than it did with every rank there. The run then
-resumes from the newest checkpoint (universal: any layout reads it) on the very batches it
-would have seen (dtrain.data.batches draws each step's global batch whatever the layout).
+The launcher sets `ELASTIC_ENV` to the most ranks the job can have (rank 0's launcher's
+count is the job's). Each round, the ranks re-derive the layout for the ranks that came:
+tensor and pipeline parallelism are kept when they still divide the world, and data
+parallelism takes the rest; else the planner (dtrain.planner) chooses the layout for the
+new world: the fastest it estimates that fits this machine's memory, with its ZeRO stage,
+micro-batches, recomputation and sequence parallelism (rank 0 plans, on its own machine's
+figures, and the others take its choice); if none fits, data parallel over every rank is
+tried. The global batch is kept: gradient accumulation grows so that no rank's forward
+holds more sequences than it did with every rank there (under a planned layout, the
+planner's memory check speaks instead). The run then resumes from the newest checkpoint
+(universal: any layout reads it) on the very batches it would have seen
+(dtrain.data.batches draws each step's global batch whatever the layout).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from dtrain.config import Config
+import torch
+
+from dtrain import comm
+from dtrain.config import Config, config_from_dict
+from dtrain.data import vocab_of
 from dtrain.errors import ConfigError
+from dtrain.models import resolve
+from dtrain.planner import RECOMPUTE, machine, plan, profile_model, recommend
+from dtrain.world import World
 
 ELASTIC_ENV = "DTRAIN_ELASTIC_MAX_RANKS"
 
 
-def max_ranks() -> int:
-    """The most ranks of this elastic job; 0 when the job is not elastic."""
-    return int(os.environ.get(ELASTIC_ENV, "0") or 0)
+@dataclass(frozen=True)
+class Choice:
+    """A layout the planner chose for a round, with the options it goes with."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    microbatches: int
+    recompute: str
+    sequence_parallel: bool
+
+    @property
+    def label(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        parts += [f"zero={self.zero}"] if self.zero else []
+        parts += [f"{self.microbatches} micro-batches"] if self.pp > 1 else []
+        parts += [f"recomputing {self.recompute}"] if self.recompute != "none" else []
+        parts += ["sequence parallel"] if self.sequence_parallel else []
+        return ", ".join(parts)
 
 
-def adapt(config: Config, world_size: int, most: int) -> tuple[Config, str]:
+Chooser = Callable[[Config, int, int], "Choice | None"]
+"""(config, ranks, gradient accumulation) -> the layout for that many ranks, or None."""
+
+
+def max_ranks(world: World | None = None) -> int:
+    """The most ranks of this elastic job; 0 when the job is not elastic. Given the world,
+    rank 0's figure, sent to every rank (a collective call): launchers starting different
+    numbers of ranks count differently, and every rank must cut the batch alike."""
+    most = int(os.environ.get(ELASTIC_ENV, "0") or 0)
+    if world is None or not most or world.world_size == 1:
+        return most
+    value = torch.tensor([most], dtype=torch.int64, device=world.device)
+    comm.broadcast(value, 0)
+    return int(value.item())
+
+
+def planned(config: Config, world_size: int, accum: int, local_ranks: int = 1) -> Choice | None:
+    """The planner's best layout of `config`'s model for `world_size` ranks and its global
+    batch, on this machine's figures (`local_ranks` of them sharing its memory); None if
+    no layout fits."""
+    dc, p = config.data, config.parallel
+    shape = resolve(config.model, vocab_of(dc.path, dc.format, dc.tokenizer))
+    memory, _ = machine.device_memory(local_ranks)
+    first = RECOMPUTE.index(config.memory.activation_checkpointing)
+    estimates = plan(functools.cache(lambda b: profile_model(shape, b)), world_size, memory,
+                     config.train.batch_size, machine.measured_flops(), machine.links(),
+                     config.optimizer.name, accum, p.bucket_mb, (p.schedule,),
+                     RECOMPUTE[first:], (True,) if p.sequence_parallel else (False, True))
+    best, _ = recommend(estimates)
+    if best is None:
+        return None
+    layout = best.layout
+    return Choice(layout.dp, layout.tp, layout.pp, layout.zero, layout.microbatches,
+                  best.recompute, best.sequence_parallel)
+
+
+def agreed(world: World) -> Chooser:
+    """`planned` on rank 0, its choice sent to every rank (machines may differ in memory
+    and speed; ranks choosing differently could not train together). A collective call."""
+    def choose(config: Config, world_size: int, accum: int) -> Choice | None:
+        values = torch.zeros(7, dtype=torch.int64, device=world.device)
+        if world.rank == 0:
+            choice = planned(config, world_size, accum, world.local_world_size)
+            if choice is not None:
+                values = torch.tensor(
+                    [choice.dp, choice.tp, choice.pp, choice.zero, choice.microbatches,
+                     RECOMPUTE.index(choice.recompute), int(choice.sequence_parallel)],
+                    device=world.device)
+        comm.broadcast(values, 0)
+        dp, tp, pp, zero, micro, mode, sp = values.tolist()
+        return Choice(dp, tp, pp, zero, micro, RECOMPUTE[mode], bool(sp)) if dp else None
+    return choose
+
+
+def adapt(config: Config, world_size: int, most: int,
+          choose: Chooser = lambda config, world_size, accum: None) -> tuple[Config, str]:
     """`config` for `world_size` ranks of a job that may have up to `most`, and a note for
-    the banner ("" when the layout is the configured one).
+    the banner ("" when the layout is the configured one). `choose` picks the layout when
+    the configured tp x pp does not divide the world (`agreed` in a job; by default none:
+    data parallel over every rank).
 
     Raises:
         ConfigError: the global batch cannot be cut evenly for this many ranks.
@@ -35,23 +123,41 @@ def adapt(config: Config, world_size: int, most: int) -> tuple[Config, str]:
     p, t = config.parallel, config.train
     keep = world_size % (p.tp * p.pp) == 0
     tp, pp = (p.tp, p.pp) if keep else (1, 1)
-    dp, dp_most = world_size // (tp * pp), max(1, most // (p.tp * p.pp))
+    accum = _accumulation(config, world_size, world_size // (tp * pp), pp, most)
+    if keep and accum == t.grad_accum and p.dp in (0, world_size // (tp * pp)):
+        return config, ""
+    choice = None if keep else choose(config, world_size, accum)
+    values = config.to_dict()
+    if choice is None:
+        values["parallel"].update(dp=0, tp=tp, pp=pp)
+        values["train"]["grad_accum"] = accum
+        how = "" if keep else f"; tp={p.tp} x pp={p.pp} does not divide it: dropped"
+    else:
+        values["parallel"].update(dp=choice.dp, tp=choice.tp, pp=choice.pp, zero=choice.zero,
+                                  microbatches=choice.microbatches,
+                                  sequence_parallel=choice.sequence_parallel)
+        values["memory"]["activation_checkpointing"] = choice.recompute
+        accum = accum if choice.pp == 1 else 1  # a pipeline's micro-batches cut the batch
+        values["train"]["grad_accum"] = accum
+        how = (f"; tp={p.tp} x pp={p.pp} does not divide it: the planner's best is "
+               f"{choice.label}")
+    note = (f"elastic: {world_size} of up to {most} ranks{how}; gradient accumulation "
+            f"{accum} keeps the global batch of {t.batch_size}")
+    return config_from_dict(values), note
+
+
+def _accumulation(config: Config, world_size: int, dp: int, pp: int, most: int) -> int:
+    """The least gradient accumulation, from the configured one up, that cuts the global
+    batch evenly over `dp` replicas (of `pp` stages) without a forward larger than with
+    `most` ranks."""
+    p, t = config.parallel, config.train
+    dp_most = max(1, most // (p.tp * p.pp))
     micro = p.microbatches if pp > 1 else 1
     largest = t.batch_size // (dp_most * t.grad_accum)  # sequences per forward at full size
     for accum in range(t.grad_accum, t.batch_size + 1):
         if t.batch_size % (dp * accum * micro) == 0 and t.batch_size // (dp * accum) <= largest:
-            break
-    else:
-        raise ConfigError(
-            f"train.batch_size = {t.batch_size} cannot be cut evenly for {world_size} ranks "
-            f"(data parallel over {dp}): make it a multiple of every data-parallel size the "
-            "job may have (say the least common multiple of them)")
-    if (tp, pp, accum) == (p.tp, p.pp, t.grad_accum) and p.dp in (0, dp):
-        return config, ""
-    changed = dataclasses.replace(
-        config, parallel=dataclasses.replace(p, dp=0, tp=tp, pp=pp),
-        train=dataclasses.replace(t, grad_accum=accum))
-    dropped = "" if keep else f"; tp={p.tp} x pp={p.pp} does not divide it: dropped"
-    note = (f"elastic: {world_size} of up to {most} ranks{dropped}; gradient accumulation "
-            f"{accum} keeps the global batch of {t.batch_size}")
-    return changed, note
+            return accum
+    raise ConfigError(
+        f"train.batch_size = {t.batch_size} cannot be cut evenly for {world_size} ranks "
+        f"(data parallel over {dp}): make it a multiple of every data-parallel size the "
+        "job may have (say the least common multiple of them)")

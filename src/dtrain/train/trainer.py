@@ -99,9 +99,9 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     world = world_mod.init(backend=backend, timeline=own_timeline or None)
     live = open_live(config)  # live replicas: each rank a world of its own (dtrain.train.live)
     note = ""
-    most = elastic.max_ranks()
+    most = elastic.max_ranks(world)
     if most:  # this round's ranks: the layout and accumulation fit them
-        config, note = elastic.adapt(config, world.world_size, most)
+        config, note = elastic.adapt(config, world.world_size, most, elastic.agreed(world))
     tc, mc = config.train, config.model
     layout = layout_of(config, world.world_size)
     mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
