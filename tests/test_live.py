@@ -5,6 +5,7 @@ group grows back, with no step lost or repeated."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -81,7 +82,10 @@ def replica_main(port: int, replica: int, plan: dict[str, Any], out: str) -> Non
             os._exit(1)
         ran.append(step)
         x, y = slice_of(step, replica)
-        nn.functional.cross_entropy(model(x), y).backward()
+        parts = plan.get("accum", 1)  # micro-batches, reduced once after the last
+        for i, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts), strict=True)):
+            with model.no_sync() if i < parts - 1 else contextlib.nullcontext():
+                (nn.functional.cross_entropy(model(xs), ys) / parts).backward()
         if live.committed:
             optimizer.step()
             seen["samples"] += PER_REPLICA * live.size
@@ -187,11 +191,13 @@ def assert_matches_simulation(results: list[dict[str, Any]], steps: int) -> None
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["before", "backward"])
 def test_survivors_of_a_killed_replica_go_on_and_match_one_process(job_of, where) -> None:
-    """Replica 2 dies as step 3 begins, or in the middle of step 3's backward (after later
-    layers' buckets were launched); replicas 0 and 1 finish every step with no restart,
-    average steps 3.. over the two of them, and end as one process would."""
+    """Replica 2 dies as step 3 begins (every replica accumulating two micro-batches), or
+    in the middle of step 3's backward (after later layers' buckets were launched);
+    replicas 0 and 1 finish every step with no restart, average steps 3.. over the two of
+    them, and end as one process would."""
     steps = 6
-    job = job_of({"steps": steps, "victim": 2, "at": 3, "where": where, "timeouts": FAST})
+    job = job_of({"steps": steps, "victim": 2, "at": 3, "where": where, "timeouts": FAST,
+                  "accum": 2 if where == "before" else 1})
     for replica in range(SLOTS):
         job.start(replica)
     results = job.results()
