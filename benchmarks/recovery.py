@@ -12,7 +12,9 @@ since the newest checkpoint). Two ways of recovering:
 - elastic: the same with `--nnodes 1:2` on one launcher: nothing changes but the round
   (the path an elastic job's survivors take);
 - live: `[parallel] fault_tolerance = "live"`: the other replicas drop rank 1 within the
-  step and go on; its supervisor starts it again and it recovers from a live peer.
+  step and go on; its supervisor starts it again and it recovers from a live peer;
+- live-tp: the same with replicas of two tensor-parallel ranks (`parallel.tp = 2`): the
+  other replica goes on, and rank 1's replica (ranks 0 and 1) is started again whole.
 
 benchmarks/live_recovery.py measures the library's live replicas alone, and the time a
 replacement takes to catch up from a live peer against loading from disk.
@@ -88,8 +90,10 @@ def trial(how: str, folder: Path) -> tuple[float, int]:
     config.write_text(CONFIG)
     metrics = folder / "metrics.jsonl"
     flags = []
-    if how == "live":
+    if how.startswith("live"):
         flags = ["--set", "parallel.fault_tolerance='live'"]
+    if how == "live-tp":
+        flags += ["--set", "parallel.tp=2"]
     if how == "elastic":
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -106,7 +110,7 @@ def trial(how: str, folder: Path) -> tuple[float, int]:
             time.sleep(0.05)
         pid = _rank_pid(proc.pid, 1)
         assert pid is not None, "rank 1 not found"
-        if how == "live":  # the rank runs under its supervisor (dtrain.launch.replica)
+        if how.startswith("live"):  # the rank runs under its supervisor (launch.replica)
             pid = next(iter(children(pid)))
         os.kill(pid, signal.SIGKILL)
         killed = time.time()
@@ -133,7 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     load = os.getloadavg()[0]
     rows = []
-    for how in ("restart", "elastic", "live"):
+    for how in ("restart", "elastic", "live", "live-tp"):
         seconds, lost = [], []
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as tmp:
@@ -157,7 +161,8 @@ def main() -> None:
     ]
     for how, med, low, high, lost in rows:
         what = {"restart": "restart from the newest checkpoint", "elastic": "new elastic round "
-                "from the newest checkpoint", "live": "live: the others go on"}[how]
+                "from the newest checkpoint", "live": "live: the others go on",
+                "live-tp": "live, replicas of 2 tp ranks: the other goes on"}[how]
         lines.append(f"| {what} | {med:.1f} | {low:.1f} | "
                      f"{high:.1f} | {lost:g} |")
     text = "\n".join(lines) + "\n"

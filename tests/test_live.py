@@ -24,7 +24,7 @@ from torch import nn
 
 from dtrain.config import load_config
 from dtrain.errors import ConfigError
-from tests.cli import TINY_MODEL
+from tests.cli import TINY_MODEL, dtrain, one_error_line
 
 SLOTS = 3
 PER_REPLICA = 4
@@ -274,6 +274,123 @@ def test_a_stopped_replica_is_dropped_within_the_step_timeout_and_rejoins(job_of
     assert_matches_simulation(results[:2], steps)
 
 
+# ------------------------------------------------- replicas of two tensor-parallel ranks
+TP_PLAN = {"0": "colwise", "2": "rowwise"}  # Linear(8, 16) by rows, Linear(16, 16) by columns
+
+
+def shard_of(whole: dict[str, torch.Tensor], position: int) -> dict[str, torch.Tensor]:
+    """Position `position`'s part (of 2) of make_model's parameters under TP_PLAN."""
+    rows, cols = slice(8 * position, 8 * position + 8), slice(8 * position, 8 * position + 8)
+    out = dict(whole)
+    out["0.weight"], out["0.bias"] = whole["0.weight"][rows], whole["0.bias"][rows]
+    out["2.weight"] = whole["2.weight"][:, cols]
+    return out
+
+
+def group_replica_main(port: int, replica: int, position: int, plan: dict[str, Any],
+                       out: str) -> None:
+    """One rank of a replica of two ranks (its own world of 2), tensor parallel or ZeRO-2
+    inside (plan["inside"]); dies where told."""
+    import dtrain
+    from dtrain import tensor_parallel as tp
+    from dtrain.parallel.live import LiveReplicas
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    world = dist.PrefixStore(f"tp/{replica}/{plan.get('generation', 0)}", store)
+    dist.init_process_group("gloo", store=world, rank=position, world_size=2,
+                            timeout=timedelta(seconds=20))
+    live = LiveReplicas(store, replica, SLOTS, position=position, positions=2,
+                        **plan["timeouts"])
+    zero = plan["inside"] == "zero"
+    if zero:  # each rank takes half the replica's slice; the shards' state is the ranks'
+        net = make_model(seed=replica + 1)
+        model = dtrain.ZeRO(net, lambda params: torch.optim.Adam(params, lr=0.01), stage=2,
+                            live=live)
+    else:
+        net = tp.parallelize(make_model(seed=replica + 1), TP_PLAN)
+        model = dtrain.DataParallel(net, live=live)
+        optimizer = make_optimizer(net)
+        live.track(optimizer=optimizer)
+    victim = plan.get("victim") == (replica, position) and not plan.get("generation")
+    ran, step = [], 0
+    while step < plan["steps"]:
+        step = live.begin_step(step)
+        store.set(f"progress/{replica}.{position}", str(step))
+        if victim and step == plan["at"]:
+            os._exit(1)
+        ran.append(step)
+        x, y = slice_of(step, replica)
+        if zero:
+            x, y = x.chunk(2)[position], y.chunk(2)[position]
+        nn.functional.cross_entropy(model(x), y).backward()
+        stepper = model if zero else optimizer
+        if live.committed:
+            stepper.step()
+        stepper.zero_grad()
+        time.sleep(plan.get("pace", 0.0))
+        step += 1
+    live.close()
+    torch.save({"params": {k: v.clone() for k, v in net.state_dict().items()},
+                "history": live.history, "ran": ran, "position": position}, out)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("inside", [pytest.param("tp", marks=pytest.mark.slow), "zero"])
+def test_replicas_of_two_ranks_lose_and_regain_a_whole_replica(tmp_path: Path,
+                                                               inside: str) -> None:
+    """Three replicas of two ranks each, tensor parallel (tp=2) or ZeRO-2 inside. Rank 1
+    of replica 2 dies as step 3 begins: its replica is dropped at both positions (its rank
+    0, alive, is stopped as a supervisor would); a new replica 2 of two fresh ranks joins,
+    each sent its position's parameters and Adam state by a live peer; every rank's
+    parameters (tp: its shards) equal a one-process simulation of exactly the slices that
+    took part each step."""
+    steps = 14
+    plan = {"steps": steps, "victim": (2, 1), "at": 3, "pace": 0.2, "inside": inside,
+            "timeouts": {**FAST, "join_timeout": 30.0}}
+    job = Job(tmp_path, plan)
+    started = {}
+    try:
+        for replica in range(SLOTS):
+            for position in range(2):
+                started[replica, position] = job.spawner.Process(
+                    target=group_replica_main, daemon=True, args=(
+                        job.store.port, replica, position, plan,
+                        str(tmp_path / f"r{replica}.{position}.pt")))
+                started[replica, position].start()
+        started[2, 1].join(60)
+        assert started[2, 1].exitcode == 1
+        started[2, 0].kill()  # the replica's supervisor stops the rank left behind
+        started[2, 0].join()
+        fresh = [job.spawner.Process(target=group_replica_main, daemon=True, args=(
+            job.store.port, 2, position, {**plan, "generation": 1},
+            str(tmp_path / f"r2.{position}.new.pt"))) for position in range(2)]
+        for proc in fresh:
+            proc.start()
+        for proc in [*(started[r, p] for r in range(2) for p in range(2)), *fresh]:
+            proc.join(90)
+            assert proc.exitcode == 0
+    finally:
+        for proc in [*started.values(), *locals().get("fresh", [])]:
+            if proc.is_alive():
+                proc.kill()
+    results = {(r, p): torch.load(tmp_path / f"r{r}.{p}.pt", weights_only=False)
+               for r in range(2) for p in range(2)}
+    newcomers = [torch.load(tmp_path / f"r2.{p}.new.pt", weights_only=False)
+                 for p in range(2)]
+    history = results[0, 0]["history"]
+    assert all(result["history"] == history for result in results.values())
+    first = newcomers[0]["ran"][0]
+    assert all(n["history"] == {s: history[s] for s in range(first, steps)} for n in newcomers)
+    counts = [len(history[s]) for s in range(steps)]
+    assert 3 < first < steps - 1 and newcomers[1]["ran"][0] == first, newcomers[0]["ran"]
+    assert counts == [3] * 3 + [2] * (first - 3) + [3] * (steps - first), counts
+    reference = simulate(history, steps)
+    for result in [*results.values(), *newcomers]:
+        want = reference if inside == "zero" else shard_of(reference, result["position"])
+        torch.testing.assert_close(result["params"], want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.timeout(60)
 def test_the_store_keeps_only_the_last_rounds_keys() -> None:
     """A long run does not fill the job's store: the first member deletes each round's
@@ -301,18 +418,45 @@ def test_the_store_keeps_only_the_last_rounds_keys() -> None:
     rounds = dist.PrefixStore("live/", store)  # as LiveReplicas sees it
     latest = int(rounds.get("latest"))
     assert latest >= 3 * KEEP - 1
-    assert rounds.check([f"r/{latest - KEEP + 1}/d", f"r/{latest}/a/0", f"r/{latest}/c0"])
+    assert rounds.check([f"r/{latest - KEEP + 1}/d", f"r/{latest}/a/0.0", f"r/{latest}/c0"])
     assert not any(rounds.check([f"r/{g}/{key}"]) for g in (0, KEEP, latest - KEEP)
-                   for key in ("d", "a/0", "c0", "v0/0"))
+                   for key in ("d", "a/0.0", "c0", "v0/0.0"))
     assert counts[-1] == counts[2 * KEEP] < 2 * counts[KEEP - 1], counts
 
 
-def test_zero_tensor_and_pipeline_parallel_are_refused_with_live_replicas() -> None:
-    load_config(None, ["parallel.fault_tolerance='live'"])
-    for key, word in (("zero=2", "zero = 2"), ("tp=2", "tp = 2"), ("pp=2", "pp = 2"),
-                      ("mode='ps'", "mode = 'ps'")):
-        with pytest.raises(ConfigError, match=f"not parallel.{word}"):
-            load_config(None, ["parallel.fault_tolerance='live'", f"parallel.{key}"])
+def test_live_replicas_refuse_what_a_replacement_could_not_be_sent_in_one_line() -> None:
+    """Replicas of tp x pp ranks with ZeRO 1-2 inside are fine; stage 3, mixed precision,
+    plain dp inside a replica, interleaved pipelines and parameter servers are refused."""
+    live = "parallel.fault_tolerance='live'"
+    for fine in (["parallel.tp=2", "parallel.pp=2"], ["parallel.zero=2", "parallel.dp=2"]):
+        load_config(None, [live, *fine])
+    for keys, words in (
+            (["parallel.zero=3"], "ZeRO stages 1 and 2 in fp32"),
+            (["parallel.zero=1", "parallel.mixed_precision='bf16'"], "stages 1 and 2 in fp32"),
+            (["parallel.dp=2"], "parallel.dp = 2 is data parallelism inside a replica"),
+            (["parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule='interleaved'",
+              "model.n_layer=4", "parallel.microbatches=4"],
+             "one pipeline piece per rank"),
+            (["parallel.mode='ps'"], "not parallel.mode = 'ps'")):
+        with pytest.raises(ConfigError, match=words) as caught:
+            load_config(None, [live, *keys])
+        assert "\n" not in str(caught.value)
+
+
+def test_a_job_that_does_not_divide_into_live_replicas_is_one_line(tmp_path: Path) -> None:
+    """Ranks that do not divide into replicas, and an elastic job of live replicas."""
+    done = dtrain("train", "-n", "3", "--set", "parallel.fault_tolerance='live'",
+                  "--set", "parallel.tp=2", "--set", f"train.out_dir='{tmp_path / 'run'}'")
+    assert done.returncode == 2 and one_error_line(done) == (
+        "dtrain: error: 3 ranks do not make live replicas of dp x tp x pp = 2 ranks each: "
+        "run a multiple of 2 ranks"), done.stderr
+    assert not (tmp_path / "run").exists()
+    done = dtrain("train", "-n", "2", "--nnodes", "1:2", "--set",
+                  "parallel.fault_tolerance='live'", "--set",
+                  f"train.out_dir='{tmp_path / 'run'}'")
+    assert done.returncode == 2 and "keeps a fixed set of replica slots: give --nnodes 2" in \
+        one_error_line(done), done.stderr
+    assert not (tmp_path / "run").exists()
 
 
 LIVE_JOB = TINY_MODEL + """
@@ -333,6 +477,50 @@ sample_tokens = 0
 """
 
 
+def lose_and_regain(tmp_path: Path, nproc: int, rank: int, sets: list[str],
+                    back_for: int, timeout: float) -> tuple[str, list[int]]:
+    """`dtrain train -n nproc --max-restarts 1` of LIVE_JOB with `rank` SIGKILLed as step 5
+    begins, stopped once the metrics show the replicas whole again for `back_for` steps
+    after one was lost: its output, and the replicas of each step. Checks that every step
+    has one record, none lost or repeated, and that the first 4 had every replica."""
+    config, metrics = tmp_path / "job.toml", tmp_path / "metrics.jsonl"
+    config.write_text(LIVE_JOB)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_FAULT": f"kill@step=5,rank={rank}"}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "dtrain.cli", "train", str(config), "-n", str(nproc),
+         "--max-restarts", "1", "--metrics", str(metrics),
+         "--set", f"train.out_dir='{tmp_path / 'run'}'",
+         *(item for key in sets for item in ("--set", key))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True)
+
+    def records() -> list[dict[str, Any]]:
+        if not metrics.exists():
+            return []
+        return [json.loads(line) for line in metrics.read_text().splitlines()
+                if '"replicas"' in line]
+
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = [r["replicas"] for r in records()]
+            whole = seen[0] if seen else 0
+            if (any(n < whole for n in seen) and seen[-back_for:] == [whole] * back_for
+                    and len(seen) > back_for + 5):
+                break
+            assert job.poll() is None, job.communicate()[0]
+            assert time.monotonic() < deadline, f"no rejoin: {seen[:50]}"
+            time.sleep(0.2)
+    finally:
+        os.killpg(job.pid, signal.SIGINT)
+        out = job.communicate(timeout=60)[0]
+    steps = [r["step"] for r in records()]
+    assert steps == list(range(1, len(steps) + 1)), steps  # none lost or repeated
+    seen = [r["replicas"] for r in records()]
+    assert seen[:4] == [seen[0]] * 4, seen
+    return out, seen
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_dtrain_train_drops_a_killed_replica_and_takes_its_replacement_back(
@@ -342,37 +530,33 @@ def test_dtrain_train_drops_a_killed_replica_and_takes_its_replacement_back(
     and it rejoins from a live peer: the metrics show 3 replicas, then 2, then 3 again, one
     record per step, none skipped or repeated. (The run is long; the test stops it once the
     replacement has taken part in 20 steps.)"""
-    config, metrics = tmp_path / "job.toml", tmp_path / "metrics.jsonl"
-    config.write_text(LIVE_JOB)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_FAULT": "kill@step=5,rank=2"}
-    job = subprocess.Popen(
-        [sys.executable, "-m", "dtrain.cli", "train", str(config), "-n", "3",
-         "--max-restarts", "1", "--metrics", str(metrics),
-         "--set", f"train.out_dir='{tmp_path / 'run'}'"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True)
-
-    def counts() -> list[int]:
-        if not metrics.exists():
-            return []
-        return [json.loads(line)["replicas"] for line in metrics.read_text().splitlines()
-                if '"replicas"' in line]
-
-    try:
-        deadline = time.monotonic() + 150
-        while not (2 in counts() and counts()[-20:] == [3] * 20 and len(counts()) > 30):
-            assert job.poll() is None, job.communicate()[0]
-            assert time.monotonic() < deadline, f"no rejoin: {counts()[:50]}"
-            time.sleep(0.2)
-    finally:
-        os.killpg(job.pid, signal.SIGINT)
-        out = job.communicate(timeout=60)[0]
-    seen = counts()
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()
-             if '"replicas"' in line]
-    assert steps == list(range(1, len(steps) + 1)), steps  # no step lost or repeated
+    out, seen = lose_and_regain(tmp_path, 3, 2, [], back_for=20, timeout=150)
     first_two = seen.index(2)
     assert first_two == 4 and seen[:4] == [3] * 4, seen[:20]  # step 5 averaged 2
     back = first_two + seen[first_two:].index(3)
     assert set(seen[first_two:back]) == {2} and set(seen[back:]) == {3}, seen
     assert "replica 2 was killed by SIGKILL; started again" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", [
+    ["parallel.tp=2"],
+    ["parallel.pp=2", "model.n_layer=2", "train.batch_size=16"],
+    ["parallel.zero=2", "parallel.dp=2"],
+], ids=["tp", "pp", "zero"])
+def test_dtrain_train_replicas_of_two_ranks_lose_and_regain_one(tmp_path: Path,
+                                                                layout: list[str]) -> None:
+    """`dtrain train -n 4 --max-restarts 1` with live replicas of two ranks each (tp=2, a
+    pipeline of 2 stages, or ZeRO-2 over 2): rank 3 (replica 1's second) is SIGKILLed as
+    step 5 begins; its supervisor and its partner's start the replica again and it rejoins
+    from the live replica: the metrics show 2 replicas, 1 from step 5, then 2 again, one
+    record per step, none lost or repeated. (The run is long; the test stops it once the
+    replica is back for 10 steps.)"""
+    out, counts = lose_and_regain(tmp_path, 4, 3, layout, back_for=10, timeout=180)
+    assert "2 live replica(s) of 2 rank(s)" in out, out
+    assert "replica 1 (its rank 1) was killed by SIGKILL; started again" in out, out
+    assert "replica 1 (its rank 0) lost a rank; started again" in out, out
+    back = 4 + counts[4:].index(2)
+    assert counts[:4] == [2] * 4 and set(counts[4:back]) == {1}, counts
+    assert set(counts[back:]) == {2}, counts

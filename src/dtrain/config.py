@@ -145,9 +145,10 @@ class ParallelConfig:
     divide by tp."""
     fault_tolerance: str = "restart"
     """When a rank dies: restart (every rank restarts from the newest checkpoint, up to
-    --max-restarts times) or live (data-parallel replicas: one that dies or stalls is
-    dropped at the next step and the others go on without restarting; with --max-restarts
-    K it is restarted in place up to K times and recovers its state from a live peer)."""
+    --max-restarts times) or live (data-parallel replicas of dp x tp x pp ranks each, dp
+    being ZeRO's inside a replica: one that loses a rank or stalls is dropped at the next
+    step and the others go on without restarting; with --max-restarts K its ranks are
+    restarted in place up to K times and recover their state from a live peer)."""
     step_timeout: float = 5.0
     """With fault_tolerance = "live": seconds a step waits for a late replica before it is
     dropped (also each collective's timeout)."""
@@ -337,13 +338,23 @@ def _validate(config: Config) -> None:
 
 
 def _validate_live(p: ParallelConfig) -> None:
-    for name, value, plain in (("mode", p.mode, "collective"), ("zero", p.zero, 0),
-                               ("tp", p.tp, 1), ("pp", p.pp, 1)):
-        if value != plain:
-            raise ConfigError(f"parallel.fault_tolerance = \"live\" keeps data-parallel replicas "
-                              f"alive, not parallel.{name} = {value!r} (a rank's part of the "
-                              f"model or optimizer would die with it): use {name} = {plain!r} "
-                              "or fault_tolerance = \"restart\"")
+    live = "parallel.fault_tolerance = \"live\""
+    if p.mode != "collective":
+        raise ConfigError(f"{live} keeps collective replicas alive, not parallel.mode = "
+                          f"{p.mode!r}: use mode = \"collective\" or fault_tolerance = "
+                          "\"restart\"")
+    if p.zero == 3 or (p.zero and p.mixed_precision != "fp32"):
+        raise ConfigError(f"{live} works with ZeRO stages 1 and 2 in fp32 (a replacement is "
+                          "sent the parameters and its shard's optimizer state; stage 3 and "
+                          "mixed precision keep more): use zero = 1 or 2 with "
+                          "mixed_precision = \"fp32\", or fault_tolerance = \"restart\"")
+    if p.dp > 1 and not p.zero:
+        raise ConfigError(f"{live}: parallel.dp = {p.dp} is data parallelism inside a "
+                          "replica, which only ZeRO does (the replicas are the data "
+                          "parallelism): set zero = 1 or 2, or dp = 0")
+    if p.pp > 1 and p.virtual_stages > 1:
+        raise ConfigError(f"{live} reduces one pipeline piece per rank: use virtual_stages = "
+                          "1, or fault_tolerance = \"restart\"")
     if p.step_timeout <= 0:
         raise ConfigError(f"parallel.step_timeout = {p.step_timeout} must be positive (seconds)")
 

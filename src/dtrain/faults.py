@@ -71,7 +71,9 @@ def at(point: str, value: object = "") -> None:
     fault = parse(text)
     if fault.point != point or (fault.value and fault.value != str(value)):
         return
-    rank = int(os.environ.get("DTRAIN_LIVE_ID") or os.environ.get("RANK", "0"))  # a replica's
+    rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get("DTRAIN_LIVE_ID"):  # a live replica's rank sees its replica's world
+        rank += int(os.environ["DTRAIN_LIVE_ID"]) * int(os.environ.get("WORLD_SIZE", "1"))
     attempt = attempt_number()
     if (fault.rank is not None and fault.rank != rank) or fault.attempt != attempt:
         return

@@ -1,12 +1,17 @@
-"""One live replica of `dtrain train` (`[parallel] fault_tolerance = "live"`):
+"""One rank of a live replica of `dtrain train` (`[parallel] fault_tolerance = "live"`):
 `python -m dtrain.launch.replica RESTARTS -- COMMAND...`.
 
 The elastic agent would stop every rank when one fails. Under live replicas each rank runs
-inside this supervisor instead: the rank (COMMAND) sees a world of one process and its
-replica id (dtrain.train.live), and when it dies the supervisor starts it again in place,
-up to RESTARTS times; the new process recovers the model, optimizer and position from a
-live peer. With no restart left the supervisor exits 0: the other replicas go on without
-it, and the agent does not stop them.
+inside this supervisor instead. The job's ranks form replicas of `RANKS_ENV` consecutive
+ranks (dp x tp x pp of the config; one by default): the rank (COMMAND) sees the world of its
+replica, under bootstrap keys of that replica's generation, and its replica id
+(dtrain.train.live). When a rank of a replica dies, its supervisor starts a new generation
+of the replica (a counter in the job's store); the supervisors of the other ranks see it,
+stop their rank (alive, but its replica's groups are broken) and start it again in the new
+generation, up to RESTARTS times each. The new ranks recover the model, optimizer state and
+position from a live replica. With no restart left the supervisor exits 0: the other
+replicas go on without this one, and the agent does not stop them. A rank that exits 2 (a
+mistake in the job, said in one line) is not started again.
 """
 
 from __future__ import annotations
@@ -15,23 +20,56 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from datetime import timedelta
 
 from dtrain.launch import bootstrap, exits
-from dtrain.train.live import ID_ENV, INCARNATION_ENV, SLOTS_ENV
+from dtrain.train.live import ID_ENV, INCARNATION_ENV, RANKS_ENV, SLOTS_ENV
+
+POLL = 0.1  # seconds between looks at the rank and at its replica's generation
 
 
 def command(restarts: int, argv: list[str]) -> list[str]:
-    """`argv` run as a live replica, restarted in place up to `restarts` times."""
+    """`argv` run as a rank of a live replica, restarted in place up to `restarts` times."""
     return [sys.executable, "-u", "-m", "dtrain.launch.replica", str(restarts), "--", *argv]
+
+
+RETIRED = "retired"  # a generation that never comes: a rank of the replica has no restart left
+
+
+def _generations(replica: int):
+    """The job store's generation counter of `replica`: read it (-1 once retired), and
+    bump it from a given generation (to RETIRED with `retire`)."""
+    import torch.distributed as dist
+
+    store = dist.PrefixStore(
+        f"dtrain/live/{os.environ.get('DTRAIN_RUN_ID', '')}/generation/",
+        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                      is_master=False, timeout=timedelta(seconds=60)))
+    key = str(replica)
+    store.compare_set(key, "", "0")  # the first generation, whoever comes first
+
+    def current() -> int:
+        value = store.get(key).decode()
+        return -1 if value == RETIRED else int(value)
+
+    def bump(seen: int, retire: bool) -> None:
+        store.compare_set(key, str(seen), RETIRED if retire else str(seen + 1))
+
+    return current, bump
 
 
 def main(argv: list[str]) -> int:
     restarts, program = int(argv[0]), argv[2:]  # after "--"
-    replica = os.environ["RANK"]
-    os.environ.update({ID_ENV: replica, SLOTS_ENV: os.environ["WORLD_SIZE"], "RANK": "0",
-                       "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                       "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1"})
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    ranks = int(os.environ.get(RANKS_ENV, "1"))
+    replica, position = divmod(rank, ranks)
+    attempt = os.environ.get("DTRAIN_ATTEMPT", "")
+    os.environ.update({ID_ENV: str(replica), SLOTS_ENV: str(world // ranks),
+                       "RANK": str(position), "WORLD_SIZE": str(ranks),  # its replica's
+                       "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1"})  # (LOCAL_RANK: its GPU)
     os.environ.pop(exits.ENV, None)  # this process notes the exit time, not its child
+    current, bump = _generations(replica)
     stopping: list[int] = []
     child: subprocess.Popen | None = None
 
@@ -42,20 +80,32 @@ def main(argv: list[str]) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    for incarnation in range(restarts + 1):
-        os.environ[INCARNATION_ENV] = str(incarnation)
+    who = f"replica {replica}" + (f" (its rank {position})" if ranks > 1 else "")
+    for restart in range(restarts + 1):
+        generation = current()
+        if generation < 0:
+            break  # the replica is gone for good
+        os.environ[INCARNATION_ENV] = str(generation)
+        os.environ["DTRAIN_ATTEMPT"] = f"{attempt}-live{replica}-g{generation}"
         child = subprocess.Popen(bootstrap.command(program))  # dies with this process
-        code = child.wait()
-        if code == 0 or stopping:
+        while (code := child.poll()) is None and current() == generation:
+            time.sleep(POLL)
+        if code is None:  # another rank of the replica died: this one's groups are broken
+            child.kill()
+            child.wait()
+            how = "lost a rank"
+        elif code in (0, 2) or stopping:  # done, a mistake to fix (one line said), or stopped
             return 128 - code if code < 0 else code
-        how = (f"was killed by {signal.Signals(-code).name}" if code < 0
-               else f"exited with code {code}")
-        if incarnation < restarts:
-            print(f"dtrain: replica {replica} {how}; started again, it recovers from a live "
-                  f"peer ({restarts - incarnation - 1} restart(s) left)", file=sys.stderr,
-                  flush=True)
         else:
-            print(f"dtrain: replica {replica} {how}; the other replicas go on without it",
+            bump(generation, retire=restart == restarts)
+            how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+                   else f"exited with code {code}")
+        left = restarts - restart if current() >= 0 else 0
+        if left:
+            print(f"dtrain: {who} {how}; started again, it recovers from a live peer "
+                  f"({left - 1} restart(s) left)", file=sys.stderr, flush=True)
+        else:
+            print(f"dtrain: {who} {how}; the other replicas go on without it",
                   file=sys.stderr, flush=True)
     return 0
 

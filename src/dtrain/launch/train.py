@@ -14,9 +14,10 @@ import os
 import sys
 from pathlib import Path
 
-from dtrain.config import layout_of, load_config
+from dtrain.config import layout_of, load_config, per_rank_batch
 from dtrain.errors import ConfigError
 from dtrain.train.elastic import ELASTIC_ENV
+from dtrain.train.live import RANKS_ENV
 
 
 def train_command(args: argparse.Namespace) -> None:
@@ -56,7 +57,19 @@ def train_command(args: argparse.Namespace) -> None:
     from dtrain.launch.runner import LaunchSpec, launch
 
     world_size = config.parallel.nproc * args.nnodes
-    if args.min_nodes == args.nnodes:  # (an elastic job's rounds re-derive the layout)
+    ranks = max(pc.dp, 1) * pc.tp * pc.pp  # of a live replica
+    if pc.fault_tolerance == "live" and args.min_nodes < args.nnodes:
+        raise ConfigError("parallel.fault_tolerance = \"live\" keeps a fixed set of replica "
+                          f"slots: give --nnodes {args.nnodes} (replicas that die are "
+                          "dropped and brought back live), or fault_tolerance = \"restart\" "
+                          "for an elastic job")
+    if pc.fault_tolerance == "live" and world_size % ranks:
+        raise ConfigError(f"{world_size} ranks do not make live replicas of dp x tp x pp = "
+                          f"{ranks} ranks each: run a multiple of {ranks} ranks")
+    if pc.fault_tolerance == "live":
+        layout_of(config, ranks)  # each replica's, as its ranks check again
+        per_rank_batch(config, world_size // ranks * max(pc.dp, 1))  # over every replica
+    elif args.min_nodes == args.nnodes:  # (an elastic job's rounds re-derive the layout)
         layout_of(config, world_size)  # the check every rank makes again
     from dtrain.train.check import check_job
 
@@ -81,10 +94,11 @@ def train_command(args: argparse.Namespace) -> None:
     if args.min_nodes < args.nnodes:  # elastic: each round re-derives the layout
         env[ELASTIC_ENV] = str(world_size)
     restarts = args.max_restarts
-    if pc.fault_tolerance == "live":  # each rank restarted in place, not the whole job
+    if pc.fault_tolerance == "live":  # each replica restarted in place, not the whole job
         from dtrain.launch import replica
 
         command, restarts = replica.command(args.max_restarts, command), 0
+        env[RANKS_ENV] = str(ranks)
     launch(LaunchSpec(
         command=command, nproc=nproc, nnodes=args.nnodes, min_nodes=args.min_nodes,
         node_rank=args.node_rank, master=args.master, max_restarts=restarts,

@@ -62,8 +62,9 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
     and restores it from `weights` (a checkpoint, or Hugging Face weights) or else from the
     initial values for `train.seed`, the same as one process's.
 
-    `live` (a dtrain.parallel.live.LiveReplicas, data parallel only) averages gradients
-    over the replicas alive at each step instead of over the mesh's dp group.
+    `live` (a dtrain.parallel.live.LiveReplicas) averages gradients over the replicas
+    alive at each step: instead of over the mesh's dp group (DataParallel), or after ZeRO's
+    reduction over it, shard by shard.
     """
     skeleton = init.is_skeleton(model)
     if skeleton and weights is None:

@@ -23,7 +23,8 @@ from dtrain.parallel.data_parallel import DataParallel
 class Pipelined(Holding):
     """This rank's pipeline pieces, each wrapped over dp, driven by the schedule."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
+                 live: Any = None) -> None:
         pc, group, dp = config.parallel, mesh.group("pp"), mesh.group("dp")
         self.layout = layout
         mine = pipeline.pieces_for(pipeline.cut(model, layout.pp * layout.virtual_stages),
@@ -36,12 +37,12 @@ class Pipelined(Holding):
         self.names = Names(model, tp=(mesh.coords["tp"], layout.tp),
                            skip={id(p) for p, peer in tied if peer < group.rank()})
         if layout.zero:
-            wrapped = [zero_of(piece, dp, config, device) for piece in mine]
+            wrapped = [zero_of(piece, dp, config, device, live) for piece in mine]
             self.optimizers = [z.optimizer for z in wrapped]
             self.held = [Shards(self.names, z) for z in wrapped]
         else:
-            wrapped = [DataParallel(piece, group=dp, bucket_mb=pc.bucket_mb,
-                                    grad_dtype=pc.grad_dtype) for piece in mine]
+            wrapped = [DataParallel(piece, group=None if live else dp, bucket_mb=pc.bucket_mb,
+                                    grad_dtype=pc.grad_dtype, live=live) for piece in mine]
             params = list(nn.ModuleList(mine).parameters())
             self.optimizers = [build_optimizer(params, config.optimizer)]
             self.held = [Tensors(self.names, params, self.optimizers[0],

@@ -17,23 +17,27 @@ from dtrain.parallel.clip import GradPart
 from dtrain.parallel.zero import ZeRO
 
 
-def zero_of(module: nn.Module, group: Any, config: Any, device: torch.device) -> ZeRO:
-    """`module` wrapped in ZeRO over `group` as `[parallel]` and `[optimizer]` say; a
-    module built in split form gets its shards (only) on `device`."""
+def zero_of(module: nn.Module, group: Any, config: Any, device: torch.device,
+            live: Any = None) -> ZeRO:
+    """`module` wrapped in ZeRO over `group` as `[parallel]` and `[optimizer]` say, each
+    shard also averaged over the live replicas if `live`; a module built in split form
+    gets its shards (only) on `device`."""
     pc = config.parallel
     mixed = None if pc.mixed_precision == "fp32" else pc.mixed_precision
     init.allocate_buffers(module, device)
     return ZeRO(module, lambda _: build_optimizer(module.parameters(), config.optimizer),
                 stage=pc.zero, group=group, bucket_mb=pc.bucket_mb, mixed_precision=mixed,
-                device=device)
+                device=device, live=live)
 
 
 class Sharded(Holding):
     """The model, whole or split over tp, sharded over dp by one ZeRO wrapper."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
+                 live: Any = None) -> None:
         self.layout, self.names = layout, Names(model, tp=(mesh.coords["tp"], layout.tp))
-        self.module = self.zero = zero_of(model, mesh.group("dp"), config, mesh.world.device)
+        self.module = self.zero = zero_of(model, mesh.group("dp"), config, mesh.world.device,
+                                          live)
         self.optimizers = [self.zero.optimizer]
         self.held = [Shards(self.names, self.zero)]
         self.groups = {"dp": mesh.group("dp"), "tp": mesh.group("tp")}

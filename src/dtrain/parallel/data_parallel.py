@@ -201,6 +201,14 @@ class DataParallel(nn.Module):
         self._next_launch = 0
         self._finalize_queued = False
 
+    def reduce_gradients(self) -> None:
+        """Average what backward accumulated under `no_sync` now, as the first backward
+        outside it would at its end (a pipeline's live piece, once its schedule is done)."""
+        if self.live is not None:
+            self._finalize_live()
+        elif self.size > 1:
+            self._finalize()
+
     # ----------------------------------------------------------------- live replicas
     def _launch_live(self, bucket: Bucket) -> None:
         """Reduce a copy of the bucket: its own buffer keeps this replica's gradients in

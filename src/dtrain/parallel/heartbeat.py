@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -61,12 +62,13 @@ class Heartbeat:
 
 class Watchdog:
     """Aborts the current quorum's group as soon as one of its members reports a failure
-    (the key `r/{round}/failed`) or its heartbeat stops, so that members blocked in a
-    collective on it fail at once instead of after the group's timeout."""
+    (the key `r/{round}/failed`) or `silent_for(member)` (seconds its heartbeat, or any of
+    its ranks' but this one's, stood still) passes `silent_after`, so that members blocked
+    in a collective on it fail at once instead of after the group's timeout."""
 
-    def __init__(self, store: dist.Store, beats: Heartbeat, me: int, silent_after: float,
-                 period: float = 0.05) -> None:
-        self._store, self._beats, self._me = store, beats, me
+    def __init__(self, store: dist.Store, silent_for: Callable[[int], float], me: str,
+                 silent_after: float, period: float = 0.05) -> None:
+        self._store, self._silent_for = store, silent_for
         self._silent_after, self._period = silent_after, period
         self._watched: tuple[int, list[int], Any] | None = None  # round, members, group
         self._stop = threading.Event()
@@ -88,8 +90,7 @@ class Watchdog:
                 failed = self._store.check([f"r/{round_}/failed"])
             except (RuntimeError, dist.DistError):
                 return  # the store is gone: the job is coming down
-            if failed or any(self._beats.silent_for(m) > self._silent_after
-                             for m in members if m != self._me):
+            if failed or any(self._silent_for(m) > self._silent_after for m in members):
                 self._watched = None
                 group.abort()
 

@@ -34,8 +34,8 @@ How replicas agree, through the store only (collectives just move data):
   posts ok or fail; the first verdict written decides: commit, or redo in a new round
   without those that failed or vanished (a reduction done anywhere was done everywhere).
 
-Not supported: ZeRO, tensor and pipeline parallelism (a rank's shard would die with it;
-`[parallel] fault_tolerance = "live"` refuses them).
+A replica may be several ranks (`position`, `positions`: tp x pp, ZeRO inside), one
+LiveReplicas each; membership is the replica's, and each position reduces on its own group.
 """
 
 from __future__ import annotations
@@ -57,14 +57,10 @@ from dtrain.errors import DtrainError
 from dtrain.parallel import live_state
 from dtrain.parallel.heartbeat import Heartbeat, Watchdog
 from dtrain.parallel.live_group import LiveGroup, ReplicaLost
-from dtrain.parallel.live_rounds import KEEP, forget
+from dtrain.parallel.live_rounds import KEEP, forget, gather, rank_key, wait_key
 from dtrain.parallel.live_state import LoadExtra, SaveExtra
 
 _STORE_ERRORS = (RuntimeError, dist.DistError, ValueError)  # a store or gloo that gave up
-
-
-class RunFinished(DtrainError):
-    """The other replicas finished the run while this one waited to (re)join."""
 
 
 class Outcome(enum.Enum):
@@ -98,6 +94,10 @@ class LiveReplicas:
         replica_id: this replica's stable id in [0, slots), e.g. its launcher RANK; a
             replacement takes the id of the replica it replaces.
         slots: how many replicas the job runs when all are alive.
+        position, positions: this rank's place in its replica, and the replica's ranks (a
+            tp x pp group, ZeRO inside: one LiveReplicas per rank). Membership is per
+            replica: one that loses any rank is dropped at every position; each position
+            reduces with the same position of the other replicas.
         step_timeout: seconds a step waits for a late replica before dropping it; also the
             timeout of every collective, so it must exceed the largest difference in pace
             between replicas within a step.
@@ -112,21 +112,25 @@ class LiveReplicas:
 
     def __init__(self, store: dist.Store, replica_id: int, slots: int,
                  step_timeout: float = 5.0, heartbeat_timeout: float = 2.0,
-                 start_timeout: float = 60.0, join_timeout: float = 120.0) -> None:
-        if not 0 <= replica_id < slots:
-            raise DtrainError(f"replica_id={replica_id} must lie in [0, slots={slots})")
+                 start_timeout: float = 60.0, join_timeout: float = 120.0,
+                 position: int = 0, positions: int = 1) -> None:
+        if not (0 <= replica_id < slots and 0 <= position < positions):
+            raise DtrainError(f"replica_id={replica_id} must lie in [0, slots={slots}) and "
+                              f"position={position} in [0, positions={positions})")
         if not 0 < heartbeat_timeout <= step_timeout:
             raise DtrainError(f"heartbeat_timeout={heartbeat_timeout} must be positive and "
                               f"at most step_timeout={step_timeout}")
         self.replica_id, self.slots = replica_id, slots
+        self.position, self.positions = position, positions
+        self._me = rank_key(replica_id, position)
         self.step_timeout, self.heartbeat_timeout = step_timeout, heartbeat_timeout
         self.start_timeout, self.join_timeout = start_timeout, join_timeout
         self._root = store
         self._store = dist.PrefixStore("live/", store.clone())
-        self._beats = Heartbeat(dist.PrefixStore("live/", store.clone()), replica_id,
-                                 slots, period=0.5)
-        self._watchdog = Watchdog(dist.PrefixStore("live/", store.clone()), self._beats,
-                                  replica_id, heartbeat_timeout)
+        self._beats = Heartbeat(dist.PrefixStore("live/", store.clone()),
+                                replica_id * positions + position, slots * positions, 0.5)
+        self._watchdog = Watchdog(dist.PrefixStore("live/", store.clone()), self._silent_for,
+                                  self._me, heartbeat_timeout)
         self._incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.tracked = live_state.Tracked()
         self._quorum: Quorum | None = None  # the last round this replica took part in,
@@ -198,8 +202,9 @@ class LiveReplicas:
                     return Outcome.DROPPED
                 assert self._quorum is not None and self.step is not None
                 self.history[self.step], self.committed = tuple(self._quorum.members), True
-                if self.replica_id == self._quorum.members[0] and self._quorum.round >= KEEP:
-                    forget(self._store, self._quorum.round - KEEP, self.slots)
+                first = rank_key(self._quorum.members[0], 0)  # tidies the store
+                if self._me == first and self._quorum.round >= KEEP:
+                    forget(self._store, self._quorum.round - KEEP, self.slots, self.positions)
                 return Outcome.COMMIT
             quorum = self._form("redo", self.step if self.step is not None else -1)
             if quorum is None:
@@ -228,13 +233,13 @@ class LiveReplicas:
         while True:
             g = self._next_round(deadline)
             mine = {"state": self._has_state, "step": step, "incarnation": self._incarnation}
-            self._store.set(f"r/{g}/a/{self.replica_id}", json.dumps(mine))
+            self._store.set(f"r/{g}/a/{self._me}", json.dumps(mine))
             if self._quorum is not None or g == 0:
                 self._propose(g, kind)
             quorum = Quorum(**json.loads(self._wait_key(f"r/{g}/d", deadline, g)))
             self._store.set("latest", str(g))
-            if (self.replica_id in quorum.members and
-                    quorum.incarnations[str(self.replica_id)] == self._incarnation):
+            lives = quorum.incarnations.get(str(self.replica_id), "").split("|")
+            if self.replica_id in quorum.members and lives[self.position] == self._incarnation:
                 self._quorum, self._votes = quorum, 0
                 return quorum
             self._leave()
@@ -248,12 +253,26 @@ class LiveReplicas:
         while True:
             while self._store.check([f"r/{g}/d"]):
                 g += 1
-            if not self._store.check([f"r/{g}/a/{self.replica_id}"]):
+            if not self._store.check([f"r/{g}/a/{self._me}"]):
                 return g
-            # A former life of this id announced itself in a round still open: let that
+            # A former life of this rank announced itself in a round still open: let that
             # round close without it (its vote says fail), then look again.
-            self._store.set(f"r/{g}/v0/{self.replica_id}", "fail")
+            self._store.set(f"r/{g}/v0/{self._me}", "fail")
             self._wait_key(f"r/{g}/d", deadline, g)
+
+    def _ranks(self, replicas: list[int]) -> list[str]:
+        return [rank_key(i, p) for i in replicas for p in range(self.positions)]
+
+    def _silent_for(self, replica: int) -> float:
+        """Seconds since the longest-silent rank of `replica` (but this one) last beat."""
+        me = self.replica_id * self.positions + self.position
+        ranks = range(replica * self.positions, (replica + 1) * self.positions)
+        return max((self._beats.silent_for(r) for r in ranks if r != me), default=0.0)
+
+    def _alive(self, rank: str) -> bool:
+        replica, position = (int(x) for x in rank.split("."))
+        silent = self._beats.silent_for(replica * self.positions + position)
+        return silent < self.heartbeat_timeout
 
     def _propose(self, g: int, kind: str) -> None:
         last = self._quorum
@@ -261,16 +280,27 @@ class LiveReplicas:
             expected, deadline, patient = list(range(self.slots)), self.start_timeout, True
         else:
             expected, deadline, patient = last.members, self.step_timeout, False
-        arrived = self._gather(lambda i: f"r/{g}/a/{i}", expected,
-                               time.monotonic() + deadline, patient, f"r/{g}/d")
+        arrived = gather(self._store, lambda r: f"r/{g}/a/{r}", self._ranks(expected),
+                         time.monotonic() + deadline, f"r/{g}/d",
+                         None if patient else self._alive)
         if kind == "step" and last is not None:
-            for joiner in range(self.slots):
-                key = f"r/{g}/a/{joiner}"
-                if joiner not in expected and self._store.check([key]):
-                    arrived[joiner] = self._store.get(key).decode()
-        said = {i: json.loads(v) for i, v in arrived.items()}
+            joiners = [i for i in range(self.slots) if i not in expected]
+            keys = [f"r/{g}/a/{r}" for r in self._ranks(joiners)]
+            for key, rank in zip(keys, self._ranks(joiners), strict=True):
+                if self._store.check([key]):
+                    arrived[rank] = self._store.get(key).decode()
+        said = {}  # replicas all of whose ranks arrived, at one step
+        for i in range(self.slots):
+            posts = [arrived.get(r) for r in self._ranks([i])]
+            if all(posts):
+                parts = [json.loads(post) for post in posts]
+                said[i] = {"state": all(q["state"] for q in parts), "step": parts[0]["step"],
+                           "incarnation": "|".join(q["incarnation"] for q in parts)}
+                said[i]["state"] &= all(q["step"] == parts[0]["step"] for q in parts)
         if kind == "redo":
             said = {i: a for i, a in said.items() if a["state"]}
+        if not said:
+            return  # nobody whole arrived: a later round (and proposer) decides
         members = sorted(said)
         holders = [i for i in members if said[i]["state"]]
         source = holders[0] if holders else members[0]
@@ -285,63 +315,28 @@ class LiveReplicas:
         self._store.compare_set(f"r/{g}/d", "", json.dumps(asdict(quorum)))
 
     def _vote(self, ok: bool, strict: bool) -> dict[str, bool]:
-        """Post this member's outcome of the round's work and return the verdict: commit
-        unless a member failed (or, `strict`, vanished)."""
+        """Post this rank's outcome of the round's work and return the verdict: commit
+        unless a rank of a member failed (or, `strict`, vanished)."""
         assert self._quorum is not None
-        g, members = self._quorum.round, self._quorum.members
+        g, ranks = self._quorum.round, self._ranks(self._quorum.members)
         n, self._votes = self._votes, self._votes + 1  # a round's transfer, then reduction
         if not ok:  # the watchdogs of members still blocked on the group abort it
-            self._store.set(f"r/{g}/failed", str(self.replica_id))
-        self._store.set(f"r/{g}/v{n}/{self.replica_id}", "ok" if ok else "fail")
-        votes = self._gather(lambda i: f"r/{g}/v{n}/{i}", members,
-                             time.monotonic() + self.step_timeout, False, f"r/{g}/c{n}",
-                             until=lambda found: "fail" in found.values())
+            self._store.set(f"r/{g}/failed", self._me)
+        self._store.set(f"r/{g}/v{n}/{self._me}", "ok" if ok else "fail")
+        votes = gather(self._store, lambda r: f"r/{g}/v{n}/{r}", ranks,
+                       time.monotonic() + self.step_timeout, f"r/{g}/c{n}", self._alive,
+                       until=lambda found: "fail" in found.values())
         failed = not ok or "fail" in votes.values()
-        missing = len(votes) < len(members)
+        missing = len(votes) < len(ranks)
         proposal = {"commit": not failed and not (strict and missing),
                     "broken": failed or missing}
         verdict = json.loads(self._store.compare_set(f"r/{g}/c{n}", "", json.dumps(proposal)))
         self._broken = verdict["broken"]
         return verdict
 
-    def _gather(self, key_of: Callable[[int], str], ids: list[int], deadline: float,
-                patient: bool, decided: str,
-                until: Callable[[dict[int, str]], bool] | None = None) -> dict[int, str]:
-        """The values of key_of(i) for those `ids` that post one before the deadline (and,
-        unless `patient`, before their heartbeat stops), or before `decided` exists."""
-        found: dict[int, str] = {}
-        pending, pause = list(ids), 0.0002
-        while True:
-            keys = [key_of(i) for i in pending]
-            if pending and self._store.check(keys):
-                found.update(zip(pending, (v.decode() for v in self._store.multi_get(keys)),
-                                 strict=True))
-                return found
-            for i in pending:
-                if self._store.check([key_of(i)]):
-                    found[i] = self._store.get(key_of(i)).decode()
-            pending = [i for i in pending if i not in found and (
-                patient or self._beats.silent_for(i) < self.heartbeat_timeout)]
-            if (not pending or time.monotonic() > deadline or (until and until(found))
-                    or self._store.check([decided])):
-                return found
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
-
     def _wait_key(self, key: str, deadline: float, g: int) -> str:
-        pause = 0.0002
-        while not self._store.check([key]):
-            if self._store.check(["finished"]):
-                raise RunFinished(f"replica {self.replica_id}: the other replicas finished "
-                                  "the run before it could rejoin")
-            if time.monotonic() > deadline:
-                raise DtrainError(
-                    f"replica {self.replica_id}: no live replica decided round {g} within "
-                    f"{self.join_timeout:.0f}s: every replica is gone; restart the job from "
-                    "its last checkpoint")
-            time.sleep(pause)
-            pause = min(2 * pause, 0.01)
-        return self._store.get(key).decode()
+        return wait_key(self._store, key, deadline, f"replica {self.replica_id}", g,
+                        self.join_timeout)
 
     def _leave(self) -> None:
         """This replica fell out of the quorum: its state is stale until it recovers."""
@@ -374,10 +369,11 @@ class LiveReplicas:
         rendezvous = self._root.clone()  # a failed wait may leave a connection unusable
         timeout = timedelta(seconds=self.step_timeout)
         rendezvous.set_timeout(timeout)
-        prefixed = dist.PrefixStore(f"live/q{quorum.group}/", rendezvous)
+        where = f"q{quorum.group}/p{self.position}"  # each position reduces on its own
+        prefixed = dist.PrefixStore(f"live/{where}/", rendezvous)
         rank = quorum.members.index(self.replica_id)
         pg = dist.ProcessGroupGloo(prefixed, rank, len(quorum.members), timeout)
-        self.group = LiveGroup(pg, rank, quorum.members, f"live-q{quorum.group}", timeout,
+        self.group = LiveGroup(pg, rank, quorum.members, f"live-{where}", timeout,
                                self._store)
         self._group_round = quorum.group
         self._watchdog.watch(quorum.round, quorum.members, self.group)
@@ -386,7 +382,7 @@ class LiveReplicas:
         """Send the source's state to the quorum's recovering members (a collective call)."""
         if not quorum.recovering:
             return
-        key = f"r/{quorum.round}/state"
+        key = f"r/{quorum.round}/state.{self.position}"
 
         def fetch() -> str:
             try:

@@ -17,8 +17,10 @@ view to adjust in place) and `reduce_gradients()` (reduce what was accumulated, 
 rank's shards) holds its gradients outside `param.grad`; its `group` is its data-parallel
 group. With tied weights the pipeline runs every backward of such a piece under `no_sync`,
 adds the other stage's gradient of a tied parameter to `accumulated_grad(param)`, then calls
-`reduce_gradients()`. A piece with `grad_parts(is_split=, counted=)` (ZeRO, DataParallel)
-gives its gradients to the clip that way (dtrain.parallel.clip).
+`reduce_gradients()`. A piece averaging over live replicas (its `live` set: a redo over
+the survivors must not wait on a stage still waiting for this one's sends) is driven the
+same way, tied weights or not. A piece with `grad_parts(is_split=, counted=)` (ZeRO,
+DataParallel) gives its gradients to the clip that way (dtrain.parallel.clip).
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ from dtrain.pipeline.schedules import Action
 from dtrain.timeline import span
 
 _TIED_TAG = 1
+
+
+def live(piece: object) -> bool:
+    """Whether `piece` averages over live replicas (dtrain.parallel.live): it then reduces
+    after the schedule, with `reduce_gradients()`, not inside its last backward, where a
+    redo over the survivors would wait on stages still waiting for this one's sends."""
+    return getattr(piece, "live", None) is not None
 
 
 def holds_shards(piece: object) -> bool:
@@ -90,7 +99,8 @@ class Pipeline:
         # weights they accumulate every micro-batch without communication; the tied
         # gradients are then summed across stages, unsharded, before each piece reduces its
         # own (see holds_shards).
-        self._defer = bool(self.tied) and any(holds_shards(p) for p in self.pieces)
+        self._defer = ((bool(self.tied) and any(holds_shards(p) for p in self.pieces))
+                       or any(live(p) for p in self.pieces))
         self.timeline, self.events = timeline, []
         self.peak_live = 0
         first = next((p for piece in self.pieces for p in piece.parameters()), None)
@@ -188,7 +198,7 @@ class Pipeline:
                   index: int) -> None:
         chunk = action.chunk
         piece = self.pieces[chunk]
-        deferred = self._defer and holds_shards(piece)
+        deferred = self._defer and (holds_shards(piece) or live(piece))
         quiet = (piece.no_sync() if hasattr(piece, "no_sync") and
                  (deferred or index != self._last_backward[chunk])
                  else contextlib.nullcontext())
@@ -264,7 +274,7 @@ class Pipeline:
                 param.grad = total
         if self._defer:
             for piece in self.pieces:
-                if holds_shards(piece):
+                if holds_shards(piece) or live(piece):
                     piece.reduce_gradients()
 
 

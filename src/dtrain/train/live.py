@@ -1,12 +1,14 @@
-"""`[parallel] fault_tolerance = "live"` in `dtrain train`: each rank is a data-parallel
-replica of its own (dtrain.parallel.live.LiveReplicas).
+"""`[parallel] fault_tolerance = "live"` in `dtrain train`: the job's ranks form replicas
+of `dp x tp x pp` ranks each (one rank by default), kept alive by
+dtrain.parallel.live.LiveReplicas.
 
 Under dtrain's launcher each rank runs inside a supervisor (dtrain.launch.replica) that
-restarts it in place when it dies. The rank itself sees a world of one process (no default
-process group spans the replicas: a replacement could never join one); it learns its
-replica id and the number of replicas from `ID_ENV` and `SLOTS_ENV`, and meets the others
-through the job's store (MASTER_ADDR:MASTER_PORT), where LiveReplicas forms each step's
-quorum and its gloo group.
+restarts it, with the rest of its replica, when one of them dies. The ranks of a replica
+see a world of their own (no default process group spans the replicas: a replacement could
+never join one), in which the layout's tp, pp and ZeRO groups live; each learns its
+replica id and the number of replicas from `ID_ENV` and `SLOTS_ENV`, and meets the other
+replicas through the job's store (MASTER_ADDR:MASTER_PORT), where LiveReplicas forms each
+step's quorum and, per position in the replica, its gloo group.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from datetime import timedelta
 from dtrain.config import Config
 from dtrain.errors import ConfigError
 from dtrain.parallel.live import LiveReplicas
+from dtrain.world import World
 
 ID_ENV = "DTRAIN_LIVE_ID"  # this replica's id: its rank among the launcher's ranks
 SLOTS_ENV = "DTRAIN_LIVE_SLOTS"  # the replicas of the job, all alive
 INCARNATION_ENV = "DTRAIN_LIVE_INCARNATION"  # 0 first, then 1, 2, ... for its replacements
+RANKS_ENV = "DTRAIN_LIVE_RANKS"  # ranks per replica: dp x tp x pp of the config (default 1)
 
 
-def open_live(config: Config) -> LiveReplicas | None:
-    """This rank's LiveReplicas when the job runs live replicas; None otherwise.
+def open_live(config: Config, world: World) -> LiveReplicas | None:
+    """This rank's LiveReplicas when the job runs live replicas (`world`: its replica's);
+    None otherwise.
 
     Raises:
         ConfigError: live replicas asked for outside dtrain's launcher.
@@ -43,8 +48,8 @@ def open_live(config: Config) -> LiveReplicas | None:
         timeout=timedelta(seconds=60)))
     step_timeout = config.parallel.step_timeout
     return LiveReplicas(store, int(os.environ[ID_ENV]), int(os.environ[SLOTS_ENV]),
-                        step_timeout=step_timeout,
-                        heartbeat_timeout=min(2.0, step_timeout))
+                        step_timeout=step_timeout, heartbeat_timeout=min(2.0, step_timeout),
+                        position=world.rank, positions=world.world_size)
 
 
 def incarnation() -> int:

@@ -39,7 +39,7 @@ from dtrain.models import init
 from dtrain.models.config import ModelConfig
 from dtrain.models.generate import generate
 from dtrain.models.weights import weights_of
-from dtrain.parallel.live import RunFinished
+from dtrain.parallel.live_rounds import RunFinished
 from dtrain.train import elastic
 from dtrain.train.live import incarnation, open_live
 from dtrain.train.metrics import MetricsLog, Progress
@@ -97,7 +97,7 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     # Under dtrain's launcher with a timeline (env DTRAIN_TIMELINE) the launcher merges it.
     own_timeline = "" if os.environ.get("DTRAIN_TIMELINE") else config.logging.timeline
     world = world_mod.init(backend=backend, timeline=own_timeline or None)
-    live = open_live(config)  # live replicas: each rank a world of its own (dtrain.train.live)
+    live = open_live(config, world)  # live replicas: each a world (dtrain.train.live)
     note = ""
     most = elastic.max_ranks(world)
     if most:  # this round's ranks: the layout and accumulation fit them
@@ -113,10 +113,10 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     data = open_data(dc.path, dc.format, dc.tokenizer, dc.max_bytes, dc.val_fraction,
                      mc.block_size)
     train_data, val_data = data.train, data.val
-    per_rank = per_rank_batch(config, layout.dp)  # sequences per forward
-    replicas = (live.slots, live.replica_id) if live else (layout.dp, mesh.coords["dp"])
-    if live:
-        per_rank_batch(config, live.slots)  # the batch splits over the replicas
+    replicas = (layout.dp, mesh.coords["dp"])  # (data shards, this rank's)
+    if live:  # the batch splits over the replicas, and over ZeRO's dp inside each
+        replicas = (live.slots * layout.dp, live.replica_id * layout.dp + mesh.coords["dp"])
+    per_rank = per_rank_batch(config, replicas[0])  # sequences per forward
 
     shape = models.resolve(mc, data.vocab_size)
     torch.manual_seed(tc.seed)
@@ -143,12 +143,15 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     out_dir = Path(tc.out_dir)
     main = world.is_main and (live is None or live.replica_id == 0)
     progress = Progress(tc.steps, config.logging.log_every, enabled=main)
-    metrics = MetricsLog(metrics_path or config.logging.metrics, enabled=main,
+    # Of live replicas, the first of each step's quorum records it (replica 0 may be gone).
+    metrics = MetricsLog(metrics_path or config.logging.metrics,
+                         enabled=world.is_main and (live is not None or main),
                          resumed=(resume is not None and not config.checkpoint.resume)
-                         or (live is not None and incarnation() > 0))
-    who = (f"{live.slots} live data-parallel replica(s) (step timeout "
-           f"{config.parallel.step_timeout:g}s)" if live else
-           f"{world.world_size} rank(s), {held.describe()}")
+                         or (live is not None and (incarnation() > 0 or live.replica_id > 0)))
+    who = f"{world.world_size} rank(s), {held.describe()}"
+    if live:  # each replica: one rank, or a world of dp x tp x pp
+        each = "data-parallel replica(s)" if world.world_size == 1 else f"replica(s) of {who}"
+        who = f"{live.slots} live {each} (step timeout {config.parallel.step_timeout:g}s)"
     progress.write(f"dtrain: {who}; "
                    f"{describe_model(shape, model)} {n_params / 1e6:.2f}M parameters; "
                    f"{len(train_data):,} training sequences of {mc.block_size} tokens "
@@ -168,15 +171,16 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     losses: list[float] = []
     eval_losses: list[tuple[int, float]] = []
 
+    def writes() -> bool:  # of live replicas, the first of the step's quorum records and saves
+        return live is None or live.replica_id == min(live.members or (live.replica_id,))
+
     def run_eval(step: int) -> None:
         with timeline.span("eval", "eval", step=step):
             loss = evaluate(held, val_data, per_rank, tc.eval_batches, mesh, world.device)
         eval_losses.append((step, loss))
         progress.write(f"step {step:>5}: held-out loss {loss:.4f}")
-        metrics.write({"step": step, "eval_loss": loss})
-
-    def writes() -> bool:  # of live replicas, the first of the step's quorum saves
-        return live is None or live.replica_id == min(live.members or (live.replica_id,))
+        if writes():
+            metrics.write({"step": step, "eval_loss": loss})
 
     def save(step: int, background: bool = False) -> Any:
         """The checkpoint of `step`: its folder, or in the background (training goes on
@@ -225,10 +229,11 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
         elapsed = time.perf_counter() - begin
         losses.append(step_loss)
         progress.step(step, step_loss, tokens_per_step / elapsed)
-        metrics.write({"step": step, "time": time.time(), "loss": step_loss,
-                       "lr": schedulers[0].get_last_lr()[0],
-                       "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed,
-                       **({"replicas": len(live.participants)} if live else {})})
+        if writes():
+            metrics.write({"step": step, "time": time.time(), "loss": step_loss,
+                           "lr": schedulers[0].get_last_lr()[0], "step_time_s": elapsed,
+                           "tokens_per_s": tokens_per_step / elapsed,
+                           **({"replicas": len(live.participants)} if live else {})})
         if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
             run_eval(step)
         if config.checkpoint.every and step % config.checkpoint.every == 0 and step < tc.steps:

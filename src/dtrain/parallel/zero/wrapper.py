@@ -1,3 +1,5 @@
+# Over 400 lines: one class, whose hooks, step, clip and live averaging share its units
+# (the state in and out, and the units themselves, are already modules of their own).
 """The ZeRO module: hooks that gather, free and reduce-scatter flat units (.units), the
 step over this rank's shards (.optimizer), the clip; state in and out is in .state."""
 
@@ -13,10 +15,11 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from dtrain import comm
 from dtrain.errors import DtrainError
-from dtrain.parallel import clip
+from dtrain.parallel import clip, live_reduce
 from dtrain.parallel.buckets import launch_ready
 from dtrain.parallel.clip import GradPart
 from dtrain.parallel.data_parallel import parse_dtype
+from dtrain.parallel.live import LiveReplicas
 from dtrain.parallel.replicas import broadcast_state, check_same_model
 from dtrain.parallel.zero import state as zero_state
 from dtrain.parallel.zero.optimizer import OptimizerFactory, group_index, shard_optimizer
@@ -47,6 +50,9 @@ class ZeRO(nn.Module):
         device: where the units of a module built on the meta device are allocated
             (dtrain.models.init; each rank allocates its shards only, values to be
             restored, e.g. by dtrain.layouts); default the CPU.
+        live: this rank's `LiveReplicas` (dtrain.parallel.live) when the group is one of
+            several replicas that may die: each shard's gradient is averaged with the same
+            shard of the others (stages 1-2, no mixed precision). Step if `live.committed`.
 
     Raises:
         DtrainError: a bad stage or option, ranks with different models, or an optimizer
@@ -64,10 +70,15 @@ class ZeRO(nn.Module):
         units: list[nn.Module] | None = None,
         algorithm: str = "auto",
         device: torch.device | str | None = None,
+        live: LiveReplicas | None = None,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
             raise DtrainError(f"ZeRO stage={stage!r}: use 1, 2 or 3")
+        if live is not None and (stage == 3 or mixed_precision is not None):
+            raise DtrainError("ZeRO(live=...) needs stage 1 or 2 without mixed precision: a "
+                              "replacement is sent the parameters and its shard's optimizer "
+                              "state, and stage 3 or mixed precision keep more")
         if bucket_mb <= 0:
             raise DtrainError(f"ZeRO bucket_mb={bucket_mb} must be positive")
         self.module, self.stage, self.algorithm = module, stage, algorithm
@@ -100,6 +111,9 @@ class ZeRO(nn.Module):
         self.units: list[Unit] = built.units  # in the order their gradients are reduced
         self._root, self._chain = built.root, built.chain  # stage 3 (chain: forward order)
         self.optimizer = shard_optimizer(template, self.units, self.rank)
+        self.live = live
+        if live is not None:
+            live.track(module=module, optimizer=self.optimizer)
         self._sync = True
         self._finalize_queued = False
         self._next_launch = 0
@@ -246,6 +260,8 @@ class ZeRO(nn.Module):
         settle(self._works, 0)
         self._next_launch = 0
         self._overflow = None
+        if self.live is not None:  # then each shard over the replicas alive
+            live_reduce.average(self.live, [unit.shard_grad() for unit in self.units])
 
     def accumulated_grad(self, param: nn.Parameter) -> torch.Tensor:
         """The unsharded gradient of `param` accumulated under `no_sync` (a view; zeros if
