@@ -144,8 +144,7 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     main = world.is_main and (live is None or live.replica_id == 0)
     progress = Progress(tc.steps, config.logging.log_every, enabled=main)
     # Of live replicas, the first of each step's quorum records it (replica 0 may be gone).
-    metrics = MetricsLog(metrics_path or config.logging.metrics,
-                         enabled=world.is_main and (live is not None or main),
+    metrics = MetricsLog(metrics_path or config.logging.metrics, enabled=world.is_main,
                          resumed=(resume is not None and not config.checkpoint.resume)
                          or (live is not None and (incarnation() > 0 or live.replica_id > 0)))
     who = f"{world.world_size} rank(s), {held.describe()}"
