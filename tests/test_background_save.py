@@ -9,10 +9,8 @@ from __future__ import annotations
 import errno
 import multiprocessing
 import os
-import random
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ from dtrain.checkpoint import atomic, background, training, universal
 from dtrain.errors import DtrainError
 from dtrain.testing import run_threads
 from tests.distributed import run_ranks
+from tests.test_faults import sigkill_at_random_moments
 
 GPT = {"arch": "gpt", "n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 16}
 
@@ -330,9 +329,6 @@ def _save_for_ever_in_background(folder: Path, saving) -> None:
         step += 1
 
 
-TRIALS = 50
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigkill_at_random_moments_of_background_saving_never_loses_the_newest(
@@ -340,26 +336,5 @@ def test_sigkill_at_random_moments_of_background_saving_never_loses_the_newest(
     """As tests/test_faults.py's test for blocking saves: 50 times, a process saving in the
     background while it trains is SIGKILLed at a random moment. Every time the newest
     listed checkpoint opens and holds the values of its step, and the steps never go back."""
-    rng = random.Random(0)
-    newest, kills_while_writing = 0, 0
-    spawner = multiprocessing.get_context("forkserver")
-    spawner.set_forkserver_preload(["tests.test_background_save"])
-    for _ in range(TRIALS):
-        saving = spawner.Event()
-        saver = spawner.Process(target=_save_for_ever_in_background,
-                                args=(tmp_path / "checkpoints", saving))
-        saver.start()
-        assert saving.wait(60), "the saver did not start"
-        time.sleep(rng.uniform(0.0, 0.1))  # a save takes 10-40 ms here
-        kills_while_writing += any((tmp_path / "checkpoints").glob(".step-*.tmp"))
-        os.kill(saver.pid, signal.SIGKILL)
-        saver.join()
-        try:
-            ckpt = universal.Checkpoint(tmp_path / "checkpoints")
-        except DtrainError as exc:
-            assert "no checkpoint" in str(exc) and newest == 0, exc
-            continue
-        assert ckpt.step >= newest
-        newest = ckpt.step
-        torch.testing.assert_close(ckpt.tensor("model/w"), torch.full((256, 1024), float(newest)))
-    assert newest > 0 and kills_while_writing >= 5
+    sigkill_at_random_moments(_save_for_ever_in_background, tmp_path / "checkpoints",
+                              "tests.test_background_save", 0.1)  # a save: 10-40 ms here

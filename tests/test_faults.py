@@ -225,28 +225,28 @@ def _save_for_ever(folder: Path, saving) -> None:
 TRIALS = 50
 
 
-@pytest.mark.slow
-def test_sigkill_at_random_moments_of_saving_never_loses_the_newest_checkpoint(
-        tmp_path: Path) -> None:
-    """50 times: a process saving checkpoints in a loop is SIGKILLed at a random moment.
-    Every time, the newest listed checkpoint opens (all checksums verified) and holds the
-    values of its step, and the steps never go back."""
+def sigkill_at_random_moments(save_for_ever, folder: Path, preload: str,
+                              longest_pause: float) -> None:
+    """TRIALS times: `save_for_ever(folder, saving)` runs in a process (a fork of a clean
+    one with `preload` imported: it starts in milliseconds) that is SIGKILLed a random
+    0..`longest_pause` s after `saving` is set. Every time, the newest checkpoint listed in
+    `folder` opens (all checksums verified) and holds the values of its step, and the steps
+    never go back; at least 5 kills land inside a save."""
     rng = random.Random(0)
     newest, kills_while_writing = 0, 0
-    # a fork of a clean, torch-ready process starts in milliseconds
     spawner = multiprocessing.get_context("forkserver")
-    spawner.set_forkserver_preload(["dtrain.checkpoint.universal"])
+    spawner.set_forkserver_preload([preload])
     for _ in range(TRIALS):
         saving = spawner.Event()
-        saver = spawner.Process(target=_save_for_ever, args=(tmp_path, saving))
+        saver = spawner.Process(target=save_for_ever, args=(folder, saving))
         saver.start()
         assert saving.wait(60), "the saver did not start"
-        time.sleep(rng.uniform(0.0, 0.05))  # a save takes about 6 ms here
-        kills_while_writing += any(tmp_path.glob(".step-*.tmp"))
+        time.sleep(rng.uniform(0.0, longest_pause))
+        kills_while_writing += any(folder.glob(".step-*.tmp"))
         os.kill(saver.pid, signal.SIGKILL)
         saver.join()
         try:
-            ckpt = universal.Checkpoint(tmp_path)
+            ckpt = universal.Checkpoint(folder)
         except DtrainError as exc:
             assert "no checkpoint" in str(exc) and newest == 0, exc
             continue
@@ -254,6 +254,16 @@ def test_sigkill_at_random_moments_of_saving_never_loses_the_newest_checkpoint(
         newest = ckpt.step
         torch.testing.assert_close(ckpt.tensor("model/w"), torch.full((256, 1024), float(newest)))
     assert newest > 0 and kills_while_writing >= 5  # the kills did land inside saves
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_of_saving_never_loses_the_newest_checkpoint(
+        tmp_path: Path) -> None:
+    """50 times: a process saving checkpoints in a loop is SIGKILLed at a random moment.
+    Every time, the newest listed checkpoint opens (all checksums verified) and holds the
+    values of its step, and the steps never go back."""
+    # a save takes about 6 ms here
+    sigkill_at_random_moments(_save_for_ever, tmp_path, "dtrain.checkpoint.universal", 0.05)
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous(tmp_path: Path) -> None:

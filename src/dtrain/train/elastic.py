@@ -67,9 +67,14 @@ def max_ranks(world: World | None = None) -> int:
     most = int(os.environ.get(ELASTIC_ENV, "0") or 0)
     if world is None or not most or world.world_size == 1:
         return most
-    value = torch.tensor([most], dtype=torch.int64, device=world.device)
-    comm.broadcast(value, 0)
-    return int(value.item())
+    return _rank0s(world, [most])[0]
+
+
+def _rank0s(world: World, values: list[int]) -> list[int]:
+    """Rank 0's `values` on every rank (a collective call; the others pass as many)."""
+    sent = torch.tensor(values, dtype=torch.int64, device=world.device)
+    comm.broadcast(sent, 0)
+    return sent.tolist()
 
 
 def planned(config: Config, world_size: int, accum: int, local_ranks: int = 1) -> Choice | None:
@@ -96,16 +101,13 @@ def agreed(world: World) -> Chooser:
     """`planned` on rank 0, its choice sent to every rank (machines may differ in memory
     and speed; ranks choosing differently could not train together). A collective call."""
     def choose(config: Config, world_size: int, accum: int) -> Choice | None:
-        values = torch.zeros(7, dtype=torch.int64, device=world.device)
+        values = [0] * 7  # dp 0: no layout fits
         if world.rank == 0:
             choice = planned(config, world_size, accum, world.local_world_size)
             if choice is not None:
-                values = torch.tensor(
-                    [choice.dp, choice.tp, choice.pp, choice.zero, choice.microbatches,
-                     RECOMPUTE.index(choice.recompute), int(choice.sequence_parallel)],
-                    device=world.device)
-        comm.broadcast(values, 0)
-        dp, tp, pp, zero, micro, mode, sp = values.tolist()
+                values = [choice.dp, choice.tp, choice.pp, choice.zero, choice.microbatches,
+                          RECOMPUTE.index(choice.recompute), int(choice.sequence_parallel)]
+        dp, tp, pp, zero, micro, mode, sp = _rank0s(world, values)
         return Choice(dp, tp, pp, zero, micro, RECOMPUTE[mode], bool(sp)) if dp else None
     return choose
 
