@@ -102,9 +102,10 @@ class DataParallel(nn.Module):
         self._next_launch = 0
         self._works: list[Any] = []
         params = [p for p in module.parameters() if p.requires_grad]
+        # a group of one has nothing to average: its gradients stay autograd's own
         self._buckets = build_buckets(
             list(reversed(params)), int(bucket_mb * 1024 * 1024), self.grad_dtype
-        )
+        ) if live is not None or self.size > 1 else []
         self._hooks = []
         for bucket in self._buckets:
             for i, p in enumerate(bucket.params):

@@ -9,7 +9,8 @@ group and the rows read from it (twice: the pieces and the rows joined), on top 
 the rank holds (fp32, 4 bytes each; Ψ is what the rank holds after tp and pp split the
 model, N = dp):
 
-    dp (DataParallel)   parameters 4Ψ + gradient buckets 4Ψ, then each tensor in turn
+    dp (DataParallel)   parameters 4Ψ + gradient buckets 4Ψ (none at dp = 1), then each
+                        tensor in turn
     ZeRO 1              the unit buffers 4Ψ + stage 1's unsharded gradients 4Ψ
     ZeRO 2              the unit buffers 4Ψ
     ZeRO 3              this rank's shards 4Ψ/N (and, for a moment, one whole unit)
@@ -57,8 +58,8 @@ def construction_peak(layout: Layout, held: Params, tensors: list[ParamTensor],
     pieces = [piece(t, layout, unit / n) for t in tensors] or [0.0]
     # a group and the piece read from it, joined; ZeRO still holds the span before it
     draw = max(group_elements(t, chunk) + 2 * p for t, p in zip(tensors, pieces, strict=False))
-    if not layout.zero:
-        return PARAM_BYTES * (2 * psi + draw)
+    if not layout.zero:  # gradient buckets only where there is a group to average over
+        return PARAM_BYTES * ((2 if n > 1 else 1) * psi + draw)
     state = {1: 2 * psi, 2: psi, 3: psi / n}[layout.zero]
     peak = state + draw + max(pieces)
     if layout.zero == 3:

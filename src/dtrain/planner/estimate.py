@@ -17,7 +17,8 @@ The gradient shards come as backward ends and go when the training loop's `zero_
 releases them, so the peak is the larger of backward's and the optimizer step's (every
 gradient the table lists, no activations): `Estimate.total`. Backward's holds the
 activations and the gradients then alive (`grads_in_backward`): DataParallel's buckets
-(and, over micro-batches or accumulated batches, the parameters' own gradients, which
+(none at dp = 1: there autograd's own gradients, at most all of them, are the grads row;
+and, over micro-batches or accumulated batches, the parameters' own gradients, which
 `zero_grad` released and backward made anew outside the buckets until the last one),
 ZeRO 1's unsharded gradients, with the gradient backward has just computed beside either,
 until it is copied in (the largest parameter's, at most); ZeRO 2's unit being reduced (its
@@ -229,7 +230,9 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
     # DataParallel's buckets, ZeRO 1's unsharded gradients: always there; and the gradient
     # backward has just made, beside them until copied in (at most the largest parameter's)
     backward = grads + fresh
-    if not layout.zero and (pp > 1 or options.accum > 1):
+    if not layout.zero and n == 1:
+        backward = grads  # no buckets: autograd's own gradients, at most all of them
+    elif not layout.zero and (pp > 1 or options.accum > 1):
         backward += grads  # and the gradients micro-batches accumulate before the buckets
     root = PARAM_BYTES * psi - sum(blocks) * block_bytes  # the input and output parts
     figures = profile.activations(options.recompute)
