@@ -325,6 +325,28 @@ def test_plan_command_json_and_table(tmp_path):
     assert "recommended:" in result.stdout and "tp2" in result.stdout
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("gbps, latency_us, chosen", [
+    (10.0, 20, "every step"), (0.0125, 20_000, "local_sgd H=50")])
+def test_plan_lists_and_chooses_how_data_parallelism_synchronizes(
+        gbps: float, latency_us: int, chosen: str) -> None:
+    """On a fast link the gradients' every-step all-reduce hides behind backward; on a
+    100 Mbit/s, 20 ms one the plan sends every H steps. Bytes per rank: PowerSGD and int8
+    below fp32's 2(n-1)/n x 4 bytes per parameter (int8 about a quarter), H steps H times
+    fewer."""
+    result = dtrain("plan", "-n", "4", "--tflops", "0.05", "--bandwidth", str(gbps),
+                    "--latency", str(latency_us), "--json", "-")
+    assert result.returncode == 0, result.stderr
+    sync = json.loads(result.stdout)["sync"]
+    options = {o["name"]: o for o in sync["options"]}
+    assert sync["recommended"]["name"] == chosen, sync["why"]
+    every = options["every step"]["bytes_per_step"]
+    assert options["powersgd r=4"]["bytes_per_step"] < every / 4
+    assert 0.24 < options["int8"]["bytes_per_step"] / every < 0.26
+    assert options["diloco H=50"]["bytes_per_step"] == pytest.approx(every / 50, rel=1e-3)
+    assert all(o["step_s"] > 0 and o["progress"] >= 1 for o in sync["options"])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_plan_command_says_when_nothing_fits_and_refuses_bad_sizes():

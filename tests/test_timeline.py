@@ -10,7 +10,7 @@ import pytest
 
 from dtrain import timeline
 from dtrain import world as world_mod
-from dtrain.comm import AVAILABLE, select
+from tests.calibration import write_calibration
 from tests.cli import TINY_MODEL, dtrain
 
 COLLECTIVES = """
@@ -96,12 +96,7 @@ def _calibrated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Saved cost curves for 2 gloo ranks, so `auto` picks without measuring first (the
     measuring takes seconds); "ring" is cheapest wherever there is one."""
     monkeypatch.setenv("DTRAIN_CALIBRATION", str(tmp_path / "calibration.json"))
-    cost = {"ring": 1.0, "native": 2.0, "tree": 3.0, "halving_doubling": 4.0}
-    select.save_models({
-        f"gloo/size2/{op}": {name: select.Curve(((4, 1e-5 * cost[name]),
-                                                 (1 << 26, 1e-1 * cost[name])))
-                             for name in names}
-        for op, names in AVAILABLE.items() if len(names) > 1})
+    write_calibration(tmp_path / "calibration.json")
 
 
 @pytest.mark.slow

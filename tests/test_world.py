@@ -215,6 +215,31 @@ def test_mesh_groups_reduce_only_within_themselves() -> None:
     assert results[2]["ranks"]["dp"] == [0, 2]
 
 
+def _replica_sums() -> dict:
+    mesh = dtrain.Mesh(tp=2, replicas=2)
+    out = {"replica": mesh.replica, "ranks": {a: mesh.ranks(a) for a in ("dp", "tp", "pp")}}
+    for name, group in (("tp", mesh.group("tp")), ("dp", mesh.group("dp")),
+                        ("block", mesh.replica_group), ("across", mesh.across)):
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t, group=group)
+        out[name] = t.item()
+    return out
+
+
+def test_mesh_of_replicas_lays_out_each_alike() -> None:
+    """Two replicas of tp=2 (ranks 0-1, 2-3): the axes stay inside a replica, `across`
+    joins the same places of both."""
+    results = run_ranks(_replica_sums, 4)
+    assert [r["replica"] for r in results] == [0, 0, 1, 1]
+    assert [r["tp"] for r in results] == [1, 1, 5, 5]
+    assert [r["dp"] for r in results] == [0, 1, 2, 3]
+    assert [r["block"] for r in results] == [1, 1, 5, 5]
+    assert [r["across"] for r in results] == [2, 4, 2, 4]
+    assert results[3]["ranks"]["tp"] == [2, 3]
+    with pytest.raises(ConfigError, match="3 replicas do not divide 1 ranks"):
+        dtrain.Mesh(replicas=3, world=dtrain.World(rank=0, world_size=1))
+
+
 def test_single_process_world_runs_collectives() -> None:
     world = dtrain.init()
     try:

@@ -152,6 +152,29 @@ class ParallelConfig:
     step_timeout: float = 5.0
     """With fault_tolerance = "live": seconds a step waits for a late replica before it is
     dropped (also each collective's timeout)."""
+    compression: str = "none"
+    """Gradients DataParallel sends: none (fp32 or grad_dtype), powersgd (rank
+    compression_rank approximations with error feedback) or int8 (per-chunk scales, error
+    feedback): fewer bytes per step over slow links (dtrain.parallel.compression)."""
+    compression_rank: int = 4
+    """With compression = "powersgd": the rank of each gradient matrix's approximation."""
+    sync: str = "every_step"
+    """every_step (gradients averaged each step), local_sgd (replicas train alone and
+    average their parameters every sync_every steps) or diloco (the replicas' mean change
+    drives an outer Nesterov step every sync_every steps; Douillard et al., 2023)."""
+    replicas: int = 0
+    """With sync = local_sgd or diloco: replicas of dp x tp x pp consecutive ranks each
+    (dp: data parallelism or ZeRO inside a replica, every step); 0: ranks / (tp x pp), so
+    that each replica is one tp x pp group (dp = 1)."""
+    sync_every: int = 50
+    """With sync = local_sgd or diloco: inner steps between synchronizations (H)."""
+    outer_lr: float = 0.7
+    """With sync = diloco: the outer optimizer's learning rate."""
+    outer_momentum: float = 0.9
+    """With sync = diloco: the outer optimizer's Nesterov momentum, in [0, 1)."""
+    streaming: bool = False
+    """With sync = local_sgd or diloco: the synchronization's all-reduce overlaps the next
+    inner step, its result applied one step late."""
 
 
 @dataclass
@@ -227,6 +250,8 @@ CHOICES = {
     "parallel.mixed_precision": ("fp32", "bf16", "fp16"),
     "parallel.mode": ("collective", "ps"),
     "parallel.fault_tolerance": ("restart", "live"),
+    "parallel.compression": ("none", "powersgd", "int8"),
+    "parallel.sync": ("every_step", "local_sgd", "diloco"),
     "parallel.consistency": CONSISTENCY,
     "memory.activation_checkpointing": ("none", "full", "selective"),
 }
@@ -234,13 +259,14 @@ POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
             "train.eval_batches", "parallel.nproc", "parallel.tp", "parallel.pp",
             "parallel.microbatches", "parallel.virtual_stages", "parallel.bucket_mb",
-            "checkpoint.keep_last", "optimizer.lr", "logging.log_every", "parallel.servers"}
+            "checkpoint.keep_last", "optimizer.lr", "logging.log_every", "parallel.servers",
+            "parallel.compression_rank", "parallel.sync_every", "parallel.outer_lr"}
 NON_NEGATIVE = {"model.dropout", "model.vocab_size", "model.n_kv_head", "model.ffn_hidden",
                 "model.rope_theta", "model.norm_eps", "optimizer.weight_decay",
                 "optimizer.momentum",
                 "optimizer.warmup_steps", "optimizer.min_lr_ratio", "optimizer.grad_clip",
                 "train.eval_every", "parallel.dp", "checkpoint.every", "logging.sample_tokens",
-                "parallel.staleness", "parallel.snapshot_every"}
+                "parallel.staleness", "parallel.snapshot_every", "parallel.replicas"}
 
 
 def _suggest(name: str, options: typing.Iterable[str]) -> str:
@@ -335,6 +361,36 @@ def _validate(config: Config) -> None:
     if p.zero and p.grad_dtype != "fp32":
         raise ConfigError("parallel.grad_dtype is for DataParallel; with parallel.zero set "
                           "parallel.mixed_precision instead")
+    _validate_slow_links(p)
+
+
+def _validate_slow_links(p: ParallelConfig) -> None:
+    """Compression and infrequent synchronization: what they work with."""
+    if p.compression != "none":
+        what = f"parallel.compression = {p.compression!r}"
+        if p.mode == "ps":
+            raise ConfigError(f"{what} compresses DataParallel's all-reduce; parameter servers "
+                              "send whole gradients: use compression = \"none\" with mode = "
+                              "\"ps\"")
+        if p.zero:
+            raise ConfigError(f"{what} compresses DataParallel's all-reduce, not ZeRO's "
+                              "reduce-scatter: use zero = 0, or compression = \"none\"")
+        if p.grad_dtype != "fp32":
+            raise ConfigError(f"{what} replaces parallel.grad_dtype = {p.grad_dtype!r}: leave "
+                              "grad_dtype = \"fp32\"")
+        if p.fault_tolerance == "live":
+            raise ConfigError(f"{what} with fault_tolerance = \"live\": a replica's error "
+                              "feedback cannot be sent to its replacement; use one of them")
+    if not 0 <= p.outer_momentum < 1:
+        raise ConfigError(f"parallel.outer_momentum = {p.outer_momentum} must be in [0, 1)")
+    if p.sync != "every_step":
+        what = f"parallel.sync = {p.sync!r}"
+        if p.mode == "ps" or p.fault_tolerance == "live":
+            raise ConfigError(f"{what} synchronizes replicas of a collective job: use mode = "
+                              "\"collective\" and fault_tolerance = \"restart\"")
+        if p.compression != "none":
+            raise ConfigError(f"{what} already sends parameters every sync_every steps only: "
+                              "leave compression = \"none\"")
 
 
 def _validate_live(p: ParallelConfig) -> None:
@@ -397,18 +453,36 @@ def per_rank_batch(config: Config, dp_size: int) -> int:
 
 def layout_of(config: Config, world_size: int) -> Layout:
     """The job's Layout on `world_size` ranks, checked against them: the degrees multiply
-    to the world size and the global batch splits into ranks and micro-batches. The
-    launcher calls it before starting ranks, and every rank calls it again.
+    to the world size (to each replica's ranks, with sync = local_sgd or diloco) and the
+    global batch splits into ranks and micro-batches. The launcher calls it before
+    starting ranks, and every rank calls it again.
 
     Raises:
         ConfigError: the degrees or the batch do not fit `world_size`.
     """
     p = config.parallel
-    layout = resolve_layout(world_size, p.dp or None, p.tp, p.pp, zero=p.zero,
+    replicas = replicas_of(config, world_size)  # each laid out alike
+    layout = resolve_layout(world_size // replicas, p.dp or None, p.tp, p.pp, zero=p.zero,
                             microbatches=p.microbatches, schedule=p.schedule,
                             virtual_stages=p.virtual_stages, mode=p.mode)
-    per_rank_batch(config, layout.dp)
+    per_rank_batch(config, layout.dp * replicas)
     return layout
+
+
+def replicas_of(config: Config, world_size: int) -> int:
+    """How many replicas synchronize every sync_every steps (1 when every step does).
+
+    Raises:
+        ConfigError: the replicas do not divide the ranks.
+    """
+    p = config.parallel
+    if p.sync == "every_step":
+        return 1
+    count = p.replicas or world_size // (max(p.dp, 1) * p.tp * p.pp)
+    if count < 1 or world_size % count:
+        raise ConfigError(f"parallel.replicas = {count} does not divide {world_size} ranks "
+                          f"into replicas of dp x tp x pp: choose a divisor of {world_size}")
+    return count
 
 
 def add_config_arguments(parser, config_help: str, example: str = "train.steps=50") -> None:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from dtrain import world as world_mod
 from dtrain.comm.group import timeout_of
+from dtrain.errors import ConfigError
 from dtrain.layout import AXES, resolve_layout
 
 
@@ -22,12 +23,16 @@ class Mesh:
         tp: tensor-parallel degree (innermost: consecutive ranks).
         pp: pipeline-parallel degree (outermost).
         world: the world to lay out (default: `dtrain.init()`'s).
+        replicas: blocks of consecutive ranks, each laid out alike and training a copy of
+            the model of its own, synchronized now and then (dtrain.parallel.diloco): the
+            axes' groups stay inside a block; `across` joins the ranks at the same place
+            of every block.
 
     Every rank of the job must construct the same Mesh, in the same order relative to
     other group-creating calls.
 
     Raises:
-        ConfigError: the degrees do not multiply to the world size.
+        ConfigError: the degrees do not multiply to the world size (per replica).
     """
 
     def __init__(
@@ -36,23 +41,38 @@ class Mesh:
         tp: int = 1,
         pp: int = 1,
         world: world_mod.World | None = None,
+        replicas: int = 1,
     ) -> None:
         self.world = world or world_mod.current()
-        self.layout = resolve_layout(self.world.world_size, dp, tp, pp)
-        self.coords = self.layout.coords(self.world.rank)
+        size = self.world.world_size
+        if replicas < 1 or size % replicas:
+            raise ConfigError(f"{replicas} replicas do not divide {size} ranks")
+        self.replicas, per = replicas, size // replicas
+        self.replica, position = divmod(self.world.rank, per)
+        self._offset = self.replica * per
+        self.layout = resolve_layout(per, dp, tp, pp)
+        self.coords = self.layout.coords(position)
         self._groups: dict[str, dist.ProcessGroup] = {}
-        by_members: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._by_members: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for axis in AXES:
-            mine = next(g for g in self.layout.groups(axis) if self.world.rank in g)
-            key = tuple(mine)
-            if key not in by_members:
-                if len(mine) == self.world.world_size:
-                    by_members[key] = dist.group.WORLD
-                else:
-                    # Only the members create (and synchronize on) their own group.
-                    by_members[key] = dist.new_group(mine, timeout=timeout_of(dist.group.WORLD),
-                                                     use_local_synchronization=True)
-            self._groups[axis] = by_members[key]
+            self._groups[axis] = self._group_of(self.ranks(axis))
+        self.replica_group = self._group_of(list(range(self._offset, self._offset + per)))
+        """The ranks of this rank's replica (the whole world without replicas)."""
+        self.across = self._group_of([position + r * per for r in range(replicas)]) \
+            if replicas > 1 else None
+        """This rank and its counterparts in the other replicas (None without replicas)."""
+
+    def _group_of(self, members: list[int]) -> dist.ProcessGroup:
+        key = tuple(members)
+        if key not in self._by_members:
+            if len(members) == self.world.world_size:
+                self._by_members[key] = dist.group.WORLD
+            else:
+                # Only the members create (and synchronize on) their own group.
+                self._by_members[key] = dist.new_group(
+                    members, timeout=timeout_of(dist.group.WORLD),
+                    use_local_synchronization=True)
+        return self._by_members[key]
 
     def size(self, axis: str) -> int:
         """Degree along `axis` ("dp", "tp" or "pp")."""
@@ -65,7 +85,8 @@ class Mesh:
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along `axis`, in axis order."""
         axis = self._check(axis)
-        return next(g for g in self.layout.groups(axis) if self.world.rank in g)
+        mine = self.world.rank - self._offset
+        return next([self._offset + r for r in g] for g in self.layout.groups(axis) if mine in g)
 
     @staticmethod
     def _check(axis: str) -> str:
@@ -75,4 +96,6 @@ class Mesh:
 
     def __repr__(self) -> str:
         shape = ", ".join(f"{a}={self.size(a)}" for a in ("dp", "tp", "pp"))
+        if self.replicas > 1:
+            shape += f"; replica {self.replica} of {self.replicas}"
         return f"Mesh({shape}; rank {self.world.rank} at {self.coords})"

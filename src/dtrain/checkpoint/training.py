@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dtrain.checkpoint import atomic, background
 from dtrain.checkpoint.background import PendingSave
-from dtrain.checkpoint.universal import Checkpoint
+from dtrain.checkpoint.universal import FORMAT, Checkpoint
 from dtrain.checkpoint.universal import save as save_pieces
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.layout import Layout
@@ -38,6 +38,33 @@ def resume_path(resume: str, out_dir: str | Path) -> str | None:
         if not atomic.read_index(resume):
             return None
     return resume or None
+
+
+def agreed_resume(path: str | None, device: torch.device) -> str | None:
+    """Of replicas that keep checkpoints of their own (parallel.sync = local_sgd or
+    diloco), `path` moved to the newest step every replica has: a crash between two
+    replicas' saves leaves one a checkpoint ahead. None when some replica has none
+    (collective over the world).
+
+    Raises:
+        ConfigError: a replica no longer has the agreed step (keep_last dropped it).
+    """
+    from dtrain import comm
+
+    single = bool(path) and Path(str(path)).name.startswith("step-")
+    entries = {} if not path or single else {
+        e["step"]: e["file"] for e in atomic.read_index(path) if e.get("format") == FORMAT}
+    newest = torch.tensor([Checkpoint(path).step if single else max(entries, default=-1)],
+                          dtype=torch.int64, device=device)
+    step = int(comm.all_reduce(newest, op="min").item())
+    if step < 0:
+        return None
+    if not entries or step == max(entries):
+        return path
+    if step not in entries:
+        raise ConfigError(f"the replicas' newest common checkpoint is step {step}, which "
+                          f"{path} no longer keeps: resume from a checkpoint by path")
+    return str(Path(path) / entries[step])
 
 
 def open_checkpoint(path: str, model: dict[str, Any]) -> Checkpoint:
@@ -101,7 +128,8 @@ def save_in_background(folder: Path, step: int, held: Any, schedulers: list,
 def _state(held: Any, schedulers: list, config: dict[str, Any],
            described: dict[str, Any] | None) -> tuple[list, dict, dict, dict]:
     """What a save writes: this rank's pieces, the optimizer scalars, the run's metadata
-    (JSON) and this rank's RNG state."""
+    (JSON), and this rank's RNG state with what else it keeps for itself (error feedback,
+    the outer optimizer of replicas: `held.rank_state()`)."""
     pieces, extra = held.state()
     optimizer = schedulers[0].optimizer
     meta = {"config": config, "layout": held.layout.to_dict(), "aliases": held.aliases(),
@@ -109,15 +137,15 @@ def _state(held: Any, schedulers: list, config: dict[str, Any],
                              for g in optimizer.param_groups],
             "scheduler": schedulers[0].state_dict(), "loss_scale": held.loss_scale,
             **(described or {})}
-    rng = {"cpu": torch.get_rng_state()}
+    rng = {"cpu": torch.get_rng_state(), **held.rank_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     return pieces, extra, json.loads(json.dumps(meta, default=str)), rng
 
 
 def restore(ckpt: Checkpoint, held: Any, schedulers: list, layout: Layout) -> None:
-    """Model, optimizer state, options, schedule and loss scale from `ckpt`; the RNG too
-    when `layout` on this many ranks is the one that saved it."""
+    """Model, optimizer state, options, schedule and loss scale from `ckpt`; the RNG and
+    the rank's own state too when `layout` on this many ranks is the one that saved it."""
     held.restore(ckpt)
     for optimizer, scheduler in zip(held.optimizers, schedulers, strict=True):
         for group, options in zip(optimizer.param_groups, ckpt.meta["param_groups"],
@@ -129,7 +157,18 @@ def restore(ckpt: Checkpoint, held: Any, schedulers: list, layout: Layout) -> No
     saved = ckpt.meta["layout"]
     if ckpt.index["world_size"] == layout.world_size and saved["tp"] == layout.tp \
             and saved["pp"] == layout.pp:
-        rng = ckpt.rank_tensors(dist.get_rank() if dist.is_initialized() else 0)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        rng = ckpt.rank_tensors(_writer_rank(held.checkpoint_group))
+        torch.set_rng_state(rng.pop("cpu"))
+        cuda = rng.pop("cuda", None)
+        if cuda is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(cuda)
+        held.load_rank_state(rng)
+
+
+def _writer_rank(group: Any) -> int:
+    """This rank's place among the ranks that write a checkpoint together."""
+    from dtrain import comm
+
+    if group is None or not dist.is_initialized():
+        return 0
+    return comm.resolve(None if group == "world" else group).rank

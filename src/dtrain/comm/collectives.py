@@ -30,7 +30,7 @@ GroupLike = Any  # dist.ProcessGroup | Group | None
 _TIMED = sys.modules[__name__]  # the calls auto's first choice times: these (dtrain.comm.cost)
 
 
-_PER_RANK_INPUT = ("all_gather", "gather")  # the whole buffer is size x the input
+PER_RANK_INPUT = ("all_gather", "gather")  # the whole buffer is size x the input
 
 
 def traffic(group: GroupLike = None, reset: bool = False) -> dict[str, int]:
@@ -75,7 +75,7 @@ def _run(what: str, g: Group, tensor: torch.Tensor, algorithm: str, async_op: bo
          finish: Callable[[], Any], **details: Any) -> Any:
     """Choose the algorithm, check consistency, run it on the right thread, and wait."""
     g.seq += 1
-    whole = tensor.numel() * tensor.element_size() * (g.size if what in _PER_RANK_INPUT else 1)
+    whole = tensor.numel() * tensor.element_size() * (g.size if what in PER_RANK_INPUT else 1)
     g.traffic[what] += int(bus_factor(what, g.size) * whole)
     if debug.enabled():  # before choosing: auto's first choice measures, itself collectively
         debug.check(g, what, tensor, algorithm, details)

@@ -30,6 +30,7 @@ from dtrain.layouts.pipeline import Pipelined
 from dtrain.layouts.zero import Sharded
 from dtrain.mesh import Mesh
 from dtrain.models import init, recompute
+from dtrain.parallel.diloco import DiLoCo
 from dtrain.tensor_parallel.plan_of import check_sequence_parallel, split_model
 from dtrain.tensor_parallel.sequence import apply_sequence_parallel
 
@@ -65,6 +66,10 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
     `live` (a dtrain.parallel.live.LiveReplicas) averages gradients over the replicas
     alive at each step: instead of over the mesh's dp group (DataParallel), or after ZeRO's
     reduction over it, shard by shard.
+
+    A mesh of replicas (`parallel.sync` = local_sgd or diloco) gives each its own Holding,
+    synchronized with the others' over `mesh.across` every `parallel.sync_every` steps
+    (`held.outer`, dtrain.parallel.diloco), and its own checkpoints.
     """
     skeleton = init.is_skeleton(model)
     if skeleton and weights is None:
@@ -84,6 +89,14 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
     if sequence:  # after allocation: its gradient hooks go on the real parameters
         apply_sequence_parallel(model, mesh.group("tp"))
     held.notes = _notes(config, recomputed)
+    if mesh.replicas > 1:  # replicas train alone, synchronized every sync_every steps
+        pc = config.parallel
+        held.outer = DiLoCo(held.module, mesh.across, sync_every=pc.sync_every, mode=pc.sync,
+                            outer_lr=pc.outer_lr, outer_momentum=pc.outer_momentum,
+                            streaming=pc.streaming, params=held.synced())
+        held.checkpoint_group = mesh.replica_group  # each replica its own checkpoints
+        held.notes += (f"{mesh.replicas} replicas synchronized by {pc.sync} every "
+                       f"{pc.sync_every} steps{' (streaming)' if pc.streaming else ''}",)
     return held
 
 

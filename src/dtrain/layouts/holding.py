@@ -19,6 +19,7 @@ module of dtrain.layouts, never a branch in the loop.
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from dtrain.layout import Layout
 from dtrain.layouts.state import Held, Names, collect
 from dtrain.models import loss_of_output
 from dtrain.parallel.clip import GradPart, clip_grad_norm_
+from dtrain.parallel.data_parallel import DataParallel
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -106,10 +108,33 @@ class Holding:
         returns that norm (collective over the mesh)."""
         return clip_grad_norm_(self.grad_parts(), max_norm, self.groups)
 
+    outer: Any = None
+    """With parallel.sync = local_sgd or diloco: the synchronization of this rank's
+    replica with the others every sync_every steps (dtrain.parallel.diloco.DiLoCo, over
+    `synced()`); None when gradients are averaged every step."""
+
     def step(self) -> None:
-        """Update the parameters from their gradients."""
+        """Update the parameters from their gradients (and, every sync_every steps, from
+        the other replicas')."""
         for h in self.held:
             h.step()
+        if self.outer is not None and self.outer.step():
+            self.synchronized()
+
+    def finish_rounds(self) -> None:
+        """Apply a synchronization still in flight (`parallel.streaming`), at the end."""
+        if self.outer is not None:
+            self.outer.flush()
+            self.synchronized()
+
+    def synced(self) -> list[torch.Tensor]:
+        """The tensors that make up this rank's copy of the model: what its optimizers step
+        (parameters, tensor-parallel blocks, ZeRO shards)."""
+        return [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+
+    def synchronized(self) -> None:
+        """The `synced()` tensors were set from the other replicas: bring what forward
+        reads up to date (ZeRO gathers its shards)."""
 
     def zero_grad(self) -> None:
         for h in self.held:
@@ -150,8 +175,36 @@ class Holding:
         for h in self.held:
             h.restore(ckpt)
 
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """What this rank keeps for itself across checkpoints, beyond the model and
+        optimizer: DataParallel's compression state, the replicas' outer state."""
+        state = {}
+        wrappers = [m for m in self.module.modules() if isinstance(m, DataParallel)]
+        for i, wrapper in enumerate(wrappers):
+            state.update({f"compression/{i}/{k}": v
+                          for k, v in wrapper.compression_state().items()})
+        if self.outer is not None:  # nested (lists, the outer SGD's state): one blob
+            blob = io.BytesIO()
+            torch.save(self.outer.state_dict(), blob)
+            state["outer"] = torch.frombuffer(bytearray(blob.getvalue()), dtype=torch.uint8)
+        return state
+
+    def load_rank_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Continue from `rank_state()`'s tensors (a checkpoint of the same ranks)."""
+        wrappers = [m for m in self.module.modules() if isinstance(m, DataParallel)]
+        for i, wrapper in enumerate(wrappers):
+            wrapper.load_compression_state(_under(state, f"compression/{i}/"))
+        if self.outer is not None and "outer" in state:  # this rank's own checkpoint file
+            blob = io.BytesIO(state["outer"].numpy().tobytes())
+            self.outer.load_state_dict(torch.load(blob, weights_only=True))
+            self.synchronized()
+
     def aliases(self) -> dict[str, str]:
         return self.names.aliases()
+
+
+def _under(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def decay_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:

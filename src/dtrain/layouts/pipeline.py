@@ -11,13 +11,14 @@ from torch import nn
 
 from dtrain import pipeline
 from dtrain.layout import Layout
+from dtrain.layouts.data_parallel import data_parallel
 from dtrain.layouts.holding import Batch, Holding, build_optimizer
 from dtrain.layouts.state import Names, Shards, Tensors
 from dtrain.layouts.zero import zero_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
 from dtrain.parallel.clip import GradPart
-from dtrain.parallel.data_parallel import DataParallel
+from dtrain.parallel.zero import ZeRO
 
 
 class Pipelined(Holding):
@@ -25,7 +26,7 @@ class Pipelined(Holding):
 
     def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
                  live: Any = None) -> None:
-        pc, group, dp = config.parallel, mesh.group("pp"), mesh.group("dp")
+        group, dp = mesh.group("pp"), mesh.group("dp")
         self.layout = layout
         mine = pipeline.pieces_for(pipeline.cut(model, layout.pp * layout.virtual_stages),
                                    group)
@@ -41,8 +42,7 @@ class Pipelined(Holding):
             self.optimizers = [z.optimizer for z in wrapped]
             self.held = [Shards(self.names, z) for z in wrapped]
         else:
-            wrapped = [DataParallel(piece, group=None if live else dp, bucket_mb=pc.bucket_mb,
-                                    grad_dtype=pc.grad_dtype, live=live) for piece in mine]
+            wrapped = [data_parallel(piece, dp, config, live) for piece in mine]
             params = list(nn.ModuleList(mine).parameters())
             self.optimizers = [build_optimizer(params, config.optimizer)]
             self.held = [Tensors(self.names, params, self.optimizers[0],
@@ -59,6 +59,11 @@ class Pipelined(Holding):
         forwards and backwards interleave, with spans of their own)."""
         (x, y), = batches
         return self.pipe.step(x, y).detach()
+
+    def synchronized(self) -> None:
+        for piece in self.module:
+            if isinstance(piece, ZeRO):
+                piece.refresh_parameters()
 
     def grad_parts(self) -> list[GradPart]:
         return self.pipe.grad_parts(is_split=self.names.is_split)  # a tied copy counted once

@@ -47,6 +47,9 @@ class Sharded(Holding):
     def grad_parts(self) -> list[GradPart]:
         return self.zero.grad_parts(is_split=self.names.is_split, counted=self.names.counted)
 
+    def synchronized(self) -> None:
+        self.zero.refresh_parameters()
+
     def backward(self, loss: torch.Tensor) -> None:
         self.zero.backward(loss)  # scales the loss under fp16
 

@@ -32,19 +32,27 @@ class Bucket:
     buffer: torch.Tensor  # numel gradient elements, then len(params) presence flags
     ready: list[bool] = field(default_factory=list)
     pending: int = 0
+    present: list[int] = field(default_factory=list)  # flags, written into the buffer at once
 
     def __post_init__(self) -> None:
+        # each parameter's view of the buffer, made once: backward's hooks write into them
+        self.slots = [self.buffer[o : o + p.numel()].view_as(p)
+                      for p, o in zip(self.params, self.offsets, strict=True)]
         self.reset()
 
     def reset(self) -> None:
         """Forget which gradients arrived; called after every synchronized backward."""
         self.ready = [False] * len(self.params)
+        self.present = [0] * len(self.params)
         self.pending = len(self.params)
 
     def slot(self, i: int) -> torch.Tensor:
         """The view of the buffer that holds parameter i's gradient, shaped like it."""
-        p = self.params[i]
-        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+        return self.slots[i]
+
+    def write_flags(self) -> None:
+        """Put the presence flags into the buffer (one copy), before it is reduced."""
+        self.flags.copy_(torch.tensor(self.present, dtype=self.buffer.dtype))
 
     @property
     def flags(self) -> torch.Tensor:
@@ -58,7 +66,8 @@ class Bucket:
 
 
 def build_buckets(
-    params: list[nn.Parameter], bucket_bytes: int, grad_dtype: torch.dtype | None
+    params: list[nn.Parameter], bucket_bytes: int, grad_dtype: torch.dtype | None,
+    first_bytes: int | None = None,
 ) -> list[Bucket]:
     """Pack `params` (in the given order) into buckets of about `bucket_bytes` each.
 
@@ -69,6 +78,8 @@ def build_buckets(
         params: parameters in the order their gradients are expected.
         bucket_bytes: cap on a bucket's gradient bytes (in the communication dtype).
         grad_dtype: dtype of the communicated gradients; None keeps each parameter's dtype.
+        first_bytes: a smaller cap for the first bucket, so that communication starts
+            early in backward (DDP's first bucket is 1 MB); default `bucket_bytes`.
     """
     groups: list[list[nn.Parameter]] = []
     size = 0
@@ -76,7 +87,8 @@ def build_buckets(
         dtype = grad_dtype or p.dtype
         nbytes = p.numel() * dtype.itemsize
         current = groups[-1] if groups else None
-        fits = current is not None and size + nbytes <= bucket_bytes
+        cap = first_bytes if len(groups) == 1 and first_bytes is not None else bucket_bytes
+        fits = current is not None and size + nbytes <= cap
         same_kind = current is not None and (
             current[0].device == p.device and current[0].dtype == p.dtype
         )

@@ -19,6 +19,7 @@ Run it with `dtrain run -n 2 train.py`, where train.py does::
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,11 +28,16 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.errors import DtrainError
+from dtrain.parallel import compression as compression_mod
 from dtrain.parallel.buckets import Bucket, build_buckets, launch_ready
 from dtrain.parallel.clip import GradPart
+from dtrain.parallel.compression import Compressor
 from dtrain.parallel.live import LiveReplicas, Outcome
 from dtrain.parallel.live_group import ReplicaLost
 from dtrain.parallel.replicas import broadcast_state, check_same_model
+
+FIRST_BUCKET = 1 << 20
+"""Bytes of the first bucket at most (DDP's too): communication starts early in backward."""
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -62,6 +68,11 @@ class DataParallel(nn.Module):
             group (dtrain.parallel.live): a replica that dies is dropped within the step
             and the survivors' average counts; call `live.begin_step` before each step.
             The first quorum, not the wrap, makes the replicas identical.
+        compression: send the gradients compressed (dtrain.parallel.compression):
+            "powersgd" or "int8" with their defaults, or a `Compressor`; the gradients
+            are reduced as one bucket at the end of backward (each collective costs round
+            trips), and a parameter no rank used gets a zero gradient (presence is not
+            sent). Its error feedback is `compression_state()`.
 
     Parameters that receive no gradient in a step (unused branches) are fine: their slots
     are sent as zeros, and a parameter no rank used keeps `grad = None`, as in one process.
@@ -79,10 +90,16 @@ class DataParallel(nn.Module):
         grad_dtype: torch.dtype | str | None = None,
         algorithm: str = "auto",
         live: LiveReplicas | None = None,
+        compression: str | Compressor | None = None,
     ) -> None:
         super().__init__()
         if bucket_mb <= 0:
             raise DtrainError(f"bucket_mb={bucket_mb} must be positive")
+        compressor = compression_mod.make(compression) if isinstance(compression, str) \
+            else compression
+        if compressor is not None and (live is not None or grad_dtype is not None):
+            raise DtrainError("DataParallel(compression=...) sends its own encoding of fp32 "
+                              "gradients over a fixed group: leave grad_dtype= and live= unset")
         self.module = module
         self.live = live
         if live is None:
@@ -97,24 +114,42 @@ class DataParallel(nn.Module):
             self._sent: dict[int, torch.Tensor] = {}
         self.algorithm = algorithm
         self.grad_dtype = parse_dtype(grad_dtype)
+        self.compressor = compressor if self.size > 1 else None
         self._sync = True
         self._finalize_queued = False
         self._next_launch = 0
         self._works: list[Any] = []
-        params = [p for p in module.parameters() if p.requires_grad]
-        # a group of one has nothing to average: its gradients stay autograd's own
-        self._buckets = build_buckets(
-            list(reversed(params)), int(bucket_mb * 1024 * 1024), self.grad_dtype
-        ) if live is not None or self.size > 1 else []
-        self._hooks = []
-        for bucket in self._buckets:
-            for i, p in enumerate(bucket.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    self._make_hook(bucket, i)
-                ))
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._position = {id(p): k for k, p in enumerate(self._params)}
+        self._bucket_bytes = int(bucket_mb * 1024 * 1024)
+        averages = live is not None or self.size > 1  # a group of one has nothing to average
+        self._buckets: list[Bucket] = []
+        self._unpacked: dict[int, torch.Tensor] = {}  # grad_dtype's buckets, cast back
+        self._where: dict[int, tuple[Bucket, int]] = {}
+        if averages:
+            self._pack(list(reversed(range(len(self._params)))))
+        # The order backward makes the gradients in, noted in the first averaged backward:
+        # the buckets are then repacked in it, so each is complete as early as it can be.
+        # (Not when compressing: error feedback is kept per bucket, from the first step on.)
+        self._seen: list[int] | None = [] if live is None and averages and \
+            self.compressor is None else None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(k))
+                       for k, p in enumerate(self._params)]
         if live is None and self.size > 1:
-            check_same_model(params, self.group, "DataParallel", algorithm)
+            check_same_model(self._params, self.group, "DataParallel", algorithm)
             broadcast_state(module, self.group, algorithm)
+
+    def _pack(self, order: list[int]) -> None:
+        """Buckets of the parameters in `order` (indices), the first of at most 1 MB; one
+        when compressing (reduced after backward anyway: each bucket costs round trips)."""
+        params = [self._params[k] for k in order]
+        if self.compressor is not None:
+            self._buckets = build_buckets(params, sys.maxsize, None)
+        else:
+            self._buckets = build_buckets(params, self._bucket_bytes, self.grad_dtype,
+                                          min(self._bucket_bytes, FIRST_BUCKET))
+        self._where = {self._position[id(p)]: (bucket, i)
+                       for bucket in self._buckets for i, p in enumerate(bucket.params)}
 
     # ----------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -134,14 +169,17 @@ class DataParallel(nn.Module):
             self._sync = previous
 
     # ----------------------------------------------------------------- backward
-    def _make_hook(self, bucket: Bucket, i: int):
+    def _make_hook(self, k: int):
         def hook(param: torch.Tensor) -> None:
-            if not self._sync or self.size == 1:
+            if not self._sync or not self._buckets:
                 return
             if not self._finalize_queued:
                 self._finalize_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(
                     self._finalize if self.live is None else self._finalize_live)
+            if self._seen is not None:
+                self._seen.append(k)
+            bucket, i = self._where[k]
             self._fill_slot(bucket, i, param)
             bucket.ready[i] = True
             bucket.pending -= 1
@@ -151,30 +189,34 @@ class DataParallel(nn.Module):
 
     @torch.no_grad()
     def _fill_slot(self, bucket: Bucket, i: int, param: torch.Tensor) -> None:
-        """Copy param's local gradient into its slot, pre-divided by the group size."""
-        slot = bucket.slot(i)
-        if param.grad is None:
+        """Copy param's local gradient into its slot, pre-divided by the group size (the
+        compressor and the live replicas divide once they have summed)."""
+        slot, grad = bucket.slots[i], param.grad
+        if grad is None:
             slot.zero_()
-            bucket.flags[i] = 0
+            bucket.present[i] = 0
             return
-        if self.live is not None:  # summed, divided once the quorum's size is settled
-            slot.copy_(param.grad)
-            bucket.flags[i] = 1
+        bucket.present[i] = 1
+        if self.live is not None:
+            slot.copy_(grad)
             return
-        if param.grad.data_ptr() == slot.data_ptr() and param.grad.dtype == slot.dtype:
-            slot.mul_(1.0 / self.size)  # accumulated in place in the bucket already
+        scale = 1.0 if self.compressor is not None else 1.0 / self.size
+        if grad.data_ptr() == slot.data_ptr() and grad.dtype == slot.dtype:
+            slot.mul_(scale)  # accumulated in place in the bucket already
         else:
-            torch.mul(param.grad, 1.0 / self.size, out=slot)
+            torch.mul(grad, scale, out=slot)
             if self.grad_dtype is None:
                 param.grad = slot  # later steps accumulate straight into the bucket
-        bucket.flags[i] = 1
 
     def _launch_ready(self) -> None:
         self._next_launch = launch_ready(self._buckets, self._next_launch, self._launch)
 
     def _launch(self, bucket: Bucket) -> None:
+        bucket.write_flags()
         if self.live is not None:
             self._launch_live(bucket)
+            return
+        if self.compressor is not None:  # reduced at the end of backward, in order
             return
         self._works.append(comm.all_reduce(bucket.buffer, group=self.group, async_op=True,
                                            algorithm=self.algorithm))
@@ -189,18 +231,54 @@ class DataParallel(nn.Module):
             self._launch(bucket)
         for work in self._works:
             work.wait()
+        for bucket in self._buckets if self.compressor is not None else ():
+            self.compressor.reduce(bucket.index, bucket.grads,
+                                   [p.shape for p in bucket.params], self.group)
+            bucket.present = [1] * len(bucket.params)  # not sent: every parameter gets one
         for bucket in self._buckets:
+            grads = bucket.grads if self.grad_dtype is None else self._cast_back(bucket)
+            present = bucket.present if self.compressor is not None else bucket.flags.tolist()
             for i, p in enumerate(bucket.params):
-                if bucket.flags[i] == 0:
+                if present[i] == 0:
                     continue  # no rank had a gradient: it stays None, as in one process
-                if self.grad_dtype is None:
-                    p.grad = bucket.slot(i)
-                else:
-                    p.grad = bucket.slot(i).to(p.dtype)
+                start = bucket.offsets[i]
+                p.grad = grads[start : start + p.numel()].view_as(p)
             bucket.reset()
         self._works.clear()
         self._next_launch = 0
         self._finalize_queued = False
+        if self._seen is not None:
+            self._repack()
+
+    def _cast_back(self, bucket: Bucket) -> torch.Tensor:
+        """A bucket's averaged gradients in the parameters' dtype: one cast into a buffer
+        kept from step to step (a new one would be allocated and touched every step)."""
+        kept = self._unpacked.get(bucket.index)
+        if kept is None:
+            kept = self._unpacked[bucket.index] = bucket.grads.to(bucket.params[0].dtype)
+        else:
+            kept.copy_(bucket.grads)
+        return kept
+
+    def _repack(self) -> None:
+        """Repack the buckets in the order the first backward made the gradients (rank 0's,
+        so that every rank launches the same buckets), as DDP rebuilds its buckets."""
+        seen, self._seen = dict.fromkeys(self._seen or []), None
+        order = [*seen, *(k for k in reversed(range(len(self._params))) if k not in seen)]
+        agreed = torch.tensor(order, dtype=torch.int64)
+        comm.broadcast(agreed, src=0, group=self.group, algorithm=self.algorithm)
+        order = agreed.tolist()
+        if order == [self._position[id(p)] for b in self._buckets for p in b.params]:
+            return
+        self._pack(order)
+        self._unpacked.clear()
+        if self.grad_dtype is None:  # the averaged gradients move into the new buckets
+            for bucket in self._buckets:
+                for i, p in enumerate(bucket.params):
+                    if p.grad is not None:
+                        slot = bucket.slots[i]
+                        slot.copy_(p.grad)
+                        p.grad = slot
 
     def reduce_gradients(self) -> None:
         """Average what backward accumulated under `no_sync` now, as the first backward
@@ -255,8 +333,9 @@ class DataParallel(nn.Module):
         for bucket in self._buckets:
             reduced = self._sent[bucket.index] if committed else bucket.buffer.clone()
             reduced[: bucket.numel].div_(self.live.size if committed else 1)
+            present = reduced[bucket.numel :].tolist()
             for i, p in enumerate(bucket.params):
-                if reduced[bucket.numel + i] == 0:
+                if present[i] == 0:
                     continue  # no replica had a gradient: it stays None, as in one process
                 start = bucket.offsets[i]
                 grad = reduced[start : start + p.numel()].view_as(p)
@@ -265,6 +344,17 @@ class DataParallel(nn.Module):
         self._sent.clear()
         self._next_launch = 0
         self._finalize_queued = False
+
+    # ----------------------------------------------------------------- compression
+    def compression_state(self) -> dict[str, torch.Tensor]:
+        """This rank's compression state (error feedback, warm starts) as flat tensors,
+        for a checkpoint; empty without compression."""
+        return {} if self.compressor is None else self.compressor.state_dict()
+
+    def load_compression_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Continue from `compression_state()`'s tensors (a resumed run on the same ranks)."""
+        if self.compressor is not None and state:
+            self.compressor.load_state_dict(state)
 
     # ----------------------------------------------------------------- clipping
     def grad_parts(self, is_split: Callable[[nn.Parameter], bool] | None = None,

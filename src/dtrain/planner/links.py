@@ -3,8 +3,9 @@ byte each rank sends), per operation.
 
 The figures come, in this order, from `--bandwidth`/`--latency` given by the user, from
 the calibration file `dtrain bench comm --calibrate` writes (dtrain.comm.select: the
-measured time of each algorithm at 4 KiB .. 16 MiB; alpha is the fastest algorithm's time
-at the smallest probe, beta the slope between the two largest, per byte of bus traffic),
+measured time of each algorithm at 4 KiB .. 16 MiB of each rank's input; alpha is the
+fastest algorithm's time at the smallest probe, beta the slope between the two largest,
+per byte of bus traffic),
 or from assumed defaults, which the planner says it used.
 
 A collective on a group of n ranks then costs `calls * alpha + bus_bytes * beta`, where
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from dtrain.comm.collectives import PER_RANK_INPUT
 from dtrain.comm.ops import bus_factor
 
 DEFAULT_GBPS = 10.0
@@ -76,5 +78,8 @@ def _fit(op: str, n: int, curves: dict[str, list]) -> tuple[float, float]:
     points = [sorted((int(b), float(t)) for b, t in pts) for pts in curves.values()]
     alpha = min(p[0][1] for p in points)
     slopes = [(p[-1][1] - p[-2][1]) / (p[-1][0] - p[-2][0]) for p in points if len(p) > 1]
-    beta = max(min(slopes), 1e-15) / bus_factor(op, n) if slopes else 1 / (DEFAULT_GBPS * 1e9)
+    # curves are by each rank's input: an all-gather's whole buffer is n of them
+    whole = n if op in PER_RANK_INPUT else 1
+    beta = max(min(slopes), 1e-15) / (whole * bus_factor(op, n)) if slopes else \
+        1 / (DEFAULT_GBPS * 1e9)
     return alpha, beta

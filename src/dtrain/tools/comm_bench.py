@@ -5,17 +5,15 @@
     dtrain bench comm --json comm.json --calibrate        # also save auto's cost models
     dtrain run -n 8 -m dtrain.cli bench comm              # under a launcher: one rank each
 
-For each operation and message size, every rank makes warm-up calls of each algorithm,
-then times runs of calls on a float32 tensor (sum, root 0), each run after a barrier, the
-algorithms taking turns in rounds so that a busy moment of the machine hurts them alike;
-the figure is the slowest rank's mean. Big messages get fewer calls (about
-SECONDS_PER_POINT for each row), so the default range takes a few minutes on 2 cores.
+Each rank makes warm-up calls of each algorithm, then times runs of calls on a float32
+tensor (sum, root 0) after a barrier each, the algorithms taking turns in rounds so that
+a busy moment hurts them alike: the slowest rank's mean. Big messages get fewer calls
+(about SECONDS_PER_POINT a row): the default range takes minutes on 2 cores.
 
 As in nccl-tests, `bytes` is the whole buffer (for all_gather the gathered result, for
-reduce_scatter the input before scattering), algbw = bytes / time, and busbw = algbw times
-the share of the data each rank must move: 2(n-1)/n for all_reduce, (n-1)/n for
-all_gather and reduce_scatter, 1 for broadcast and reduce. Busbw is comparable across rank
-counts and with the bandwidth of the links.
+reduce_scatter the input), algbw = bytes / time, and busbw = algbw times the share each
+rank moves (2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for
+broadcast and reduce): comparable across rank counts and with the links' bandwidth.
 """
 
 from __future__ import annotations
@@ -58,8 +56,7 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
 
 
 def element_count(op: str, nbytes: int, ranks: int) -> int:
-    """float32 elements of the whole buffer for `nbytes`; a multiple of `ranks` where the
-    operation splits the buffer into one piece per rank."""
+    """float32 elements of the whole buffer for `nbytes` (a multiple of `ranks` if split)."""
     count = max(1, nbytes // ELEMENT_BYTES)
     if op in ("all_gather", "reduce_scatter"):
         count = -(-count // ranks) * ranks
@@ -145,9 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH",
                         help="write every measurement as a JSON list (rank 0)")
     parser.add_argument("--calibrate", action="store_true",
-                        help="first measure the cost models that algorithm='auto' chooses by "
-                             "and save them (DTRAIN_CALIBRATION, default "
-                             "~/.cache/dtrain/calibration.json); the table then uses them")
+                        help="first measure auto's cost models of --ops and --algorithms and "
+                             "save them (DTRAIN_CALIBRATION, default ~/.cache/dtrain/"
+                             "calibration.json); the table then uses them")
     parser.add_argument("--segment-bytes", help=argparse.SUPPRESS)  # ring experiments
 
 
@@ -262,7 +259,7 @@ def bench(opts: Options) -> list[Record]:
              f"for big messages), algorithms taking turns in {ROUNDS} rounds; the slowest "
              f"rank's median round")
         if opts.calibrate:
-            show(f"# calibration saved to {calibrate(group, device)}")
+            show(f"# calibration saved to {calibrate(group, device, opts.ops, opts.algorithms)}")
         for op, algorithms in plan(opts.ops, opts.algorithms):
             if algorithms:
                 records += _bench_op(op, algorithms, group, backend, device, opts, show)
@@ -272,16 +269,19 @@ def bench(opts: Options) -> list[Record]:
     return records
 
 
-def calibrate(group: Group, device: torch.device) -> Path | None:
-    """Measure the cost models of every operation with a choice of algorithm and use them
-    in this run; rank 0 saves them and returns where (the other ranks return None)."""
+def calibrate(group: Group, device: torch.device, ops: tuple[str, ...],
+              algorithms: tuple[str, ...]) -> Path | None:
+    """Measure the cost models of `ops` with a choice, over their `algorithms`, for this
+    run; rank 0 saves them and returns where (the other ranks return None)."""
     from dtrain.comm import AVAILABLE, select
 
     models = {}
-    for op, candidates in AVAILABLE.items():
-        if len(candidates) > 1:
+    for op in ops:
+        candidates = tuple(a for a in AVAILABLE[op] if a in algorithms)
+        if len(AVAILABLE[op]) > 1 and candidates:
             lines = select.measure(group, op, candidates, device)  # rank 0's, on every rank
-            group.cost_models[op] = lines  # so auto needs no file, which rank 0 is writing
+            if candidates == AVAILABLE[op]:
+                group.cost_models[op] = lines  # auto needs no file (rank 0 is writing it)
             models[select.cache_key(group, op)] = lines
     return select.save_models(models) if group.rank == 0 else None
 

@@ -117,6 +117,7 @@ def plan_command(args: argparse.Namespace) -> None:
     from dtrain.models import resolve
     from dtrain.planner import machine, plan, profile_factory, profile_model, recommend
     from dtrain.planner.construction import whole_model
+    from dtrain.planner.slow_links import recommend_sync, sync_options
 
     overrides = list(args.overrides) + [
         f"model.{key}={getattr(args, key)}" for key in
@@ -159,6 +160,12 @@ def plan_command(args: argparse.Namespace) -> None:
                           "--batch a multiple of the device count")
     best, why = recommend(estimates)
     profile = trace(max(1, batch // devices))
+    replicated = next((e for e in estimates if e.fits and e.layout.dp > 1
+                       and not e.layout.zero and e.layout.mode == "collective"), None)
+    options = [] if replicated is None else \
+        sync_options(trace(batch // (replicated.layout.dp * replicated.layout.microbatches)),
+                     replicated, links)
+    sync, sync_why = recommend_sync(options)
     info = {
         "model": profile.name, "parameters": profile.params.total, "devices": devices,
         "memory_per_device": memory, "memory_from": memory_from, "global_batch": batch,
@@ -168,6 +175,9 @@ def plan_command(args: argparse.Namespace) -> None:
         "recompute_choices": list(modes), "sequence_parallel_choices": list(seq),
         "recommended": best.to_dict() if best else None, "why": why,
         "layouts": [e.to_dict() for e in estimates],
+        "sync": {"layout": replicated.label if replicated else None,
+                 "options": [o.to_dict() for o in options],
+                 "recommended": sync.to_dict() if sync else None, "why": sync_why},
     }
     if args.json:
         text = json.dumps(info, indent=2)
@@ -180,6 +190,8 @@ def plan_command(args: argparse.Namespace) -> None:
         except OSError as exc:
             raise ConfigError(f"--json {args.json!r}: cannot write it ({exc.strerror})") from None
     _print_table(info, estimates, why)
+    if options:
+        _print_sync(info["sync"], options)
 
 
 def _print_table(info: dict, estimates, why: str, out=sys.stdout) -> None:
@@ -209,3 +221,16 @@ def _print_table(info: dict, estimates, why: str, out=sys.stdout) -> None:
               f"{_size(sum(e.traffic.values())):>10} {e.bubble:>6.0%} "
               f"{e.step_s * 1e3:>7.1f}ms", file=out)
     print(f"recommended: {why}", file=out)
+
+
+def _print_sync(sync: dict, options, out=sys.stdout) -> None:
+    """The ways the fastest data-parallel layout could synchronize (dtrain.planner.slow_links)."""
+    print(f"\nsynchronizing {sync['layout']} over these links (progress: steps to the loss one "
+          "synchronous step reaches, measured on the default job):", file=out)
+    header = f"{'option':18} {'sent/step':>10} {'step':>9} {'progress':>8} {'to same loss':>12}"
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for o in options:
+        print(f"{o.name:18} {_size(o.bytes_per_step):>10} {o.step_s * 1e3:>7.1f}ms "
+              f"{o.progress:>7.2f}x {o.time_to_loss_s * 1e3:>10.1f}ms", file=out)
+    print(f"recommended sync: {sync['why']}", file=out)

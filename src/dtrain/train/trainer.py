@@ -31,7 +31,7 @@ from dtrain import comm, faults, layouts, models, timeline
 from dtrain import world as world_mod
 from dtrain.checkpoint import training
 from dtrain.checkpoint.universal import Checkpoint
-from dtrain.config import Config, OptimizerConfig, layout_of, per_rank_batch
+from dtrain.config import Config, OptimizerConfig, layout_of, per_rank_batch, replicas_of
 from dtrain.data import Tokenizer, TokenSequences, batches, open_data
 from dtrain.layouts import Holding
 from dtrain.mesh import Mesh
@@ -74,7 +74,8 @@ def evaluate(held: Holding, data: TokenSequences, batch_size: int, n_batches: in
     for _, (x, y) in zip(range(n_batches), stream, strict=False):
         total += held.evaluate(x.to(device), y.to(device)).item()
     held.module.train()
-    return mean_over(total / n_batches, mesh.group("dp"), device)
+    mine = mean_over(total / n_batches, mesh.group("dp"), device)
+    return mean_over(mine, mesh.across, device)  # and over the replicas, if any
 
 
 def open_checkpoint(path: str, config: Config) -> Checkpoint:
@@ -104,8 +105,13 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
         config, note = elastic.adapt(config, world.world_size, most, elastic.agreed(world))
     tc, mc = config.train, config.model
     layout = layout_of(config, world.world_size)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
-    resume_from = training.resume_path(config.checkpoint.resume, tc.out_dir)
+    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp,
+                replicas=replicas_of(config, world.world_size))
+    # replicas synchronized every sync_every steps each keep checkpoints of their own
+    run_dir = Path(tc.out_dir) / (f"replica-{mesh.replica}" if mesh.replica else "")
+    resume_from = training.resume_path(config.checkpoint.resume, run_dir)
+    if mesh.replicas > 1:
+        resume_from = training.agreed_resume(resume_from, world.device)
     resume = open_checkpoint(resume_from, config) if resume_from else None
     start = resume.step if resume is not None else 0
 
@@ -113,10 +119,10 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     data = open_data(dc.path, dc.format, dc.tokenizer, dc.max_bytes, dc.val_fraction,
                      mc.block_size)
     train_data, val_data = data.train, data.val
-    replicas = (layout.dp, mesh.coords["dp"])  # (data shards, this rank's)
-    if live:  # the batch splits over the replicas, and over ZeRO's dp inside each
-        replicas = (live.slots * layout.dp, live.replica_id * layout.dp + mesh.coords["dp"])
-    per_rank = per_rank_batch(config, replicas[0])  # sequences per forward
+    # (data shards, this rank's): the batch splits over the replicas, and the dp inside each
+    count, replica = (live.slots, live.replica_id) if live else (mesh.replicas, mesh.replica)
+    shards = (count * layout.dp, replica * layout.dp + mesh.coords["dp"])
+    per_rank = per_rank_batch(config, shards[0])  # sequences per forward
 
     shape = models.resolve(mc, data.vocab_size)
     torch.manual_seed(tc.seed)
@@ -126,7 +132,7 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
     held = layouts.build(model, mesh, layout, config, weights=weights, live=live)
 
     def stream_from(step: int):
-        return batches(train_data, tc.batch_size, *replicas, tc.seed, shuffle=True,
+        return batches(train_data, tc.batch_size, *shards, tc.seed, shuffle=True,
                        accum=held.accum, start=step)
 
     stream = stream_from(start)
@@ -140,7 +146,6 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
                    save_extra=lambda: {"schedule": schedulers[0].state_dict()},
                    load_extra=lambda extra: schedulers[0].load_state_dict(extra["schedule"]))
 
-    out_dir = Path(tc.out_dir)
     main = world.is_main and (live is None or live.replica_id == 0)
     progress = Progress(tc.steps, config.logging.log_every, enabled=main)
     # Of live replicas, the first of each step's quorum records it (replica 0 may be gone).
@@ -185,10 +190,10 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
         """The checkpoint of `step`: its folder, or in the background (training goes on
         while it is written) its PendingSave (dtrain.checkpoint.background)."""
         if not writes():
-            return out_dir / "checkpoints"
+            return run_dir / "checkpoints"
         how = training.save_in_background if background else training.save
         with timeline.span("checkpoint", "checkpoint", step=step):
-            return how(out_dir / "checkpoints", step, held, schedulers, config.to_dict(),
+            return how(run_dir / "checkpoints", step, held, schedulers, config.to_dict(),
                        config.checkpoint.keep_last, described)
 
     def train_step() -> float:
@@ -206,9 +211,10 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
                 for scheduler in schedulers:
                     scheduler.step()
             held.zero_grad()
-        return mean_over(loss.item(), held.loss_group, world.device)
+        return mean_over(mean_over(loss.item(), held.loss_group, world.device), mesh.across,
+                         world.device)
 
-    path = resume.path if resume is not None else out_dir / "checkpoints"
+    path = resume.path if resume is not None else run_dir / "checkpoints"
     step = start
     while step < tc.steps:
         step += 1
@@ -241,6 +247,7 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
             else:
                 path = save(step)
     progress.close()
+    held.finish_rounds()
     held.close()
     if live:
         live.finish()
