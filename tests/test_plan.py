@@ -327,7 +327,8 @@ def test_plan_command_json_and_table(tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("gbps, latency_us, chosen", [
-    (10.0, 20, "every step"), (0.0125, 20_000, "local_sgd H=50")])
+    pytest.param(10.0, 20, "every step", marks=pytest.mark.slow),
+    (0.0125, 20_000, "local_sgd H=50")])
 def test_plan_lists_and_chooses_how_data_parallelism_synchronizes(
         gbps: float, latency_us: int, chosen: str) -> None:
     """On a fast link the gradients' every-step all-reduce hides behind backward; on a

@@ -1,7 +1,8 @@
 """dtrain train over slow links: compressed gradients and replicas synchronized every H
 steps (local SGD, DiLoCo), each against synchronous data parallelism, resumed exactly, and
-their bad input refused in one line. The library parts have their own tests
-(test_compression.py, test_diloco.py), and the links themselves (test_emulated_links.py)."""
+their bad input refused in one line. The runs are slow tests (make test keeps the bad
+input; the library's equalities run quickly in test_diloco.py and test_compression.py), and
+the links themselves in test_emulated_links.py."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ EVERY_STEP_AS_DILOCO = [*DILOCO, "--set", "parallel.sync_every=1", "--set",
                         "parallel.outer_lr=1", "--set", "parallel.outer_momentum=0"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_diloco_every_step_without_momentum_equals_synchronous(tmp_path: Path) -> None:
     """Two replicas of one rank, H = 1, outer lr 1, no momentum, SGD inside: each step's
@@ -53,6 +55,7 @@ def test_diloco_of_replicas_of_two_ranks_equals_synchronous(
     torch.testing.assert_close(model_of(diloco[1]), model_of(every[1]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_diloco_resumed_mid_round_continues_exactly(tmp_path: Path) -> None:
     """H = 4 with Nesterov momentum and AdamW inside: 3 steps (in the middle of the
@@ -84,6 +87,7 @@ def test_streaming_diloco_restarted_with_a_sync_in_flight_ends_as_uninterrupted(
     torch.testing.assert_close(model_of(restarted[1]), model_of(whole[1]), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_compressed_run_resumed_continues_exactly(tmp_path: Path) -> None:
     """PowerSGD's error feedback and warm start are part of each rank's checkpoint: 3 steps
