@@ -200,7 +200,7 @@ def _inverted_steps(rank: int, size: int, start: Inverted, grad_dtype: str | Non
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("grad_dtype", [None, "bf16"])
+@pytest.mark.parametrize("grad_dtype", [None, pytest.param("bf16", marks=pytest.mark.slow)])
 def test_buckets_repacked_in_backwards_order_still_average(grad_dtype: str | None) -> None:
     """Steps before and after the repack equal one process (bf16: within its rounding)."""
     torch.manual_seed(0)

@@ -226,6 +226,7 @@ def _replica_sums() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_mesh_of_replicas_lays_out_each_alike() -> None:
     """Two replicas of tp=2 (ranks 0-1, 2-3): the axes stay inside a replica, `across`
     joins the same places of both."""
