@@ -35,7 +35,8 @@ class Bucket:
     present: list[int] = field(default_factory=list)  # flags, written into the buffer at once
 
     def __post_init__(self) -> None:
-        # each parameter's view of the buffer, made once: backward's hooks write into them
+        # each parameter's view of the buffer (shaped like it), made once: backward's hooks
+        # write into them
         self.slots = [self.buffer[o : o + p.numel()].view_as(p)
                       for p, o in zip(self.params, self.offsets, strict=True)]
         self.reset()
@@ -45,10 +46,6 @@ class Bucket:
         self.ready = [False] * len(self.params)
         self.present = [0] * len(self.params)
         self.pending = len(self.params)
-
-    def slot(self, i: int) -> torch.Tensor:
-        """The view of the buffer that holds parameter i's gradient, shaped like it."""
-        return self.slots[i]
 
     def write_flags(self) -> None:
         """Put the presence flags into the buffer (one copy), before it is reduced."""

@@ -31,7 +31,6 @@ from dtrain.errors import DtrainError
 from dtrain.parallel import compression as compression_mod
 from dtrain.parallel.buckets import Bucket, build_buckets, launch_ready
 from dtrain.parallel.clip import GradPart
-from dtrain.parallel.compression import Compressor
 from dtrain.parallel.live import LiveReplicas, Outcome
 from dtrain.parallel.live_group import ReplicaLost
 from dtrain.parallel.replicas import broadcast_state, check_same_model
@@ -90,7 +89,7 @@ class DataParallel(nn.Module):
         grad_dtype: torch.dtype | str | None = None,
         algorithm: str = "auto",
         live: LiveReplicas | None = None,
-        compression: str | Compressor | None = None,
+        compression: str | compression_mod.Compressor | None = None,
     ) -> None:
         super().__init__()
         if bucket_mb <= 0:
