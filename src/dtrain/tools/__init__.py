@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
 
 from dtrain.errors import ConfigError
@@ -14,6 +15,21 @@ def check_output(flag: str, path: str | None) -> None:
     work is done; empty or "-" (standard output) passes."""
     if path and path != "-" and not Path(path).absolute().parent.is_dir():
         raise ConfigError(f"{flag} {path!r}: its folder does not exist")
+
+
+def write_json(flag: str, path: str, data: dict) -> bool:
+    """Write `data` to `path` (`--json PATH`), or print it for "-"; True when printed
+    (the caller then prints nothing else)."""
+    text = json.dumps(data, indent=2)
+    if path == "-":
+        print(text)
+        return True
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path!r}: cannot write it ({exc.strerror})") from None
+    return False
 
 
 def parse_list(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:

@@ -7,6 +7,8 @@
     dtrain plan my.toml -n 4 --json plan.json     # a training config's model and batch
     dtrain plan --model mypkg.models:build -n 4   # a model of your own (dp and ZeRO only)
     dtrain plan -n 4 --memory 2GB --recompute full --sequence-parallel on
+    dtrain plan --hardware a100-80gb --nodes 192 --model-shape layers=80,hidden=12288,\
+        heads=96,seq=2048,vocab=51200 --batch 2304   # a GPU cluster (dtrain.tools.plan_cluster)
 
 Figures are per rank, for the busiest rank of each layout (dtrain.planner). The compute
 rate defaults to a matrix multiply timed on this machine; link costs to the calibration
@@ -23,14 +25,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import sys
 from typing import TYPE_CHECKING
 
 from dtrain.errors import ConfigError
 from dtrain.sizes import parse_size
-from dtrain.tools import check_output
+from dtrain.tools import check_output, plan_cluster, write_json
 
 if TYPE_CHECKING:
     from dtrain.config import Config
@@ -73,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "without)")
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON ('-': "
                         "standard output, instead of the table)")
+    plan_cluster.add_arguments(parser)
 
 
 def _size(nbytes: float) -> str:
@@ -119,11 +121,16 @@ def plan_command(args: argparse.Namespace) -> None:
     from dtrain.planner.construction import whole_model
     from dtrain.planner.slow_links import recommend_sync, sync_options
 
-    overrides = list(args.overrides) + [
+    config_overrides, hw_overrides = plan_cluster.split_overrides(list(args.overrides))
+    overrides = config_overrides + [
         f"model.{key}={getattr(args, key)}" for key in
         ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
         if getattr(args, key) is not None]
     config = load_config(args.config, overrides)
+    if args.hardware is not None:
+        plan_cluster.cluster_plan(args, config, hw_overrides)
+        return
+    plan_cluster.check_cluster_flags(args, hw_overrides)
     devices = args.devices if args.devices is not None else config.parallel.nproc
     batch = args.batch if args.batch is not None else config.train.batch_size
     if devices < 1 or batch < 1:
@@ -179,16 +186,8 @@ def plan_command(args: argparse.Namespace) -> None:
                  "options": [o.to_dict() for o in options],
                  "recommended": sync.to_dict() if sync else None, "why": sync_why},
     }
-    if args.json:
-        text = json.dumps(info, indent=2)
-        if args.json == "-":
-            print(text)
-            return
-        try:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-        except OSError as exc:
-            raise ConfigError(f"--json {args.json!r}: cannot write it ({exc.strerror})") from None
+    if args.json and write_json("--json", args.json, info):
+        return
     _print_table(info, estimates, why)
     if options:
         _print_sync(info["sync"], options)

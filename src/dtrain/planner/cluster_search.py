@@ -1,0 +1,149 @@
+"""Which layout to run on a GPU cluster: every valid one, ranked by the cost model.
+
+    estimates = rank(shape, cluster, batch=2304)    # one per layout, fastest first
+    best, why = recommend(estimates)
+    one = best_of(shape, cluster, 2304, Choice(tp=8, pp=8, dp=24))  # its best options
+
+A layout is tp x pp x dp = the cluster's GPUs with tp dividing the heads and the key/value
+heads and staying inside a node, pp at most the layers, and dp x micro-batch dividing the
+global batch; it may take a ZeRO stage (3 only without pipelining),
+virtual stages (the interleaved schedule: pp > 1, the layers dividing pp x v and the
+micro-batches pp). Each layout is planned with the fastest recomputation mode and sequence
+parallelism setting that fit (cluster.evaluate); a layout nothing makes fit keeps its
+smallest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from dtrain.errors import ConfigError
+from dtrain.planner.cluster import (
+    CHUNKS,
+    MICRO_SIZES,
+    RECOMPUTE,
+    Choice,
+    ClusterEstimate,
+    Software,
+    evaluate,
+)
+from dtrain.planner.hardware import Cluster
+from dtrain.planner.shape import ModelShape
+
+DEFAULT = Software()
+
+
+def check_choice(shape: ModelShape, cluster: Cluster, batch: int, c: Choice) -> None:
+    """Raise a one-line ConfigError if `c` cannot run `shape` on `cluster` at `batch`."""
+    if min(c.tp, c.pp, c.dp, c.microbatch, c.virtual) < 1:
+        raise ConfigError(f"--layout {c}: degrees, micro-batch and virtual stages must be "
+                          "positive")
+    if c.tp * c.pp * c.dp != cluster.gpus:
+        raise ConfigError(f"--layout tp={c.tp},pp={c.pp},dp={c.dp} uses "
+                          f"{c.tp * c.pp * c.dp} GPUs, but the cluster has {cluster.gpus} "
+                          f"({cluster.nodes} nodes x {cluster.gpus_per_node}): make "
+                          "tp x pp x dp equal it")
+    if shape.heads % c.tp or shape.kv_heads % c.tp:
+        which = "heads" if shape.heads % c.tp else "kv_heads"
+        raise ConfigError(f"--layout tp={c.tp} does not divide the model's {which} "
+                          f"({getattr(shape, which)}): pick a tp that divides it")
+    if c.pp > shape.layers:
+        raise ConfigError(f"--layout pp={c.pp} is more than the model's {shape.layers} "
+                          "layers: use pp <= layers")
+    if batch % (c.dp * c.microbatch):
+        raise ConfigError(f"--batch {batch} is not divisible by dp x micro-batch = "
+                          f"{c.dp} x {c.microbatch}: pick a batch that is a multiple of "
+                          f"{c.dp * c.microbatch}")
+    if c.zero not in (0, 1, 2, 3) or (c.zero == 3 and c.pp > 1):
+        raise ConfigError(f"--zero {c.zero}: use 0-3 (3 only without pipeline "
+                          "parallelism)")
+    if c.virtual > 1:
+        m = batch // (c.dp * c.microbatch)
+        if c.pp == 1 or shape.layers < c.pp * c.virtual or m % c.pp:
+            raise ConfigError(f"--virtual-stages {c.virtual} needs pp > 1, at least pp x v "
+                              f"= {c.pp * c.virtual} layers (the model has {shape.layers}) "
+                              f"and the micro-batches ({m}) in groups of pp")
+    if c.recompute not in RECOMPUTE:
+        raise ConfigError(f"--recompute {c.recompute}: use none, selective or full")
+    if c.sequence_parallel and c.tp == 1:
+        raise ConfigError("sequence parallelism needs tp > 1")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(shape: ModelShape, cluster: Cluster, batch: int) -> list[Choice]:
+    """Every layout the search considers, before recomputation and sequence parallelism."""
+    found = []
+    gpus = cluster.gpus
+    for tp in _divisors(min(gpus, cluster.gpus_per_node)):
+        if gpus % tp or shape.heads % tp or shape.kv_heads % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > shape.layers:
+                continue
+            dp = gpus // (tp * pp)
+            for b in MICRO_SIZES:
+                if batch % (dp * b):
+                    continue
+                m = batch // (dp * b)
+                chunks = [v for v in CHUNKS if v == 1 or (
+                    pp > 1 and shape.layers >= pp * v and m % pp == 0)]
+                for v in chunks:
+                    for zero in range(4 if pp == 1 else 3) if dp > 1 else (0,):
+                        found.append(Choice(tp, pp, dp, zero, b, v))
+    return found
+
+
+def best_of(shape: ModelShape, cluster: Cluster, batch: int, layout: Choice,
+            recompute: tuple[str, ...] = RECOMPUTE, sequence_parallel: tuple[bool, ...] =
+            (False, True), soft: Software = DEFAULT) -> ClusterEstimate:
+    """`layout` with the fastest of the recomputation modes and sequence-parallel settings
+    asked for that fits, or the one needing the least memory if none fits."""
+    options = [dataclasses.replace(layout, recompute=r, sequence_parallel=s)
+               for r in recompute for s in dict.fromkeys(sequence_parallel)
+               if not s or layout.tp > 1] or [dataclasses.replace(layout, recompute=recompute[0])]
+    estimates = [evaluate(shape, cluster, batch, c, soft) for c in options]
+    fitting = [e for e in estimates if e.fits]
+    if fitting:
+        return min(fitting, key=lambda e: e.step_s)
+    return min(estimates, key=lambda e: e.memory["total"])
+
+
+def rank(shape: ModelShape, cluster: Cluster, batch: int,
+         recompute: tuple[str, ...] = RECOMPUTE,
+         sequence_parallel: tuple[bool, ...] = (False, True),
+         soft: Software = DEFAULT) -> list[ClusterEstimate]:
+    """Every layout (see `layouts`), those that fit first, fastest first."""
+    estimates = [best_of(shape, cluster, batch, c, recompute, sequence_parallel, soft)
+                 for c in layouts(shape, cluster, batch)]
+    return sorted(estimates, key=lambda e: (not e.fits, e.step_s, e.memory["total"]))
+
+
+def recommend(estimates: list[ClusterEstimate]) -> tuple[ClusterEstimate | None, str]:
+    """The fastest layout that fits, and why; None if none fits."""
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        least = min(estimates, key=lambda e: e.memory["total"]) if estimates else None
+        need = (f"; the smallest needs {least.memory['total'] / 2**30:.1f} GiB per GPU "
+                f"({least.choice}, recomputing {least.choice.recompute})") if least else ""
+        return None, f"no layout fits{need}: add GPUs, shrink the micro-batch or the model"
+    best = fitting[0]
+    why = (f"{best.choice}, recomputing {best.choice.recompute}: {best.step_s:.2f} s per "
+           f"step, {best.tflops_per_gpu:.0f} TFLOP/s per GPU, MFU {best.mfu:.1%}, "
+           f"{best.memory['total'] / 2**30:.1f} GiB per GPU; the fastest of "
+           f"{len(fitting)} layouts that fit")
+    if len(fitting) > 1:
+        why += f"; next: {fitting[1].choice} at {fitting[1].step_s:.2f} s"
+    return best, why
+
+
+def training_time(estimate: ClusterEstimate, tokens: float, batch: int, seq: int,
+                  gpus: int) -> dict[str, float]:
+    """Steps, days and GPU-hours to train on `tokens` tokens at `estimate`'s speed."""
+    steps = math.ceil(tokens / (batch * seq))
+    seconds = steps * estimate.step_s
+    return {"tokens": tokens, "steps": steps, "days": seconds / 86400,
+            "gpu_hours": seconds * gpus / 3600}

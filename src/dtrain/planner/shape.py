@@ -1,0 +1,197 @@
+"""A transformer by its shape alone: parameters, FLOPs and activation bytes, no tensors.
+
+The cluster planner (dtrain.planner.cluster) plans models far bigger than this machine
+could trace; it needs only their shape:
+
+    shape = parse_shape("layers=80,hidden=12288,heads=96,seq=2048,vocab=51200")
+    shape.parameters()              # 145.6e9 = 12·l·h²(1 + 13/(12h) + (V+s)/(12lh))
+    shape.flops_per_token("full")   # 96·l·h²(1 + s/(6h) + V/(16lh)) per token
+
+Two families:
+
+- `gpt` (GPT-2/GPT-3, Megatron-LM's GPT): LayerNorm with bias, fused QKV with biases, a
+  GeLU MLP of `ffn` (4·hidden by default), learned positions, the output head tied to the
+  token embedding, dropout after attention and the MLP.
+- `llama`: RMSNorm, grouped-query attention (`kv_heads` of them), a SwiGLU MLP of `ffn`
+  (Llama's rule by default), rotary positions, no biases, an untied head, no dropout.
+
+Training FLOPs per token count every matrix multiply, as the literature does (Kaplan et
+al. 2020; Narayanan et al. 2021; PaLM's MFU): 6 per weight that multiplies (forward 2,
+backward 4), the output head's included and the embedding lookup not, plus attention's
+scores and weighted sum, 12·l·h·s (its causal half is not subtracted, as in those papers).
+Recomputation adds one more forward of what it recomputes: `full` the blocks (2 per block
+weight, 4·l·h·s), `selective` the attention core (4·l·h·s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from dtrain.errors import ConfigError
+from dtrain.models.llama import llama_config, llama_ffn_hidden
+
+FAMILIES = ("gpt", "llama")
+REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """One decoder-only transformer's shape (see the module doc for the families)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    arch: str = "gpt"
+    kv_heads: int = 0  # 0: as many as heads (multi-head attention)
+    ffn: int = 0  # 0: the family's rule (4h for gpt, Llama's for llama)
+    tied: bool | None = None  # None: the family's (gpt tied, llama not)
+    dropout: bool | None = None  # None: the family's (gpt on, llama off)
+
+    def __post_init__(self) -> None:
+        if self.arch not in FAMILIES:
+            raise ConfigError(f"model shape arch={self.arch!r} is unknown: use gpt or llama")
+        for key in REQUIRED:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model shape {key}={getattr(self, key)} must be positive")
+        if self.hidden % self.heads:
+            raise ConfigError(f"model shape heads={self.heads} does not divide "
+                              f"hidden={self.hidden}")
+        kv = self.kv_heads or self.heads
+        if kv < 1 or self.heads % kv:
+            raise ConfigError(f"model shape kv_heads={self.kv_heads} does not divide "
+                              f"heads={self.heads}")
+        if self.arch == "gpt" and kv != self.heads:
+            raise ConfigError("model shape kv_heads is for arch=llama (grouped-query "
+                              "attention); gpt has one key/value head per query head")
+        if self.ffn < 0:
+            raise ConfigError(f"model shape ffn={self.ffn} must be positive")
+        object.__setattr__(self, "kv_heads", kv)
+        if not self.ffn:
+            object.__setattr__(self, "ffn", 4 * self.hidden if self.arch == "gpt"
+                               else llama_ffn_hidden(self.hidden))
+        if self.tied is None:
+            object.__setattr__(self, "tied", self.arch == "gpt")
+        if self.dropout is None:
+            object.__setattr__(self, "dropout", self.arch == "gpt")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def gated(self) -> bool:
+        """A SwiGLU MLP (three matrices) rather than GeLU (two)."""
+        return self.arch == "llama"
+
+    def block_matmul_params(self) -> int:
+        """Weights of one block that multiply activations (no biases, no norms)."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        attention = h * (h + 2 * kv) + h * h
+        return attention + (3 if self.gated else 2) * h * self.ffn
+
+    def block_params(self) -> int:
+        """Every parameter of one block."""
+        h = self.hidden
+        if self.gated:  # RMSNorm weights only
+            return self.block_matmul_params() + 2 * h
+        # biases of QKV (3h), the projection (h), the MLP (ffn + h); two LayerNorms (4h)
+        return self.block_matmul_params() + 3 * h + h + self.ffn + h + 4 * h
+
+    def embedding_params(self) -> int:
+        """Token (and learned position) embeddings, the final norm and an untied head."""
+        h = self.hidden
+        params = self.vocab * h + (self.seq * h if self.arch == "gpt" else 0)
+        params += 2 * h if self.arch == "gpt" else h
+        return params + (0 if self.tied else self.vocab * h)
+
+    def parameters(self) -> int:
+        return self.layers * self.block_params() + self.embedding_params()
+
+    def attention_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the scores and the weighted sum, all layers."""
+        return 4.0 * self.layers * self.seq * self.hidden
+
+    def model_flops_per_token(self) -> float:
+        """Training FLOPs per token without recomputation (MFU's numerator): 6N + 12·l·h·s,
+        N the weights that multiply, the head's included."""
+        weights = self.layers * self.block_matmul_params() + self.vocab * self.hidden
+        return 6.0 * weights + 3 * self.attention_flops_per_token()
+
+    def recompute_flops_per_token(self, recompute: str) -> float:
+        """What recomputation adds per token: one more forward of what it recomputes."""
+        if recompute == "full":
+            return 2.0 * self.layers * self.block_matmul_params() + \
+                self.attention_flops_per_token()
+        if recompute == "selective":
+            return self.attention_flops_per_token()
+        return 0.0
+
+    def flops_per_token(self, recompute: str = "none") -> float:
+        """Training FLOPs per token the hardware executes, recomputation included (what
+        Megatron-LM's "achieved TFLOP/s" counts)."""
+        return self.model_flops_per_token() + self.recompute_flops_per_token(recompute)
+
+    def describe(self) -> str:
+        kv = f", {self.kv_heads} kv heads" if self.kv_heads != self.heads else ""
+        return (f"{self.arch} {self.layers}x{self.hidden} ({self.heads} heads{kv}, ffn "
+                f"{self.ffn}, seq {self.seq}, vocab {self.vocab})")
+
+
+_KEYS = {f.name: f.type for f in dataclasses.fields(ModelShape)}
+
+
+def parse_shape(text: str) -> ModelShape:
+    """A shape from `--model-shape`'s "key=value,key=value" (keys: the ModelShape fields).
+
+    Raises:
+        ConfigError: an unknown key, a value that is not a number, a missing key.
+    """
+    values: dict[str, object] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in _KEYS:
+            raise ConfigError(f"--model-shape {item!r}: give key=value with keys "
+                              f"{', '.join(_KEYS)}")
+        value = value.strip()
+        if key == "arch":
+            values[key] = value
+        elif key in ("tied", "dropout"):
+            if value not in ("0", "1", "true", "false"):
+                raise ConfigError(f"--model-shape {key}={value}: give true or false")
+            values[key] = value in ("1", "true")
+        else:
+            try:
+                values[key] = int(value)
+            except ValueError:
+                raise ConfigError(f"--model-shape {key}={value!r} is not a whole "
+                                  "number") from None
+    missing = [k for k in REQUIRED if k not in values]
+    if missing:
+        raise ConfigError(f"--model-shape lacks {', '.join(missing)} (give at least "
+                          f"{', '.join(REQUIRED)})")
+    return ModelShape(**values)  # type: ignore[arg-type]
+
+
+def shape_of(model) -> ModelShape:
+    """The shape of a resolved `[model]` config (dtrain's GPT or Llama, presets included).
+
+    Raises:
+        ConfigError: a Hugging Face or custom model, which has no shape here.
+    """
+    if model.arch == "gpt":
+        return ModelShape(model.n_layer, model.n_embd, model.n_head, model.block_size,
+                          model.vocab_size, "gpt", dropout=model.dropout > 0)
+    if model.arch == "llama":
+        cfg = llama_config(model)
+        return ModelShape(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size,
+                          "llama", kv_heads=cfg.n_kv_head, ffn=cfg.ffn_hidden,
+                          tied=cfg.tie_embeddings, dropout=cfg.dropout > 0)
+    raise ConfigError(f"model.arch = {model.arch!r} has no shape for the cluster planner: "
+                      "describe it with --model-shape layers=..,hidden=..,heads=..,seq=..,"
+                      "vocab=..")

@@ -1,0 +1,222 @@
+"""`dtrain plan --hardware NAME`: layouts for a GPU cluster this machine is not.
+
+    dtrain plan --hardware a100-80gb --nodes 192 --gpus-per-node 8 \\
+        --model-shape layers=80,hidden=12288,heads=96,seq=2048,vocab=51200 --batch 2304
+    dtrain plan --hardware h100-80gb --nodes 64 --set model.preset=llama-3-70b --batch 512
+    dtrain plan --hardware a100-80gb --nodes 64 --model-shape ... --batch 1536 \\
+        --layout tp=8,pp=8,dp=8 --microbatch 1 --recompute full --virtual-stages 2
+    dtrain plan --hardware cluster.toml --nodes 16 --set hardware.inter_gbps=12.5 ...
+    dtrain plan ... --tokens 300e9          # days and GPU-hours to train on 300B tokens
+
+Everything is arithmetic on the model's shape and the hardware's figures
+(dtrain.planner.cluster), so it runs in seconds for any size. docs/choosing-a-layout.md
+explains the model, its constants and its limits, and RESULTS.md compares it with
+published runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+
+from dtrain.errors import ConfigError
+from dtrain.planner.cluster import ClusterEstimate, Software
+from dtrain.planner.cluster_search import best_of, check_choice, rank, recommend, training_time
+from dtrain.planner.hardware import Cluster, hardware
+from dtrain.planner.shape import parse_shape, shape_of
+from dtrain.tools import check_output, write_json
+
+LAYOUT_KEYS = ("tp", "pp", "dp")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dtrain plan`'s options for GPU clusters."""
+    group = parser.add_argument_group("GPU clusters (arithmetic, no tracing)")
+    group.add_argument("--hardware", metavar="NAME|FILE", help="plan for a GPU cluster: "
+                       "a100-40gb, a100-80gb, h100-80gb, h200, or a TOML cluster file; "
+                       "--set hardware.KEY=VALUE overrides its figures")
+    group.add_argument("--nodes", type=int, help="machines (default 1)")
+    group.add_argument("--gpus-per-node", type=int, help="GPUs per machine (default: the "
+                       "hardware's, 8)")
+    group.add_argument("--model-shape", metavar="KEY=V,..", help="the model by its shape: "
+                       "layers, hidden, heads, seq, vocab, and optionally arch (gpt|llama), "
+                       "kv_heads, ffn, tied, dropout (default: the config's model)")
+    group.add_argument("--layout", metavar="tp=T,pp=P,dp=D", help="evaluate this layout "
+                       "only (its best micro-batch, virtual stages, ZeRO stage and "
+                       "recomputation unless given)")
+    group.add_argument("--microbatch", type=int, help="sequences per micro-batch (with "
+                       "--layout)")
+    group.add_argument("--virtual-stages", type=int, help="pipeline chunks per GPU, the "
+                       "interleaved schedule (with --layout)")
+    group.add_argument("--zero", type=int, help="ZeRO stage 0-3 (with --layout)")
+    group.add_argument("--attention", choices=("flash", "plain"), default="flash",
+                       help="attention kernels: flash (no s x s scores kept; default) or "
+                       "plain (scores kept, as Megatron-LM in 2021)")
+    group.add_argument("--tokens", type=float, help="training tokens: adds days and "
+                       "GPU-hours to train")
+    group.add_argument("--top", type=int, default=15, help="rows of the table (default 15; "
+                       "--json has every layout)")
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(the config's --set items, the hardware.KEY ones as key -> value)."""
+    config, hw = [], {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.startswith("hardware."):
+            hw[key.removeprefix("hardware.")] = value
+        else:
+            config.append(item)
+    return config, hw
+
+
+def _layout(args: argparse.Namespace) -> dict[str, int] | None:
+    if args.layout is None:
+        for flag in ("microbatch", "virtual_stages", "zero"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} goes with --layout "
+                                  "tp=..,pp=..,dp=..")
+        return None
+    degrees = {}
+    for item in args.layout.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() not in LAYOUT_KEYS or not value.strip().isdigit():
+            raise ConfigError(f"--layout {args.layout!r}: give tp=T,pp=P,dp=D (whole "
+                              "numbers)")
+        degrees[key.strip()] = int(value)
+    return {k: degrees.get(k, 1) for k in LAYOUT_KEYS}
+
+
+CLUSTER_ONLY = ("nodes", "gpus_per_node", "model_shape", "layout", "microbatch",
+                "virtual_stages", "zero", "tokens")
+
+
+def check_cluster_flags(args: argparse.Namespace, hw_overrides: dict[str, str]) -> None:
+    """Without --hardware, the cluster's flags are a mistake: say so."""
+    given = [f"--{flag.replace('_', '-')}" for flag in CLUSTER_ONLY
+             if getattr(args, flag) is not None]
+    given += [f"--set hardware.{key}" for key in hw_overrides]
+    if args.attention != "flash":
+        given.append("--attention")
+    if given:
+        raise ConfigError(f"{', '.join(given)} plan a GPU cluster: add --hardware NAME "
+                          "(a100-40gb, a100-80gb, h100-80gb, h200 or a TOML file)")
+
+
+def cluster_plan(args: argparse.Namespace, config, hw_overrides: dict[str, str]) -> None:
+    """Run `dtrain plan --hardware ...` (after the config is loaded)."""
+    for flag in ("devices", "bandwidth", "latency", "model"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(f"--{flag} is for this machine's ranks; with --hardware give "
+                              "--nodes and --gpus-per-node, the cluster's figures with --set "
+                              "hardware.KEY=VALUE, the model with --model-shape")
+    overrides = dict(hw_overrides)
+    if args.memory:
+        overrides["memory"] = args.memory
+    if args.tflops is not None:
+        overrides["peak_tflops"] = str(args.tflops)
+    hw = hardware(args.hardware, overrides)
+    cluster = Cluster(hw, 1 if args.nodes is None else args.nodes,
+                      hw.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node)
+    shape = parse_shape(args.model_shape) if args.model_shape else shape_of(
+        _resolved_model(config))
+    batch = args.batch if args.batch is not None else config.train.batch_size
+    if batch < 1 or args.top < 1:
+        raise ConfigError("--batch and --top must be positive")
+    if args.tokens is not None and not 0 < args.tokens < math.inf:
+        raise ConfigError(f"--tokens {args.tokens:g} must be a positive number")
+    check_output("--json", args.json)
+    soft = Software(flash_attention=args.attention == "flash")
+    modes = ("none", "selective", "full") if args.recompute == "auto" else (args.recompute,)
+    seq = (False, True) if args.sequence_parallel == "auto" else \
+        (args.sequence_parallel == "on",)
+    layout = _layout(args)
+    if layout is not None:
+        estimates = [_given(shape, cluster, batch, layout, args, modes, seq, soft)]
+    else:
+        estimates = rank(shape, cluster, batch, modes, seq, soft)
+        if not estimates:
+            raise ConfigError(f"no layout of {cluster.gpus} GPUs splits a batch of {batch} "
+                              "with this model: make --batch a multiple of the data-parallel "
+                              "degrees, or change --nodes")
+    best, why = recommend(estimates)
+    info = {"model": shape.describe(), "parameters": shape.parameters(),
+            "model_flops_per_token": shape.model_flops_per_token(),
+            "hardware": dataclasses.asdict(hw), "nodes": cluster.nodes,
+            "gpus_per_node": cluster.gpus_per_node, "gpus": cluster.gpus,
+            "global_batch": batch, "seq_len": shape.seq, "attention": args.attention,
+            "recommended": best.to_dict() if best else None, "why": why,
+            "layouts": [e.to_dict() for e in estimates]}
+    if args.tokens is not None and best is not None:
+        info["training"] = training_time(best, args.tokens, batch, shape.seq, cluster.gpus)
+    if args.json and write_json("--json", args.json, info):
+        return
+    _print(info, estimates[:args.top], len(estimates), hw)
+
+
+def _resolved_model(config):
+    from dtrain.data import vocab_of
+    from dtrain.models import resolve
+
+    dc = config.data
+    return resolve(config.model, vocab_of(dc.path, dc.format, dc.tokenizer))
+
+
+def _given(shape, cluster: Cluster, batch: int, layout: dict[str, int],
+           args: argparse.Namespace, modes, seq, soft: Software) -> ClusterEstimate:
+    """The given layout with its best options (those not fixed by the flags)."""
+    from dtrain.planner.cluster import CHUNKS, MICRO_SIZES, Choice
+
+    tp, pp, dp = layout["tp"], layout["pp"], layout["dp"]
+    micro = (args.microbatch,) if args.microbatch is not None else MICRO_SIZES
+    chunks = (args.virtual_stages,) if args.virtual_stages is not None else CHUNKS
+    zeros = (args.zero,) if args.zero is not None else range(4)
+    first = Choice(tp, pp, dp, zeros[0], micro[0], chunks[0], modes[0], False)
+    check_choice(shape, cluster, batch, first)  # the degrees, heads and layers
+    found = []
+    for b in micro:
+        for v in chunks:
+            for zero in zeros:
+                c = Choice(tp, pp, dp, zero, b, v, modes[0], False)
+                try:
+                    check_choice(shape, cluster, batch, c)
+                except ConfigError:
+                    if len(micro) == len(chunks) == len(zeros) == 1:
+                        raise
+                    continue
+                found.append(best_of(shape, cluster, batch, c, modes, seq, soft))
+    if not found:
+        raise ConfigError(f"--layout {args.layout}: no micro-batch size splits a batch of "
+                          f"{batch} over dp={dp}")
+    fitting = [e for e in found if e.fits]
+    return min(fitting, key=lambda e: e.step_s) if fitting else \
+        min(found, key=lambda e: e.memory["total"])
+
+
+def _print(info: dict, shown: list[ClusterEstimate], count: int, hw, out=sys.stdout) -> None:
+    gib = 2**30
+    print(f"dtrain plan: {info['model']}, {info['parameters'] / 1e9:.2f}B parameters; "
+          f"{info['gpus']} GPUs ({info['nodes']} nodes x {info['gpus_per_node']}); global "
+          f"batch {info['global_batch']} x {info['seq_len']} tokens", file=out)
+    print(f"hardware: {hw.describe()}; {info['attention']} attention", file=out)
+    print("memory per GPU: bf16 weights, fp32 gradients and Adam state (ZeRO divides them), "
+          "activations of the busiest stage; TFLOP/s counts recomputation, MFU does not",
+          file=out)
+    header = (f"{'layout':34} {'recompute':>9} {'memory':>9} {'fits':>4} {'bubble':>6} "
+              f"{'step':>9} {'tokens/s':>10} {'TFLOP/s':>7} {'MFU':>6}")
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for e in shown:
+        print(f"{str(e.choice):34} {e.choice.recompute:>9} "
+              f"{e.memory['total'] / gib:>5.1f} GiB {'yes' if e.fits else 'NO':>4} "
+              f"{e.bubble:>6.1%} {e.step_s:>8.2f}s {e.tokens_per_s:>10.0f} "
+              f"{e.tflops_per_gpu:>7.1f} {e.mfu:>6.1%}", file=out)
+    if count > len(shown):
+        print(f"... {count - len(shown)} more layouts (--top N, or --json for all)", file=out)
+    print(f"recommended: {info['why']}", file=out)
+    if "training" in info:
+        t = info["training"]
+        print(f"training on {t['tokens']:.3g} tokens: {t['steps']} steps, {t['days']:.1f} "
+              f"days, {t['gpu_hours']:,.0f} GPU-hours", file=out)
