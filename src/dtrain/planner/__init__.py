@@ -13,6 +13,13 @@ and collectives cost what dtrain.comm measured (dtrain.planner.links). `LiveByte
 (dtrain.planner.tracker) measures real runs the same way, which is how the figures are
 checked (dtrain.planner.measure).
 
+GPU clusters this machine is not are planned by arithmetic on a model's shape instead
+(dtrain.planner.shape, .hardware, .cluster, .cluster_search; `dtrain plan --hardware`):
+
+    shape = parse_shape("layers=80,hidden=12288,heads=96,seq=2048,vocab=51200")
+    cluster = Cluster(hardware("a100-80gb"), nodes=192, gpus_per_node=8)
+    best = rank_layouts(shape, cluster, batch=2304)[0]
+
 Recomputation and sequence parallelism are choices per layout: `plan(...,
 recompute=("none", "selective", "full"), sequence_parallel=(False, True))` plans each
 layout with the fastest of them that fits (recomputation costs a forward of what it
@@ -28,7 +35,11 @@ import math
 from collections.abc import Callable
 
 from dtrain.layout import Layout
+from dtrain.planner.cluster import Choice, ClusterEstimate
+from dtrain.planner.cluster import evaluate as evaluate_layout
+from dtrain.planner.cluster_search import rank as rank_layouts
 from dtrain.planner.estimate import Estimate, bubble, estimate
+from dtrain.planner.hardware import Cluster, Hardware, hardware
 from dtrain.planner.links import Links
 from dtrain.planner.profile import (
     RECOMPUTE,
@@ -37,6 +48,7 @@ from dtrain.planner.profile import (
     profile_gpt,
     profile_model,
 )
+from dtrain.planner.shape import ModelShape, parse_shape
 from dtrain.planner.tracker import LiveBytes
 
 MICROBATCHES = (1, 2, 4)  # pipelines try m = pp times these
@@ -136,6 +148,7 @@ def recommend(estimates: list[Estimate]) -> tuple[Estimate | None, str]:
     return best, why
 
 
-__all__ = ["RECOMPUTE", "Estimate", "Layout", "Links", "LiveBytes", "Profile", "bubble",
-           "choices", "estimate", "layouts", "plan", "profile_factory", "profile_gpt",
-           "profile_model", "recommend"]
+__all__ = ["RECOMPUTE", "Choice", "Cluster", "ClusterEstimate", "Estimate", "Hardware",
+           "Layout", "Links", "LiveBytes", "ModelShape", "Profile", "bubble", "choices",
+           "estimate", "evaluate_layout", "hardware", "layouts", "parse_shape", "plan",
+           "profile_factory", "profile_gpt", "profile_model", "rank_layouts", "recommend"]
