@@ -9,8 +9,7 @@ two more published runs the cost model does not match, and why.
 
 from __future__ import annotations
 
-from dtrain.planner.cluster import Choice, Software
-from dtrain.planner.cluster_search import best_of, check_choice, rank
+from dtrain.planner.cluster_search import best_layout, rank
 from dtrain.planner.hardware import Cluster, hardware
 from dtrain.planner.shape import ModelShape
 from tests.test_plan_cluster import (
@@ -58,35 +57,21 @@ def korthikanti() -> None:
               f"{ours.mfu / mfu:.3f} |")
 
 
-def _best_given(shape, cluster, batch, tp, pp, zero, soft, recompute=("full",),
-                sp=(False,)):
-    dp = cluster.gpus // (tp * pp)
-    found = []
-    for b in (1, 2):
-        for v in (1, 2, 3, 4, 6):
-            c = Choice(tp, pp, dp, zero, b, v)
-            try:
-                check_choice(shape, cluster, batch, c)
-            except Exception:
-                continue
-            found.append(best_of(shape, cluster, batch, c, recompute, sp, soft))
-    return min((e for e in found if e.fits), key=lambda e: e.step_s)
-
-
 def outside() -> None:
     print("| run | layout | published | predicted | ratio |")
     print("|---|---|---|---|---|")
     shape = ModelShape(105, 20480, 128, 2048, 50272)
     for nodes, tflops in MT_NLG:
         cluster = Cluster(hardware("a100-80gb"), nodes, 8)
-        ours = _best_given(shape, cluster, 1920, 8, 35, 1, MEGATRON_2021)
+        ours = best_layout(shape, cluster, 1920, 8, 35, nodes * 8 // 280, (1, 2), (1, 2, 3, 4, 6),
+                           (1,), ("full",), (False,), MEGATRON_2021)
         print(f"| MT-NLG 530B, {nodes * 8} A100s | {ours.choice} | {tflops} TFLOP/s | "
               f"{ours.tflops_per_gpu:.1f} | {ours.tflops_per_gpu / tflops:.3f} |")
     llama = ModelShape(126, 16384, 128, 8192, 128256, "llama", kv_heads=8, ffn=53248)
     for gpus, _, tflops in LLAMA_3_405B:
         cluster = Cluster(hardware("h100-80gb"), gpus // 8, 8)
-        ours = _best_given(llama, cluster, 2048, 8, 16, 1, Software(),
-                           ("none", "selective", "full"), (True,))
+        ours = best_layout(llama, cluster, 2048, 8, 16, gpus // 128, (1, 2), (1, 2, 3, 4, 6),
+                           (1,), sequence_parallel=(True,))
         model_tflops = ours.mfu * cluster.hardware.peak_tflops
         print(f"| Llama 3 405B, {gpus} H100s | {ours.choice}, recompute "
               f"{ours.choice.recompute} | {tflops} TFLOP/s (model) | {model_tflops:.1f} | "

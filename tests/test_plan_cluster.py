@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from dtrain.errors import ConfigError
-from dtrain.planner.cluster import CHUNKS, MICRO_SIZES, Choice, Software, evaluate
-from dtrain.planner.cluster_search import best_of, check_choice, rank
+from dtrain.planner.cluster import Choice, Software, evaluate
+from dtrain.planner.cluster_search import best_layout, rank
 from dtrain.planner.hardware import Cluster, hardware
 from dtrain.planner.shape import ModelShape, parse_shape, shape_of
 
@@ -57,19 +57,10 @@ def _row(row):
 def _published_layout(shape, cluster, batch, tp, pp, recompute="full", sp=False,
                       soft=MEGATRON_2021):
     """The published degrees with their best micro-batch size and virtual stages."""
-    dp = cluster.gpus // (tp * pp)
-    found = []
-    for b in MICRO_SIZES:
-        for v in CHUNKS:
-            choice = Choice(tp, pp, dp, 0, b, v, recompute, sp)
-            try:
-                check_choice(shape, cluster, batch, choice)
-            except ConfigError:
-                continue
-            found.append(best_of(shape, cluster, batch, choice, (recompute,), (sp,), soft))
-    fitting = [e for e in found if e.fits]
-    assert fitting, "the published layout is predicted not to fit"
-    return min(fitting, key=lambda e: e.step_s)
+    best = best_layout(shape, cluster, batch, tp, pp, cluster.gpus // (tp * pp),
+                       zeros=(0,), recompute=(recompute,), sequence_parallel=(sp,), soft=soft)
+    assert best is not None and best.fits, "the published layout is predicted not to fit"
+    return best
 
 
 @pytest.mark.parametrize("row", MEGATRON_TABLE_1, ids=lambda r: f"{r[0]}B")

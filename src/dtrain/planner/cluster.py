@@ -62,7 +62,7 @@ WEIGHT, GRAD, STATE = 2, 4, 12  # bytes per parameter: bf16 weights, fp32 grads,
 OPTIMIZER_BYTES = 30  # read master, m, v, grad; write master, m, v, bf16 weights
 MICRO_SIZES = (1, 2, 4, 8, 16)
 CHUNKS = (1, 2, 3, 4, 6, 8)
-RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -222,8 +222,9 @@ def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: Choice,
     hw = cluster.hardware
     m = batch // (c.dp * c.microbatch)
     layers = c.virtual * math.ceil(shape.layers / (c.pp * c.virtual))  # the busiest rank's
-    mid_compute, mid_tp, _ = _stage_seconds(shape, c, layers, c.pp == 1, cluster, soft)
     last_compute, last_tp, backward = _stage_seconds(shape, c, layers, True, cluster, soft)
+    mid_compute, mid_tp = (last_compute, last_tp) if c.pp == 1 else \
+        _stage_seconds(shape, c, layers, False, cluster, soft)[:2]
     # pipeline sends: activations forward, gradients back, split over the tp GPUs' ports
     tokens = c.microbatch * shape.seq
     beyond = c.tp * c.dp >= cluster.gpus_per_node

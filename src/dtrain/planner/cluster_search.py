@@ -22,13 +22,14 @@ from dtrain.errors import ConfigError
 from dtrain.planner.cluster import (
     CHUNKS,
     MICRO_SIZES,
-    RECOMPUTE,
+    ZERO_STAGES,
     Choice,
     ClusterEstimate,
     Software,
     evaluate,
 )
 from dtrain.planner.hardware import Cluster
+from dtrain.planner.profile import RECOMPUTE
 from dtrain.planner.shape import ModelShape
 
 DEFAULT = Software()
@@ -105,11 +106,38 @@ def best_of(shape: ModelShape, cluster: Cluster, batch: int, layout: Choice,
     options = [dataclasses.replace(layout, recompute=r, sequence_parallel=s)
                for r in recompute for s in dict.fromkeys(sequence_parallel)
                if not s or layout.tp > 1] or [dataclasses.replace(layout, recompute=recompute[0])]
-    estimates = [evaluate(shape, cluster, batch, c, soft) for c in options]
+    return fastest([evaluate(shape, cluster, batch, c, soft) for c in options])
+
+
+def fastest(estimates: list[ClusterEstimate]) -> ClusterEstimate:
+    """The fastest of `estimates` that fits, or the one needing the least memory if none
+    fits."""
     fitting = [e for e in estimates if e.fits]
     if fitting:
         return min(fitting, key=lambda e: e.step_s)
     return min(estimates, key=lambda e: e.memory["total"])
+
+
+def best_layout(shape: ModelShape, cluster: Cluster, batch: int, tp: int, pp: int, dp: int,
+                microbatches: tuple[int, ...] = MICRO_SIZES, chunks: tuple[int, ...] = CHUNKS,
+                zeros: tuple[int, ...] = ZERO_STAGES, recompute: tuple[str, ...] = RECOMPUTE,
+                sequence_parallel: tuple[bool, ...] = (False, True),
+                soft: Software = DEFAULT) -> ClusterEstimate | None:
+    """tp x pp x dp with the fastest of the micro-batch sizes, virtual stages, ZeRO stages,
+    recomputation modes and sequence-parallel settings asked for (`fastest` of the valid
+    combinations, `check_choice`); None if no combination is valid."""
+    found = []
+    for b in microbatches:
+        for v in chunks:
+            for zero in zeros:
+                choice = Choice(tp, pp, dp, zero, b, v, recompute[0])
+                try:
+                    check_choice(shape, cluster, batch, choice)
+                except ConfigError:
+                    continue
+                found.append(best_of(shape, cluster, batch, choice, recompute,
+                                     sequence_parallel, soft))
+    return fastest(found) if found else None
 
 
 def rank(shape: ModelShape, cluster: Cluster, batch: int,

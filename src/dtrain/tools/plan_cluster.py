@@ -22,9 +22,23 @@ import math
 import sys
 
 from dtrain.errors import ConfigError
-from dtrain.planner.cluster import ClusterEstimate, Software
-from dtrain.planner.cluster_search import best_of, check_choice, rank, recommend, training_time
+from dtrain.planner.cluster import (
+    CHUNKS,
+    MICRO_SIZES,
+    ZERO_STAGES,
+    Choice,
+    ClusterEstimate,
+    Software,
+)
+from dtrain.planner.cluster_search import (
+    best_layout,
+    check_choice,
+    rank,
+    recommend,
+    training_time,
+)
 from dtrain.planner.hardware import Cluster, hardware
+from dtrain.planner.profile import RECOMPUTE
 from dtrain.planner.shape import parse_shape, shape_of
 from dtrain.tools import check_output, write_json
 
@@ -129,7 +143,7 @@ def cluster_plan(args: argparse.Namespace, config, hw_overrides: dict[str, str])
         raise ConfigError(f"--tokens {args.tokens:g} must be a positive number")
     check_output("--json", args.json)
     soft = Software(flash_attention=args.attention == "flash")
-    modes = ("none", "selective", "full") if args.recompute == "auto" else (args.recompute,)
+    modes = RECOMPUTE if args.recompute == "auto" else (args.recompute,)
     seq = (False, True) if args.sequence_parallel == "auto" else \
         (args.sequence_parallel == "on",)
     layout = _layout(args)
@@ -167,32 +181,19 @@ def _resolved_model(config):
 def _given(shape, cluster: Cluster, batch: int, layout: dict[str, int],
            args: argparse.Namespace, modes, seq, soft: Software) -> ClusterEstimate:
     """The given layout with its best options (those not fixed by the flags)."""
-    from dtrain.planner.cluster import CHUNKS, MICRO_SIZES, Choice
-
     tp, pp, dp = layout["tp"], layout["pp"], layout["dp"]
     micro = (args.microbatch,) if args.microbatch is not None else MICRO_SIZES
     chunks = (args.virtual_stages,) if args.virtual_stages is not None else CHUNKS
-    zeros = (args.zero,) if args.zero is not None else range(4)
-    first = Choice(tp, pp, dp, zeros[0], micro[0], chunks[0], modes[0], False)
-    check_choice(shape, cluster, batch, first)  # the degrees, heads and layers
-    found = []
-    for b in micro:
-        for v in chunks:
-            for zero in zeros:
-                c = Choice(tp, pp, dp, zero, b, v, modes[0], False)
-                try:
-                    check_choice(shape, cluster, batch, c)
-                except ConfigError:
-                    if len(micro) == len(chunks) == len(zeros) == 1:
-                        raise
-                    continue
-                found.append(best_of(shape, cluster, batch, c, modes, seq, soft))
-    if not found:
+    zeros = (args.zero,) if args.zero is not None else ZERO_STAGES
+    # the degrees, heads and layers; and, when the flags fix everything, the one choice
+    check_choice(shape, cluster, batch, Choice(tp, pp, dp, zeros[0], micro[0], chunks[0],
+                                               modes[0]))
+    best = best_layout(shape, cluster, batch, tp, pp, dp, micro, chunks, zeros, modes, seq,
+                       soft)
+    if best is None:
         raise ConfigError(f"--layout {args.layout}: no micro-batch size splits a batch of "
                           f"{batch} over dp={dp}")
-    fitting = [e for e in found if e.fits]
-    return min(fitting, key=lambda e: e.step_s) if fitting else \
-        min(found, key=lambda e: e.memory["total"])
+    return best
 
 
 def _print(info: dict, shown: list[ClusterEstimate], count: int, hw, out=sys.stdout) -> None:
