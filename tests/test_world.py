@@ -250,3 +250,18 @@ def test_single_process_world_runs_collectives() -> None:
         assert dtrain.Mesh().size("dp") == 1
     finally:
         dtrain.shutdown()
+
+
+def test_nccl_with_more_ranks_than_gpus_on_the_host_says_what_to_change(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks of one host on one GPU: NCCL cannot put two ranks on one device, so
+    dtrain.init refuses in one line (a ConfigError: exit 2 from the CLI) before it sets a
+    device or joins a process group, naming the counts and what to change."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(dtrain.world, "detect", lambda env: dtrain.world.World(
+        rank=0, world_size=2, local_rank=0, local_world_size=2))
+    with pytest.raises(ConfigError, match=r"^2 ranks on this host but 1 GPU\(s\): NCCL needs "
+                       r"a GPU of its own per rank; .*parallel.nproc.*gloo") as err:
+        dtrain.init(backend="nccl")
+    assert "\n" not in str(err.value)
+    assert not dist.is_initialized()

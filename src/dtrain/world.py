@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from dtrain import agreed_port
 from dtrain import timeline as timeline_mod
-from dtrain.errors import DtrainError
+from dtrain.errors import ConfigError, DtrainError
 from dtrain.timeline import Recorder
 
 DEFAULT_TIMEOUT_S = 180.0
@@ -310,7 +310,13 @@ def init(backend: str | None = None, timeout: float | None = None,
         raise DtrainError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     device = torch.device("cpu")
     if backend == "nccl":
-        device = torch.device("cuda", world.local_rank % max(1, torch.cuda.device_count()))
+        gpus = torch.cuda.device_count()
+        if world.local_world_size > gpus:
+            raise ConfigError(
+                f"{world.local_world_size} ranks on this host but {gpus} GPU(s): NCCL needs a "
+                f"GPU of its own per rank; run at most {gpus} rank(s) per host (parallel.nproc, "
+                "dtrain run -n), or use gloo (dtrain run --backend gloo, DTRAIN_BACKEND=gloo)")
+        device = torch.device("cuda", world.local_rank % gpus)
         torch.cuda.set_device(device)
     world = replace(world, backend=backend, device=device)
     world = _with_timeline(world, timeline or os.environ.get("DTRAIN_TIMELINE"))

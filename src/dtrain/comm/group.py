@@ -237,10 +237,23 @@ class TorchGroup(Group):
         return self._globals[group_rank]
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+        if self._through_host(tensor):
+            host = tensor.detach().cpu()
+            sent = dist.isend(host, dst=self._globals[peer], group=self.pg, tag=tag)
+            return Then(sent, lambda: host)  # the copy lives until the send completes
         return dist.isend(tensor, dst=self._globals[peer], group=self.pg, tag=tag)
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Handle:
+        if self._through_host(tensor):
+            host = torch.empty_like(tensor, device="cpu")
+            received = dist.irecv(host, src=self._globals[peer], group=self.pg, tag=tag)
+            return Then(received, lambda: tensor.copy_(host))
         return dist.irecv(tensor, src=self._globals[peer], group=self.pg, tag=tag)
+
+    def _through_host(self, tensor: torch.Tensor) -> bool:
+        """gloo's point-to-point messages carry host memory only (its collectives take CUDA
+        tensors, its send and receive do not): a CUDA tensor goes through a host copy."""
+        return self.backend == "gloo" and tensor.is_cuda
 
     def native(self, op: str, *args: Any, **kwargs: Any) -> Handle:
         return _TORCH_NATIVE[op](self, *args, **kwargs)

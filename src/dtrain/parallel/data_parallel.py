@@ -33,7 +33,7 @@ from dtrain.parallel.buckets import Bucket, build_buckets, launch_ready
 from dtrain.parallel.clip import GradPart
 from dtrain.parallel.live import LiveReplicas, Outcome
 from dtrain.parallel.live_group import ReplicaLost
-from dtrain.parallel.replicas import broadcast_state, check_same_model
+from dtrain.parallel.replicas import agreement_device, broadcast_state, check_same_model
 
 FIRST_BUCKET = 1 << 20
 """Bytes of the first bucket at most (DDP's too): communication starts early in backward."""
@@ -264,7 +264,7 @@ class DataParallel(nn.Module):
         so that every rank launches the same buckets), as DDP rebuilds its buckets."""
         seen, self._seen = dict.fromkeys(self._seen or []), None
         order = [*seen, *(k for k in reversed(range(len(self._params))) if k not in seen)]
-        agreed = torch.tensor(order, dtype=torch.int64)
+        agreed = torch.tensor(order, dtype=torch.int64, device=agreement_device(self._params))
         comm.broadcast(agreed, src=0, group=self.group, algorithm=self.algorithm)
         order = agreed.tolist()
         if order == [self._position[id(p)] for b in self._buckets for p in b.params]:

@@ -11,13 +11,19 @@ from dtrain import comm
 from dtrain.errors import DtrainError
 
 
+def agreement_device(tensors: list[torch.Tensor]) -> torch.device:
+    """Where a small tensor that ranks agree on goes: the device of the tensors it is about
+    (NCCL carries only CUDA tensors), the CPU for tensors that have none (meta)."""
+    return next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
+
+
 def check_same_model(params: list[nn.Parameter], group: comm.Group, who: str,
                      algorithm: str = "auto") -> None:
     """Fail with the first disagreeing rank if replicas differ in parameter count or shapes."""
     shapes = ";".join(f"{tuple(p.shape)}{p.dtype}" for p in params)
     signature = torch.tensor(
         [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode())],
-        dtype=torch.int64,
+        dtype=torch.int64, device=agreement_device(params),
     )
     everyone = comm.all_gather(signature.view(1, -1), group=group, algorithm=algorithm)
     for group_rank, other in enumerate(everyone):

@@ -20,7 +20,7 @@ from dtrain.parallel.buckets import launch_ready
 from dtrain.parallel.clip import GradPart
 from dtrain.parallel.data_parallel import parse_dtype
 from dtrain.parallel.live import LiveReplicas
-from dtrain.parallel.replicas import broadcast_state, check_same_model
+from dtrain.parallel.replicas import agreement_device, broadcast_state, check_same_model
 from dtrain.parallel.zero import state as zero_state
 from dtrain.parallel.zero.optimizer import OptimizerFactory, group_index, shard_optimizer
 from dtrain.parallel.zero.optimizer import state_bytes as optimizer_bytes
@@ -279,7 +279,8 @@ class ZeRO(nn.Module):
             return False
         if self._overflow is None:
             bad = any(not torch.isfinite(u.shard_grad()).all() for u in self.units)
-            flag = torch.tensor([float(bad)])
+            flag = torch.tensor([float(bad)],
+                                device=agreement_device([u.shard_grad() for u in self.units]))
             self._overflow = comm.all_reduce(flag, op="max", group=self.group,
                                              algorithm=self.algorithm).item() > 0
             if not self._overflow:
