@@ -2,17 +2,18 @@
 
 `exercise(rank, size, cases)` runs every case on one rank and returns its results;
 `check(results, size, cases)` compares them with a reference computed locally from the
-same deterministic inputs.
+same deterministic inputs, in plain torch: nothing of dtrain.comm's own reduction or
+sharding code (dtrain.comm.ops), whose bugs the reference would share.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 
 from dtrain import comm
-from dtrain.comm.ops import ReduceOp, combine_, finish_, shards
 
 FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 INTS = (torch.int32, torch.int64)
@@ -68,12 +69,24 @@ def exercise(rank: int, size: int, todo: list[tuple], group=None) -> list:
 
 
 def _reduce(inputs: list[torch.Tensor], reduce_op: str) -> torch.Tensor:
-    op = ReduceOp.parse(reduce_op)
-    total = inputs[0].clone()
-    for other in inputs[1:]:
-        combine_(total, other, op)
-    finish_(total, op, len(inputs))
-    return total
+    """The inputs combined element by element, in rank order: summed, averaged (an integer
+    average truncated toward zero), largest, smallest, or multiplied."""
+    if reduce_op == "avg":
+        total = _reduce(inputs, "sum")
+        if total.is_floating_point():
+            return total / len(inputs)
+        return torch.div(total, len(inputs), rounding_mode="trunc")
+    combine = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum,
+               "prod": torch.mul}[reduce_op]
+    return functools.reduce(combine, inputs)
+
+
+def _shard(flat: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Shard `rank` of `size` contiguous shards of `flat`, the first len % size of them one
+    element longer."""
+    base, longer = divmod(flat.numel(), size)
+    start = rank * base + min(rank, longer)
+    return flat[start : start + base + (rank < longer)]
 
 
 def _tolerance(dtype: torch.dtype, size: int) -> dict:
@@ -91,16 +104,16 @@ def expected(rank: int, size: int, case: tuple, salt: int) -> torch.Tensor | Non
     if op == "reduce":
         return _reduce(inputs, reduce_op) if rank == root else inputs[rank]
     if op == "reduce_scatter":
-        return shards(_reduce(inputs, reduce_op), size)[rank]
+        return _shard(_reduce(inputs, reduce_op), rank, size)
     if op == "broadcast":
         return inputs[root]
     if op == "scatter":
-        return shards(inputs[root], size)[rank]
+        return _shard(inputs[root], rank, size)
     if op == "all_gather":
         return torch.cat(inputs)
     if op == "gather":
         return torch.cat(inputs) if rank == root else None
-    return torch.cat([shards(x, size)[rank] for x in inputs])  # all_to_all
+    return torch.cat([_shard(x, rank, size) for x in inputs])  # all_to_all
 
 
 def check(results: list[list], size: int, todo: list[tuple]) -> None:

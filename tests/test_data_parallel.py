@@ -56,10 +56,11 @@ def last_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
-def train_ranks(case: str, bucket_mb: float, accum: int) -> dict:
+def train_ranks(case: str, bucket_mb: float, accum: int, algorithm: str = "auto") -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     grad_dtype = "bf16" if case == "bf16" else None
-    model = dtrain.DataParallel(make_model(), bucket_mb=bucket_mb, grad_dtype=grad_dtype)
+    model = dtrain.DataParallel(make_model(), bucket_mb=bucket_mb, grad_dtype=grad_dtype,
+                                algorithm=algorithm)
     opt = make_optimizer(model.parameters(), case)
     losses = []
     for step in range(STEPS):
@@ -85,19 +86,48 @@ def train_ranks(case: str, bucket_mb: float, accum: int) -> dict:
     return {"losses": losses, "state": model.state_dict(), "grads": grads}
 
 
+def bucket_average(grads: list[torch.Tensor | None], dtype: torch.dtype
+                   ) -> torch.Tensor | None:
+    """The average of the ranks' gradients of one parameter as a bucket in `dtype` makes it,
+    written out: each rank's gradient divided by the group size and rounded to `dtype`,
+    summed in rank order with a rounding after each addition, cast back to fp32 (None when
+    no rank has one). For two ranks the order does not matter: one addition, one rounding."""
+    if all(g is None for g in grads):
+        return None
+    total = None
+    for g in grads:
+        part = (torch.zeros_like(next(x for x in grads if x is not None)) if g is None
+                else g / len(grads)).to(dtype)
+        total = part if total is None else (total.float() + part.float()).to(dtype)
+    return total.float()
+
+
 def train_reference(case: str, world_size: int, accum: int) -> dict:
+    """One process on the global batch. bf16: each rank's gradient computed apart (its own
+    backward) and averaged as DataParallel's bf16 buckets do (`bucket_average`)."""
     model = make_model()
     opt = make_optimizer(model.parameters(), case)
     losses = []
     for step in range(STEPS):
         x, y = global_batch(step, world_size, accum)
         opt.zero_grad()
-        parts = [
-            nn.functional.cross_entropy(model(xr, use_extra=uses_extra(r, case)), yr)
-            for r, (xr, yr) in enumerate(zip(x.chunk(world_size), y.chunk(world_size), strict=True))
-        ]
-        loss = torch.stack(parts).mean()
-        loss.backward()
+        chunks = zip(x.chunk(world_size), y.chunk(world_size), strict=True)
+        if case == "bf16":
+            parts, per_rank = [], []
+            for r, (xr, yr) in enumerate(chunks):
+                model.zero_grad()
+                part = nn.functional.cross_entropy(model(xr, use_extra=uses_extra(r, case)), yr)
+                part.backward()
+                parts.append(part.detach())
+                per_rank.append(last_grads(model))
+            for name, p in model.named_parameters():
+                p.grad = bucket_average([g[name] for g in per_rank], torch.bfloat16)
+            loss = torch.stack(parts).mean()
+        else:
+            parts = [nn.functional.cross_entropy(model(xr, use_extra=uses_extra(r, case)), yr)
+                     for r, (xr, yr) in enumerate(chunks)]
+            loss = torch.stack(parts).mean()
+            loss.backward()
         losses.append(loss.item())
         grads = last_grads(model)
         opt.step()
@@ -105,6 +135,8 @@ def train_reference(case: str, world_size: int, accum: int) -> dict:
 
 
 def assert_matches(results: list[dict], reference: dict, tol: float | None = None) -> None:
+    """Losses, weights and the last step's gradients equal the reference's (within `tol`,
+    relative and absolute, if given; float32's default tolerance otherwise)."""
     kw = {} if tol is None else {"atol": tol, "rtol": tol}
     for result in results:
         torch.testing.assert_close(torch.tensor(result["losses"]),
@@ -155,10 +187,18 @@ def test_parameter_unused_on_some_or_all_ranks(world_size: int) -> None:
     assert_matches(results, reference)
 
 
+BF16_TOL = 1e-5
+"""bf16 gradients against the one-process reference that rounds them the same way: they
+differ by float32 rounding only (a bf16 rounding that float32 noise tipped would show as
+one bf16 ulp, 0.4% or more). A gradient not averaged is off by 100%, and one not rounded
+to bf16 at all (grad_dtype ignored) by up to half an ulp, 0.2%, which moves even the loss
+by 2e-5."""
+
+
 @pytest.mark.slow
 def test_bf16_gradient_communication() -> None:
     results = run_ranks(train_ranks, 2, "bf16", 0.002, 1)
-    assert_matches(results, train_reference("bf16", 2, 1), tol=2e-2)
+    assert_matches(results, train_reference("bf16", 2, 1), tol=BF16_TOL)
 
 
 def _different_models() -> None:
@@ -210,11 +250,20 @@ def test_buckets_repacked_in_backwards_order_still_average(grad_dtype: str | Non
     expected = []
     for step in range(3):
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
-        torch.stack([reference(c).pow(2).mean() for c in x.chunk(2)]).mean().backward()
+        if grad_dtype is None:
+            torch.stack([reference(c).pow(2).mean() for c in x.chunk(2)]).mean().backward()
+        else:  # each rank's gradient apart, averaged as the bf16 buckets do
+            per_rank = []
+            for c in x.chunk(2):
+                reference.zero_grad()
+                reference(c).pow(2).mean().backward()
+                per_rank.append({n: p.grad.clone() for n, p in reference.named_parameters()})
+            for n, p in reference.named_parameters():
+                p.grad = bucket_average([g[n] for g in per_rank], torch.bfloat16)
         expected.append({n: p.grad.clone() for n, p in reference.named_parameters()})
         opt.step()
         opt.zero_grad()
-    tol = {} if grad_dtype is None else {"atol": 1e-2, "rtol": 1e-2}
+    tol = {} if grad_dtype is None else {"atol": BF16_TOL, "rtol": BF16_TOL}
     for steps in dtrain.testing.run_threads(_inverted_steps, 2, 2, start, grad_dtype):
         for got, want in zip(steps, expected, strict=True):
             for name in want:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from dtrain.layers import LAYERS, layer_of
 
 SRC = Path(__file__).resolve().parent.parent / "src"
@@ -76,6 +78,23 @@ GRAPH = {m: imports_of(m) for m in MODULES}
 def test_every_module_has_a_layer() -> None:
     for module in MODULES:
         layer_of(module)
+
+
+def test_a_module_no_layer_names_is_refused() -> None:
+    """The top-level package names itself only: a module or subpackage that LAYERS does not
+    place raises instead of landing in the front layer through the prefix "dtrain"."""
+    for unplaced in ("dtrain.nonexistent_thing", "dtrain.nonexistent_thing.inner"):
+        with pytest.raises(KeyError, match="is in no layer"):
+            layer_of(unplaced)
+    front = len(LAYERS) - 1
+    assert layer_of("dtrain") == front and layer_of("dtrain.cli") == front
+    collectives = [name for name, _ in LAYERS].index("collectives")
+    assert layer_of("dtrain.comm") == layer_of("dtrain.comm.shm") == collectives
+
+
+def test_every_name_in_the_layers_is_a_module() -> None:
+    """No stale entry: each name in LAYERS is a module or package of the tree."""
+    assert [name for _, names in LAYERS for name in names if name not in MODULES] == []
 
 
 def test_no_import_climbs_a_layer() -> None:

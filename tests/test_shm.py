@@ -8,7 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ from dtrain.comm.shm import ShmGroup
 from tests.cli import dtrain, free_port
 from tests.comm_cases import cases, check, exercise
 from tests.distributed import run_ranks
-from tests.test_data_parallel import assert_matches, train_ranks, train_reference
+from tests.test_data_parallel import STEPS, assert_matches, train_ranks, train_reference
 
 SHM = {"DTRAIN_BACKEND": "shm"}
 SMALL_SLOTS = {**SHM, "DTRAIN_SHM_SLOT_MB": "0.0625"}  # 64 KiB: long tensors take many steps
@@ -29,15 +32,50 @@ DTYPES = (torch.float32, torch.bfloat16, torch.int32, torch.int64)
 LENGTHS = (0, 1, 7, 1_000_003)
 
 
+SHM_OPS = {"all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"}
+"""The collectives the shm transport moves itself; scatter, gather and all_to_all go
+through the gloo group beneath (dtrain.comm.shm)."""
+
+
+def _carried(fn: Callable[..., Any], *args: Any) -> tuple[Any, dict[str, Counter]]:
+    """`fn(*args)` on this rank, and what carried its collectives: the world's shm group
+    ("shm": its native calls by operation) and the gloo group beneath it ("gloo": its
+    native calls by operation, and its point-to-point messages)."""
+    world = comm.resolve(None)
+    assert isinstance(world, ShmGroup), type(world).__name__
+    counts: dict[str, Counter] = {"shm": Counter(), "gloo": Counter()}
+
+    def counted(method: Callable[..., Any], counter: Counter, what: str | None = None):
+        def call(*a: Any, **kw: Any) -> Any:
+            counter[what or a[0]] += 1
+            return method(*a, **kw)
+        return call
+
+    world.native = counted(world.native, counts["shm"])
+    world.below.native = counted(world.below.native, counts["gloo"])
+    world.below.isend = counted(world.below.isend, counts["gloo"], "isend")
+    world.below.irecv = counted(world.below.irecv, counts["gloo"], "irecv")
+    try:
+        return fn(*args), counts
+    finally:
+        for obj, name in ((world, "native"), (world.below, "native"),
+                          (world.below, "isend"), (world.below, "irecv")):
+            delattr(obj, name)
+
+
 def _matrix(size: int, todo: list) -> list:
-    assert isinstance(comm.resolve(None), ShmGroup)
     return exercise(dist.get_rank(), size, todo)
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_matrix_on_shm(size: int) -> None:
     todo = [case for case in cases(DTYPES, LENGTHS) if case[1] == "native"]
-    check(run_ranks(_matrix, size, size, todo, timeout=170, env=SMALL_SLOTS), size, todo)
+    ranks = run_ranks(_carried, size, _matrix, size, todo, timeout=170, env=SMALL_SLOTS)
+    check([results for results, _ in ranks], size, todo)
+    ops = {case[0] for case in todo if case[3] > 0}  # an empty tensor sends nothing
+    for _, counts in ranks:  # shm moved its collectives; gloo only the others
+        assert ops <= set(counts["shm"]), counts
+        assert set(counts["gloo"]) <= ops - SHM_OPS, counts
 
 
 def _sums() -> list[torch.Tensor]:
@@ -50,10 +88,13 @@ def _sums() -> list[torch.Tensor]:
 
 
 def test_every_rank_holds_the_same_bits() -> None:
-    results = run_ranks(_sums, 3, env=SMALL_SLOTS)
+    ranks = run_ranks(_carried, 3, _sums, env=SMALL_SLOTS)
+    results = [sums for sums, _ in ranks]
     for mine in results[1:]:
         for a, b in zip(results[0], mine, strict=True):
             assert torch.equal(a, b)
+    for _, counts in ranks:  # the three sums went through shared memory, none through gloo
+        assert counts == {"shm": Counter(all_reduce=3), "gloo": Counter()}, counts
 
 
 def _dies() -> str:
@@ -117,14 +158,21 @@ def _sleepy_barrier() -> float:
 
 
 def test_a_waiting_rank_sleeps_instead_of_spinning() -> None:
-    cpu_seconds = run_ranks(_sleepy_barrier, 2, env=SHM)
+    ranks = run_ranks(_carried, 2, _sleepy_barrier, env=SHM)
+    cpu_seconds = [seconds for seconds, _ in ranks]
     assert cpu_seconds[0] < 0.5, cpu_seconds  # two seconds of waiting
+    for _, counts in ranks:  # in shm's barrier, not gloo's
+        assert counts == {"shm": Counter(barrier=1), "gloo": Counter()}, counts
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_data_parallel_on_shm_equals_single_process(world_size: int) -> None:
-    results = run_ranks(train_ranks, world_size, "plain", 0.002, 1, env=SHM)
-    assert_matches(results, train_reference("plain", world_size, 1))
+    """The native algorithm: "auto" may pick the ring, whose messages go through gloo."""
+    ranks = run_ranks(_carried, world_size, train_ranks, "plain", 0.002, 1, "native", env=SHM)
+    assert_matches([result for result, _ in ranks], train_reference("plain", world_size, 1))
+    for _, counts in ranks:  # every gradient bucket averaged in shared memory, none on gloo
+        assert counts["shm"]["all_reduce"] >= STEPS, counts  # a bucket or more a step
+        assert counts["gloo"] == Counter(), counts
 
 
 def test_config_and_launcher_accept_shm(tmp_path: Path) -> None:
