@@ -4,7 +4,10 @@ The test process hosts the rendezvous store itself on a port the OS picks (so no
 race for a port) and its children join it the way ranks under torchrun join the agent's
 store. A rank that raises, dies or outlives the timeout fails the test with its rank named.
 Arguments travel as torch.save bytes, so each rank gets its own copy (pickled tensors would
-share memory with the parent and with every other rank).
+share memory with the parent and with every other rank). Ranks are forked from a fork
+server that imported torch and dtrain once per session, so a rank starts in milliseconds
+rather than the seconds an import of torch takes, and they use gloo unless a test asks
+for another backend.
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ def _check_alive(procs: list, results: dict, deadline: float, timeout: float) ->
         raise AssertionError(f"ranks {missing} did not finish within {timeout}s")
 
 
+_PRELOAD = ["torch", "torch.distributed", "dtrain", "dtrain.cli", "tests.distributed"]
+"""What the fork server imports once, so that a rank starts by fork in milliseconds instead
+of importing torch for seconds (a rank's own modules, the test's, load in the rank)."""
+
+
+def fork_server() -> mp.context.BaseContext:
+    """The fork server's context, started once per test session with torch and dtrain
+    loaded. Forking the server, not the test process, keeps the ranks clean: the server
+    runs no threads and holds no process group, store or CUDA context."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -64,7 +81,7 @@ def run_ranks(
         "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
         wait_for_workers=False,
     )
-    ctx = mp.get_context("spawn")
+    ctx = fork_server()
     out = ctx.Queue()
     packed = io.BytesIO()
     torch.save(args, packed)
@@ -76,6 +93,9 @@ def run_ranks(
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "DTRAIN_TIMEOUT": str(collective_timeout), "OMP_NUM_THREADS": "1",
+            # gloo even where CUDA is present (dtrain.init would pick NCCL there): these
+            # ranks compute on the CPU; a GPU test asks for NCCL through `env`
+            "DTRAIN_BACKEND": "gloo",
             **(env or {}),
         }
         proc = ctx.Process(target=_child, args=(fn, rank, child_env, packed.getvalue(), out),

@@ -174,3 +174,20 @@ def test_data_parallel_example_trains() -> None:
     assert result.returncode == 0, result.stderr
     last = [line for line in result.stdout.splitlines() if "epoch 4" in line]
     assert len(last) == 1 and float(last[0].rsplit(" ", 1)[1]) > 0.95
+
+
+def test_rendezvous_events_are_named_as_torch_names_them() -> None:
+    """The launcher names torch's rendezvous events from the frames (torch reads every
+    frame's source for it): the same function name that inspect.stack() gives."""
+    import inspect
+
+    from dtrain.launch.rendezvous import _method_name
+
+    def handler_method() -> tuple[str, str]:
+        return recorder()
+
+    def recorder() -> tuple[str, str]:  # as torch's _record: the name of who called it
+        return _method_name(), inspect.stack()[1].function
+
+    ours, torchs = handler_method()
+    assert ours == torchs == "handler_method"

@@ -19,6 +19,7 @@ round left in the store can mislead them.
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 import socket
 import threading
@@ -94,6 +95,25 @@ def open_store(host: str, port: int, listen_fd: int | None, timeout_s: float):
     return TCPStore(host, port, None, False, timeout)
 
 
+def _method_name(depth: int = 2) -> str:
+    """The name of the function `depth` frames up, as torch's rendezvous names its events,
+    read from the frames alone."""
+    frame = inspect.currentframe()
+    for _ in range(depth):
+        frame = frame.f_back if frame is not None else None
+    return frame.f_code.co_name if frame is not None else "no_method_name"
+
+
+def _name_events_cheaply() -> None:
+    """torch's dynamic rendezvous names every event it records by its caller's name, found
+    with two calls of inspect.stack(), which reads the source lines of every frame: a
+    second or more of the launcher's start-up (measured in docs/development.md), even when
+    nothing records the events. The same name comes from the frames alone."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    dynamic_rendezvous.get_method_name = _method_name
+
+
 class Rendezvous:
     """torch's DynamicRendezvousHandler for the agent, with what dtrain adds:
 
@@ -117,6 +137,7 @@ class Rendezvous:
             RendezvousTimeout,
         )
 
+        _name_events_cheaply()
         self.store, self.host, self.port, self.nproc = store, host, port, nproc
         self.node_id = node_id
         # torch's shared worker store would listen on every interface: dtrain's is the job's

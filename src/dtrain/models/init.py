@@ -77,11 +77,42 @@ def skeleton(build: Callable[[], nn.Module]) -> nn.Module:
     (rotary frequencies a Hugging Face model computes once, a mask) is built again with
     only its parameters moved to the meta device as they are registered (each allocated
     for that moment only; torch's layers allocate without touching the memory)."""
-    with torch.device("meta"):
-        model = build()
+    model = on_meta(build)
     if not any(b.is_meta for b in model.buffers()):
         return model
     with _parameters_on_meta():
+        return build()
+
+
+_INITIALIZERS = {
+    *(getattr(nn.init, name) for name in ("normal_", "uniform_", "trunc_normal_", "constant_",
+                                          "ones_", "zeros_", "xavier_normal_", "xavier_uniform_",
+                                          "kaiming_normal_", "kaiming_uniform_", "orthogonal_",
+                                          "eye_", "dirac_", "sparse_")),
+    torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.fill_, torch.Tensor.zero_,
+}
+"""Functions that only write values into a tensor they return: on a meta tensor, nothing."""
+
+
+class _NoValuesOnMeta(torch.overrides.TorchFunctionMode):
+    """Skips the initializers of meta tensors while a skeleton is built: they would write
+    no values anyway, and some (normal_) reach torch's reference kernels on the meta device,
+    whose first call imports the compiler (torch._dynamo): seconds of every rank's start."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _INITIALIZERS:
+            tensor = args[0] if args else kwargs.get("tensor")  # nn.init passes it by name
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+def on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """`build()` under `torch.device("meta")`: every tensor it makes on the meta device
+    (buffers too), no memory, no initializer run."""
+    with torch.device("meta"), _NoValuesOnMeta():
         return build()
 
 

@@ -3,12 +3,10 @@ before any rank starts: one line and exit 2, nothing written."""
 
 from __future__ import annotations
 
-import torch
-
 from dtrain import models
 from dtrain.config import Config
 from dtrain.data import open_data, vocab_of
-from dtrain.models import recompute
+from dtrain.models import init, recompute
 from dtrain.tensor_parallel.parallelize import matches
 from dtrain.tensor_parallel.plan_of import check_sequence_parallel, plan_of
 
@@ -29,8 +27,7 @@ def check_job(config: Config) -> None:
     else:
         vocab = vocab_of(dc.path, dc.format, dc.tokenizer)
     shape = models.resolve(config.model, vocab)
-    with torch.device("meta"):
-        model = models.build(shape)
+    model = init.on_meta(lambda: models.build(shape))
     if config.parallel.tp > 1:  # a plan that names nothing, or none at all
         matches(model, plan_of(model, config.model.tp_plan))
     if config.parallel.sequence_parallel:
