@@ -7,12 +7,23 @@ rank belongs to. Strategies take their group from here, explicitly.
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 
 from dtrain import world as world_mod
 from dtrain.comm.group import timeout_of
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, DtrainError
 from dtrain.layout import AXES, resolve_layout
+
+_MESHES: weakref.WeakSet[Mesh] = weakref.WeakSet()
+"""The meshes alive: `dtrain.shutdown()` makes each let go of its process groups."""
+
+
+def _release_all() -> None:
+    for mesh in list(_MESHES):
+        mesh._release()
+    _MESHES.clear()
 
 
 class Mesh:
@@ -61,6 +72,15 @@ class Mesh:
         self.across = self._group_of([position + r * per for r in range(replicas)]) \
             if replicas > 1 else None
         """This rank and its counterparts in the other replicas (None without replicas)."""
+        _MESHES.add(self)
+        world_mod.at_shutdown(_release_all)
+
+    def _release(self) -> None:
+        """Let go of the process groups (the world shuts down and destroys them): a mesh a
+        script still holds must not keep them, and gloo's threads, alive until exit."""
+        self._groups.clear()
+        self._by_members.clear()
+        self.replica_group = self.across = None
 
     def _group_of(self, members: list[int]) -> dist.ProcessGroup:
         key = tuple(members)
@@ -79,8 +99,16 @@ class Mesh:
         return self.layout.size(axis)
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group of this rank along `axis`."""
-        return self._groups[self._check(axis)]
+        """The process group of this rank along `axis`.
+
+        Raises:
+            DtrainError: the world this mesh was laid over has shut down.
+        """
+        axis = self._check(axis)
+        if not self._groups:
+            raise DtrainError("this mesh's process groups were destroyed by dtrain.shutdown(): "
+                              "build a new Mesh after dtrain.init()")
+        return self._groups[axis]
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along `axis`, in axis order."""

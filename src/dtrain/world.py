@@ -29,6 +29,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Before any group exists: its functions' `group=group.WORLD` defaults are then None.
+# Imported after init (by torch._dynamo) they would hold the world's group past shutdown.
+import torch.distributed.nn.functional  # noqa: F401
+
 from dtrain import agreed_port
 from dtrain import timeline as timeline_mod
 from dtrain.errors import ConfigError, DtrainError
@@ -326,6 +330,8 @@ def init(backend: str | None = None, timeout: float | None = None,
         if world.source == "dtrain":
             sys.excepthook = excepthook  # dtrain run prefixes every line with the rank already
         atexit.register(_shutdown_at_exit)
+    else:  # the script's own group: the script destroys it, dtrain lets go of it at exit
+        atexit.register(_let_go)
     _become(world)
     return world
 
@@ -376,11 +382,19 @@ def _shutdown_at_exit() -> None:
     shutdown()
 
 
-def shutdown() -> None:
-    """Leave the process group and forget the world; safe to call more than once."""
+def _let_go() -> None:
+    """dtrain lets go of the process groups (at_shutdown callbacks); forgets the world."""
     close_timeline()
     for callback in _AT_SHUTDOWN:
         callback()
+    _become(None)
+
+
+def shutdown() -> None:
+    """Leave the process group and forget the world; safe to call more than once. The
+    groups end here, not in interpreter exit: dtrain lets go of them, then destroys them and
+    gloo joins its threads (alive in finalization, a worker taking the GIL to free a finished
+    collective's tensors was ended by Python, and the rank aborted with SIGABRT)."""
+    _let_go()
     if dist.is_initialized():
         dist.destroy_process_group()
-    _become(None)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.comm.ops import ReduceOp
+from dtrain.errors import DtrainError
 
 
 class CollectiveTimeout(RuntimeError):
@@ -223,7 +224,7 @@ class TorchGroup(Group):
     """A `torch.distributed` process group seen through dtrain's Group interface."""
 
     def __init__(self, pg: dist.ProcessGroup) -> None:
-        self.pg = pg
+        self._pg: dist.ProcessGroup | None = pg
         self.rank = dist.get_rank(pg)
         self.size = dist.get_world_size(pg)
         self.name = pg.group_name if hasattr(pg, "group_name") else str(id(pg))
@@ -232,6 +233,19 @@ class TorchGroup(Group):
         super().__init__(self.name)
         self._globals = [dist.get_global_rank(pg, r) for r in range(self.size)]
         self._store: dist.Store | None = None
+
+    @property
+    def pg(self) -> dist.ProcessGroup:
+        """The torch process group (DtrainError once closed: its world shut down)."""
+        if self._pg is None:
+            raise DtrainError(f"process group {self.name!r} was closed by dtrain.shutdown()")
+        return self._pg
+
+    def close(self) -> None:
+        """Stop the executor and let go of the process group: a wrapper a script still holds
+        (in a Pipeline, a layer) must not keep it, and gloo's threads, alive (world.shutdown)."""
+        super().close()
+        self._pg = None
 
     def global_rank(self, group_rank: int) -> int:
         return self._globals[group_rank]
