@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dtrain-installed
 
-.PHONY: demo test test-slow test-gpu test-all install-launchers bench lint clean
+.PHONY: demo test test-slow test-gpu test-all soak install-launchers bench lint clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -22,6 +22,16 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# The soak drills at their full counts (test-slow runs a few rounds of each, tests/soak.py):
+# a host crashed and rejoined 20 times in a row, 50 SIGKILLs at random moments of blocking
+# saves and 50 of background saves. The first needs root (network namespaces).
+SOAK := tests/test_multihost.py::test_a_host_restarted_after_a_crash_rejoins_and_resumes \
+	tests/test_faults.py::test_sigkill_at_random_moments_of_saving_never_loses_the_newest_checkpoint \
+	tests/test_background_save.py::test_sigkill_at_random_moments_of_background_saving_never_loses_the_newest
+
+soak: $(STAMP)
+	DTRAIN_SOAK_ROUNDS=full $(PY) -m pytest -q -m '' $(SOAK)
 
 # The CUDA lane (NCCL, CUDA tensors, bf16, split-form construction on the GPU): on a
 # machine with a GPU; skipped cleanly elsewhere.

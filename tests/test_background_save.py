@@ -333,8 +333,9 @@ def _save_for_ever_in_background(folder: Path, saving) -> None:
 @pytest.mark.timeout(600)
 def test_sigkill_at_random_moments_of_background_saving_never_loses_the_newest(
         tmp_path: Path) -> None:
-    """As tests/test_faults.py's test for blocking saves: 50 times, a process saving in the
-    background while it trains is SIGKILLed at a random moment. Every time the newest
-    listed checkpoint opens and holds the values of its step, and the steps never go back."""
+    """As tests/test_faults.py's test for blocking saves: TRIALS times (5; 50 under make
+    soak), a process saving in the background while it trains is SIGKILLed at a random
+    moment. Every time the newest listed checkpoint opens and holds the values of its step,
+    and the steps never go back."""
     sigkill_at_random_moments(_save_for_ever_in_background, tmp_path / "checkpoints",
                               "tests.test_background_save", 0.1)  # a save: 10-40 ms here

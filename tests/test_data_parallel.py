@@ -154,6 +154,34 @@ def assert_matches(results: list[dict], reference: dict, tol: float | None = Non
             assert torch.equal(result["state"][name], value), name
 
 
+QUICK = [("plain", 1e-5, 1), ("plain", 25.0, 1), ("plain", 0.002, 3),
+         ("partly_unused", 0.002, 1)]
+"""(case, bucket_mb, accum) of the quick tests' two-rank trainings: one pair of processes
+trains them all, one after the other (a pair's start costs more than its training)."""
+
+
+def _train_all(cases: list[tuple]) -> list[dict]:
+    return [train_ranks(*case) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """`trained(world_size, case, bucket_mb, accum)`: each rank's train_ranks result; the
+    QUICK cases on two ranks come from one run_ranks, started at the first request."""
+    done: dict[tuple, list[dict]] = {}
+
+    def get(world_size: int, case: str, bucket_mb: float, accum: int) -> list[dict]:
+        key = (case, bucket_mb, accum)
+        if world_size != 2 or key not in QUICK:
+            return run_ranks(train_ranks, world_size, case, bucket_mb, accum)
+        if not done:
+            ranks = run_ranks(_train_all, 2, QUICK)
+            done.update({c: [r[i] for r in ranks] for i, c in enumerate(QUICK)})
+        return done[key]
+
+    return get
+
+
 # Three ranks (a non-power of two) run here with Adam; the middle bucket size, and the
 # bucket sizes and features on three ranks, run with `make test-slow`.
 @pytest.mark.parametrize("world_size, bucket_mb", [
@@ -161,8 +189,8 @@ def assert_matches(results: list[dict], reference: dict, tol: float | None = Non
     pytest.param(3, 25.0, marks=pytest.mark.slow),
     pytest.param(3, 1e-5, marks=pytest.mark.slow), pytest.param(3, 0.002, marks=pytest.mark.slow),
 ])
-def test_equals_single_process(world_size: int, bucket_mb: float) -> None:
-    results = run_ranks(train_ranks, world_size, "plain", bucket_mb, 1)
+def test_equals_single_process(trained, world_size: int, bucket_mb: float) -> None:
+    results = trained(world_size, "plain", bucket_mb, 1)
     assert_matches(results, train_reference("plain", world_size, 1))
 
 
@@ -173,14 +201,14 @@ def test_adam_equals_single_process() -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_no_sync_accumulation_equals_large_batch(world_size: int) -> None:
-    results = run_ranks(train_ranks, world_size, "plain", 0.002, 3)
+def test_no_sync_accumulation_equals_large_batch(trained, world_size: int) -> None:
+    results = trained(world_size, "plain", 0.002, 3)
     assert_matches(results, train_reference("plain", world_size, 3))
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_parameter_unused_on_some_or_all_ranks(world_size: int) -> None:
-    results = run_ranks(train_ranks, world_size, "partly_unused", 0.002, 1)
+def test_parameter_unused_on_some_or_all_ranks(trained, world_size: int) -> None:
+    results = trained(world_size, "partly_unused", 0.002, 1)
     reference = train_reference("partly_unused", world_size, 1)
     assert reference["grads"]["never.weight"] is None
     assert reference["grads"]["extra.weight"] is not None

@@ -20,9 +20,8 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from dtrain.checkpoint import atomic
 from dtrain.config import layout_of, load_config
 from dtrain.errors import ConfigError
 from dtrain.train import elastic
+from tests import forked
 from tests.cli import TINY_MODEL, dtrain, free_port
 from tests.test_models_train import weights
 
@@ -56,24 +56,23 @@ sample_tokens = 0
 
 
 def start(folder: Path, name: str, nproc: int, port: int, *flags: str,
-          fault: str = "") -> subprocess.Popen:
+          fault: str = "") -> forked.Launched:
     """`dtrain train --nnodes 1:3` of `nproc` ranks with tp=2, output into
-    `folder/name.out`."""
+    `folder/name.out`: a launcher of its own, in a session of its own, forked so that it
+    starts in milliseconds (node B must join node A's first round within its last call)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_TIMEOUT": "30",
            "DTRAIN_STALL_TIMEOUT": "0"}
     if fault:
         env["DTRAIN_FAULT"] = fault
-    command = [sys.executable, "-m", "dtrain.cli", "train", str(folder / "job.toml"),
+    command = ["train", str(folder / "job.toml"),
                "-n", str(nproc), "--nnodes", "1:3", "--master", f"127.0.0.1:{port}",
                "--join-timeout", "60", "--set", f"train.out_dir='{folder / 'run'}'",
                "--set", "parallel.tp=2",
                "--metrics", str(folder / "metrics.jsonl"), *flags]
-    out = (folder / f"{name}.out").open("w")
-    return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True, cwd=folder)
+    return forked.start(command, env=env, out=folder / f"{name}.out", cwd=folder)
 
 
-def wait_for(condition, timeout: float, what: str, procs: list[subprocess.Popen],
+def wait_for(condition, timeout: float, what: str, procs: list[forked.Launched],
              folder: Path) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -91,6 +90,18 @@ def listening(port: int) -> bool:
 def outputs(folder: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')}"
                      for p in sorted(folder.glob("*.out")))
+
+
+@pytest.fixture
+def launchers() -> Iterator[list[forked.Launched]]:
+    """The launchers a test started: any still running at its end (it failed) are killed
+    with their ranks."""
+    started: list[forked.Launched] = []
+    yield started
+    for launcher in started:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)  # its ranks die with it
+            launcher.wait(timeout=30)
 
 
 def checkpointed(folder: Path, step: int):
@@ -160,7 +171,8 @@ def test_a_batch_that_cannot_be_cut_for_a_round_is_one_line() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_an_elastic_job_goes_from_4_to_2_to_3_ranks_as_one_process_would(tmp_path: Path) -> None:
+def test_an_elastic_job_goes_from_4_to_2_to_3_ranks_as_one_process_would(
+        tmp_path: Path, launchers: list[forked.Launched]) -> None:
     (tmp_path / "job.toml").write_text(CONFIG)
     alone = tmp_path / "alone"
     alone.mkdir()
@@ -174,8 +186,10 @@ def test_an_elastic_job_goes_from_4_to_2_to_3_ranks_as_one_process_would(tmp_pat
     # A hosts the store (node 0). B's first rank (rank 2) holds as step 3 begins in the
     # first round; A's first rank as step 5 begins in the second.
     a = start(tmp_path, "a", 2, port, "--node-rank", "0", fault="stop@step=5,rank=0,attempt=1")
+    launchers.append(a)
     wait_for(lambda: listening(port), 60, "node A's store", [a], tmp_path)
     b = start(tmp_path, "b", 2, port, fault="stop@step=3,rank=2")
+    launchers.append(b)
     procs = [a, b]
     wait_for(checkpointed(tmp_path, 2), 120, "the checkpoint of step 2", procs, tmp_path)
     os.killpg(b.pid, signal.SIGKILL)  # node B dies (its ranks die with their agent)
@@ -184,6 +198,7 @@ def test_an_elastic_job_goes_from_4_to_2_to_3_ranks_as_one_process_would(tmp_pat
     wait_for(checkpointed(tmp_path, 4), 120, "the checkpoint of step 4 by A alone", procs,
              tmp_path)
     c = start(tmp_path, "c", 1, port)
+    launchers.append(c)
     procs = [a, c]
     assert a.wait(timeout=240) == 0, outputs(tmp_path)
     assert c.wait(timeout=60) == 0, outputs(tmp_path)

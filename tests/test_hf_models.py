@@ -19,7 +19,6 @@ from dtrain.errors import ConfigError
 from dtrain.models import ModelConfig, build, resolve
 from dtrain.models.hf import HFCausalLM, hf_names
 from dtrain.testing import run_threads
-from tests.distributed import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,21 +86,21 @@ def serial(path: str) -> tuple[torch.Tensor, dict]:
     return train(lambda x, y: backward(model(x, y)[1]), model.parameters()), model.state_dict()
 
 
-def every_layout(path: str) -> dict[str, tuple[torch.Tensor, dict]]:
+def every_layout(rank: int, base: HFCausalLM) -> dict[str, tuple[torch.Tensor, dict]]:
     """On each of 2 ranks: DataParallel and ZeRO-3 (half of each global batch), tensor
     parallelism (hf_plan, after_split) and a 2-stage pipeline (the whole batch); each
-    strategy's losses and final weights."""
-    rank = comm.resolve(None).rank
+    strategy's losses and final weights. Every model is a copy of `base` (model_of's):
+    the ranks are threads, which would race on torch's global seed."""
     half = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
     out = {}
 
-    model = model_of(path)
+    model = copy.deepcopy(base)
     data_parallel = dtrain.DataParallel(model, algorithm=ALGORITHM)
     losses = train(lambda x, y: backward(data_parallel(x[half], y[half])[1]),
                    data_parallel.parameters())
     out["dp"] = losses, model.state_dict()
 
-    zero = dtrain.ZeRO(model_of(path), adamw, stage=3, algorithm=ALGORITHM)
+    zero = dtrain.ZeRO(copy.deepcopy(base), adamw, stage=3, algorithm=ALGORITHM)
     losses = []
     for step in range(STEPS):
         x, y = tokens(step)
@@ -112,13 +111,13 @@ def every_layout(path: str) -> dict[str, tuple[torch.Tensor, dict]]:
         losses.append(loss.item())
     out["zero3"] = torch.tensor(losses), zero.state_dict()
 
-    model = model_of(path)
+    model = copy.deepcopy(base)
     tp.parallelize(model, tp.hf_plan(model), algorithm=ALGORITHM)
     model.after_split(2)
     losses = train(lambda x, y: backward(model(x, y)[1]), model.parameters())
     out["tp"] = losses, tp.full_state_dict(model)
 
-    model = model_of(path)
+    model = copy.deepcopy(base)
     mine = pipeline.pieces_for(pipeline.cut(model, 2))
     pipe = pipeline.Pipeline(mine, microbatches=2, schedule="1f1b",
                              loss_fn=pipeline.loss_of(model),
@@ -130,10 +129,12 @@ def every_layout(path: str) -> dict[str, tuple[torch.Tensor, dict]]:
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
-def test_every_layout_on_two_processes_equals_one_process(tmp_path: Path, name: str) -> None:
+def test_every_layout_on_two_ranks_equals_one_process(tmp_path: Path, name: str) -> None:
+    """On two in-process ranks (dtrain.testing): processes would each import transformers
+    and build the models again, for the same collectives."""
     path = config_dir(tmp_path, name)
     losses, state = serial(path)
-    results = run_ranks(every_layout, 2, path, timeout=140)
+    results = run_threads(every_layout, 2, model_of(path), timeout=120)
     for kind in ("dp", "zero3"):  # each rank's loss is its half's
         mean = (results[0][kind][0] + results[1][kind][0]) / 2
         same(mean, losses, kind)

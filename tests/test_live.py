@@ -10,8 +10,6 @@ import json
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +22,7 @@ from torch import nn
 
 from dtrain.config import load_config
 from dtrain.errors import ConfigError
+from tests import forked
 from tests.cli import TINY_MODEL, dtrain, one_error_line
 
 SLOTS = 3
@@ -486,13 +485,11 @@ def lose_and_regain(tmp_path: Path, nproc: int, rank: int, sets: list[str],
     config, metrics = tmp_path / "job.toml", tmp_path / "metrics.jsonl"
     config.write_text(LIVE_JOB)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_FAULT": f"kill@step=5,rank={rank}"}
-    job = subprocess.Popen(
-        [sys.executable, "-m", "dtrain.cli", "train", str(config), "-n", str(nproc),
-         "--max-restarts", "1", "--metrics", str(metrics),
-         "--set", f"train.out_dir='{tmp_path / 'run'}'",
-         *(item for key in sets for item in ("--set", key))],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True)
+    output = tmp_path / "job.out"
+    job = forked.start(  # the launcher in a session of its own, forked: no import to wait for
+        ["train", str(config), "-n", str(nproc), "--max-restarts", "1", "--metrics",
+         str(metrics), "--set", f"train.out_dir='{tmp_path / 'run'}'",
+         *(item for key in sets for item in ("--set", key))], env=env, out=output)
 
     def records() -> list[dict[str, Any]]:
         if not metrics.exists():
@@ -508,12 +505,18 @@ def lose_and_regain(tmp_path: Path, nproc: int, rank: int, sets: list[str],
             if (any(n < whole for n in seen) and seen[-back_for:] == [whole] * back_for
                     and len(seen) > back_for + 5):
                 break
-            assert job.poll() is None, job.communicate()[0]
+            assert job.poll() is None, output.read_text()
             assert time.monotonic() < deadline, f"no rejoin: {seen[:50]}"
             time.sleep(0.2)
     finally:
         os.killpg(job.pid, signal.SIGINT)
-        out = job.communicate(timeout=60)[0]
+        try:
+            job.wait(timeout=60)
+        finally:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
+    out = output.read_text()
     steps = [r["step"] for r in records()]
     assert steps == list(range(1, len(steps) + 1)), steps  # none lost or repeated
     seen = [r["replicas"] for r in records()]

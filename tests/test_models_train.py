@@ -133,6 +133,23 @@ def hf_model(config: Path) -> str:
     return f'[model]\narch = "hf"\nhf_config = "{config}"\nblock_size = 32\n'
 
 
+@pytest.fixture(scope="module")
+def hf_one(tmp_path_factory: pytest.TempPathFactory):
+    """`hf_one(family)`: the [model] section of a tiny Hugging Face Llama or GPT-2 and its
+    one-process run, run once for the module, whichever test asks first."""
+    runs: dict[str, tuple[str, tuple]] = {}
+
+    def one(family: str) -> tuple[str, tuple]:
+        if family not in runs:
+            folder = tmp_path_factory.mktemp(f"hf-{family}")
+            make = hf_llama_config if family == "llama" else hf_gpt2_config
+            model = hf_model(make(folder / family))
+            runs[family] = model, run(folder, "one", model, ["-n", "1"])
+        return runs[family]
+
+    return one
+
+
 @pytest.mark.parametrize("family, args", [
     pytest.param("llama", ["-n", "2", *TP2], marks=pytest.mark.slow),
     pytest.param("gpt2", ["-n", "2", *TP2], marks=pytest.mark.slow),
@@ -144,13 +161,12 @@ def hf_model(config: Path) -> str:
 ], ids=["llama-tp2", "gpt2-tp2", "llama-zero3", "gpt2-zero3", "llama-pp2", "gpt2-tp2xpp2",
         "gpt2-dp2"])
 def test_hugging_face_models_in_layouts_equal_one_process(tmp_path: Path, family: str,
-                                                          args: list[str]) -> None:
+                                                          args: list[str], hf_one) -> None:
     """A Hugging Face Llama (GQA) or GPT-2 (Conv1D, tied head) built from a config.json:
     losses and final weights equal one process's. (All slow: make test covers these models
     in every layout at the library level, tests/test_hf_models.py.)"""
-    config = (hf_llama_config if family == "llama" else hf_gpt2_config)(tmp_path / family)
-    one = run(tmp_path, "one", hf_model(config), ["-n", "1"])
-    got = run(tmp_path, "many", hf_model(config), args)
+    model, one = hf_one(family)
+    got = run(tmp_path, "many", model, args)
     assert "Hugging Face" in got[3]
     assert_same_run(got, one)
 
@@ -254,16 +270,25 @@ CUSTOM_PLAN = ('tp_plan = { "layers.*.0" = "colwise", "layers.*.2" = "rowwise", 
                '"embed" = "vocab", "head" = "colwise", "loss_fn" = "vocab_loss" }\n')
 
 
+@pytest.fixture(scope="module")
+def custom_one(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """The user's module of CUSTOM in one process, run once for the module."""
+    folder = tmp_path_factory.mktemp("custom")
+    (folder / "my_models.py").write_text(CUSTOM)
+    return run(folder, "one", CUSTOM_MODEL + CUSTOM_PLAN, ["-n", "1"], cwd=folder)
+
+
 @pytest.mark.parametrize("args", [
     pytest.param(["-n", "2", *ZERO3], marks=pytest.mark.slow),
     pytest.param(["-n", "2", *TP2], marks=pytest.mark.slow),
     pytest.param(["-n", "2", *PP2], marks=pytest.mark.slow),
 ], ids=["zero3", "tp2", "pp2"])
-def test_your_own_module_equals_one_process(tmp_path: Path, args: list[str]) -> None:
+def test_your_own_module_equals_one_process(tmp_path: Path, args: list[str],
+                                            custom_one: tuple) -> None:
     """arch = "custom": a factory in the working folder; ZeRO takes it as it is, tensor
     parallelism with its tp_plan, the pipeline by its Stages methods."""
     (tmp_path / "my_models.py").write_text(CUSTOM)
-    one = run(tmp_path, "one", CUSTOM_MODEL + CUSTOM_PLAN, ["-n", "1"], cwd=tmp_path)
+    one = custom_one
     got = run(tmp_path, "many", CUSTOM_MODEL + CUSTOM_PLAN, args, cwd=tmp_path)
     assert "Tiny" in got[3]
     assert_same_run(got, one)
@@ -351,14 +376,13 @@ def test_bad_models_and_data_are_one_line(tmp_path: Path, case: str) -> None:
 
 
 @pytest.mark.slow
-def test_hugging_face_gpt2_round_trip(tmp_path: Path) -> None:
+def test_hugging_face_gpt2_round_trip(tmp_path: Path, hf_one) -> None:
     """A Hugging Face GPT-2 trained by dtrain exports as GPT-2 again (Conv1D weights
     transposed back), with dtrain's logits; `init_from` reads it into 2 tensor-parallel
     ranks (each reading its slices of the transposed weights) at the same held-out loss."""
     from transformers import AutoModelForCausalLM
 
-    model = hf_model(hf_gpt2_config(tmp_path / "gpt2"))
-    losses, final, checkpoints, _ = run(tmp_path, "one", model, ["-n", "1"])
+    model, (losses, final, checkpoints, _) = hf_one("gpt2")
     out = tmp_path / "hf"
     assert dtrain("export", str(checkpoints), str(out), "--format", "hf").returncode == 0
     theirs = AutoModelForCausalLM.from_pretrained(out).eval()

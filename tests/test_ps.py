@@ -3,7 +3,6 @@ bound, forged input is refused, dead workers are dropped, a restarted server res
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from torch import nn
 from dtrain import ps
 from dtrain.errors import ConfigError, DtrainError
 from tests.cli import dtrain
+from tests.distributed import fork_server
 
 SECRET, STEPS, WORKERS, PER_WORKER = b"job-secret", 4, 2, 4
 SGD = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9}
@@ -219,7 +219,7 @@ def _serve(bind: str, snapshots: str) -> None:  # a process of its own, to be ki
 
 @pytest.mark.timeout(90)
 def test_a_killed_server_restarts_from_its_snapshot(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = fork_server()  # processes of their own, forked with torch and dtrain imported
     with zmq.Context() as probe:  # a free port, to bind the server and its successor on
         socket = probe.socket(zmq.ROUTER)
         bind = f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}"

@@ -344,8 +344,10 @@ def _processes(stages: list[int]) -> dict:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: threads
-def test_processes_on_gloo_equal_data_parallel_and_one_process(world: int) -> None:
-    for result in run_ranks(_processes, world, [1, 2, 3], timeout=150):
+def test_processes_on_gloo_equal_data_parallel_and_one_process(world: int, two_ranks) -> None:
+    results = (two_ranks()["processes"] if world == 2
+               else run_ranks(_processes, world, [1, 2, 3], timeout=150))
+    for result in results:
         torch.testing.assert_close(result["dp"], result["serial"])
         for stage in (1, 2, 3):
             torch.testing.assert_close(result[stage], result["serial"])
@@ -426,13 +428,13 @@ def serial_bf16_gpt() -> dict:
 
 
 @pytest.mark.timeout(180)
-def test_bf16_with_tensor_and_pipeline_parallel_equals_one_process(tmp_path: Path) -> None:
+def test_bf16_with_tensor_and_pipeline_parallel_equals_one_process(two_ranks) -> None:
     """parallel.mixed_precision = "bf16" with tp = 2 and with pp = 2 (each piece in ZeRO):
     the global batch's loss, the gradient norm and the weights' change as one process
     running the same bf16-over-fp32-masters recipe."""
     want = serial_bf16_gpt()
     start = tiny_gpt().state_dict()
-    ranks = run_ranks(_mixed_layouts, 2, MIXED_LAYOUTS, str(tmp_path), timeout=150)
+    ranks, tmp_path = two_ranks()["mixed"], two_ranks.folder
     del want["model"]["head.weight"], start["head.weight"]  # tied: wte.weight itself
     errors = {}
     for name in MIXED_LAYOUTS:
@@ -449,3 +451,28 @@ def test_bf16_with_tensor_and_pipeline_parallel_equals_one_process(tmp_path: Pat
     assert max(errors.values()) < LAYOUT_CHANGE_TOL, (
         "weight change off by " + ", ".join(f"{e:.1%} ({n})" for n, e in errors.items())
         + " of its size")
+
+
+def _both(folder: str) -> dict:
+    return {"processes": _processes([1, 2, 3]), "mixed": _mixed_layouts(MIXED_LAYOUTS, folder)}
+
+
+class _TwoRanks:
+    """Both two-process runs of this file, on one pair of gloo processes (a pair's start
+    costs more than either run): test_processes_on_gloo_... and test_bf16_with_tensor_...
+    each check their own part. Called: the results by rank, run at the first call."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.results: dict | None = None
+
+    def __call__(self) -> dict:
+        if self.results is None:
+            ranks = run_ranks(_both, 2, str(self.folder), timeout=170)
+            self.results = {part: [r[part] for r in ranks] for part in ranks[0]}
+        return self.results
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> _TwoRanks:
+    return _TwoRanks(tmp_path_factory.mktemp("zero-layouts"))
