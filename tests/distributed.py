@@ -51,9 +51,11 @@ def _check_alive(procs: list, results: dict, deadline: float, timeout: float) ->
         raise AssertionError(f"ranks {missing} did not finish within {timeout}s")
 
 
-_PRELOAD = ["torch", "torch.distributed", "dtrain", "dtrain.cli", "tests.distributed"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dtrain", "dtrain.cli",
+            "tests.distributed"]
 """What the fork server imports once, so that a rank starts by fork in milliseconds instead
-of importing torch for seconds (a rank's own modules, the test's, load in the rank)."""
+of importing torch for seconds (a rank's own modules, the test's, load in the rank).
+torch._dynamo too: the first optimizer a process builds imports it (seconds more)."""
 
 
 def fork_server() -> mp.context.BaseContext:
