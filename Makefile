@@ -28,7 +28,8 @@ test-slow: $(STAMP)
 # saves and 50 of background saves. The first needs root (network namespaces).
 SOAK := tests/test_multihost.py::test_a_host_restarted_after_a_crash_rejoins_and_resumes \
 	tests/test_faults.py::test_sigkill_at_random_moments_of_saving_never_loses_the_newest_checkpoint \
-	tests/test_background_save.py::test_sigkill_at_random_moments_of_background_saving_never_loses_the_newest
+	tests/test_background_save.py::test_sigkill_at_random_moments_of_background_saving_never_loses_the_newest \
+	tests/test_exit.py::test_pipeline_example_exits_cleanly_every_time_with_native_collectives
 
 soak: $(STAMP)
 	DTRAIN_SOAK_ROUNDS=full $(PY) -m pytest -q -m '' $(SOAK)
