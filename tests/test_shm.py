@@ -32,14 +32,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.int32, torch.int64)
 LENGTHS = (0, 1, 7, 1_000_003)
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Checking the matrix's million-element results costs seconds; with torch's intra-op
-    threads, which on 2 cores only fight the ranks for them, it costs three times as long."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # tests/conftest.py
 
 
 SHM_OPS = {"all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"}
