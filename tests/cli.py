@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import socket
 import subprocess
@@ -11,9 +10,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from tests.distributed import fork_server
+from tests.forked import run_cli
 
 TINY_MODEL = """
 [model]
@@ -44,7 +42,8 @@ def dtrain(*args: str, timeout: float = 120, cwd: str | None = None,
                               env=env, cwd=cwd, preexec_fn=preexec)
     with tempfile.TemporaryDirectory(prefix="dtrain-cli-") as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-        proc = fork_server().Process(target=_cli, args=(list(args), env, cwd, str(out), str(err)))
+        proc = fork_server().Process(target=run_cli,
+                                     args=(list(args), env, cwd, str(out), str(err)))
         proc.start()
         proc.join(timeout)
         if proc.exitcode is None:
@@ -53,29 +52,6 @@ def dtrain(*args: str, timeout: float = 120, cwd: str | None = None,
             raise subprocess.TimeoutExpired(command, timeout, out.read_text(), err.read_text())
         return subprocess.CompletedProcess(command, proc.exitcode, out.read_text(),
                                            err.read_text())
-
-
-def _cli(args: list[str], env: dict[str, str], cwd: str | None, out: str, err: str) -> None:
-    """The forked command: the environment, folder and streams it was given, then the
-    CLI's main, whose return value is the process's exit code."""
-    os.environ.clear()
-    os.environ.update(env)
-    if cwd is not None:
-        os.chdir(cwd)
-    sys.path[0] = os.getcwd()  # as `python -m` puts the working folder first
-    for fd, path in ((1, out), (2, err)):
-        with open(path, "w") as f:
-            os.dup2(f.fileno(), fd)
-    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
-    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", closefd=False), line_buffering=True)
-    sys.argv = ["dtrain", *args]
-    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    from dtrain import cli
-
-    code = cli.main(args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    sys.exit(code)
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:

@@ -78,6 +78,14 @@ def _main(args: list[str], env: dict[str, str], cwd: str | None, out: str, err: 
         if libc.setns(fd, CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), f"setns into {netns}")
         os.close(fd)
+    run_cli(args, env, cwd, out, err)
+
+
+def run_cli(args: list[str], env: dict[str, str], cwd: str | None, out: str,
+            err: str | None) -> None:
+    """In a forked process: the environment, folder and streams it was given (standard
+    error into `out` too when `err` is None), then the CLI's main, whose return value is
+    the process's exit code."""
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
