@@ -45,6 +45,10 @@ def run_threads(work, models: list[nn.Module], timeout: float = 40) -> list:
     threads would race on torch's global seed."""
     n = len(models)
     results: list = [None] * n
+    # One step first: a process's first backward is slow (lazy set-up), and a test's short
+    # worker_timeout would take a worker busy with it for a silent one.
+    warm = model()
+    nn.functional.cross_entropy(warm(batch(0)[0]), batch(0)[1]).backward()
     threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, work(r, models[r])))
                for r in range(n)]
     for t in threads:
@@ -172,7 +176,7 @@ def test_a_silent_worker_is_dropped_and_the_others_finish() -> None:
     """Worker 1 stops talking after two steps (as a killed process would); in ssp mode
     worker 0 would wait for it forever, but the server drops it after worker_timeout."""
     servers = start_servers(1)
-    settings = ps.Settings("ssp", 1, worker_timeout=1.0, **SGD)
+    settings = ps.Settings("ssp", 1, worker_timeout=2.0, **SGD)
 
     def work(rank: int, m: nn.Module) -> int:
         worker = ps.Worker(m, settings, [servers[0].address], rank, SECRET, timeout=20)
@@ -189,12 +193,35 @@ def test_a_silent_worker_is_dropped_and_the_others_finish() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_that_starts_late_is_not_taken_for_a_silent_one() -> None:
+    """Worker 1 sends its first message well after worker_timeout (a slow start on a loaded
+    machine): the silence rule counts start_timeout for it, so it is not dropped."""
+    servers = start_servers(1)
+    settings = ps.Settings("async", worker_timeout=2.0, start_timeout=30.0, **SGD)
+
+    def work(rank: int, m: nn.Module) -> int:
+        if rank:
+            time.sleep(3.0)  # the late start itself is what this test is about
+        worker = ps.Worker(m, settings, [servers[0].address], rank, SECRET, timeout=20)
+        worker.start()
+        for step in range(4):
+            nn.functional.cross_entropy(m(batch(step)[0]), batch(step)[1]).backward()
+            worker.step()
+        worker.close()
+        return worker.clock
+
+    assert run_threads(work, [model() for _ in range(WORKERS)]) == [4, 4]
+    assert servers[0].clocks.dropped == set()
+
+
+@pytest.mark.timeout(60)
 def test_sync_can_fail_instead_of_going_on_without_a_worker() -> None:
     server = ps.Server(WORKERS, SECRET)
     raised: list[Exception] = []
     thread = threading.Thread(target=lambda: raised.extend(_raises(server.serve)))
     thread.start()
-    settings = ps.Settings("sync", worker_timeout=1.0, on_worker_loss="fail", **SGD)
+    settings = ps.Settings("sync", worker_timeout=1.0, start_timeout=1.0, on_worker_loss="fail",
+                           **SGD)
     m = model()
     worker = ps.Worker(m, settings, [server.address], 0, SECRET, timeout=20)
     worker.start()

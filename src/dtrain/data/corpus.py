@@ -10,6 +10,7 @@ Documents are read one at a time, so a corpus is never held whole before it is e
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -28,8 +29,12 @@ JSONL = ".jsonl"
 def stdlib_files() -> list[Path]:
     """The standard library's .py files (not its tests, idlelib or site-packages), sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [s for s in subfolders if s not in skip]  # never descended into
+        found += [Path(folder) / f for f in files if f.endswith(".py")]
+    return sorted(found)
 
 
 def corpus_files(path: str, key: str = "data.path", suffix: str = "") -> list[Path]:

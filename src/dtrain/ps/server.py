@@ -14,9 +14,10 @@ A server needs no user code: worker 0's first message carries the initial shard 
 job's Settings (optimizer, consistency). The server keeps a clock per worker (the steps
 it has pushed), logs every answered pull with the clocks then (`answered`, to check the
 staleness bound afterwards), and refuses, logs and survives any malformed, forged or
-out-of-place message. A worker silent for `worker_timeout` while the others wait on it is
-dropped from the clocks (or, with on_worker_loss="fail", stops the job). With a snapshot
-folder the shard, optimizer state and clocks are saved atomically every K updates, and a
+out-of-place message. A worker silent for `worker_timeout` while the others wait on it (or,
+one never heard from, for `start_timeout` since the server started) is dropped from the
+clocks (or, with on_worker_loss="fail", stops the job). With a snapshot folder the shard,
+optimizer state and clocks are saved atomically every K updates, and a
 server started on that folder resumes from the newest snapshot.
 """
 
@@ -104,7 +105,9 @@ class Server:
         self.rejected: deque[str] = deque(maxlen=LOG_RECORDS)
         self.failure = ""
         self._waiting: list[tuple[bytes, Message]] = []
-        self._heard = dict.fromkeys(range(workers), time.monotonic())
+        self._heard: dict[int, float] = {}
+        """When each worker's last message came; absent until its first."""
+        self._started = time.monotonic()
         if self.snapshots is not None and atomic.read_index(self.snapshots):
             self._restore()
         self._context = zmq.Context()
@@ -167,7 +170,15 @@ class Server:
             raise BadMessage(f"worker {m.worker} was dropped after "
                              f"{self.settings.worker_timeout:.0f}s of silence; it is no longer "
                              "part of this job")
-        self._heard[m.worker] = time.monotonic()
+        try:
+            self._dispatch(identity, m)
+        finally:
+            # Stamped when handled, not when received: a worker cannot speak while the
+            # server works on its message (worker 0's init builds the optimizer, which
+            # can take a second), and that time is not its silence.
+            self._heard[m.worker] = time.monotonic()
+
+    def _dispatch(self, identity: bytes, m: Message) -> None:
         if m.op == "init":
             self._init(m)
             self._reply(identity, self.clocks.of[m.worker])
@@ -291,10 +302,12 @@ class Server:
             return  # own timeout covers a worker 0 that never seeds the servers
         now, timeout = time.monotonic(), self.settings.worker_timeout
         for w in sorted(live):
-            if now - self._heard[w] <= timeout or any(m.worker == w for _, m in self._waiting):
+            silent = now - self._heard.get(w, self._started)
+            allowed = timeout if w in self._heard else max(timeout, self.settings.start_timeout)
+            if silent <= allowed or any(m.worker == w for _, m in self._waiting):
                 continue
             if self.settings.on_worker_loss == "fail":
-                self.failure = (f"worker {w} sent nothing for {timeout:.0f}s; the job stops "
+                self.failure = (f"worker {w} sent nothing for {allowed:.0f}s; the job stops "
                                 "(on_worker_loss='fail')")
                 for identity, _ in self._waiting:
                     self._reply(identity, -1, error=self.failure)
@@ -303,7 +316,7 @@ class Server:
             self.clocks.dropped.add(w)
             log.warning("parameter server %d: worker %d sent nothing for %.0fs and is dropped "
                         "from the clocks; %d live worker(s) go on", self.index,
-                        w, timeout, len(self.clocks.live()))
+                        w, allowed, len(self.clocks.live()))
             self._close_round()
 
     def _snapshot(self) -> None:

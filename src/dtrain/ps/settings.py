@@ -35,6 +35,9 @@ class Settings:
             betas for adam/adamw).
         worker_timeout: seconds a worker may stay silent while others wait on it (or
             while it is the last one the servers wait for) before it counts as dead.
+        start_timeout: the same for a worker the servers have not heard from yet: starting
+            one (importing torch, building its model) can take far longer than a silence
+            between steps on a loaded machine. The larger of the two applies to it.
         on_worker_loss: "continue" drops a dead worker from the clocks with a warning and
             trains on with the live ones; "fail" stops the job with an error instead.
     """
@@ -47,6 +50,7 @@ class Settings:
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
     worker_timeout: float = 120.0
+    start_timeout: float = 60.0
     on_worker_loss: str = "continue"
 
     def __post_init__(self) -> None:
@@ -61,8 +65,8 @@ class Settings:
         if self.on_worker_loss not in ON_WORKER_LOSS:
             raise ConfigError(f"on_worker_loss={self.on_worker_loss!r}: use one of "
                               f"{', '.join(ON_WORKER_LOSS)}")
-        if not self.worker_timeout > 0 or not self.lr > 0:
-            raise ConfigError("worker_timeout and lr must be positive")
+        if not self.worker_timeout > 0 or not self.start_timeout > 0 or not self.lr > 0:
+            raise ConfigError("worker_timeout, start_timeout and lr must be positive")
         if not self.momentum >= 0 or not self.weight_decay >= 0:
             raise ConfigError(f"momentum={self.momentum} and weight_decay={self.weight_decay} "
                               "must not be negative")
