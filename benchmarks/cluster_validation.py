@@ -9,8 +9,8 @@ two more published runs the cost model does not match, and why.
 
 from __future__ import annotations
 
-from dtrain.planner.cluster_search import best_layout, rank
-from dtrain.planner.hardware import Cluster, hardware
+from dtrain.planner.analytic.hardware import Cluster, hardware
+from dtrain.planner.analytic.search import best_layout, rank
 from dtrain.planner.shape import ModelShape
 from tests.test_plan_cluster import (
     FITTED_ON,
@@ -39,9 +39,9 @@ def megatron() -> None:
         ours = _published_layout(shape, cluster, batch, tp, pp)
         best = rank(shape, cluster, batch, soft=MEGATRON_2021)[0]
         fitted = " (fitted)" if i in FITTED_ON else ""
-        print(f"| {params}{fitted} | {shape.parameters() / 1e9:.2f} | {ours.choice} | "
+        print(f"| {params}{fitted} | {shape.parameters() / 1e9:.2f} | {ours.label} | "
               f"{tflops} | {ours.tflops_per_gpu:.1f} | {ours.tflops_per_gpu / tflops:.3f} | "
-              f"{best.choice}, recompute {best.choice.recompute} | "
+              f"{best.label}, recompute {best.planned.recompute} | "
               f"{best.step_s / ours.step_s:.3f} |")
 
 
@@ -53,7 +53,7 @@ def korthikanti() -> None:
     for recompute, sp, mfu in KORTHIKANTI_530B:
         ours = _published_layout(shape, cluster, 2240, 8, 35, recompute, sp)
         what = "sequence parallel + selective" if sp else "full recomputation"
-        print(f"| {what} | {ours.choice} | {mfu:.1%} | {ours.mfu:.1%} | "
+        print(f"| {what} | {ours.label} | {mfu:.1%} | {ours.mfu:.1%} | "
               f"{ours.mfu / mfu:.3f} |")
 
 
@@ -65,7 +65,7 @@ def outside() -> None:
         cluster = Cluster(hardware("a100-80gb"), nodes, 8)
         ours = best_layout(shape, cluster, 1920, 8, 35, nodes * 8 // 280, (1, 2), (1, 2, 3, 4, 6),
                            (1,), ("full",), (False,), MEGATRON_2021)
-        print(f"| MT-NLG 530B, {nodes * 8} A100s | {ours.choice} | {tflops} TFLOP/s | "
+        print(f"| MT-NLG 530B, {nodes * 8} A100s | {ours.label} | {tflops} TFLOP/s | "
               f"{ours.tflops_per_gpu:.1f} | {ours.tflops_per_gpu / tflops:.3f} |")
     llama = ModelShape(126, 16384, 128, 8192, 128256, "llama", kv_heads=8, ffn=53248)
     for gpus, _, tflops in LLAMA_3_405B:
@@ -73,8 +73,8 @@ def outside() -> None:
         ours = best_layout(llama, cluster, 2048, 8, 16, gpus // 128, (1, 2), (1, 2, 3, 4, 6),
                            (1,), sequence_parallel=(True,))
         model_tflops = ours.mfu * cluster.hardware.peak_tflops
-        print(f"| Llama 3 405B, {gpus} H100s | {ours.choice}, recompute "
-              f"{ours.choice.recompute} | {tflops} TFLOP/s (model) | {model_tflops:.1f} | "
+        print(f"| Llama 3 405B, {gpus} H100s | {ours.label}, recompute "
+              f"{ours.planned.recompute} | {tflops} TFLOP/s (model) | {model_tflops:.1f} | "
               f"{model_tflops / tflops:.3f} |")
 
 

@@ -7,10 +7,10 @@ rank, then laid out).
 
 Two layouts of one GPT, each in its own spawned world (tests/distributed.py's `run_ranks`,
 gloo): tp=2 on 2 ranks, and ZeRO-3 over 4 ranks. On every rank the peak of live tensor
-bytes (dtrain.planner.tracker.LiveBytes, the CPU's max_memory_allocated) from the first
+bytes (dtrain.planner.LiveBytes, the CPU's max_memory_allocated) from the first
 line of construction to the end of `layouts.build`, restore included; the figure is the
 busiest rank's. The collectives' one-time calibration (`algorithm="auto"`, probes up to
-16 MiB) is done before, on the same mesh (dtrain.planner.measure.calibrate, then a 1-block
+16 MiB) is done before, on the same mesh (dtrain.planner.traced.measure.calibrate, then a 1-block
 model built the same way), so it is not counted.
 
 Target: split form peaks at no more than 1/N of the whole model plus one generator chunk
@@ -34,8 +34,8 @@ from dtrain import layouts, models
 from dtrain.config import config_from_dict, layout_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
-from dtrain.planner.measure import calibrate
-from dtrain.planner.tracker import LiveBytes
+from dtrain.planner import LiveBytes
+from dtrain.planner.traced.measure import calibrate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.distributed
 from tests.distributed import run_ranks  # noqa: E402
@@ -122,7 +122,7 @@ def main() -> None:
         f"({params / 1e6:.2f}M parameters: {whole / MiB:.1f} MiB whole in fp32). Peak: "
         "live tensor bytes from the first line of construction to the end of "
         "`layouts.build` (restore included), the busiest rank's; collectives calibrated "
-        "before, unmeasured (`dtrain.planner.measure.calibrate` on the same mesh, then a "
+        "before, unmeasured (`dtrain.planner.traced.measure.calibrate` on the same mesh, then a "
         f"1-block GPT built). Chunk: {init.CHUNK} elements x 4 bytes = "
         f"{4 * init.CHUNK / MiB:.0f} MiB.",
         "",

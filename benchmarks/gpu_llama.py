@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from dtrain import models
 from dtrain.models import recompute
 from dtrain.models.convert import hf_config_of, hf_names
-from dtrain.planner.hardware import PRESETS as HARDWARE
-from dtrain.planner.shape import shape_of
+from dtrain.planner.analytic.hardware import PRESETS as HARDWARE
+from dtrain.planner.shape import ModelShape
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -136,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
     shape = models.resolve(models.ModelConfig(arch="llama", preset=args.preset), 128256)
     shape = dataclasses.replace(shape, block_size=args.seq)
-    flops = shape_of(shape).model_flops_per_token()
+    flops = ModelShape.of(shape).model_flops_per_token()
     gpu, peak = peak_tflops()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape.vocab_size, (args.batch, args.seq + 1), generator=g).cuda()

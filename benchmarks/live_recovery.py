@@ -1,12 +1,13 @@
-"""Live replicas (dtrain.parallel.live): how fast survivors go on after a SIGKILL, and how
+"""Live replicas (dtrain.ft.live): how fast survivors go on after a SIGKILL, and how
 fast a replacement catches up from a live peer compared with loading a checkpoint.
 
     .venv/bin/python benchmarks/live_recovery.py [--replicas 4 --trials 5 --width 1024]
 
 Runs `--replicas` processes on this machine around a TCPStore this process hosts, training
 an MLP of `--layers` x `--width`^2 parameters (tens of MB, with Adam's state three times
-that) with DataParallel(live=...) and the default timeouts. Each trial SIGKILLs the last
-replica at a random moment of a step, then starts a replacement with its id. Reported:
+that) with DataParallel(averaging=LiveAveraging(live)) and the default timeouts. Each trial
+SIGKILLs the last replica at a random moment of a step, then starts a replacement with its
+id. Reported:
 
 - recovery: seconds from the SIGKILL to the end of the survivors' first step that went
   on without the dead replica (median and range over trials);
@@ -50,13 +51,13 @@ def make_model(layers: int, width: int) -> nn.Module:
 def replica_main(port: int, replica: int, args: dict[str, Any], trial: int) -> None:
     """One replica: train until the store says stop; report commits and catch-up times."""
     import dtrain
-    from dtrain.parallel.live import LiveReplicas
+    from dtrain.ft.live import LiveAveraging, LiveReplicas
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     live = LiveReplicas(store, replica, args["replicas"])
     net = make_model(args["layers"], args["width"])
-    model = dtrain.DataParallel(net, live=live)
+    model = dtrain.DataParallel(net, averaging=LiveAveraging(live))
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
     position = {"batches": 0}
     live.track(optimizer=optimizer, save_extra=lambda: dict(position),

@@ -7,7 +7,7 @@ activation checkpointing, and dtrain tp=2 x ZeRO-3 with sequence parallelism.
 A probe is one spawned world (tests/distributed.py's `run_ranks`, gloo, 1 thread per
 rank) that builds a GPT of `n_layer` blocks (width fixed) and trains it 3 steps with AdamW
 on `--batch` sequences of 64 tokens per model replica, construction included, under
-`dtrain.planner.tracker.LiveBytes(limit=cap)` on every rank (the CPU's equivalent of
+`dtrain.planner.LiveBytes(limit=cap)` on every rank (the CPU's equivalent of
 `torch.cuda.max_memory_allocated`, raising MemoryError past the cap). n_layer is found by
 growing it until a probe fails (one process: doubling from 4; the others: from 4 times
 one process's answer, perfect sharding over 4 ranks, in steps of 25%), then bisecting.
@@ -53,7 +53,7 @@ from dtrain.config import config_from_dict, layout_of
 from dtrain.layouts import build_optimizer
 from dtrain.mesh import Mesh
 from dtrain.models import init
-from dtrain.planner.tracker import LiveBytes
+from dtrain.planner import LiveBytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.distributed
 from tests.distributed import run_ranks  # noqa: E402

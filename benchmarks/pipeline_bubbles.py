@@ -30,6 +30,7 @@ import dtrain
 from dtrain import comm, pipeline
 from dtrain.comm.timing import time_turns
 from dtrain.models.gpt import GPT, GPTConfig
+from dtrain.planner import bubble as planned_bubble
 
 CONFIG = GPTConfig(n_layer=8, n_head=8, n_embd=256, block_size=128)
 MICRO = 2  # sequences per micro-batch
@@ -106,7 +107,7 @@ def measure_bubbles(args) -> list[tuple[str, int, float, float]]:
                 values.append(bubble(pipe))
             mine = torch.tensor([statistics.median(values)], dtype=torch.float64)
             mean = comm.all_reduce(mine, op="avg").item()
-            theory = 1 / (chunks * m + 1)  # (p-1)/(v m + p - 1) with p = 2
+            theory = planned_bubble(2, m, chunks)  # (p-1)/(v m + p - 1) with p = 2
             rows.append((schedule if chunks == 1 else f"{schedule} (v={chunks})", m, mean,
                          theory))
     return rows

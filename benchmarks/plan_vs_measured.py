@@ -2,7 +2,7 @@
 
     dtrain run -n 2 benchmarks/plan_vs_measured.py [--layers 8 --embd 256 --batch 8]
 
-Each strategy trains 3 steps of dtrain's GPT on 2 ranks (dtrain.planner.measure: the
+Each strategy trains 3 steps of dtrain's GPT on 2 ranks (dtrain.planner.traced.measure: the
 peak of live tensor bytes over the steady-state steps, the busiest rank); the planner
 predicts the same layout from a trace on fake tensors. Rank 0 prints a Markdown table.
 """
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import dtrain
 from dtrain.models.gpt import GPTConfig
 from dtrain.planner import Layout, Links, estimate, profile_gpt
-from dtrain.planner.measure import measured_peak
+from dtrain.planner.traced.measure import measured_peak
 
 STRATEGIES = [Layout(2), Layout(2, zero=1), Layout(2, zero=2), Layout(2, zero=3),
               Layout(1, tp=2), Layout(1, pp=2, microbatches=4)]

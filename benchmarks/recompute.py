@@ -8,7 +8,7 @@ AdamW. For each dropout (0 and 0.1 on the attention probabilities) the three mod
 their own model from the same seed, recomputed by
 `dtrain.models.recompute.activation_checkpointing(model, mode)`.
 
-Memory (dtrain.planner.tracker.LiveBytes, live tensor bytes, the CPU's
+Memory (dtrain.planner.LiveBytes, live tensor bytes, the CPU's
 max_memory_allocated): the model and its AdamW state exist before the tracker starts, so
 what it sees is the step's own: the bytes alive once forward has returned the loss
 (activations kept for backward, logits and loss), and the peak over forward and backward
@@ -43,7 +43,7 @@ from dtrain import models
 from dtrain.config import OptimizerConfig
 from dtrain.layouts import build_optimizer
 from dtrain.models.recompute import activation_checkpointing
-from dtrain.planner.tracker import LiveBytes
+from dtrain.planner import LiveBytes
 
 MODES = ("none", "selective", "full")
 MiB = 2**20

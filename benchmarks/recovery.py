@@ -11,7 +11,7 @@ since the newest checkpoint). Two ways of recovering:
 - restart: the agent restarts every rank, which resume from the newest checkpoint;
 - elastic: the same with `--nnodes 1:2` on one launcher: nothing changes but the round
   (the path an elastic job's survivors take);
-- live: `[parallel] fault_tolerance = "live"`: the other replicas drop rank 1 within the
+- live: `[fault_tolerance] mode = "live"`: the other replicas drop rank 1 within the
   step and go on; its supervisor starts it again and it recovers from a live peer;
 - live-tp: the same with replicas of two tensor-parallel ranks (`parallel.tp = 2`): the
   other replica goes on, and rank 1's replica (ranks 0 and 1) is started again whole.
@@ -91,7 +91,7 @@ def trial(how: str, folder: Path) -> tuple[float, int]:
     metrics = folder / "metrics.jsonl"
     flags = []
     if how.startswith("live"):
-        flags = ["--set", "parallel.fault_tolerance='live'"]
+        flags = ["--set", "fault_tolerance.mode='live'"]
     if how == "live-tp":
         flags += ["--set", "parallel.tp=2"]
     if how == "elastic":

@@ -7,9 +7,9 @@ Both ranks build the llama-tiny shape (vocabulary 256, no dropout) from the same
 split it tp=2 twice (dtrain.tensor_parallel.split_model): plainly, and with
 `sequence_parallel=True`. Each rank sees the same 8 sequences x 128 tokens.
 
-Memory: live tensor bytes (dtrain.planner.tracker.LiveBytes) of one forward and backward,
+Memory: live tensor bytes (dtrain.planner.LiveBytes) of one forward and backward,
 the model and AdamW state made before the tracker starts. Every tensor is labelled when it
-is made by where the forward is, as dtrain.planner.trace labels a traced model:
+is made by where the forward is, as dtrain.planner.traced.trace labels a traced model:
 
   norms, residuals  made by a norm, by a block's own code (the residual sums) or by the
                     model's between the input part and the head: what sequence
@@ -44,7 +44,7 @@ from dtrain.comm.timing import time_turns
 from dtrain.config import OptimizerConfig
 from dtrain.layouts import build_optimizer
 from dtrain.models.llama import Block, RMSNorm
-from dtrain.planner.tracker import LiveBytes
+from dtrain.planner import LiveBytes
 from dtrain.tensor_parallel.layers import ColumnParallelLinear
 
 SEQ, INPUT, REST = 0, 1, 2
@@ -199,7 +199,7 @@ def section(mem: dict, runs: list[dict], summary: dict, shape, args,
         f"{args.batch} x {shape.block_size} tokens on both ranks, AdamW; split tp=2 by "
         "`split_model`, with and without `sequence_parallel=True`. Memory: rank 0's live "
         "tensor bytes (LiveBytes) above the model and AdamW state; labels as in the "
-        "script's docstring (dtrain.planner.trace's regions).",
+        "script's docstring (dtrain.planner.traced.trace's regions).",
         "",
         "| activations kept after forward, per rank (MiB) | without | with | with / without |",
         "|---|---|---|---|",

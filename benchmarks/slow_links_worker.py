@@ -11,7 +11,7 @@ trained `--steps` steps on the global batch, one way:
     powersgd   dtrain.DataParallel(compression="powersgd")
     int8       dtrain.DataParallel(compression="int8")
     local_sgd  replicas of --replica-ranks ranks (a host's), each data parallel inside,
-    diloco     synchronized every --sync-every steps (dtrain.parallel.diloco)
+    diloco     synchronized every --sync-every steps (dtrain.parallel.sync.diloco)
 
 Rank 0 writes JSON: each step's seconds (training only: the held-out evaluations every
 `--eval-every` steps are not timed), the held-out losses, and the bytes this rank handed
@@ -36,8 +36,8 @@ from dtrain.config import Config
 from dtrain.data import batches, open_data
 from dtrain.layouts.holding import build_optimizer
 from dtrain.models import build, resolve
-from dtrain.parallel import compression
-from dtrain.parallel.diloco import DiLoCo
+from dtrain.parallel.sync import compression
+from dtrain.parallel.sync.diloco import DiLoCo
 from dtrain.train.trainer import lr_factor
 
 METHODS = ("ddp", "dtrain", "powersgd", "int8", "local_sgd", "diloco")
@@ -57,16 +57,17 @@ class Run:
             self.module = dtrain.DataParallel(model, compression=None if method == "dtrain" else
                                               compression.make(method, start_iter=warmup))
         else:  # replicas of a host's ranks, ZeRO-1 inside: each rank sends its shard
-            mesh = dtrain.Mesh(replicas=dist.get_world_size() // replica_ranks)
+            mesh = dtrain.Mesh(dp_replicate=dist.get_world_size() // replica_ranks)
             self.module = self.zero = dtrain.ZeRO(model, lambda _: make(model.parameters()),
                                                   stage=1, group=mesh.group("dp"))
-            self.groups = [mesh.across]  # what crosses hosts: the dp group is inside one
+            # what crosses hosts: the dp group is inside one replica
+            self.groups = [mesh.group("dp_replicate")]
         self.optimizer = self.zero.optimizer if self.zero else make(model.parameters())
         if method in ("local_sgd", "diloco"):
             shards = [p for g in self.optimizer.param_groups for p in g["params"]]
-            self.outer = DiLoCo(model, mesh.across, sync_every=sync_every, mode=method,
-                                params=shards, outer_lr=config.parallel.outer_lr,
-                                outer_momentum=config.parallel.outer_momentum)
+            self.outer = DiLoCo(model, mesh.group("dp_replicate"), sync_every=sync_every,
+                                mode=method, params=shards, outer_lr=config.sync.outer_lr,
+                                outer_momentum=config.sync.outer_momentum)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, steps, config.optimizer))
 
@@ -93,13 +94,13 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--compress-from", type=int, help="PowerSGD's first compressed step "
                         "(default: after the learning-rate warm-up, as dtrain train)")
-    parser.add_argument("--outer-lr", type=float, default=Config().parallel.outer_lr)
-    parser.add_argument("--outer-momentum", type=float, default=Config().parallel.outer_momentum)
+    parser.add_argument("--outer-lr", type=float, default=Config().sync.outer_lr)
+    parser.add_argument("--outer-momentum", type=float, default=Config().sync.outer_momentum)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     world = dtrain.init()
     config = Config()
-    config.parallel.outer_lr, config.parallel.outer_momentum = args.outer_lr, args.outer_momentum
+    config.sync.outer_lr, config.sync.outer_momentum = args.outer_lr, args.outer_momentum
     tc, mc = config.train, config.model
     data = open_data("", block_size=mc.block_size, max_bytes=config.data.max_bytes)
     torch.manual_seed(tc.seed)

@@ -13,7 +13,7 @@ from dtrain import layouts, models
 from dtrain.config import config_from_dict, layout_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
-from dtrain.planner.tracker import LiveBytes
+from dtrain.planner import LiveBytes
 
 world = dtrain.init()
 

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.config import Config, config_from_dict, load_config, per_rank_batch
+from dtrain.config import MOVED, Config, config_from_dict, load_config, per_rank_batch
 from dtrain.errors import ConfigError
+from tests.cli import dtrain, one_error_line
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -58,3 +59,49 @@ def test_batch_must_split_across_ranks_and_micro_batches() -> None:
     assert per_rank_batch(config, 3) == 2
     with pytest.raises(ConfigError, match="make it a multiple of 8"):
         per_rank_batch(config, 4)
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
+def test_a_moved_key_names_its_new_place(tmp_path: Path, old: str, new: str) -> None:
+    """Every key that left [parallel] is refused in a file and in --set, in one line that
+    names where it went; the new key takes the same value."""
+    section, name = new.split(".")
+    value = getattr(getattr(Config(), section), name)
+    shown = {bool: str(value).lower(), str: f"'{value}'"}.get(type(value), str(value))
+    key = old.split(".")[1]
+    for path, overrides in ((write(tmp_path, f"[parallel]\n{key} = {shown}\n"), []),
+                            (None, [f"{old}={shown}"])):
+        with pytest.raises(ConfigError) as info:
+            load_config(path, overrides)
+        assert str(info.value).endswith(f"{old} moved to {new}")
+        assert "\n" not in str(info.value)
+    assert load_config(None, [f"{new}={shown}"]) == Config()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["comm.compression='int8'", "fault_tolerance.mode='live'"],
+     "comm.compression = 'int8' with fault_tolerance.mode = \"live\""),
+    (["sync.method='diloco'", "fault_tolerance.mode='live'"],
+     "use parallel.mode = \"collective\" and fault_tolerance.mode = \"restart\""),
+    (["sync.method='diloco'", "comm.compression='powersgd'"],
+     "every sync.every steps only: leave comm.compression = \"none\""),
+    (["parallel.zero=1", "comm.grad_dtype='bf16'"], "comm.grad_dtype is for DataParallel"),
+    (["comm.compression='int8'", "comm.grad_dtype='bf16'"], "replaces comm.grad_dtype"),
+    (["parallel.mixed_precision='bf16'"], "DataParallel takes comm.grad_dtype"),
+    (["fault_tolerance.step_timeout=0"], "fault_tolerance.step_timeout = 0.0 must be positive"),
+    (["ps.servers=0"], "ps.servers = 0 must be positive"),
+])
+def test_checks_across_sections_name_the_new_keys(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_moved_key_stops_dtrain_train_before_anything_is_written(tmp_path: Path) -> None:
+    result = dtrain("train", "--set", "parallel.sync_every=5", "--set",
+                    f"train.out_dir='{tmp_path / 'run'}'")
+    assert result.returncode == 2
+    assert one_error_line(result) == ("dtrain: error: --set: parallel.sync_every moved to "
+                                      "sync.every"), result.stderr
+    assert not (tmp_path / "run").exists()

@@ -15,7 +15,7 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.errors import DtrainError
-from dtrain.parallel.diloco import DiLoCo
+from dtrain.parallel.sync.diloco import DiLoCo
 from dtrain.testing import run_threads
 from tests.calibration import write_calibration
 from tests.distributed import run_ranks

@@ -9,7 +9,7 @@ round with C (3 ranks, which tp=2 does not divide: the planner's layout), from t
 checkpoint, to the end. Each step's loss and the final weights equal one process's on the
 same global batches.
 
-The drills hold a rank still (SIGSTOP, dtrain.faults) as a step begins, so that the test
+The drills hold a rank still (SIGSTOP, dtrain.ft.faults) as a step begins, so that the test
 acts at a known step; the stall detector is told to leave held ranks alone. Slow (about a
 minute).
 """
@@ -30,7 +30,7 @@ import torch
 from dtrain.checkpoint import atomic
 from dtrain.config import layout_of, load_config
 from dtrain.errors import ConfigError
-from dtrain.train import elastic
+from dtrain.ft import elastic
 from tests import forked
 from tests.cli import TINY_MODEL, dtrain, free_port
 from tests.test_models_train import weights

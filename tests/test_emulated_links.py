@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.errors import DtrainError
-from dtrain.planner.links import Links
+from dtrain.planner.traced.links import Links
 from dtrain.tools.emulated_links import EmulatedHosts, Link, check_environment, sweep
 
 PORT = 29400  # nothing else listens inside a fresh namespace

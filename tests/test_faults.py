@@ -1,4 +1,4 @@
-"""Faults injected on purpose (dtrain.faults, signals, a full disk): jobs restart and resume
+"""Faults injected on purpose (dtrain.ft.faults, signals, a full disk): jobs restart and resume
 to the weights of an uninterrupted run, a dead, stalled or diverging rank is named within
 the timeout and nothing is left running, and no crash loses the latest checkpoint."""
 
@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain import faults
 from dtrain.checkpoint import atomic, universal
-from dtrain.comm import segment
+from dtrain.comm.shm import segment
 from dtrain.errors import ConfigError, DtrainError
+from dtrain.ft import env, faults
 from dtrain.launch import waker
 from tests import forked, soak
 from tests.cli import dtrain, one_error_line
@@ -43,7 +43,7 @@ MODES = {
     "tp": ["-n", "2", "--set", "parallel.tp=2"],
     "pp": ["-n", "2", "--set", "parallel.pp=2", "--set", "parallel.microbatches=2"],
     "ps": ["-n", "2", *NO_DECAY, "--set", "parallel.mode='ps'", "--set",
-           "parallel.snapshot_every=2"],
+           "ps.snapshot_every=2"],
 }
 
 
@@ -151,13 +151,13 @@ def test_a_stalled_rank_is_failed_within_seconds_not_at_the_collective_timeout(
     after 120 s: the launcher finds rank 1 stopped for DTRAIN_STALL_TIMEOUT (5 s unless
     set; 2 s here), kills it, and the job ends well within 10 s of the stop, naming it.
     (test-slow: about 10 s.)"""
-    monkeypatch.delenv(waker.STALL_ENV, raising=False)
+    monkeypatch.delenv(env.STALL_TIMEOUT.name, raising=False)
     assert waker.stall_timeout() == 5.0  # the default
     job = tmp_path / "job.py"
     job.write_text(textwrap.dedent(JOB))
     start = time.monotonic()
     result = dtrain("run", "-n", "2", str(job), str(tmp_path), "stop",
-                    env={"DTRAIN_TIMEOUT": "120", waker.STALL_ENV: "2"}, timeout=90)
+                    env={"DTRAIN_TIMEOUT": "120", env.STALL_TIMEOUT.name: "2"}, timeout=90)
     elapsed = time.monotonic() - start
     error = result.stderr.strip().splitlines()[-1]
     assert result.returncode != 0
@@ -351,7 +351,7 @@ def test_no_source_can_unpickle_what_it_receives() -> None:
     """A grep over dtrain's sources: nothing imports pickle (or its kin), calls torch's
     object collectives (they unpickle what peers send), or torch.load without
     weights_only=True. The pickle bomb itself is sent in test_bad_input."""
-    sources = sorted(Path(faults.__file__).parent.rglob("*.py"))  # all of dtrain
+    sources = sorted(Path(faults.__file__).parent.parent.rglob("*.py"))  # all of dtrain
     assert len(sources) > 50
     for path in sources:
         text = path.read_text()

@@ -1,4 +1,4 @@
-"""Live replicas (dtrain.parallel.live): a replica that dies or stalls is dropped within the
+"""Live replicas (dtrain.ft.live): a replica that dies or stalls is dropped within the
 step, the survivors go on without a restart and end where one process averaging exactly
 the participating slices ends; a replacement is sent the state by a live peer and the
 group grows back, with no step lost or repeated."""
@@ -55,13 +55,14 @@ def slice_of(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
 def replica_main(port: int, replica: int, plan: dict[str, Any], out: str) -> None:
     """One replica: train plan["steps"] steps on its slice; die where the plan says."""
     import dtrain
-    from dtrain.parallel.live import LiveReplicas
+    from dtrain.ft.live import LiveAveraging, LiveReplicas
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     live = LiveReplicas(store, replica, SLOTS, **plan["timeouts"])
     net = make_model(seed=replica + 1)  # differs per replica: the first quorum aligns them
-    model = dtrain.DataParallel(net, live=live, bucket_mb=0.0005)  # one bucket per tensor
+    model = dtrain.DataParallel(net, averaging=LiveAveraging(live),
+                                bucket_mb=0.0005)  # one bucket per tensor
     optimizer = make_optimizer(net)
     seen = {"samples": 0}
     live.track(optimizer=optimizer, save_extra=lambda: dict(seen),
@@ -292,7 +293,7 @@ def group_replica_main(port: int, replica: int, position: int, plan: dict[str, A
     inside (plan["inside"]); dies where told."""
     import dtrain
     from dtrain import tensor_parallel as tp
-    from dtrain.parallel.live import LiveReplicas
+    from dtrain.ft.live import LiveAveraging, LiveReplicas
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
@@ -305,10 +306,10 @@ def group_replica_main(port: int, replica: int, position: int, plan: dict[str, A
     if zero:  # each rank takes half the replica's slice; the shards' state is the ranks'
         net = make_model(seed=replica + 1)
         model = dtrain.ZeRO(net, lambda params: torch.optim.Adam(params, lr=0.01), stage=2,
-                            live=live)
+                            averaging=LiveAveraging(live))
     else:
         net = tp.parallelize(make_model(seed=replica + 1), TP_PLAN)
-        model = dtrain.DataParallel(net, live=live)
+        model = dtrain.DataParallel(net, averaging=LiveAveraging(live))
         optimizer = make_optimizer(net)
         live.track(optimizer=optimizer)
     victim = plan.get("victim") == (replica, position) and not plan.get("generation")
@@ -395,14 +396,14 @@ def test_the_store_keeps_only_the_last_rounds_keys() -> None:
     """A long run does not fill the job's store: the first member deletes each round's
     keys KEEP rounds later (one replica here, in this process)."""
     import dtrain
-    from dtrain.parallel.live import LiveReplicas
-    from dtrain.parallel.live_rounds import KEEP
+    from dtrain.ft.live import LiveAveraging, LiveReplicas
+    from dtrain.ft.live.rounds import KEEP
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
     live = LiveReplicas(store, 0, 1, **FAST)
     net = make_model(seed=1)
-    model = dtrain.DataParallel(net, live=live)
+    model = dtrain.DataParallel(net, averaging=LiveAveraging(live))
     counts = []
     try:
         for step in range(3 * KEEP):
@@ -426,7 +427,7 @@ def test_the_store_keeps_only_the_last_rounds_keys() -> None:
 def test_live_replicas_refuse_what_a_replacement_could_not_be_sent_in_one_line() -> None:
     """Replicas of tp x pp ranks with ZeRO 1-2 inside are fine; stage 3, mixed precision,
     plain dp inside a replica, interleaved pipelines and parameter servers are refused."""
-    live = "parallel.fault_tolerance='live'"
+    live = "fault_tolerance.mode='live'"
     for fine in (["parallel.tp=2", "parallel.pp=2"], ["parallel.zero=2", "parallel.dp=2"]):
         load_config(None, [live, *fine])
     for keys, words in (
@@ -444,14 +445,14 @@ def test_live_replicas_refuse_what_a_replacement_could_not_be_sent_in_one_line()
 
 def test_a_job_that_does_not_divide_into_live_replicas_is_one_line(tmp_path: Path) -> None:
     """Ranks that do not divide into replicas, and an elastic job of live replicas."""
-    done = dtrain("train", "-n", "3", "--set", "parallel.fault_tolerance='live'",
+    done = dtrain("train", "-n", "3", "--set", "fault_tolerance.mode='live'",
                   "--set", "parallel.tp=2", "--set", f"train.out_dir='{tmp_path / 'run'}'")
     assert done.returncode == 2 and one_error_line(done) == (
         "dtrain: error: 3 ranks do not make live replicas of dp x tp x pp = 2 ranks each: "
         "run a multiple of 2 ranks"), done.stderr
     assert not (tmp_path / "run").exists()
     done = dtrain("train", "-n", "2", "--nnodes", "1:2", "--set",
-                  "parallel.fault_tolerance='live'", "--set",
+                  "fault_tolerance.mode='live'", "--set",
                   f"train.out_dir='{tmp_path / 'run'}'")
     assert done.returncode == 2 and "keeps a fixed set of replica slots: give --nnodes 2" in \
         one_error_line(done), done.stderr
@@ -467,8 +468,8 @@ steps = 100000
 batch_size = 12
 eval_every = 0
 
-[parallel]
-fault_tolerance = "live"
+[fault_tolerance]
+mode = "live"
 
 [logging]
 log_every = 100000

@@ -404,7 +404,7 @@ def test_hugging_face_weights_are_read_in_slices(tmp_path: Path) -> None:
     as slices of the file, are those of the whole tensor (transposed or not)."""
     from safetensors.torch import save_file
 
-    from dtrain.layout import Split
+    from dtrain.job_layout import Split
     from dtrain.models.weights import HFWeights
 
     g = torch.Generator().manual_seed(0)

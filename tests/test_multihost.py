@@ -6,7 +6,7 @@ job whose host comes back (the link restored, or the crashed host started again)
 from the newest checkpoint.
 
 The failures strike at a known point: rank 2 (host B's first) freezes itself (SIGSTOP,
-dtrain.faults) as step 3 begins, so the job holds still just after the checkpoint of step
+dtrain.ft.faults) as step 3 begins, so the job holds still just after the checkpoint of step
 2 until the test cuts, kills, or lets it go on (SIGCONT).
 
 Needs root (`ip netns`, veth pairs): skipped where namespaces cannot be made. Slow (30-70 s

@@ -27,9 +27,9 @@ from dtrain.planner import (
     profile_gpt,
     profile_model,
 )
-from dtrain.planner.construction import whole_model
-from dtrain.planner.estimate import in_flight, stage_blocks
-from dtrain.planner.measure import measured_peaks
+from dtrain.planner.traced.construction import whole_model
+from dtrain.planner.traced.estimate import in_flight, stage_blocks
+from dtrain.planner.traced.measure import measured_peaks
 from dtrain.tools.plan import plan_choices
 from tests.cli import dtrain, one_error_line
 from tests.distributed import run_ranks

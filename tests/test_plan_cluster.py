@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from dtrain.errors import ConfigError
-from dtrain.planner.cluster import Choice, Software, evaluate
-from dtrain.planner.cluster_search import best_layout, rank
-from dtrain.planner.hardware import Cluster, hardware
-from dtrain.planner.shape import ModelShape, parse_shape, shape_of
+from dtrain.planner.analytic.cluster import Software, evaluate, planned_layout
+from dtrain.planner.analytic.hardware import Cluster, hardware
+from dtrain.planner.analytic.search import best_layout, rank
+from dtrain.planner.shape import ModelShape, parse_shape
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,7 +107,7 @@ def test_shapes_count_the_built_models() -> None:
                 ModelConfig(arch="llama", n_layer=2, n_embd=64, n_head=4, n_kv_head=1,
                             block_size=32, vocab_size=100, tie_embeddings=True)):
         model = build(cfg)
-        assert shape_of(cfg).parameters() == sum(p.numel() for p in model.parameters())
+        assert ModelShape.of(cfg).parameters() == sum(p.numel() for p in model.parameters())
     llama8b = parse_shape("arch=llama,layers=32,hidden=4096,heads=32,kv_heads=8,"
                           "ffn=14336,seq=8192,vocab=128256")
     assert llama8b.parameters() == 8_030_261_248  # Llama 3 8B
@@ -117,7 +117,7 @@ def test_memory_follows_the_published_counts() -> None:
     """Activations per layer are Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes without
     parallelism, sbh(10 + 24/t + 5as/ht) under tp, sbh(34/t + 5as/ht) with sequence
     parallelism, 2·s·b·h recomputing whole layers; ZeRO divides the state."""
-    from dtrain.planner.cluster import layer_activations
+    from dtrain.planner.analytic.cluster import layer_activations
 
     shape = ModelShape(4, 1024, 16, 512, 1000)
     s, b, h, a, t = 512, 2, 1024, 16, 4
@@ -129,8 +129,8 @@ def test_memory_follows_the_published_counts() -> None:
         pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)))
     assert layer_activations(shape, b, t, False, "full", False) == 2 * s * b * h
     cluster = Cluster(hardware("a100-80gb"), 1, 8)
-    plain, zero1, zero3 = (evaluate(shape, cluster, 16, Choice(1, 1, 8, z, 2), MEGATRON_2021)
-                           for z in (0, 1, 3))
+    plain, zero1, zero3 = (evaluate(shape, cluster, 16, planned_layout(16, 1, 1, 8, z, 2),
+                                    MEGATRON_2021) for z in (0, 1, 3))
     assert zero1.memory["optimizer"] == pytest.approx(plain.memory["optimizer"] / 8)
     assert zero3.memory["weights"] < plain.memory["weights"]
 
@@ -140,8 +140,8 @@ def test_pipeline_bubble_and_interleaving() -> None:
     shrinks it."""
     shape = ModelShape(32, 4096, 32, 2048, 51200)
     cluster = Cluster(hardware("a100-80gb"), 1, 8)
-    one, four = (evaluate(shape, cluster, 16, Choice(1, 8, 1, 0, 1, v, "full"), MEGATRON_2021)
-                 for v in (1, 4))
+    one, four = (evaluate(shape, cluster, 16, planned_layout(16, 1, 8, 1, 0, 1, v, "full"),
+                          MEGATRON_2021) for v in (1, 4))
     assert four.bubble < one.bubble
     assert one.parts["bubble"] > 0 and one.tflops_per_gpu < four.tflops_per_gpu
 

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 
 from dtrain import comm
-from dtrain.comm import segment
-from dtrain.comm.hierarchical import HierarchicalGroup
-from dtrain.comm.shm import ShmGroup
+from dtrain.comm.algorithms.hierarchical import HierarchicalGroup
+from dtrain.comm.shm import ShmGroup, segment
 from tests.cli import dtrain, free_port
 from tests.comm_cases import cases, check, exercise
 from tests.distributed import fork_server, run_ranks
@@ -180,7 +179,7 @@ def test_data_parallel_on_shm_equals_single_process(world_size: int) -> None:
 def test_config_and_launcher_accept_shm(tmp_path: Path) -> None:
     from dtrain.config import load_config
 
-    assert load_config(None, ["parallel.backend=shm"]).parallel.backend == "shm"
+    assert load_config(None, ["comm.backend=shm"]).comm.backend == "shm"
     result = dtrain("run", "--backend", "tcp", str(tmp_path / "x.py"))
     assert result.returncode == 2 and "'tcp'" in result.stderr
 
@@ -192,7 +191,7 @@ def _dtrain_segments() -> set[str]:
 SCRIPT = """
 import os, signal, sys, torch, dtrain
 from dtrain import comm
-from dtrain.comm import segment
+from dtrain.comm.shm import segment
 world = dtrain.init()
 x = torch.full((100_000,), float(world.rank))
 comm.all_reduce(x)

@@ -21,9 +21,9 @@ from tests.test_train import TINY, model_of, short_run
 
 SGD = ["--set", "optimizer.name='sgd'", "--set", "optimizer.momentum=0", "--set",
        "optimizer.grad_clip=0"]  # clipping each replica is not clipping their mean
-DILOCO = ["--set", "parallel.sync='diloco'"]
-EVERY_STEP_AS_DILOCO = [*DILOCO, "--set", "parallel.sync_every=1", "--set",
-                        "parallel.outer_lr=1", "--set", "parallel.outer_momentum=0"]
+DILOCO = ["--set", "sync.method='diloco'"]
+EVERY_STEP_AS_DILOCO = [*DILOCO, "--set", "sync.every=1", "--set",
+                        "sync.outer_lr=1", "--set", "sync.outer_momentum=0"]
 
 
 @pytest.mark.slow
@@ -51,7 +51,7 @@ def test_diloco_of_replicas_of_two_ranks_equals_synchronous(
     synchronous data parallelism of the same inside layout."""
     every = short_run(tmp_path, "every", ["-n", "4", *SGD, *inside])
     diloco = short_run(tmp_path, "diloco", ["-n", "4", *SGD, *EVERY_STEP_AS_DILOCO,
-                                            "--set", "parallel.replicas=2", *inside])
+                                            "--set", "sync.replicas=2", *inside])
     assert banner in diloco[2]
     torch.testing.assert_close(diloco[0], every[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model_of(diloco[1]), model_of(every[1]), rtol=1e-5, atol=1e-6)
@@ -63,7 +63,7 @@ def test_diloco_resumed_mid_round_continues_exactly(tmp_path: Path) -> None:
     """H = 4 with Nesterov momentum and AdamW inside: 3 steps (in the middle of the
     first round), resumed to 6, equal 6 steps at once; each replica kept its own
     checkpoints, with the round's anchor and the outer momentum."""
-    args = ["-n", "2", *DILOCO, "--set", "parallel.sync_every=4"]
+    args = ["-n", "2", *DILOCO, "--set", "sync.every=4"]
     whole = short_run(tmp_path, "whole", args)
     short_run(tmp_path, "run", args, steps=3)
     assert universal.Checkpoint(tmp_path / "run" / "replica-1" / "checkpoints").step == 3
@@ -80,8 +80,8 @@ def test_streaming_diloco_restarted_with_a_sync_in_flight_ends_as_uninterrupted(
     """Streaming, H = 4: step 4's checkpoint is saved while step 4's synchronization is in
     flight; rank 1 dies as step 5 begins, the job restarts from it and ends with the
     weights of the run that never stopped (a run's end applies the last one)."""
-    args = ["-n", "2", *DILOCO, "--set", "parallel.sync_every=4",
-            "--set", "parallel.streaming=true"]
+    args = ["-n", "2", *DILOCO, "--set", "sync.every=4",
+            "--set", "sync.streaming=true"]
     whole = short_run(tmp_path, "whole", args)
     restarted = short_run(tmp_path, "restarted", [*args, *RESTART],
                           env={"DTRAIN_FAULT": "kill@step=5,rank=1"})
@@ -95,8 +95,8 @@ def test_compressed_run_resumed_continues_exactly(tmp_path: Path) -> None:
     """PowerSGD's error feedback and warm start are part of each rank's checkpoint: 3 steps
     resumed to 6 equal 6 at once, losses and final weights (step 6, the first compressed
     one after the 5 of warm-up, shows in the weights only)."""
-    args = ["-n", "2", "--set", "parallel.compression='powersgd'",
-            "--set", "parallel.compression_rank=2"]
+    args = ["-n", "2", "--set", "comm.compression='powersgd'",
+            "--set", "comm.compression_rank=2"]
     whole = short_run(tmp_path, "whole", args)
     short_run(tmp_path, "run", args, steps=3)
     rest = short_run(tmp_path, "run", [*args, "--resume"])
@@ -161,11 +161,11 @@ def test_compressed_and_local_runs_converge_near_synchronous(tmp_path: Path) -> 
     reference, fp32_sent = _tiny_run(tmp_path, "fp32", [])
     powersgd = _powersgd_share(tmp_path / "fp32" / "checkpoints", 4)
     for name, args, tolerance, share in (
-            ("powersgd", ["--set", "parallel.compression='powersgd'"], 0.02,
+            ("powersgd", ["--set", "comm.compression='powersgd'"], 0.02,
              (powersgd, powersgd)),
-            ("int8", ["--set", "parallel.compression='int8'"], 0.02,
+            ("int8", ["--set", "comm.compression='int8'"], 0.02,
              (1 / 4, (1 + 4 / 1024) / 4)),
-            ("diloco", [*DILOCO, "--set", "parallel.sync_every=5"], 0.20, (1 / 5, 1 / 5))):
+            ("diloco", [*DILOCO, "--set", "sync.every=5"], 0.20, (1 / 5, 1 / 5))):
         loss, sent = _tiny_run(tmp_path, name, args)
         assert loss <= reference * (1 + tolerance), f"{name}: {loss:.4f} vs fp32 {reference:.4f}"
         low, high = share  # within 1%: the loss's own all-reduce, 8 bytes a step
@@ -175,15 +175,15 @@ def test_compressed_and_local_runs_converge_near_synchronous(tmp_path: Path) -> 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("setting, message", [
-    (["parallel.compression='powersgd'", "parallel.compression_rank=0"],
-     "parallel.compression_rank = 0 must be positive"),
-    (["parallel.sync='diloco'", "parallel.sync_every=0"],
-     "parallel.sync_every = 0 must be positive"),
-    (["parallel.compression='int8'", "parallel.mode='ps'"],
+    (["comm.compression='powersgd'", "comm.compression_rank=0"],
+     "comm.compression_rank = 0 must be positive"),
+    (["sync.method='diloco'", "sync.every=0"],
+     "sync.every = 0 must be positive"),
+    (["comm.compression='int8'", "parallel.mode='ps'"],
      "parameter servers send whole gradients"),
-    (["parallel.compression='int8'", "parallel.zero=2"], "not ZeRO's reduce-scatter"),
-    (["parallel.sync='local_sgd'", "parallel.replicas=3"], "does not divide 4 ranks"),
-    (["parallel.sync='diloco'", "parallel.outer_momentum=1"], "must be in [0, 1)"),
+    (["comm.compression='int8'", "parallel.zero=2"], "not ZeRO's reduce-scatter"),
+    (["sync.method='local_sgd'", "sync.replicas=3"], "does not divide 4 ranks"),
+    (["sync.method='diloco'", "sync.outer_momentum=1"], "must be in [0, 1)"),
 ])
 def test_bad_settings_are_one_line(tmp_path: Path, setting: list[str], message: str) -> None:
     args = [a for s in setting for a in ("--set", s)]

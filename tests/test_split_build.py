@@ -16,11 +16,11 @@ from dtrain.checkpoint import universal
 from dtrain.checkpoint.universal import MODEL
 from dtrain.config import config_from_dict, layout_of
 from dtrain.errors import ConfigError
-from dtrain.layout import Split
+from dtrain.job_layout import Split
 from dtrain.mesh import Mesh
 from dtrain.models import init, weights
 from dtrain.models.config import ModelConfig
-from dtrain.planner.tracker import LiveBytes
+from dtrain.planner import LiveBytes
 from tests.cli import dtrain
 from tests.distributed import run_ranks
 

@@ -204,8 +204,8 @@ def test_parameter_server_run_equals_one_process(tmp_path: Path) -> None:
     plain = ["--set", "optimizer.weight_decay=0", "--set", "optimizer.grad_clip=0"]
     one = short_run(tmp_path, "one", ["-n", "1", *plain])
     two = short_run(tmp_path, "ps", ["-n", "2", *plain, "--set", "parallel.mode='ps'",
-                                     "--set", "parallel.servers=2", "--set",
-                                     "parallel.snapshot_every=4"])
+                                     "--set", "ps.servers=2", "--set",
+                                     "ps.snapshot_every=4"])
     assert "sync parameter-server training with 2 server(s) per machine" in two[2]
     torch.testing.assert_close(model_of(two[1]), model_of(one[1]), rtol=1e-4, atol=1e-5)
     snapshots = [atomic.load(tmp_path / "ps" / "ps-snapshots" / f"server-{i}")

@@ -1,4 +1,5 @@
-"""Reading the world from each launcher's environment, and the Mesh's layout."""
+"""Reading the world from each launcher's environment, and the degrees of a Layout (the Mesh
+that lays them out: tests/test_mesh.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ import torch.distributed as dist
 import dtrain
 from dtrain import agreed_port
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.layout import Layout, resolve_layout
+from dtrain.job_layout import resolve_layout
 from dtrain.world import detect, first_slurm_host
-from tests.distributed import run_ranks
 
 
 def test_no_launcher_is_a_one_process_world() -> None:
@@ -172,19 +172,6 @@ def test_malformed_variable_is_named() -> None:
         detect({"RANK": "0", "WORLD_SIZE": "two"})
 
 
-def test_layout_is_tp_innermost_then_dp_then_pp() -> None:
-    layout = Layout(dp=2, tp=2, pp=2)
-    assert layout.coords(0) == {"tp": 0, "dp": 0, "pp": 0}
-    assert layout.coords(1) == {"tp": 1, "dp": 0, "pp": 0}
-    assert layout.coords(2) == {"tp": 0, "dp": 1, "pp": 0}
-    assert layout.coords(5) == {"tp": 1, "dp": 0, "pp": 1}
-    assert layout.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert layout.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert layout.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    for rank in range(8):
-        assert layout.rank_of(layout.coords(rank)) == rank
-
-
 def test_layout_errors_say_what_to_change() -> None:
     assert resolve_layout(8, None, 2, 2).dp == 2
     with pytest.raises(ConfigError, match="tp\\*pp = 3\\*1 = 3 does not divide the world size 8"):
@@ -193,52 +180,6 @@ def test_layout_errors_say_what_to_change() -> None:
         resolve_layout(8, 3, 2, 1)
     with pytest.raises(ConfigError, match="tp=0 must be a positive integer"):
         resolve_layout(8, None, 0, 1)
-
-
-def _mesh_sums() -> dict:
-    mesh = dtrain.Mesh(tp=2)
-    out = {"coords": mesh.coords, "ranks": {a: mesh.ranks(a) for a in ("dp", "tp", "pp")}}
-    for axis in ("dp", "tp", "pp"):
-        t = torch.tensor([float(dist.get_rank())])
-        dist.all_reduce(t, group=mesh.group(axis))
-        out[axis] = t.item()
-    return out
-
-
-def test_mesh_groups_reduce_only_within_themselves() -> None:
-    results = run_ranks(_mesh_sums, 4)
-    # tp groups {0,1},{2,3}; dp groups {0,2},{1,3}; pp groups are single ranks.
-    assert [r["tp"] for r in results] == [1, 1, 5, 5]
-    assert [r["dp"] for r in results] == [2, 4, 2, 4]
-    assert [r["pp"] for r in results] == [0, 1, 2, 3]
-    assert results[3]["coords"] == {"tp": 1, "dp": 1, "pp": 0}
-    assert results[2]["ranks"]["dp"] == [0, 2]
-
-
-def _replica_sums() -> dict:
-    mesh = dtrain.Mesh(tp=2, replicas=2)
-    out = {"replica": mesh.replica, "ranks": {a: mesh.ranks(a) for a in ("dp", "tp", "pp")}}
-    for name, group in (("tp", mesh.group("tp")), ("dp", mesh.group("dp")),
-                        ("block", mesh.replica_group), ("across", mesh.across)):
-        t = torch.tensor([float(dist.get_rank())])
-        dist.all_reduce(t, group=group)
-        out[name] = t.item()
-    return out
-
-
-@pytest.mark.slow
-def test_mesh_of_replicas_lays_out_each_alike() -> None:
-    """Two replicas of tp=2 (ranks 0-1, 2-3): the axes stay inside a replica, `across`
-    joins the same places of both."""
-    results = run_ranks(_replica_sums, 4)
-    assert [r["replica"] for r in results] == [0, 0, 1, 1]
-    assert [r["tp"] for r in results] == [1, 1, 5, 5]
-    assert [r["dp"] for r in results] == [0, 1, 2, 3]
-    assert [r["block"] for r in results] == [1, 1, 5, 5]
-    assert [r["across"] for r in results] == [2, 4, 2, 4]
-    assert results[3]["ranks"]["tp"] == [2, 3]
-    with pytest.raises(ConfigError, match="3 replicas do not divide 1 ranks"):
-        dtrain.Mesh(replicas=3, world=dtrain.World(rank=0, world_size=1))
 
 
 def test_single_process_world_runs_collectives() -> None:

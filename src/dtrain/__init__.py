@@ -21,8 +21,9 @@ _EXPORTS = {
     "ConfigError": "dtrain.errors",
     "DtrainError": "dtrain.errors",
     "LaunchError": "dtrain.errors",
-    "Layout": "dtrain.layout",
-    "LiveReplicas": "dtrain.parallel.live",
+    "Layout": "dtrain.job_layout",
+    "LiveAveraging": "dtrain.ft.live",
+    "LiveReplicas": "dtrain.ft.live",
     "Mesh": "dtrain.mesh",
     "DataParallel": "dtrain.parallel.data_parallel",
     "ShardedSampler": "dtrain.train.sampler",
@@ -32,22 +33,24 @@ _EXPORTS = {
     "shutdown": "dtrain.world",
 }
 # Every module and subpackage of dtrain, reachable as `dtrain.<name>` on first use.
-_SUBPACKAGES = ("checkpoint", "comm", "config", "data", "errors", "faults", "launch", "layout",
-                "layouts", "mesh", "models", "parallel", "pipeline", "planner", "ps", "sizes",
-                "tensor_parallel", "testing", "timeline", "tools", "train", "world")
+_SUBPACKAGES = ("checkpoint", "comm", "config", "data", "errors", "ft", "import_order",
+                "job_layout", "launch", "layouts", "mesh", "models", "parallel", "pipeline",
+                "planner", "ps", "sizes", "tensor_parallel", "testing", "timeline", "tools",
+                "train", "world")
 
 __all__ = [
-    "ConfigError", "DataParallel", "DtrainError", "LaunchError", "Layout", "LiveReplicas", "Mesh",
+    "ConfigError", "DataParallel", "DtrainError", "LaunchError", "Layout", "LiveAveraging",
+    "LiveReplicas", "Mesh",
     "ShardedSampler",
     "World", "ZeRO", "init", "shutdown",
 ]
 
 if TYPE_CHECKING:
     from dtrain.errors import ConfigError, DtrainError, LaunchError
-    from dtrain.layout import Layout
+    from dtrain.ft.live import LiveAveraging, LiveReplicas
+    from dtrain.job_layout import Layout
     from dtrain.mesh import Mesh
     from dtrain.parallel.data_parallel import DataParallel
-    from dtrain.parallel.live import LiveReplicas
     from dtrain.parallel.zero import ZeRO
     from dtrain.train.sampler import ShardedSampler
     from dtrain.world import World, init, shutdown

@@ -16,6 +16,7 @@ import sys
 from typing import NoReturn
 
 from dtrain.errors import ConfigError, exit_code_of
+from dtrain.ft import env
 
 
 class _Parser(argparse.ArgumentParser):
@@ -256,13 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # The launcher's own C++ warnings (socket polls while machines join) would bury the
     # one-line errors; ranks get the user's level back (see launch.runner).
-    os.environ["DTRAIN_USER_CPP_LOG_LEVEL"] = os.environ.get("TORCH_CPP_LOG_LEVEL", "WARNING")
+    env.USER_CPP_LOG_LEVEL.set(os.environ.get("TORCH_CPP_LOG_LEVEL", "WARNING"))
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     try:
         if getattr(args, "debug", False):
-            os.environ["DTRAIN_DEBUG"] = "1"  # read by dtrain.comm in every rank started here
+            env.DEBUG.set(1)  # read by dtrain.comm in every rank started here
         if args.command == "run" and args.backend:
-            os.environ["DTRAIN_BACKEND"] = args.backend  # read by dtrain.init in every rank
+            env.BACKEND.set(args.backend)  # read by dtrain.init in every rank
         command = {"run": _run, "train": _train, "bench": _bench, "export": _export,
                    "plan": _plan, "data": _data}[args.command]
         return exit_code_of(lambda: command(args))

@@ -1,5 +1,3 @@
-# Over 400 lines: the whole config schema (every section and key, with its docs) and its
-# checks in one module, so a key is defined, documented and validated in one place.
 """The training config: TOML sections mapped onto dataclasses, checked strictly.
 
 Every key has a default, so an empty file (or none) trains the built-in job. Unknown keys,
@@ -12,11 +10,23 @@ wrong types and values out of range are errors that name the key and say what fi
                 format = "tokens", tokenizer = "tokenizer.json"
     [optimizer] name = "adamw", lr = 3e-3, warmup_steps = 20
     [train]     steps = 400, batch_size = 32, eval_every = 100, out_dir = "runs/default"
-    [parallel]  nproc = 2, tp = 1, bucket_mb = 25, grad_dtype = "fp32", zero = 0
-                mode = "ps", servers = 1, consistency = "ssp", staleness = 2
+    [parallel]  nproc = 2, dp = 0, tp = 1, pp = 1, zero = 0, schedule = "1f1b"
+    [comm]      backend = "auto", bucket_mb = 25, grad_dtype = "fp32", compression = "none"
+    [sync]      method = "diloco", every = 50, outer_lr = 0.7   # default: every_step
+    [fault_tolerance] mode = "live", step_timeout = 5.0     # default: restart
+    [ps]        servers = 1, consistency = "ssp", staleness = 2  # with parallel.mode = "ps"
     [checkpoint] every = 0, keep_last = 2, resume = "auto"
     [memory]    activation_checkpointing = "full"    # or "selective", "none"
     [logging]   metrics = "metrics.jsonl", log_every = 10
+
+One section per concern: `[parallel]` says how the model is laid out over the ranks (its
+degrees, schedule and who holds it), the others how those ranks talk (`[comm]`), how
+often replicas meet (`[sync]`), what happens when one fails (`[fault_tolerance]`) and how
+parameter servers behave (`[ps]`). A key that moved between them (MOVED) is refused with
+its new place.
+
+The whole schema lives in this one module, every section and key with its docs and its
+checks, so that a key is defined, documented and validated in one place.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import ConfigError
-from dtrain.layout import Layout, resolve_layout
+from dtrain.job_layout import Layout, resolve_layout
 from dtrain.models.config import ARCHS, ModelConfig, check_shape
 from dtrain.ps.settings import CONSISTENCY
 
@@ -97,6 +107,9 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
+    """How the model is laid out over the ranks: its degrees, the pipeline's schedule, and
+    who holds it (the ranks themselves, or parameter servers)."""
+
     nproc: int = 2
     """Ranks started on this machine by `dtrain train` (ignored under another launcher)."""
     dp: int = 0
@@ -113,68 +126,96 @@ class ParallelConfig:
     """With pp > 1: gpipe, 1f1b, or interleaved (needs virtual_stages >= 2)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (the interleaved schedule's v)."""
-    bucket_mb: float = 25.0
-    """Gradient bucket size for data parallelism, in MB."""
-    grad_dtype: str = "fp32"
-    """Dtype gradients are communicated in: fp32, bf16 or fp16."""
-    backend: str = "auto"
-    """Collective backend: auto (NCCL with CUDA, else gloo), gloo, nccl, or shm (shared
-    memory between the ranks of a host, hierarchical across hosts)."""
     zero: int = 0
     """Shard model state across the data-parallel ranks (dtrain.ZeRO): 1 optimizer state,
     2 and gradients, 3 and parameters; 0 replicates it (DataParallel)."""
     mixed_precision: str = "fp32"
-    """With zero > 0: compute and communicate in bf16 or fp16 over fp32 master weights."""
+    """With zero > 0: compute and communicate in bf16 or fp16 over fp32 master weights
+    (ZeRO's own option; DataParallel's is comm.grad_dtype)."""
     mode: str = "collective"
     """collective (the ranks exchange gradients among themselves: DataParallel, ZeRO, tp,
     pp) or ps (parameter servers hold the model and its optimizer; nproc workers push
-    gradients and pull parameters: dtrain.ps)."""
-    servers: int = 1
-    """With mode = "ps": server processes per machine; the parameters are split across them."""
-    consistency: str = "sync"
-    """With mode = "ps": sync, async, or ssp (bounded staleness)."""
-    staleness: int = 2
-    """With consistency = "ssp": how many steps a worker may run ahead of the slowest."""
-    snapshot_every: int = 0
-    """With mode = "ps": servers snapshot their shards to out_dir/ps-snapshots every this
-    many updates (0: never); restarted servers resume from them."""
+    gradients and pull parameters: dtrain.ps, tuned in [ps])."""
     sequence_parallel: bool = False
     """With tp > 1: run the norms, dropouts and residuals between the tensor-parallel
     layers on 1/tp of the sequence each (all-gather in, reduce-scatter out instead of an
     all-reduce; Korthikanti et al., 2022); dtrain's GPT and Llama. model.block_size must
     divide by tp."""
-    fault_tolerance: str = "restart"
-    """When a rank dies: restart (every rank restarts from the newest checkpoint, up to
-    --max-restarts times) or live (data-parallel replicas of dp x tp x pp ranks each, dp
-    being ZeRO's inside a replica: one that loses a rank or stalls is dropped at the next
-    step and the others go on without restarting; with --max-restarts K its ranks are
-    restarted in place up to K times and recover their state from a live peer)."""
-    step_timeout: float = 5.0
-    """With fault_tolerance = "live": seconds a step waits for a late replica before it is
-    dropped (also each collective's timeout)."""
+
+
+@dataclass
+class CommConfig:
+    """How the ranks exchange gradients: the transport, DataParallel's buckets, and what
+    is sent."""
+
+    backend: str = "auto"
+    """Collective backend: auto (NCCL with CUDA, else gloo), gloo, nccl, or shm (shared
+    memory between the ranks of a host, hierarchical across hosts)."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size for data parallelism, in MB."""
+    grad_dtype: str = "fp32"
+    """Dtype DataParallel communicates gradients in: fp32, bf16 or fp16 (ZeRO takes
+    parallel.mixed_precision)."""
     compression: str = "none"
     """Gradients DataParallel sends: none (fp32 or grad_dtype), powersgd (rank
     compression_rank approximations with error feedback) or int8 (per-chunk scales, error
-    feedback): fewer bytes per step over slow links (dtrain.parallel.compression)."""
+    feedback): fewer bytes per step over slow links (dtrain.parallel.sync.compression)."""
     compression_rank: int = 4
     """With compression = "powersgd": the rank of each gradient matrix's approximation."""
-    sync: str = "every_step"
+
+
+@dataclass
+class SyncConfig:
+    """How often replicas of the model meet: every step, or every few steps over slow
+    links (local SGD, DiLoCo)."""
+
+    method: str = "every_step"
     """every_step (gradients averaged each step), local_sgd (replicas train alone and
-    average their parameters every sync_every steps) or diloco (the replicas' mean change
-    drives an outer Nesterov step every sync_every steps; Douillard et al., 2023)."""
+    average their parameters every `every` steps) or diloco (the replicas' mean change
+    drives an outer Nesterov step every `every` steps; Douillard et al., 2023)."""
     replicas: int = 0
-    """With sync = local_sgd or diloco: replicas of dp x tp x pp consecutive ranks each
+    """With method = local_sgd or diloco: replicas of dp x tp x pp consecutive ranks each
     (dp: data parallelism or ZeRO inside a replica, every step); 0: ranks / (tp x pp), so
     that each replica is one tp x pp group (dp = 1)."""
-    sync_every: int = 50
-    """With sync = local_sgd or diloco: inner steps between synchronizations (H)."""
+    every: int = 50
+    """With method = local_sgd or diloco: inner steps between synchronizations (H)."""
     outer_lr: float = 0.7
-    """With sync = diloco: the outer optimizer's learning rate."""
+    """With method = diloco: the outer optimizer's learning rate."""
     outer_momentum: float = 0.9
-    """With sync = diloco: the outer optimizer's Nesterov momentum, in [0, 1)."""
+    """With method = diloco: the outer optimizer's Nesterov momentum, in [0, 1)."""
     streaming: bool = False
-    """With sync = local_sgd or diloco: the synchronization's all-reduce overlaps the next
-    inner step, its result applied one step late."""
+    """With method = local_sgd or diloco: the synchronization's all-reduce overlaps the
+    next inner step, its result applied one step late."""
+
+
+@dataclass
+class FaultToleranceConfig:
+    """What the job does when a rank dies or stalls."""
+
+    mode: str = "restart"
+    """restart (every rank restarts from the newest checkpoint, up to --max-restarts
+    times) or live (data-parallel replicas of dp x tp x pp ranks each, dp being ZeRO's
+    inside a replica: one that loses a rank or stalls is dropped at the next step and the
+    others go on without restarting; with --max-restarts K its ranks are restarted in
+    place up to K times and recover their state from a live peer)."""
+    step_timeout: float = 5.0
+    """With mode = "live": seconds a step waits for a late replica before it is dropped
+    (also each collective's timeout)."""
+
+
+@dataclass
+class PsConfig:
+    """The parameter servers of parallel.mode = "ps"."""
+
+    servers: int = 1
+    """Server processes per machine; the parameters are split across them."""
+    consistency: str = "sync"
+    """sync, async, or ssp (bounded staleness)."""
+    staleness: int = 2
+    """With consistency = "ssp": how many steps a worker may run ahead of the slowest."""
+    snapshot_every: int = 0
+    """Servers snapshot their shards to out_dir/ps-snapshots every this many updates (0:
+    never); restarted servers resume from them."""
 
 
 @dataclass
@@ -227,6 +268,10 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    ps: PsConfig = field(default_factory=PsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -243,30 +288,52 @@ CHOICES = {
     "data.format": ("text", "jsonl", "tokens"),
     "model.arch": ARCHS,
     "optimizer.schedule": ("cosine", "constant"),
-    "parallel.grad_dtype": ("fp32", "bf16", "fp16"),
-    "parallel.backend": ("auto", "gloo", "nccl", "shm"),
     "parallel.zero": (0, 1, 2, 3),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
     "parallel.mixed_precision": ("fp32", "bf16", "fp16"),
     "parallel.mode": ("collective", "ps"),
-    "parallel.fault_tolerance": ("restart", "live"),
-    "parallel.compression": ("none", "powersgd", "int8"),
-    "parallel.sync": ("every_step", "local_sgd", "diloco"),
-    "parallel.consistency": CONSISTENCY,
+    "comm.backend": ("auto", "gloo", "nccl", "shm"),
+    "comm.grad_dtype": ("fp32", "bf16", "fp16"),
+    "comm.compression": ("none", "powersgd", "int8"),
+    "sync.method": ("every_step", "local_sgd", "diloco"),
+    "fault_tolerance.mode": ("restart", "live"),
+    "ps.consistency": CONSISTENCY,
     "memory.activation_checkpointing": ("none", "full", "selective"),
 }
 POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
             "train.eval_batches", "parallel.nproc", "parallel.tp", "parallel.pp",
-            "parallel.microbatches", "parallel.virtual_stages", "parallel.bucket_mb",
-            "checkpoint.keep_last", "optimizer.lr", "logging.log_every", "parallel.servers",
-            "parallel.compression_rank", "parallel.sync_every", "parallel.outer_lr"}
+            "parallel.microbatches", "parallel.virtual_stages", "comm.bucket_mb",
+            "comm.compression_rank", "sync.every", "sync.outer_lr",
+            "fault_tolerance.step_timeout", "ps.servers", "checkpoint.keep_last",
+            "optimizer.lr", "logging.log_every"}
 NON_NEGATIVE = {"model.dropout", "model.vocab_size", "model.n_kv_head", "model.ffn_hidden",
                 "model.rope_theta", "model.norm_eps", "optimizer.weight_decay",
                 "optimizer.momentum",
                 "optimizer.warmup_steps", "optimizer.min_lr_ratio", "optimizer.grad_clip",
                 "train.eval_every", "parallel.dp", "checkpoint.every", "logging.sample_tokens",
-                "parallel.staleness", "parallel.snapshot_every", "parallel.replicas"}
+                "ps.staleness", "ps.snapshot_every", "sync.replicas"}
+MOVED = {
+    "parallel.backend": "comm.backend",
+    "parallel.bucket_mb": "comm.bucket_mb",
+    "parallel.grad_dtype": "comm.grad_dtype",
+    "parallel.compression": "comm.compression",
+    "parallel.compression_rank": "comm.compression_rank",
+    "parallel.sync": "sync.method",
+    "parallel.replicas": "sync.replicas",
+    "parallel.sync_every": "sync.every",
+    "parallel.outer_lr": "sync.outer_lr",
+    "parallel.outer_momentum": "sync.outer_momentum",
+    "parallel.streaming": "sync.streaming",
+    "parallel.fault_tolerance": "fault_tolerance.mode",
+    "parallel.step_timeout": "fault_tolerance.step_timeout",
+    "parallel.servers": "ps.servers",
+    "parallel.consistency": "ps.consistency",
+    "parallel.staleness": "ps.staleness",
+    "parallel.snapshot_every": "ps.snapshot_every",
+}
+"""Keys that left [parallel] when it was split by concern, and where each went: a config
+that still names one is refused with its new place (docs/training.md has the table)."""
 
 
 def _suggest(name: str, options: typing.Iterable[str]) -> str:
@@ -274,7 +341,7 @@ def _suggest(name: str, options: typing.Iterable[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _check_type(key: str, value: Any, kind: Any) -> Any:
+def _check_type(key: str, value: object, kind: object) -> object:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind is float and isinstance(value, float) and not math.isfinite(value):
@@ -300,6 +367,9 @@ def _check_type(key: str, value: Any, kind: Any) -> Any:
 def _apply(config: Config, values: dict[str, Any], origin: str) -> None:
     sections = {f.name: f for f in dataclasses.fields(Config)}
     for section, body in values.items():
+        if not isinstance(body, dict) and section in sections:
+            raise ConfigError(f"{origin}: '{section}' is a section: write its keys under "
+                              f"[{section}]")
         if not isinstance(body, dict):
             types = typing.get_type_hints(Config)
             homes = [s for s in sections if section in typing.get_type_hints(types[s])]
@@ -311,6 +381,8 @@ def _apply(config: Config, values: dict[str, Any], origin: str) -> None:
         hints = typing.get_type_hints(type(target))
         for key, value in body.items():
             dotted = f"{section}.{key}"
+            if dotted in MOVED:
+                raise ConfigError(f"{origin}: {dotted} moved to {MOVED[dotted]}")
             if key not in hints:
                 known = [f"{section}.{k}" for k in hints]
                 raise ConfigError(f"{origin}: unknown key '{dotted}'{_suggest(dotted, known)}")
@@ -341,7 +413,7 @@ def _validate(config: Config) -> None:
     p = config.parallel
     if p.mixed_precision != "fp32" and not p.zero:
         raise ConfigError(f"parallel.mixed_precision = {p.mixed_precision!r} needs parallel.zero "
-                          "= 1, 2 or 3 (DataParallel takes parallel.grad_dtype)")
+                          "= 1, 2 or 3 (DataParallel takes comm.grad_dtype)")
     if p.mixed_precision == "fp16" and (p.tp > 1 or p.pp > 1):
         raise ConfigError("parallel.mixed_precision = \"fp16\" with parallel.tp or pp > 1 is "
                           "not supported (its loss scaling is per ZeRO group): use \"bf16\"")
@@ -356,63 +428,67 @@ def _validate(config: Config) -> None:
     if p.sequence_parallel and m.block_size % p.tp:
         raise ConfigError(f"parallel.sequence_parallel: model.block_size = {m.block_size} does "
                           f"not divide by parallel.tp = {p.tp}: make it a multiple of {p.tp}")
-    if p.fault_tolerance == "live":
-        _validate_live(p)
-    if p.zero and p.grad_dtype != "fp32":
-        raise ConfigError("parallel.grad_dtype is for DataParallel; with parallel.zero set "
+    if config.fault_tolerance.mode == "live":
+        _validate_live(config)
+    if p.zero and config.comm.grad_dtype != "fp32":
+        raise ConfigError("comm.grad_dtype is for DataParallel; with parallel.zero set "
                           "parallel.mixed_precision instead")
-    _validate_slow_links(p)
+    _validate_slow_links(config)
 
 
-def _validate_slow_links(p: ParallelConfig) -> None:
+def _validate_slow_links(config: Config) -> None:
     """Compression and infrequent synchronization: what they work with."""
-    if p.compression != "none":
-        what = f"parallel.compression = {p.compression!r}"
+    p, c, s = config.parallel, config.comm, config.sync
+    live = config.fault_tolerance.mode == "live"
+    if c.compression != "none":
+        what = f"comm.compression = {c.compression!r}"
         if p.mode == "ps":
             raise ConfigError(f"{what} compresses DataParallel's all-reduce; parameter servers "
-                              "send whole gradients: use compression = \"none\" with mode = "
-                              "\"ps\"")
+                              "send whole gradients: use comm.compression = \"none\" with "
+                              "parallel.mode = \"ps\"")
         if p.zero:
             raise ConfigError(f"{what} compresses DataParallel's all-reduce, not ZeRO's "
-                              "reduce-scatter: use zero = 0, or compression = \"none\"")
-        if p.grad_dtype != "fp32":
-            raise ConfigError(f"{what} replaces parallel.grad_dtype = {p.grad_dtype!r}: leave "
-                              "grad_dtype = \"fp32\"")
-        if p.fault_tolerance == "live":
-            raise ConfigError(f"{what} with fault_tolerance = \"live\": a replica's error "
+                              "reduce-scatter: use parallel.zero = 0, or comm.compression = "
+                              "\"none\"")
+        if c.grad_dtype != "fp32":
+            raise ConfigError(f"{what} replaces comm.grad_dtype = {c.grad_dtype!r}: leave "
+                              "comm.grad_dtype = \"fp32\"")
+        if live:
+            raise ConfigError(f"{what} with fault_tolerance.mode = \"live\": a replica's error "
                               "feedback cannot be sent to its replacement; use one of them")
-    if not 0 <= p.outer_momentum < 1:
-        raise ConfigError(f"parallel.outer_momentum = {p.outer_momentum} must be in [0, 1)")
-    if p.sync != "every_step":
-        what = f"parallel.sync = {p.sync!r}"
-        if p.mode == "ps" or p.fault_tolerance == "live":
-            raise ConfigError(f"{what} synchronizes replicas of a collective job: use mode = "
-                              "\"collective\" and fault_tolerance = \"restart\"")
-        if p.compression != "none":
-            raise ConfigError(f"{what} already sends parameters every sync_every steps only: "
-                              "leave compression = \"none\"")
+    if not 0 <= s.outer_momentum < 1:
+        raise ConfigError(f"sync.outer_momentum = {s.outer_momentum} must be in [0, 1)")
+    if s.method != "every_step":
+        what = f"sync.method = {s.method!r}"
+        if p.mode == "ps" or live:
+            raise ConfigError(f"{what} synchronizes replicas of a collective job: use "
+                              "parallel.mode = \"collective\" and fault_tolerance.mode = "
+                              "\"restart\"")
+        if c.compression != "none":
+            raise ConfigError(f"{what} already sends parameters every sync.every steps only: "
+                              "leave comm.compression = \"none\"")
 
 
-def _validate_live(p: ParallelConfig) -> None:
-    live = "parallel.fault_tolerance = \"live\""
+def _validate_live(config: Config) -> None:
+    """What a live replica's replacement can be sent, and what keeps replicas apart."""
+    p, live = config.parallel, "fault_tolerance.mode = \"live\""
     if p.mode != "collective":
         raise ConfigError(f"{live} keeps collective replicas alive, not parallel.mode = "
-                          f"{p.mode!r}: use mode = \"collective\" or fault_tolerance = "
-                          "\"restart\"")
+                          f"{p.mode!r}: use parallel.mode = \"collective\" or "
+                          "fault_tolerance.mode = \"restart\"")
     if p.zero == 3 or (p.zero and p.mixed_precision != "fp32"):
         raise ConfigError(f"{live} works with ZeRO stages 1 and 2 in fp32 (a replacement is "
                           "sent the parameters and its shard's optimizer state; stage 3 and "
-                          "mixed precision keep more): use zero = 1 or 2 with "
-                          "mixed_precision = \"fp32\", or fault_tolerance = \"restart\"")
+                          "mixed precision keep more): use parallel.zero = 1 or 2 with "
+                          "parallel.mixed_precision = \"fp32\", or fault_tolerance.mode = "
+                          "\"restart\"")
     if p.dp > 1 and not p.zero:
         raise ConfigError(f"{live}: parallel.dp = {p.dp} is data parallelism inside a "
                           "replica, which only ZeRO does (the replicas are the data "
-                          "parallelism): set zero = 1 or 2, or dp = 0")
+                          "parallelism): set parallel.zero = 1 or 2, or parallel.dp = 0")
     if p.pp > 1 and p.virtual_stages > 1:
-        raise ConfigError(f"{live} reduces one pipeline piece per rank: use virtual_stages = "
-                          "1, or fault_tolerance = \"restart\"")
-    if p.step_timeout <= 0:
-        raise ConfigError(f"parallel.step_timeout = {p.step_timeout} must be positive (seconds)")
+        raise ConfigError(f"{live} reduces one pipeline piece per rank: use "
+                          "parallel.virtual_stages = 1, or fault_tolerance.mode = \"restart\"")
 
 
 def _validate_pipeline(config: Config) -> None:
@@ -453,9 +529,9 @@ def per_rank_batch(config: Config, dp_size: int) -> int:
 
 def layout_of(config: Config, world_size: int) -> Layout:
     """The job's Layout on `world_size` ranks, checked against them: the degrees multiply
-    to the world size (to each replica's ranks, with sync = local_sgd or diloco) and the
-    global batch splits into ranks and micro-batches. The launcher calls it before
-    starting ranks, and every rank calls it again.
+    to the world size (to each replica's ranks, with sync.method = local_sgd or diloco)
+    and the global batch splits into ranks and micro-batches. The launcher calls it
+    before starting ranks, and every rank calls it again.
 
     Raises:
         ConfigError: the degrees or the batch do not fit `world_size`.
@@ -470,17 +546,17 @@ def layout_of(config: Config, world_size: int) -> Layout:
 
 
 def replicas_of(config: Config, world_size: int) -> int:
-    """How many replicas synchronize every sync_every steps (1 when every step does).
+    """How many replicas synchronize every sync.every steps (1 when every step does).
 
     Raises:
         ConfigError: the replicas do not divide the ranks.
     """
     p = config.parallel
-    if p.sync == "every_step":
+    if config.sync.method == "every_step":
         return 1
-    count = p.replicas or world_size // (max(p.dp, 1) * p.tp * p.pp)
+    count = config.sync.replicas or world_size // (max(p.dp, 1) * p.tp * p.pp)
     if count < 1 or world_size % count:
-        raise ConfigError(f"parallel.replicas = {count} does not divide {world_size} ranks "
+        raise ConfigError(f"sync.replicas = {count} does not divide {world_size} ranks "
                           f"into replicas of dp x tp x pp: choose a divisor of {world_size}")
     return count
 

@@ -1,20 +1,62 @@
-"""The Mesh: the process groups of a job's ranks laid out along the parallel axes.
+"""The Mesh: a job's ranks laid out on named parallel axes, and the process group of any
+axis, or of any combination of axes, asked for by name.
 
-The grid itself (which rank sits where) is the Layout's arithmetic (dtrain.layout). Every
-axis has a process group per line of the grid; `Mesh.group(axis)` returns the one this
-rank belongs to. Strategies take their group from here, explicitly.
+The axes, outermost first (AXES), as torchtitan's `ParallelDims` names them:
+
+    dp_replicate  replicas: each trains a copy of the model of its own on its part of the
+                  global batch and synchronizes with the others only every `sync_every`
+                  steps (local SGD, DiLoCo: dtrain.parallel.sync.diloco). A replica is a block
+                  of consecutive ranks, each laid out alike.
+    pp            pipeline stages.
+    dp_shard      the data-parallel ranks inside a replica: each reads its own slice of
+                  the replica's batch, and they average gradients every step (DataParallel)
+                  or share out the model's state as well (ZeRO).
+    cp            context parallel: ranks that split each sequence between them (laid
+                  out already; no strategy uses it yet).
+    tp            tensor parallel, innermost: its ranks are consecutive, so they share a
+                  machine and its fast links, as in Megatron-LM.
+
+Ranks fill the grid in row-major order, the last axis varying fastest:
+
+    rank = (((r * pp + p) * dp_shard + d) * cp + c) * tp + t
+
+for coordinates (r, p, d, c, t). With dp_replicate = cp = 1 this is the (pp, dp, tp) grid
+dtrain has always laid out, rank = p * (dp * tp) + d * tp + t, and a replica is the block
+of ranks [r * n, (r + 1) * n) for n = pp * dp_shard * cp * tp.
+
+"dp" is the other name of `dp_shard`, the one strategies and `parallel.dp` have always
+used: the data-parallel ranks of one replica, those that average gradients every step. It
+never spans dp_replicate, whose replicas meet only every `sync_every` steps (a group over
+both is `group("dp_replicate", "dp")`). `Mesh(dp=4)` is `Mesh(dp_shard=4)`, and
+`group("dp")`, `size("dp")`, `coords["dp"]` are dp_shard's. With cp > 1, the ranks that
+hold the same parameters, and so average their gradients, are `group("dp", "cp")`.
+
+Expert parallelism (`ep`, not built yet) will be carved from dp_shard x cp, as in
+torchtitan: ep must divide dp_shard * cp and be a multiple of cp; dp_shard then factors
+into (dp_shard_out_ep, dp_shard_in_ep) with dp_shard_in_ep = ep / cp, a second Grid over
+the same ranks in which dp_shard's place holds those two axes, so no rank moves; `ep`
+names the axes (dp_shard_in_ep, cp) of that grid, and an expert's gradients average over
+the remaining dp_shard_out_ep.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import weakref
+from collections.abc import Iterable, Mapping
 
 import torch.distributed as dist
 
 from dtrain import world as world_mod
 from dtrain.comm.group import timeout_of
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.layout import AXES, resolve_layout
+
+AXES = ("dp_replicate", "pp", "dp_shard", "cp", "tp")
+"""The mesh's axes, outermost first."""
+
+SYNONYMS = {"dp": "dp_shard"}
+"""Other names an axis may be asked for by (see the module's docstring for "dp")."""
 
 _MESHES: weakref.WeakSet[Mesh] = weakref.WeakSet()
 """The meshes alive: `dtrain.shutdown()` makes each let go of its process groups."""
@@ -26,61 +68,140 @@ def _release_all() -> None:
     _MESHES.clear()
 
 
-class Mesh:
-    """Lay the ranks out as (pp, dp, tp) and build one process group per axis.
+class Grid:
+    """Ranks laid out on named axes in row-major order, the last axis varying fastest: the
+    arithmetic of a Mesh, with no process groups.
 
     Args:
-        dp: data-parallel degree; inferred from the world size when None.
-        tp: tensor-parallel degree (innermost: consecutive ranks).
-        pp: pipeline-parallel degree (outermost).
-        world: the world to lay out (default: `dtrain.init()`'s).
-        replicas: blocks of consecutive ranks, each laid out alike and training a copy of
-            the model of its own, synchronized now and then (dtrain.parallel.diloco): the
-            axes' groups stay inside a block; `across` joins the ranks at the same place
-            of every block.
+        shape: the degree of each axis, outermost first.
+    """
 
-    Every rank of the job must construct the same Mesh, in the same order relative to
-    other group-creating calls.
+    def __init__(self, shape: Mapping[str, int]) -> None:
+        self.shape = dict(shape)
+        self.world_size = math.prod(self.shape.values())
+
+    def size(self, axes: Iterable[str]) -> int:
+        """The product of the degrees of `axes`."""
+        return math.prod(self.shape[a] for a in axes)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The index of `rank` along each axis, outermost first."""
+        index = {}
+        for axis, degree in reversed(self.shape.items()):
+            rank, index[axis] = divmod(rank, degree)
+        return {axis: index[axis] for axis in self.shape}
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        """The rank at `coords` (inverse of `coords`)."""
+        rank = 0
+        for axis, degree in self.shape.items():
+            rank = rank * degree + coords[axis]
+        return rank
+
+    def ranks(self, rank: int, axes: Iterable[str]) -> list[int]:
+        """The ranks of `rank`'s group over `axes`: those at its coordinates on every other
+        axis, in ascending order (the grid's axis order)."""
+        axes, mine = tuple(axes), self.coords(rank)
+        return sorted(self.rank_of({**mine, **dict(zip(axes, index, strict=True))})
+                      for index in itertools.product(*(range(self.shape[a]) for a in axes)))
+
+
+def fit(world_size: int, degrees: Mapping[str, int | None]) -> Grid:
+    """The Grid of `degrees` (outermost first) over `world_size` ranks; one degree left None
+    is what the others leave of the world size.
 
     Raises:
-        ConfigError: the degrees do not multiply to the world size (per replica).
+        ConfigError: a degree is not a positive integer, more than one is None, or the
+            degrees do not multiply to the world size.
+    """
+    for axis, degree in degrees.items():
+        if degree is not None and (isinstance(degree, bool) or not isinstance(degree, int)
+                                   or degree < 1):
+            raise ConfigError(f"mesh degree {axis}={degree!r} must be a positive integer")
+    unset = [axis for axis, degree in degrees.items() if degree is None]
+    if len(unset) > 1:
+        raise ConfigError(f"mesh degrees {', '.join(unset)} are unset: give all but one, "
+                          "which is inferred from the world size")
+    shown = [a for a, d in degrees.items() if d is not None and d != 1] or \
+        [a for a, d in degrees.items() if d is not None]
+    product = "*".join(shown) + " = " + "*".join(str(degrees[a]) for a in shown)
+    known = math.prod(d for d in degrees.values() if d is not None)
+    if len(shown) > 1:
+        product += f" = {known}"
+    if unset and world_size % known:
+        raise ConfigError(
+            f"{product} does not divide the world size {world_size}: choose degrees "
+            f"whose product divides {world_size} ({unset[0]} is inferred)")
+    if not unset and known != world_size:
+        raise ConfigError(
+            f"{product} but the world has {world_size} ranks: make the product of the "
+            f"degrees equal {world_size} (or leave one unset to infer it)")
+    return Grid({axis: world_size // known if degree is None else degree
+                 for axis, degree in degrees.items()})
+
+
+class Mesh:
+    """Lay the ranks out on the axes (dp_replicate, pp, dp_shard, cp, tp) and hand out the
+    process group of this rank over any of them (see the module's docstring).
+
+    Args:
+        dp_shard: the data-parallel degree inside a replica (None: what the other degrees
+            leave of the world size).
+        tp: tensor-parallel degree (innermost: consecutive ranks).
+        pp: pipeline-parallel degree.
+        cp: context-parallel degree.
+        dp_replicate: how many replicas synchronize every `sync_every` steps (outermost:
+            each a block of consecutive ranks).
+        dp: the familiar name of dp_shard (`Mesh(dp=4)`); give one of the two.
+        world: the world to lay out (default: `dtrain.init()`'s).
+
+    One degree may be None and is inferred (to infer another than dp_shard, give dp_shard
+    and leave that one None). The groups of single axes are made here, so every rank of
+    the job must construct the same Mesh, in the same order relative to other
+    group-creating calls; a combination's group is made the first time it is asked for
+    (see `group`).
+
+    Raises:
+        ConfigError: a degree is not a positive integer, more than one is left unset, both
+            dp and dp_shard are given, or the degrees do not multiply to the world size.
     """
 
     def __init__(
         self,
+        *,
+        dp_shard: int | None = None,
+        tp: int | None = 1,
+        pp: int | None = 1,
+        cp: int | None = 1,
+        dp_replicate: int | None = 1,
         dp: int | None = None,
-        tp: int = 1,
-        pp: int = 1,
         world: world_mod.World | None = None,
-        replicas: int = 1,
     ) -> None:
+        if dp is not None:
+            if dp_shard is not None:
+                raise ConfigError(f"Mesh(dp={dp}, dp_shard={dp_shard}): dp is dp_shard's "
+                                  "other name; give one of the two")
+            dp_shard = dp
         self.world = world or world_mod.current()
-        size = self.world.world_size
-        if replicas < 1 or size % replicas:
-            raise ConfigError(f"{replicas} replicas do not divide {size} ranks")
-        self.replicas, per = replicas, size // replicas
-        self.replica, position = divmod(self.world.rank, per)
-        self._offset = self.replica * per
-        self.layout = resolve_layout(per, dp, tp, pp)
-        self.coords = self.layout.coords(position)
-        self._groups: dict[str, dist.ProcessGroup] = {}
+        self.grid = fit(self.world.world_size, {"dp_replicate": dp_replicate, "pp": pp,
+                                                "dp_shard": dp_shard, "cp": cp, "tp": tp})
+        self.coords = self.grid.coords(self.world.rank)
+        """This rank's index along each axis, and along "dp" (dp_shard's)."""
+        self.coords["dp"] = self.coords["dp_shard"]
         self._by_members: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._by_axes: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self._released = False
         for axis in AXES:
-            self._groups[axis] = self._group_of(self.ranks(axis))
-        self.replica_group = self._group_of(list(range(self._offset, self._offset + per)))
-        """The ranks of this rank's replica (the whole world without replicas)."""
-        self.across = self._group_of([position + r * per for r in range(replicas)]) \
-            if replicas > 1 else None
-        """This rank and its counterparts in the other replicas (None without replicas)."""
+            self.group(axis)
         _MESHES.add(self)
         world_mod.at_shutdown(_release_all)
 
     def _release(self) -> None:
         """Let go of the process groups (the world shuts down and destroys them): a mesh a
         script still holds must not keep them, and gloo's threads, alive until exit."""
-        self._groups.clear()
         self._by_members.clear()
-        self.replica_group = self.across = None
+        self._by_axes.clear()
+        self._released = True
 
     def _group_of(self, members: list[int]) -> dist.ProcessGroup:
         key = tuple(members)
@@ -94,36 +215,57 @@ class Mesh:
                     use_local_synchronization=True)
         return self._by_members[key]
 
-    def size(self, axis: str) -> int:
-        """Degree along `axis` ("dp", "tp" or "pp")."""
-        return self.layout.size(axis)
-
-    def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group of this rank along `axis`.
+    def size(self, *axes: str) -> int:
+        """The number of ranks in a group over `axes`: the product of their degrees (no
+        axes: every axis, the world size).
 
         Raises:
+            ConfigError: an axis name is unknown.
+        """
+        return self.grid.size(self._axes(axes))
+
+    def ranks(self, *axes: str) -> list[int]:
+        """The global ranks of this rank's group over `axes`, ascending (the mesh's axis
+        order, whatever order the axes are named in); no axes: the world.
+
+        Raises:
+            ConfigError: an axis name is unknown.
+        """
+        return self.grid.ranks(self.world.rank, self._axes(axes))
+
+    def group(self, *axes: str) -> dist.ProcessGroup:
+        """The process group of this rank over one axis or a combination of axes, by name:
+        `group("tp")`, `group("dp", "cp")`, `group("dp_replicate")` (this rank and its
+        counterparts in the other replicas), `group("pp", "dp", "cp", "tp")` (this rank's
+        replica); no axes: the world. Each group is made once and kept.
+
+        The first request for a combination of axes makes its group: a collective call, in
+        which every rank of the job asks for the same axes, in the same order relative to
+        other group-creating calls (the name torch gives a group counts the groups its
+        members already hold).
+
+        Raises:
+            ConfigError: an axis name is unknown.
             DtrainError: the world this mesh was laid over has shut down.
         """
-        axis = self._check(axis)
-        if not self._groups:
+        key = self._axes(axes)
+        if self._released:
             raise DtrainError("this mesh's process groups were destroyed by dtrain.shutdown(): "
                               "build a new Mesh after dtrain.init()")
-        return self._groups[axis]
-
-    def ranks(self, axis: str) -> list[int]:
-        """Global ranks of this rank's group along `axis`, in axis order."""
-        axis = self._check(axis)
-        mine = self.world.rank - self._offset
-        return next([self._offset + r for r in g] for g in self.layout.groups(axis) if mine in g)
+        if key not in self._by_axes:
+            self._by_axes[key] = self._group_of(self.grid.ranks(self.world.rank, key))
+        return self._by_axes[key]
 
     @staticmethod
-    def _check(axis: str) -> str:
-        if axis not in AXES:
-            raise ValueError(f"unknown mesh axis {axis!r}: use one of {', '.join(AXES)}")
-        return axis
+    def _axes(names: tuple[str, ...]) -> tuple[str, ...]:
+        """`names` as mesh axes in mesh order, synonyms resolved (none: every axis)."""
+        unknown = [n for n in names if n not in AXES and n not in SYNONYMS]
+        if unknown:
+            raise ConfigError(f"unknown mesh axis {unknown[0]!r}: use one of "
+                              f"{', '.join(AXES)} (or dp for dp_shard)")
+        named = {SYNONYMS.get(n, n) for n in names}
+        return tuple(a for a in AXES if a in named or not names)
 
     def __repr__(self) -> str:
-        shape = ", ".join(f"{a}={self.size(a)}" for a in ("dp", "tp", "pp"))
-        if self.replicas > 1:
-            shape += f"; replica {self.replica} of {self.replicas}"
-        return f"Mesh({shape}; rank {self.world.rank} at {self.coords})"
+        shape = ", ".join(f"{a}={n}" for a, n in self.grid.shape.items() if n > 1) or "1 rank"
+        return f"Mesh({shape}; rank {self.world.rank} at {self.grid.coords(self.world.rank)})"

@@ -36,6 +36,7 @@ import torch.distributed.nn.functional  # noqa: F401
 from dtrain import agreed_port
 from dtrain import timeline as timeline_mod
 from dtrain.errors import ConfigError, DtrainError
+from dtrain.ft import env as contract
 from dtrain.timeline import Recorder
 
 DEFAULT_TIMEOUT_S = 180.0
@@ -148,7 +149,7 @@ def detect(env: Mapping[str, str]) -> World:
         DtrainError: a variable is not an integer, or an MPI world spans machines (or has
             no job name in its environment) and MASTER_ADDR is not set.
     """
-    role = env.get("DTRAIN_ROLE", "worker")
+    role = contract.ROLE.get(env)
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_MASTER_PORT
     addr = env.get("MASTER_ADDR", "127.0.0.1")
     unset = "MASTER_ADDR" not in env and "MASTER_PORT" not in env
@@ -158,7 +159,7 @@ def detect(env: Mapping[str, str]) -> World:
         local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
         local_size = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else size
         node = _int(env, "GROUP_RANK") if "GROUP_RANK" in env else rank // local_size
-        source = "dtrain" if "DTRAIN_RUN_ID" in env else "torchrun"
+        source = "dtrain" if contract.RUN_ID.is_set(env) else "torchrun"
         return World(rank, size, local, local_size, node, role, source, addr, port)
 
     if all(k in env for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")):
@@ -212,11 +213,8 @@ def detect(env: Mapping[str, str]) -> World:
 def _timeout_s(timeout: float | None) -> float:
     if timeout is not None:
         return float(timeout)
-    raw = os.environ.get("DTRAIN_TIMEOUT", "")
-    try:
-        return float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise DtrainError(f"DTRAIN_TIMEOUT={raw!r} is not a number of seconds") from None
+    configured = contract.TIMEOUT.get()
+    return DEFAULT_TIMEOUT_S if configured is None else configured
 
 
 def _torch_backend(world: World) -> str:
@@ -245,7 +243,7 @@ def _init_process_group(world: World, timeout: timedelta) -> World:
             # The agent's store outlives a restart, and with it the addresses the previous
             # attempt's ranks published there: each attempt (each rendezvous round of
             # dtrain's launcher) gets keys of its own.
-            attempt = os.environ.get("DTRAIN_ATTEMPT") or os.environ.get(
+            attempt = contract.ATTEMPT.get() or os.environ.get(
                 "TORCHELASTIC_RESTART_COUNT", "0")
             agent = dist.TCPStore(world.master_addr, world.master_port, world.world_size,
                                   is_master=False, timeout=timeout)
@@ -307,7 +305,7 @@ def init(backend: str | None = None, timeout: float | None = None,
         return _WORLD
     world = detect(os.environ)
     if backend is None:
-        backend = os.environ.get("DTRAIN_BACKEND") or (
+        backend = contract.BACKEND.get() or (
             "nccl" if torch.cuda.is_available() else "gloo"
         )
     if backend not in BACKENDS:
@@ -323,7 +321,7 @@ def init(backend: str | None = None, timeout: float | None = None,
         device = torch.device("cuda", world.local_rank % gpus)
         torch.cuda.set_device(device)
     world = replace(world, backend=backend, device=device)
-    world = _with_timeline(world, timeline or os.environ.get("DTRAIN_TIMELINE"))
+    world = _with_timeline(world, timeline or contract.TIMELINE.get())
     if not dist.is_initialized():
         excepthook = sys.excepthook
         world = _init_process_group(world, timedelta(seconds=_timeout_s(timeout)))
@@ -391,10 +389,14 @@ def _let_go() -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group and forget the world; safe to call more than once. The
-    groups end here, not in interpreter exit: dtrain lets go of them, then destroys them and
-    gloo joins its threads (alive in finalization, a worker taking the GIL to free a finished
-    collective's tensors was ended by Python, and the rank aborted with SIGABRT)."""
+    """Leave the process group and forget the world; safe to call more than once.
+
+    The groups end here, not in interpreter exit: dtrain lets go of them (its group
+    wrappers and meshes drop their references), then destroys them, and gloo joins its
+    worker threads while the interpreter is whole. Left alive into finalization, a worker
+    that took the GIL to free a finished collective's tensors was ended by Python, and the
+    rank aborted with SIGABRT after the script had finished.
+    """
     _let_go()
     if dist.is_initialized():
         dist.destroy_process_group()

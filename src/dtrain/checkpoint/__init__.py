@@ -5,5 +5,7 @@
 - `dtrain.checkpoint.universal`: the layout-free format (logical tensors in pieces, one
   `index.json` per checkpoint) and `export` to one plain state_dict.
 - `dtrain.checkpoint.training`: what `dtrain train` saves and how it resumes.
+- `dtrain.checkpoint.checkpointable`: `Checkpointable`, what a way of holding a model
+  gives the checkpoint code (every dtrain.layouts Holding is one).
 - `dtrain.checkpoint.background`: saves written by a thread while training goes on.
 """

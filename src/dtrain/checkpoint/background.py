@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from safetensors import SafetensorError
@@ -52,6 +52,9 @@ from safetensors import SafetensorError
 from dtrain import world as world_mod
 from dtrain.checkpoint import universal
 from dtrain.errors import DtrainError
+
+if TYPE_CHECKING:  # comm is imported where it is used, as universal.save does
+    from dtrain.comm import Group, GroupLike
 
 WRITER_NICENESS = 10
 """How much lower the writer thread's CPU priority is than training's (Linux): where the
@@ -114,7 +117,8 @@ class PendingSave:
 
 def save(folder: str | Path, step: int, pieces: list[universal.Piece],
          extra: dict[str, Any], meta: dict[str, Any], keep_last: int,
-         group: Any = "world", rank_tensors: dict[str, torch.Tensor] | None = None,
+         group: GroupLike | Literal["world"] = "world",
+         rank_tensors: dict[str, torch.Tensor] | None = None,
          ) -> PendingSave:
     """Copy this rank's `pieces` (and `extra`, `meta`, `rank_tensors`) to memory, then
     write them in the background as `universal.save(...)` with the same arguments would;
@@ -147,7 +151,7 @@ def save(folder: str | Path, step: int, pieces: list[universal.Piece],
     return pending
 
 
-def finish(group: Any = "world") -> None:
+def finish(group: GroupLike | Literal["world"] = "world") -> None:
     """Wait for the background save in flight on `group` (as given to `save`), if any.
 
     Raises:
@@ -173,13 +177,13 @@ def _finish_all() -> None:
                 print(f"dtrain: {exc}", file=sys.stderr, flush=True)
 
 
-def _group(group: Any) -> Any:
+def _group(group: GroupLike | Literal["world"]) -> Group | None:
     from dtrain import comm
 
     return None if group is None else comm.resolve(None if group == "world" else group)
 
 
-def _key(g: Any) -> tuple[str, int] | None:
+def _key(g: Group | None) -> tuple[str, int] | None:
     return None if g is None else (g.name, g.rank)
 
 
@@ -188,7 +192,7 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def _write_together(g: Any, key: str, folder: Path, step: int, pieces: list[universal.Piece],
+def _write_together(g: Group, key: str, folder: Path, step: int, pieces: list[universal.Piece],
                     extra: dict[str, Any], meta: dict[str, Any], keep_last: int,
                     tensors: dict[str, torch.Tensor]) -> Path:
     """One rank's part of a save over `g`, in step through the store under `key`."""
@@ -230,11 +234,11 @@ def _write_together(g: Any, key: str, folder: Path, step: int, pieces: list[univ
     return path
 
 
-def _post(g: Any, key: str, value: dict[str, str]) -> None:
+def _post(g: Group, key: str, value: dict[str, str]) -> None:
     g.store_set(key, json.dumps(value))
 
 
-def _await(g: Any, key: str, timeout: float, what: str, folder: Path,
+def _await(g: Group, key: str, timeout: float, what: str, folder: Path,
            step: int) -> dict[str, str]:
     """The value posted under `key`, polled (a blocking store wait would hold the store's
     client, which the training thread shares); after `timeout` seconds, an error that says

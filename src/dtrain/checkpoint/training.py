@@ -20,10 +20,12 @@ import torch.distributed as dist
 
 from dtrain.checkpoint import atomic, background
 from dtrain.checkpoint.background import PendingSave
+from dtrain.checkpoint.checkpointable import Checkpointable, CheckpointGroup
 from dtrain.checkpoint.universal import FORMAT, Checkpoint
 from dtrain.checkpoint.universal import save as save_pieces
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.layout import Layout
+from dtrain.ft import env
+from dtrain.job_layout import Layout
 
 
 def resume_path(resume: str, out_dir: str | Path) -> str | None:
@@ -31,7 +33,7 @@ def resume_path(resume: str, out_dir: str | Path) -> str | None:
     if any; or a path), and after an elastic restart or a later rendezvous round (env
     DTRAIN_ROUND, from dtrain's launcher) the newest one in the run's folder."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
-    if not resume and (restarted or int(os.environ.get("DTRAIN_ROUND", "1") or 1) > 1):
+    if not resume and (restarted or env.ROUND.get() > 1):
         resume = "auto"
     if resume == "auto":
         resume = str(Path(out_dir) / "checkpoints")
@@ -41,8 +43,8 @@ def resume_path(resume: str, out_dir: str | Path) -> str | None:
 
 
 def agreed_resume(path: str | None, device: torch.device) -> str | None:
-    """Of replicas that keep checkpoints of their own (parallel.sync = local_sgd or
-    diloco), `path` moved to the newest step every replica has: a crash between two
+    """Of replicas that keep checkpoints of their own (sync.method = local_sgd
+    or diloco), `path` moved to the newest step every replica has: a crash between two
     replicas' saves leaves one a checkpoint ahead. None when some replica has none
     (collective over the world).
 
@@ -87,7 +89,7 @@ def open_checkpoint(path: str, model: dict[str, Any]) -> Checkpoint:
     return ckpt
 
 
-def save(folder: Path, step: int, held: Any, schedulers: list, config: dict[str, Any],
+def save(folder: Path, step: int, held: Checkpointable, schedulers: list, config: dict[str, Any],
          keep_last: int, described: dict[str, Any] | None = None) -> Path:
     """Every rank of `held.checkpoint_group` writes the pieces it owns into the checkpoint
     of `step` in `folder`, with its RNG state; the first adds the run's description
@@ -107,7 +109,7 @@ def save(folder: Path, step: int, held: Any, schedulers: list, config: dict[str,
                        group=held.checkpoint_group, rank_tensors=rng)
 
 
-def save_in_background(folder: Path, step: int, held: Any, schedulers: list,
+def save_in_background(folder: Path, step: int, held: Checkpointable, schedulers: list,
                        config: dict[str, Any], keep_last: int,
                        described: dict[str, Any] | None = None) -> PendingSave:
     """`save`, written by a background thread (dtrain.checkpoint.background): waits for the
@@ -125,7 +127,7 @@ def save_in_background(folder: Path, step: int, held: Any, schedulers: list,
                            group=held.checkpoint_group, rank_tensors=rng)
 
 
-def _state(held: Any, schedulers: list, config: dict[str, Any],
+def _state(held: Checkpointable, schedulers: list, config: dict[str, Any],
            described: dict[str, Any] | None) -> tuple[list, dict, dict, dict]:
     """What a save writes: this rank's pieces, the optimizer scalars, the run's metadata
     (JSON), and this rank's RNG state with what else it keeps for itself (error feedback,
@@ -143,7 +145,7 @@ def _state(held: Any, schedulers: list, config: dict[str, Any],
     return pieces, extra, json.loads(json.dumps(meta, default=str)), rng
 
 
-def restore(ckpt: Checkpoint, held: Any, schedulers: list, layout: Layout) -> None:
+def restore(ckpt: Checkpoint, held: Checkpointable, schedulers: list, layout: Layout) -> None:
     """Model, optimizer state, options, schedule and loss scale from `ckpt`; the RNG and
     the rank's own state too when `layout` on this many ranks is the one that saved it."""
     held.restore(ckpt)
@@ -165,7 +167,7 @@ def restore(ckpt: Checkpoint, held: Any, schedulers: list, layout: Layout) -> No
         held.load_rank_state(rng)
 
 
-def _writer_rank(group: Any) -> int:
+def _writer_rank(group: CheckpointGroup) -> int:
     """This rank's place among the ranks that write a checkpoint together."""
     from dtrain import comm
 

@@ -36,16 +36,19 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from dtrain import faults
 from dtrain.checkpoint import atomic
 from dtrain.errors import DtrainError
-from dtrain.layout import Split
+from dtrain.ft import faults
+from dtrain.job_layout import Split
+
+if TYPE_CHECKING:  # comm is imported where save uses it
+    from dtrain.comm import GroupLike
 
 FORMAT = "dtrain.universal/1"
 INDEX = "index.json"
@@ -105,7 +108,7 @@ def _name(rank: int, suffix: str) -> str:
 
 
 def save(folder: str | Path, step: int, pieces: list[Piece], extra: dict[str, Any],
-         meta: dict[str, Any], keep_last: int, group: Any = "world",
+         meta: dict[str, Any], keep_last: int, group: GroupLike | Literal["world"] = "world",
          rank_tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write this rank's `pieces` into the checkpoint of `step` (collective over `group`,
     default the world; None: this process writes the whole checkpoint alone).
@@ -113,16 +116,23 @@ def save(folder: str | Path, step: int, pieces: list[Piece], extra: dict[str, An
     `extra` (JSON) is merged over all ranks into the index (e.g. optimizer scalars by
     tensor name); `meta` (JSON) is the first rank's description of the run;
     `rank_tensors` (e.g. RNG states) stay per rank, read back with `Checkpoint.rank_tensors`.
-    Returns the checkpoint's folder: `step-NNNNNNNN`, or on the first rank `step-NNNNNNNN.K`
-    when that step was saved before (the old copy is deleted once the new one is listed).
-    Raises DtrainError (one line: why, what is kept) when the checkpoint is not saved.
+
+    Returns:
+        The checkpoint's folder: `step-NNNNNNNN`, or on the first rank `step-NNNNNNNN.K`
+        when that step was saved before (the old copy is deleted once the new one is
+        listed).
+
+    Raises:
+        DtrainError: the checkpoint was not saved; one line says why, and which earlier
+            checkpoint is kept.
     """
     from dtrain import comm
 
     g = None if group is None else comm.resolve(None if group == "world" else group)
     rank, size = (0, 1) if g is None else (g.rank, g.size)
     folder = Path(folder)
-    tmp, final = unpublished(folder, step), folder / f"step-{step:08d}"
+    tmp = unpublished(folder, step)
+    final = folder / f"step-{step:08d}"
     if rank == 0:
         prepare(folder, step)
     if g is not None:
@@ -133,8 +143,9 @@ def save(folder: str | Path, step: int, pieces: list[Piece], extra: dict[str, An
             comm.barrier(group=g)
         if rank == 0:
             final = publish(folder, step, size, meta, keep_last)
-    except (OSError, SafetensorError) as exc:  # disk full, quota, read-only: the unfinished
-        shutil.rmtree(tmp, ignore_errors=True)  # folder goes
+    except (OSError, SafetensorError) as exc:
+        # Disk full, quota, read-only: the unfinished folder goes.
+        shutil.rmtree(tmp, ignore_errors=True)
         raise not_saved(folder, step, exc) from None
     if g is not None:
         comm.barrier(group=g)
@@ -148,7 +159,10 @@ def unpublished(folder: Path, step: int) -> Path:
 
 def prepare(folder: Path, step: int) -> None:
     """(The first rank, before the others write.) Remove what crashed saves left (folders
-    the index does not list) and make the hidden folder of `step`; DtrainError if it cannot.
+    the index does not list) and make the hidden folder of `step`.
+
+    Raises:
+        DtrainError: the folder cannot be made (the one line of `not_saved`).
     """
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -164,8 +178,11 @@ def prepare(folder: Path, step: int) -> None:
 def write_rank(tmp: Path, rank: int, pieces: list[Piece], extra: dict[str, Any],
                rank_tensors: dict[str, torch.Tensor] | None) -> None:
     """Write and flush rank `rank`'s two files into the hidden folder `tmp`: its pieces
-    (and `rank_tensors`) and their description with the data file's checksum (raises
-    OSError or SafetensorError)."""
+    (and `rank_tensors`), and their description with the data file's checksum.
+
+    Raises:
+        OSError, SafetensorError: a file could not be written (the caller says so).
+    """
     tensors = {p.key: p.values.contiguous() for p in pieces}
     tensors.update({f"rank/{k}": v.contiguous() for k, v in (rank_tensors or {}).items()})
     data = tmp / _name(rank, "safetensors")
@@ -192,7 +209,8 @@ def publish(folder: Path, step: int, size: int, meta: dict[str, Any], keep_last:
     """(The first rank, once all `size` ranks have written.) Merge the ranks' descriptions
     into index.json, make the folder visible, list it and drop all but the newest
     `keep_last` (raises OSError); returns where it now is."""
-    tmp, final = unpublished(folder, step), folder / f"step-{step:08d}"
+    tmp = unpublished(folder, step)
+    final = folder / f"step-{step:08d}"
     tensors: dict[str, dict[str, Any]] = {}
     files: dict[str, str] = {}
     extra: dict[str, Any] = {}
@@ -215,9 +233,12 @@ def publish(folder: Path, step: int, size: int, meta: dict[str, Any], keep_last:
     atomic.fsync(tmp)
     listed = atomic.read_index(folder)
     again = [e for e in listed if e.get("step") == step and e.get("format") == FORMAT]
-    target, copy = final, 0
-    while target.exists():  # the step saved before (a resumed run): the new one gets a name
-        copy += 1  # of its own, and the old one goes only once the index lists the new one
+    # The step saved before (a resumed run): the new copy gets a name of its own, and the
+    # old one goes only once the index lists the new one.
+    target = final
+    copy = 0
+    while target.exists():
+        copy += 1
         target = folder / f"{final.name}.{copy}"
     os.replace(tmp, target)
     atomic.fsync(folder)
@@ -256,7 +277,7 @@ def latest(path: str | Path) -> Path:
     return path / entries[-1]["file"]
 
 
-def _check_format(index: Path, data: Any) -> None:
+def _check_format(index: Path, data: object) -> None:
     """Refuse an index of another format (or none), by name."""
     if not isinstance(data, dict) or "format" not in data:
         raise DtrainError(f"{index} is not a {FORMAT} checkpoint")
@@ -315,7 +336,7 @@ class Checkpoint:
         return DtrainError(f"checkpoint file {file} is {what}: this checkpoint cannot be "
                            f"loaded{hint}")
 
-    def _file(self, name: str) -> Any:
+    def _file(self, name: str) -> safe_open:
         if name not in self._open:
             self._open[name] = safe_open(str(self.path / name), framework="pt")
         return self._open[name]

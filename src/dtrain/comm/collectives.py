@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from dtrain import timeline
-from dtrain.comm import cost, debug, halving_doubling, ring, tree
+from dtrain.comm import cost, debug
+from dtrain.comm.algorithms import halving_doubling, ring, tree
 from dtrain.comm.group import Done, Group, Handle, Then
 from dtrain.comm.ops import AVAILABLE, ReduceOp, bus_factor, finish_, shard_sizes, shards
-from dtrain.comm.registry import resolve
+from dtrain.comm.registry import GroupLike, resolve
 from dtrain.timeline import CommSpan
 
-GroupLike = Any  # dist.ProcessGroup | Group | None
 _TIMED = sys.modules[__name__]  # the calls auto's first choice times: these (dtrain.comm.cost)
 
 
@@ -48,11 +48,12 @@ class Result:
     """Handle of an async collective: `wait()` completes it and returns its result."""
 
     def __init__(self, handle: Handle, g: Group, what: str, seq: int,
-                 finish: Callable[[], Any], span: CommSpan | None = None) -> None:
+                 finish: Callable[[], torch.Tensor | None],
+                 span: CommSpan | None = None) -> None:
         self._handle, self._g, self._what, self._seq, self._finish = handle, g, what, seq, finish
         self._span = span  # its timeline span (dtrain.timeline), ended when it completes
 
-    def wait(self) -> Any:
+    def wait(self) -> torch.Tensor | None:
         debug.wait_or_diagnose(self._handle, self._g, self._what, self._seq)
         if self._span is not None:
             self._span.end()
@@ -72,7 +73,8 @@ class _Inline:
 
 def _run(what: str, g: Group, tensor: torch.Tensor, algorithm: str, async_op: bool,
          native: Callable[[], Handle], algorithms: dict[str, Callable[[], None]],
-         finish: Callable[[], Any], **details: Any) -> Any:
+         finish: Callable[[], torch.Tensor | None], **details: Any
+         ) -> torch.Tensor | Result | None:
     """Choose the algorithm, check consistency, run it on the right thread, and wait."""
     g.seq += 1
     whole = tensor.numel() * tensor.element_size() * (g.size if what in PER_RANK_INPUT else 1)
@@ -104,12 +106,12 @@ def _stacked_shape(tensor: torch.Tensor, size: int) -> tuple[int, ...]:
     return (size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (size,)
 
 
-def _trivial(value: Any, async_op: bool) -> Any:
+def _trivial(value: torch.Tensor | None, async_op: bool) -> torch.Tensor | Result | None:
     return Result(Done(), None, "", 0, lambda: value) if async_op else value  # type: ignore[arg-type]
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: GroupLike = None,
-               async_op: bool = False, algorithm: str = "auto") -> Any:
+               async_op: bool = False, algorithm: str = "auto") -> torch.Tensor | Result:
     """Combine `tensor` across the group, in place on every rank; returns `tensor`.
 
     Results are bitwise identical on every rank for every algorithm.
@@ -132,7 +134,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: GroupLik
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: GroupLike = None,
-              async_op: bool = False, algorithm: str = "auto") -> Any:
+              async_op: bool = False, algorithm: str = "auto") -> torch.Tensor | Result:
     """Copy group rank `src`'s `tensor` into every rank's `tensor`; returns `tensor`."""
     g = resolve(group)
     if g.size == 1:
@@ -144,7 +146,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: GroupLike = None,
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOp | str = "sum",
-           group: GroupLike = None, async_op: bool = False, algorithm: str = "auto") -> Any:
+           group: GroupLike = None, async_op: bool = False, algorithm: str = "auto"
+           ) -> torch.Tensor | Result:
     """Combine `tensor` across the group into rank `dst`'s `tensor` (others' stay as they were)."""
     g, op = resolve(group), ReduceOp.parse(op)
     if g.size == 1:
@@ -162,7 +165,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOp | str = "sum",
 
 
 def all_gather(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = False,
-               algorithm: str = "auto") -> Any:
+               algorithm: str = "auto") -> torch.Tensor | Result:
     """Concatenate every rank's `tensor` (same shape everywhere) along dim 0, in rank order."""
     g = resolve(group)
     shape = _stacked_shape(tensor, g.size)
@@ -182,7 +185,8 @@ def all_gather(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = F
 
 
 def reduce_scatter(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: GroupLike = None,
-                   async_op: bool = False, algorithm: str = "auto") -> Any:
+                   async_op: bool = False, algorithm: str = "auto"
+                   ) -> torch.Tensor | Result:
     """Combine `tensor` across the group; return this rank's shard of the flattened result."""
     g, op = resolve(group), ReduceOp.parse(op)
     flat = _flat(tensor)
@@ -207,7 +211,7 @@ def reduce_scatter(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: Grou
 
 
 def scatter(tensor: torch.Tensor, src: int = 0, group: GroupLike = None,
-            async_op: bool = False, algorithm: str = "auto") -> Any:
+            async_op: bool = False, algorithm: str = "auto") -> torch.Tensor | Result:
     """Give each rank its shard of rank `src`'s flattened `tensor`.
 
     Every rank passes a tensor of the same shape and dtype; only `src`'s contents matter.
@@ -229,7 +233,7 @@ def scatter(tensor: torch.Tensor, src: int = 0, group: GroupLike = None,
 
 
 def gather(tensor: torch.Tensor, dst: int = 0, group: GroupLike = None,
-           async_op: bool = False, algorithm: str = "auto") -> Any:
+           async_op: bool = False, algorithm: str = "auto") -> torch.Tensor | Result | None:
     """Concatenate every rank's `tensor` along dim 0 on rank `dst`; other ranks get None."""
     g = resolve(group)
     shape = _stacked_shape(tensor, g.size)
@@ -244,7 +248,7 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: GroupLike = None,
 
 
 def all_to_all(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = False,
-               algorithm: str = "auto") -> Any:
+               algorithm: str = "auto") -> torch.Tensor | Result:
     """Send shard j of the flattened `tensor` to rank j; return the shards received, in rank order.
 
     Every rank passes the same number of elements; the result has size * shard_sizes[rank].
@@ -259,7 +263,7 @@ def all_to_all(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = F
                 lambda: g.native("all_to_all", out, flat, sizes), {}, lambda: out)
 
 
-def barrier(group: GroupLike = None, async_op: bool = False) -> Any:
+def barrier(group: GroupLike = None, async_op: bool = False) -> Result | None:
     """Wait until every rank of the group has reached this call."""
     g = resolve(group)
     if g.size == 1:
@@ -271,7 +275,7 @@ def barrier(group: GroupLike = None, async_op: bool = False) -> Any:
 
 
 def send(tensor: torch.Tensor, dst: int, group: GroupLike = None, async_op: bool = False,
-         tag: int = 0) -> Any:
+         tag: int = 0) -> Result | None:
     """Send `tensor` to group rank `dst` (which must call `recv` with a same-shaped tensor).
     Messages with the same `tag` between two ranks arrive in the order sent."""
     g = resolve(group)
@@ -282,7 +286,7 @@ def send(tensor: torch.Tensor, dst: int, group: GroupLike = None, async_op: bool
 
 
 def recv(tensor: torch.Tensor, src: int, group: GroupLike = None, async_op: bool = False,
-         tag: int = 0) -> Any:
+         tag: int = 0) -> torch.Tensor | Result:
     """Receive into `tensor` the next message with `tag` from group rank `src`; returns
     `tensor`."""
     g = resolve(group)

@@ -23,7 +23,6 @@ dtrain.comm.timing, which offer the same functions bound to it.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from dtrain.comm.group import Group
+from dtrain.ft import env
 
 PROBE_BYTES = (4096, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 CALLS = (60, 40, 24, 12, 12)  # calls per point: many where they are cheap, fewer when large
@@ -62,7 +62,7 @@ class Curve:
 def calibration_path() -> Path:
     """The calibration file: env DTRAIN_CALIBRATION, else ~/.cache/dtrain/calibration.json."""
     default = Path.home() / ".cache" / "dtrain" / "calibration.json"
-    return Path(os.environ.get("DTRAIN_CALIBRATION", default))
+    return Path(env.CALIBRATION.get() or default)
 
 
 def cache_key(g: Group, op: str) -> str:

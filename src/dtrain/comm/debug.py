@@ -13,7 +13,6 @@ same, and raises `CollectiveTimeout` naming the ranks that never arrived.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 from dtrain.comm import ops
 from dtrain.comm.group import CollectiveTimeout, Group, Handle
 from dtrain.comm.ops import AVAILABLE
+from dtrain.ft import env
 
 OPS = tuple(AVAILABLE)
 ALGORITHMS = ("auto", *ops.ALGORITHMS)
@@ -39,14 +39,14 @@ class CollectiveMismatch(RuntimeError):
 
 
 def enabled() -> bool:
-    return os.environ.get("DTRAIN_DEBUG", "") not in ("", "0")
+    return env.DEBUG.get()
 
 
 def _fingerprint(g: Group, what: str, tensor: torch.Tensor, algorithm: str,
                  details: dict[str, Any]) -> torch.Tensor:
     op = details.get("op")
     shape = list(tensor.shape)[:MAX_DIMS]
-    def code(value: Any, table: tuple) -> int:
+    def code(value: object, table: tuple) -> int:
         return table.index(value) if value in table else -1
 
     values = [
@@ -85,12 +85,23 @@ def check(g: Group, what: str, tensor: torch.Tensor, algorithm: str,
             )
 
 
+_PEER_GONE = ("connection closed by peer", "connection reset", "socket closed", "broken pipe",
+              "read error", "writev", "short read", "short write")
+"""What gloo's TCP transport says when the other end of a pair went away. Which of them a
+survivor sees depends on timing: the peer's FIN read by gloo's event loop ("Connection
+closed by peer"), its RST ("Read error ...: Connection reset by peer"), a send issued
+before the loop noticed ("writev ...: Broken pipe"), or a pair already torn down ("Socket
+closed")."""
+
+
 def _failure(exc: BaseException) -> str | None:
     """Why a collective could not complete, if `exc` says so; None for other errors."""
     text = str(exc).lower()
     if isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text:
         return "timed out"
-    if "connection closed by peer" in text or "connection reset" in text:
+    transport = "gloo/transport/" in text and "enforce fail" not in text  # an I/O error of
+    # gloo's, not a failed check of its (a size mismatch is a bug, not a missing peer)
+    if transport or any(phrase in text for phrase in _PEER_GONE):
         # A peer that gave up (its own timeout) or died closes its sockets; whoever waits
         # on it learns that before its own timeout, and still deserves the diagnosis.
         return "failed: a peer closed its connection"

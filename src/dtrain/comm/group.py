@@ -38,7 +38,7 @@ class CollectiveTimeout(RuntimeError):
 class Handle(Protocol):
     """What an async collective returns: `wait()` blocks until the result is in place."""
 
-    def wait(self) -> Any: ...
+    def wait(self) -> object: ...
 
 
 class Done:
@@ -242,8 +242,11 @@ class TorchGroup(Group):
         return self._pg
 
     def close(self) -> None:
-        """Stop the executor and let go of the process group: a wrapper a script still holds
-        (in a Pipeline, a layer) must not keep it, and gloo's threads, alive (world.shutdown)."""
+        """Stop the executor and let go of the process group.
+
+        A wrapper a script still holds (in a Pipeline, in a layer) must not keep the group
+        alive, nor with it gloo's threads, once the world shuts down (dtrain.world.shutdown).
+        """
         super().close()
         self._pg = None
 

@@ -5,18 +5,22 @@ None means the world: the calling thread's in-process group inside
 if needed). A torch process group is wrapped once and the wrapper kept, so its sequence
 counter, executor and calibration live as long as the world; `forget_all()` drops them at
 `dtrain.shutdown()`. In a world started with backend "shm" the wrapper moves the data
-through shared memory (dtrain.comm.shm, dtrain.comm.hierarchical).
+through shared memory (dtrain.comm.shm, dtrain.comm.algorithms.hierarchical).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TypeAlias
 
 import torch.distributed as dist
 
 from dtrain import world as world_mod
 from dtrain.comm.group import Group, TorchGroup
+
+GroupLike: TypeAlias = Group | dist.ProcessGroup | None
+"""What a `group=` argument may be: a dtrain Group, a torch process group, or None (the
+world); `resolve` turns each into a Group."""
 
 _thread = threading.local()
 _wrapped: dict[tuple[int, str], Group] = {}
@@ -27,7 +31,7 @@ def set_thread_group(group: Group | None) -> None:
     _thread.group = group
 
 
-def resolve(group: Any) -> Group:
+def resolve(group: GroupLike) -> Group:
     """The dtrain Group for a `group=` argument.
 
     Raises:
@@ -66,7 +70,7 @@ def _new(pg: dist.ProcessGroup, backend: str) -> Group:
     below = TorchGroup(pg)
     if backend != "shm" or below.size == 1:
         return below
-    from dtrain.comm.hierarchical import HierarchicalGroup, hosts_of
+    from dtrain.comm.algorithms.hierarchical import HierarchicalGroup, hosts_of
     from dtrain.comm.shm import ShmGroup
 
     hosts = hosts_of(below)

@@ -19,12 +19,12 @@ from dtrain.comm.group import Group
 from dtrain.comm.ops import AVAILABLE
 from dtrain.comm.registry import resolve
 
-__all__ = ["PROBE_BYTES", "Choice", "Curve", "cache_key", "calibration_path", "explain",
-           "measure", "save_models"]
+__all__ = ["PROBE_BYTES", "AlgorithmChoice", "Curve", "cache_key", "calibration_path",
+           "explain", "measure", "save_models"]
 
 
 @dataclass(frozen=True)
-class Choice:
+class AlgorithmChoice:
     """What `explain` reports: the algorithm chosen and the predictions behind it."""
 
     op: str
@@ -40,7 +40,8 @@ def measure(g: Group, op: str, candidates: tuple[str, ...],
     return cost.measure(g, op, candidates, device, collectives)
 
 
-def explain(op: str, nbytes: int, group=None, device: torch.device | str = "cpu") -> Choice:
+def explain(op: str, nbytes: int, group=None,
+            device: torch.device | str = "cpu") -> AlgorithmChoice:
     """Which algorithm `algorithm="auto"` would use for `op` on `nbytes`, and why.
 
     A collective call the first time (it may measure): call it on every rank.
@@ -49,7 +50,7 @@ def explain(op: str, nbytes: int, group=None, device: torch.device | str = "cpu"
     g = resolve(group)
     available = AVAILABLE[op]
     if len(available) == 1:
-        return Choice(op, nbytes, available[0], {}, f"{op} has only the native algorithm")
+        return AlgorithmChoice(op, nbytes, available[0], {}, f"{op} has only the native algorithm")
     lines = cost.models(g, op, available, device, collectives)
     predicted = {name: lines[name].predict(nbytes) * 1e6 for name in available}
     best = min(predicted, key=predicted.__getitem__)
@@ -58,4 +59,4 @@ def explain(op: str, nbytes: int, group=None, device: torch.device | str = "cpu"
               f"({runner_up / max(predicted[best], 1e-9):.2f}x faster than the next best); "
               f"each algorithm's time was measured on this group at "
               f"{', '.join(str(b) for b in PROBE_BYTES)} bytes and interpolated")
-    return Choice(op, nbytes, best, predicted, reason)
+    return AlgorithmChoice(op, nbytes, best, predicted, reason)

@@ -34,7 +34,8 @@ class Fabric:
         with self._lock:
             return self._mailboxes.setdefault((name, src, dst, tag), queue.Queue())
 
-    def meet(self, name: str, seq: int, rank: int, size: int, value: Any, what: str) -> list[Any]:
+    def meet(self, name: str, seq: int, rank: int, size: int, value: object, what: str
+             ) -> list[Any]:
         """Deposit `value`; return everybody's once all `size` members have deposited."""
         key = (name, seq)
         with self._lock:
@@ -104,7 +105,7 @@ class ThreadGroup(Group):
     def store_get(self, key: str) -> str | None:
         return self.fabric.store.get(key)
 
-    def _gather_all(self, value: Any, what: str) -> list[Any]:
+    def _gather_all(self, value: object, what: str) -> list[Any]:
         self._native_seq += 1
         return self.fabric.meet(self.name, self._native_seq, self.rank, self.size, value, what)
 

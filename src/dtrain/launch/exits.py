@@ -11,17 +11,16 @@ to stop the survivors.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from pathlib import Path
 
-ENV = "DTRAIN_EXIT_DIR"
+from dtrain.ft import env
 
 
 def note_exit_time(rank: int | str) -> None:
     """In a rank: note now, as the time this process exits, for the launcher (if it asked)."""
-    folder = os.environ.get(ENV)
+    folder = env.EXIT_DIR.get()
     if folder and str(rank):
         (Path(folder) / str(rank)).write_text(repr(time.time()))
 

@@ -12,7 +12,7 @@ and `max_nodes` launchers (after `min_nodes` have come it waits `last_call` seco
 others), numbers them by address, and closes. A node that joins later waits for the next
 round, and the agents of a round restart their ranks to admit it; a node that leaves stops
 beating (torch's keep-alive, every `KEEP_ALIVE_S`) and is dropped from the next round. The
-ranks of each round meet in keys of that round only (`ATTEMPT_ENV`), so nothing a previous
+ranks of each round meet in keys of that round only (DTRAIN_ATTEMPT), so nothing a previous
 round left in the store can mislead them.
 """
 
@@ -27,9 +27,8 @@ import uuid
 from datetime import timedelta
 
 from dtrain.errors import LaunchError
+from dtrain.ft import env
 
-ATTEMPT_ENV = "DTRAIN_ATTEMPT"  # read by dtrain.world: the keys the ranks meet under
-ROUND_ENV = "DTRAIN_ROUND"  # the job's round (1, 2, ...): dtrain train resumes after the first
 KEEP_ALIVE_S = 1  # torch's rendezvous keep-alive; a node silent for 3 of them is dropped
 STORE_TIMEOUT_S = 30.0
 
@@ -118,7 +117,7 @@ class Rendezvous:
     """torch's DynamicRendezvousHandler for the agent, with what dtrain adds:
 
     - the ranks bootstrap from the job's own store (the master's address, never a port
-      guessed elsewhere), under keys of the round (`ATTEMPT_ENV`);
+      guessed elsewhere), under keys of the round (DTRAIN_ATTEMPT);
     - each round's members and their rank counts are known (`members`), for the heartbeat;
     - nodes are numbered by `order` (the node rank asked for; the store's host asks for 0),
       then by address;
@@ -174,8 +173,8 @@ class Rendezvous:
             count = self.store.add("dtrain/rounds", 1)
             round_store.set("dtrain/attempt", f"{count}-{uuid.uuid4().hex[:8]}")
         attempt = round_store.get("dtrain/attempt").decode()
-        os.environ[ATTEMPT_ENV] = attempt
-        os.environ[ROUND_ENV] = attempt.partition("-")[0]
+        env.ATTEMPT.set(attempt)
+        env.ROUND.set(attempt.partition("-")[0])
         round_store.set(f"dtrain/member/{info.rank}", f"{self.node_id} {self.nproc}")
         said = [round_store.get(f"dtrain/member/{r}").decode().split()
                 for r in range(info.world_size)]

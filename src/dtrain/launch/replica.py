@@ -1,11 +1,11 @@
-"""One rank of a live replica of `dtrain train` (`[parallel] fault_tolerance = "live"`):
+"""One rank of a live replica of `dtrain train` (`[fault_tolerance] mode = "live"`):
 `python -m dtrain.launch.replica RESTARTS -- COMMAND...`.
 
 The elastic agent would stop every rank when one fails. Under live replicas each rank runs
-inside this supervisor instead. The job's ranks form replicas of `RANKS_ENV` consecutive
+inside this supervisor instead. The job's ranks form replicas of DTRAIN_LIVE_RANKS consecutive
 ranks (dp x tp x pp of the config; one by default): the rank (COMMAND) sees the world of its
 replica, under bootstrap keys of that replica's generation, and its replica id
-(dtrain.train.live). When a rank of a replica dies, its supervisor starts a new generation
+(dtrain.ft.live.job). When a rank of a replica dies, its supervisor starts a new generation
 of the replica (a counter in the job's store); the supervisors of the other ranks see it,
 stop their rank (alive, but its replica's groups are broken) and start it again in the new
 generation, up to RESTARTS times each. The new ranks recover the model, optimizer state and
@@ -23,8 +23,8 @@ import sys
 import time
 from datetime import timedelta
 
-from dtrain.launch import bootstrap, exits
-from dtrain.train.live import ID_ENV, INCARNATION_ENV, RANKS_ENV, SLOTS_ENV
+from dtrain.ft import env
+from dtrain.launch import bootstrap
 
 POLL = 0.1  # seconds between looks at the rank and at its replica's generation
 
@@ -43,7 +43,7 @@ def _generations(replica: int):
     import torch.distributed as dist
 
     store = dist.PrefixStore(
-        f"dtrain/live/{os.environ.get('DTRAIN_RUN_ID', '')}/generation/",
+        f"dtrain/live/{env.RUN_ID.get() or ''}/generation/",
         dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                       is_master=False, timeout=timedelta(seconds=60)))
     key = str(replica)
@@ -62,13 +62,13 @@ def _generations(replica: int):
 def main(argv: list[str]) -> int:
     restarts, program = int(argv[0]), argv[2:]  # after "--"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    ranks = int(os.environ.get(RANKS_ENV, "1"))
+    ranks = env.LIVE_RANKS.get()
     replica, position = divmod(rank, ranks)
-    attempt = os.environ.get("DTRAIN_ATTEMPT", "")
-    os.environ.update({ID_ENV: str(replica), SLOTS_ENV: str(world // ranks),
+    attempt = env.ATTEMPT.get() or ""
+    os.environ.update({**env.LIVE_ID.pair(replica), **env.LIVE_SLOTS.pair(world // ranks),
                        "RANK": str(position), "WORLD_SIZE": str(ranks),  # its replica's
                        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1"})  # (LOCAL_RANK: its GPU)
-    os.environ.pop(exits.ENV, None)  # this process notes the exit time, not its child
+    env.EXIT_DIR.unset()  # this process notes the exit time, not its child
     current, bump = _generations(replica)
     stopping: list[int] = []
     child: subprocess.Popen | None = None
@@ -85,8 +85,8 @@ def main(argv: list[str]) -> int:
         generation = current()
         if generation < 0:
             break  # the replica is gone for good
-        os.environ[INCARNATION_ENV] = str(generation)
-        os.environ["DTRAIN_ATTEMPT"] = f"{attempt}-live{replica}-g{generation}"
+        env.LIVE_INCARNATION.set(generation)
+        env.ATTEMPT.set(f"{attempt}-live{replica}-g{generation}")
         child = subprocess.Popen(bootstrap.command(program))  # dies with this process
         while (code := child.poll()) is None and current() == generation:
             time.sleep(POLL)

@@ -22,7 +22,8 @@ import subprocess
 import sys
 
 from dtrain.errors import ConfigError, exit_code_of
-from dtrain.launch import bootstrap, exits
+from dtrain.ft import env
+from dtrain.launch import bootstrap
 from dtrain.ps import job
 
 
@@ -41,17 +42,17 @@ def plan(command: list[str], workers: int, servers: int, nnodes: int, host: str 
                           "needs at least one server and one worker per machine")
     if snapshot_every and not snapshot_dir:
         raise ConfigError("--snapshot-every needs --snapshot-dir (where servers save shards)")
-    key = os.environ.get(job.SECRET)
+    key = env.PS_SECRET.get()
     if key is None and nnodes > 1:
-        raise ConfigError(f"--servers across machines: set {job.SECRET} to the same hex key "
-                          "on every machine (for example `openssl rand -hex 32`)")
-    env = {job.SECRET: key or job.new_secret(), job.HOST: host,
-           job.SNAPSHOT_EVERY: str(snapshot_every)}
+        raise ConfigError(f"--servers across machines: set {env.PS_SECRET.name} to the same "
+                          "hex key on every machine (for example `openssl rand -hex 32`)")
+    passed = {**env.PS_SECRET.pair(key or job.new_secret()), **env.PS_HOST.pair(host),
+              **env.PS_SNAPSHOT_EVERY.pair(snapshot_every)}
     if snapshot_dir:
-        env[job.SNAPSHOT_DIR] = os.path.abspath(snapshot_dir)
+        env.PS_SNAPSHOT_DIR.set(os.path.abspath(snapshot_dir), passed)
     wrapped = [sys.executable, "-u", "-m", "dtrain.launch.roles", str(workers), str(servers),
                "--", *command]
-    return wrapped, workers + servers, env
+    return wrapped, workers + servers, passed
 
 
 def _env_int(name: str) -> int:
@@ -88,17 +89,18 @@ def main(argv: list[str]) -> int:
     command = argv[3:]  # after "--"
     local, node = _env_int("LOCAL_RANK"), _env_int("GROUP_RANK")
     nodes = _env_int("WORLD_SIZE") // (workers + servers)
-    os.environ.update({job.WORKERS: str(workers * nodes), job.SERVERS: str(servers * nodes)})
+    env.PS_WORKERS.set(workers * nodes)
+    env.PS_SERVERS.set(servers * nodes)
     if local >= workers:
         index = node * servers + local - workers
-        os.environ.update({"DTRAIN_ROLE": "server", job.INDEX: str(index)})
+        os.environ.update({**env.ROLE.pair("server"), **env.PS_INDEX.pair(index)})
         return exit_code_of(job.serve_from_env)
     index = node * workers + local
     os.environ.update({
-        "DTRAIN_ROLE": "worker", job.INDEX: str(index), "RANK": str(index),
+        **env.ROLE.pair("worker"), **env.PS_INDEX.pair(index), "RANK": str(index),
         "WORLD_SIZE": str(workers * nodes), "LOCAL_WORLD_SIZE": str(workers),
     })
-    os.environ.pop(exits.ENV, None)  # this process notes the exit time (bootstrap), not the child
+    env.EXIT_DIR.unset()  # this process notes the exit time (bootstrap), not the child
     return _run_worker(index, command)
 
 

@@ -10,7 +10,7 @@ Several machines: run the same command on each with `--nnodes N` (or `MIN:MAX`, 
 and `--master HOST:PORT`; node 0 (`--node-rank 0`, or the first launcher able to listen
 there) hosts the job's store at HOST:PORT, where the launchers meet in rounds of torch's
 dynamic rendezvous (dtrain.launch.rendezvous). Each launcher beats on a counter in that
-store (heartbeat.Heartbeat): a machine that goes silent is noticed within seconds, named in
+store (nodes.NodeWatch): a machine that goes silent is noticed within seconds, named in
 the error line, and, in an elastic job, left behind in a new round.
 """
 
@@ -24,9 +24,10 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 
-from dtrain.comm import segment
+from dtrain.comm.shm import segment
 from dtrain.errors import ConfigError, LaunchError
-from dtrain.launch import bootstrap, exits, heartbeat, rendezvous, waker
+from dtrain.ft import env as contract
+from dtrain.launch import bootstrap, exits, nodes, rendezvous, waker
 
 PREFIX = "[rank${rank}] "
 
@@ -117,8 +118,9 @@ def validate(spec: LaunchSpec) -> None:
 
 
 def _rank_env(spec: LaunchSpec, run_id: str, exit_dir: str) -> dict[str, str]:
-    env = {"DTRAIN_RUN_ID": run_id, "PYTHONUNBUFFERED": "1", exits.ENV: exit_dir}
-    env["TORCH_CPP_LOG_LEVEL"] = os.environ.get("DTRAIN_USER_CPP_LOG_LEVEL", "WARNING")
+    env = {**contract.RUN_ID.pair(run_id), "PYTHONUNBUFFERED": "1",
+           **contract.EXIT_DIR.pair(exit_dir)}
+    env["TORCH_CPP_LOG_LEVEL"] = contract.USER_CPP_LOG_LEVEL.get()
     if "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; more threads than cores makes every rank slower.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.nproc))
@@ -152,7 +154,7 @@ def launch(spec: LaunchSpec) -> None:
     timeline = _start_timeline(spec) if spec.timeline else ""
     host, port, listen_fd = _store_address(spec)
     # Every machine of a job must agree on the run id; the master address is what they share.
-    run_id = os.environ.get("DTRAIN_RUN_ID") or (
+    run_id = contract.RUN_ID.get() or (
         uuid.uuid4().hex[:12] if spec.master is None else f"dtrain-{host}-{port}"
     )
     # The agent logs each failure and signal itself; dtrain reports it once, in one line.
@@ -165,14 +167,14 @@ def launch(spec: LaunchSpec) -> None:
         os.makedirs(exit_dir)
         os.environ.update({**_rank_env(spec, run_id, exit_dir), **spec.env})
         if timeline:
-            os.environ["DTRAIN_TIMELINE"] = timeline  # read by dtrain.init in every rank
+            contract.TIMELINE.set(timeline)  # read by dtrain.init in every rank
         waking = waker.Waker()  # continues stopped ranks once the job ends; fails stalled ones
         beat = rdzv = None
         try:
             store = rendezvous.open_store(host, port, listen_fd, spec.join_timeout)
             me = rendezvous.node_id(host, port)
             if spec.nnodes > 1:  # notices, and names, a machine that is lost
-                beat = heartbeat.Heartbeat(host, port, run_id, me)
+                beat = nodes.NodeWatch(host, port, run_id, me)
             rdzv = rendezvous.Rendezvous(
                 store, host, port, run_id, me, spec.min_nodes or spec.nnodes, spec.nnodes,
                 spec.join_timeout, spec.last_call, spec.nproc,
@@ -216,7 +218,7 @@ def _store_address(spec: LaunchSpec) -> tuple[str, int, int | None]:
     return host, port, None
 
 
-def run_agent(spec: LaunchSpec, rdzv: rendezvous.Rendezvous, beat: heartbeat.Heartbeat | None,
+def run_agent(spec: LaunchSpec, rdzv: rendezvous.Rendezvous, beat: nodes.NodeWatch | None,
                log_dir: str):
     """Start the ranks on torch's agent (as torchrun does) and watch them to the end."""
     from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -241,7 +243,7 @@ class _Membership:
     """What the agent consults when its ranks fail or hang: whether a node has left."""
 
     rdzv: rendezvous.Rendezvous
-    beat: heartbeat.Heartbeat | None
+    beat: nodes.NodeWatch | None
     elastic: bool
     lost: str = ""  # the last node lost, as the head of an error line
 
@@ -290,7 +292,7 @@ def _agent_class():
     return Agent
 
 
-def _failure(result, exit_dir: str, beat: heartbeat.Heartbeat | None,
+def _failure(result, exit_dir: str, beat: nodes.NodeWatch | None,
              waking: waker.Waker) -> LaunchError:
     """The one error line for a job whose ranks failed: the node lost, the rank that failed
     first and how."""
@@ -306,7 +308,7 @@ def _failure(result, exit_dir: str, beat: heartbeat.Heartbeat | None,
     how = _describe(failure.exitcode)
     if failure.pid in waking.stalled:
         how = (f"was stopped (SIGSTOP) for {waking.stalled[failure.pid]:.0f}s and killed "
-               f"(set {waker.STALL_ENV} to allow longer)")
+               f"(set {contract.STALL_TIMEOUT.name} to allow longer)")
     return LaunchError(f"{lost}{'; then ' if lost else ''}rank {rank} {how}{more}; its output "
                        "is above", exit_code=_exit_code(failure.exitcode) or 1)
 

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from dtrain.config import layout_of, load_config, per_rank_batch
 from dtrain.errors import ConfigError
-from dtrain.train.elastic import ELASTIC_ENV
-from dtrain.train.live import RANKS_ENV
+from dtrain.ft import env as contract
 
 
 def train_command(args: argparse.Namespace) -> None:
@@ -26,7 +25,7 @@ def train_command(args: argparse.Namespace) -> None:
     if args.nproc is not None:
         overrides.append(f"parallel.nproc={args.nproc}")
     if args.backend is not None:
-        overrides.append(f"parallel.backend={args.backend}")
+        overrides.append(f"comm.backend={args.backend}")
     if args.resume is not None:
         overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
     config = load_config(args.config, overrides)
@@ -58,15 +57,16 @@ def train_command(args: argparse.Namespace) -> None:
 
     world_size = config.parallel.nproc * args.nnodes
     ranks = max(pc.dp, 1) * pc.tp * pc.pp  # of a live replica
-    if pc.fault_tolerance == "live" and args.min_nodes < args.nnodes:
-        raise ConfigError("parallel.fault_tolerance = \"live\" keeps a fixed set of replica "
+    live = config.fault_tolerance.mode == "live"
+    if live and args.min_nodes < args.nnodes:
+        raise ConfigError("fault_tolerance.mode = \"live\" keeps a fixed set of replica "
                           f"slots: give --nnodes {args.nnodes} (replicas that die are "
-                          "dropped and brought back live), or fault_tolerance = \"restart\" "
-                          "for an elastic job")
-    if pc.fault_tolerance == "live" and world_size % ranks:
+                          "dropped and brought back live), or fault_tolerance.mode = "
+                          "\"restart\" for an elastic job")
+    if live and world_size % ranks:
         raise ConfigError(f"{world_size} ranks do not make live replicas of dp x tp x pp = "
                           f"{ranks} ranks each: run a multiple of {ranks} ranks")
-    if pc.fault_tolerance == "live":
+    if live:
         layout_of(config, ranks)  # each replica's, as its ranks check again
         per_rank_batch(config, world_size // ranks * max(pc.dp, 1))  # over every replica
     elif args.min_nodes == args.nnodes:  # (an elastic job's rounds re-derive the layout)
@@ -88,17 +88,17 @@ def train_command(args: argparse.Namespace) -> None:
     if pc.mode == "ps":  # servers beside the workers; they snapshot into the run folder
         from dtrain.launch.roles import plan
 
-        command, nproc, env = plan(command, pc.nproc, pc.servers, args.nnodes,
+        command, nproc, env = plan(command, pc.nproc, config.ps.servers, args.nnodes,
                                    snapshot_dir=str(out_dir / "ps-snapshots"),
-                                   snapshot_every=pc.snapshot_every)
+                                   snapshot_every=config.ps.snapshot_every)
     if args.min_nodes < args.nnodes:  # elastic: each round re-derives the layout
-        env[ELASTIC_ENV] = str(world_size)
+        contract.ELASTIC_MAX_RANKS.set(world_size, env)
     restarts = args.max_restarts
-    if pc.fault_tolerance == "live":  # each replica restarted in place, not the whole job
+    if live:  # each replica restarted in place, not the whole job
         from dtrain.launch import replica
 
         command, restarts = replica.command(args.max_restarts, command), 0
-        env[RANKS_ENV] = str(ranks)
+        contract.LIVE_RANKS.set(ranks, env)
     launch(LaunchSpec(
         command=command, nproc=nproc, nnodes=args.nnodes, min_nodes=args.min_nodes,
         node_rank=args.node_rank, master=args.master, max_restarts=restarts,

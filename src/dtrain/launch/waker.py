@@ -21,21 +21,16 @@ import signal
 import time
 from pathlib import Path
 
+from dtrain.ft import env
 from dtrain.launch.watch import Watcher
 
 PERIOD_S = 0.5
-STALL_ENV = "DTRAIN_STALL_TIMEOUT"
-STALL_S = 5.0
 
 
 def stall_timeout() -> float:
     """Seconds a rank may stay stopped before it is failed (env DTRAIN_STALL_TIMEOUT;
     0: never)."""
-    raw = os.environ.get(STALL_ENV, "")
-    try:
-        return float(raw) if raw else STALL_S
-    except ValueError:
-        return STALL_S
+    return env.STALL_TIMEOUT.get()
 
 
 class Waker(Watcher):

@@ -18,19 +18,22 @@ dp wraps the model or each piece in DataParallel or ZeRO over the remaining axis
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
-from dtrain.layout import Layout
+from dtrain.checkpoint.universal import Checkpoint
+from dtrain.config import Config
+from dtrain.job_layout import Layout
 from dtrain.layouts.data_parallel import Replicated
 from dtrain.layouts.holding import Holding, build_optimizer
 from dtrain.layouts.parameter_server import ParameterServer
 from dtrain.layouts.pipeline import Pipelined
+from dtrain.layouts.synced import Synced
 from dtrain.layouts.zero import Sharded
 from dtrain.mesh import Mesh
 from dtrain.models import init, recompute
-from dtrain.parallel.diloco import DiLoCo
+from dtrain.models.weights import SlicedWeights
+from dtrain.parallel.averaging import Averaging
+from dtrain.parallel.sync.diloco import DiLoCo
 from dtrain.tensor_parallel.plan_of import check_sequence_parallel, split_model
 from dtrain.tensor_parallel.sequence import apply_sequence_parallel
 
@@ -48,11 +51,12 @@ def kind_of(layout: Layout) -> str:
     return "pp" if layout.pp > 1 else "zero" if layout.zero else "dp"
 
 
-def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
-          weights: Any = None, live: Any = None) -> Holding:
+def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
+          weights: Checkpoint | SlicedWeights | None = None,
+          averaging: Averaging | None = None) -> Holding:
     """This rank's Holding of `model` (the same whole model on every rank) in `layout`
-    over `mesh`; `config` gives the options (`[parallel]`, `[optimizer]`, `[train]`,
-    `[memory]`).
+    over `mesh`; `config` gives the options (`[parallel]`, `[comm]`, `[sync]`, `[ps]`,
+    `[optimizer]`, `[train]`, `[memory]`).
 
     tp > 1 splits `model`'s layers in place first, by its family's plan or `[model]
     tp_plan` (dtrain.tensor_parallel.plan_of), with `parallel.sequence_parallel` if set;
@@ -63,13 +67,14 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
     and restores it from `weights` (a checkpoint, or Hugging Face weights) or else from the
     initial values for `train.seed`, the same as one process's.
 
-    `live` (a dtrain.parallel.live.LiveReplicas) averages gradients over the replicas
-    alive at each step: instead of over the mesh's dp group (DataParallel), or after ZeRO's
-    reduction over it, shard by shard.
+    `averaging` (fault tolerance's live replicas hand one: dtrain.ft.live.LiveAveraging)
+    averages gradients over the replicas it chooses at each step: instead of over the mesh's
+    dp group (DataParallel), or after ZeRO's reduction over it, shard by shard.
 
-    A mesh of replicas (`parallel.sync` = local_sgd or diloco) gives each its own Holding,
-    synchronized with the others' over `mesh.across` every `parallel.sync_every` steps
-    (`held.outer`, dtrain.parallel.diloco), and its own checkpoints.
+    A mesh of replicas (`sync.method` = local_sgd or diloco) gives each its own Holding,
+    synchronized with the others' over `mesh.group("dp_replicate")` every `sync.every` steps
+    (dtrain.layouts.synced.Synced around its Holding, dtrain.parallel.sync.diloco), and its own
+    checkpoints.
     """
     skeleton = init.is_skeleton(model)
     if skeleton and weights is None:
@@ -83,24 +88,26 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
     kind = kind_of(layout)
     if skeleton and kind in ("dp", "ps"):  # these hold their (tp blocks of the) model whole
         init.allocate(model, mesh.world.device)
-    held = HOLDINGS[kind](model, mesh, layout, config, **({"live": live} if live else {}))
+    held = HOLDINGS[kind](model, mesh, layout, config, notes=_notes(config, recomputed),
+                          **({"averaging": averaging} if averaging else {}))
     if skeleton:
         held.restore(weights)
     if sequence:  # after allocation: its gradient hooks go on the real parameters
         apply_sequence_parallel(model, mesh.group("tp"))
-    held.notes = _notes(config, recomputed)
-    if mesh.replicas > 1:  # replicas train alone, synchronized every sync_every steps
-        pc = config.parallel
-        held.outer = DiLoCo(held.module, mesh.across, sync_every=pc.sync_every, mode=pc.sync,
-                            outer_lr=pc.outer_lr, outer_momentum=pc.outer_momentum,
-                            streaming=pc.streaming, params=held.synced())
-        held.checkpoint_group = mesh.replica_group  # each replica its own checkpoints
-        held.notes += (f"{mesh.replicas} replicas synchronized by {pc.sync} every "
-                       f"{pc.sync_every} steps{' (streaming)' if pc.streaming else ''}",)
+    replicas = mesh.size("dp_replicate")
+    if replicas > 1:  # replicas train alone, synchronized every sync.every steps
+        sc = config.sync
+        outer = DiLoCo(held.module, mesh.group("dp_replicate"), sync_every=sc.every,
+                       mode=sc.method, outer_lr=sc.outer_lr, outer_momentum=sc.outer_momentum,
+                       streaming=sc.streaming, params=held.synced())
+        note = (f"{replicas} replicas synchronized by {sc.method} every {sc.every} steps"
+                f"{' (streaming)' if sc.streaming else ''}")
+        # each replica writes checkpoints of its own
+        held = Synced(held, outer, mesh.group("pp", "dp", "cp", "tp"), note)
     return held
 
 
-def _notes(config: Any, recomputed: list[str]) -> tuple[str, ...]:
+def _notes(config: Config, recomputed: list[str]) -> tuple[str, ...]:
     """The banner's words for sequence parallelism and what is recomputed."""
     notes = ["sequence parallel"] if config.parallel.sequence_parallel else []
     if recomputed:

@@ -19,7 +19,6 @@ module of dtrain.layouts, never a branch in the loop.
 from __future__ import annotations
 
 import contextlib
-import io
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -27,12 +26,14 @@ import torch
 from torch import nn
 
 from dtrain import timeline
+from dtrain.checkpoint.checkpointable import CheckpointGroup
 from dtrain.checkpoint.universal import Checkpoint, Piece
-from dtrain.layout import Layout
-from dtrain.layouts.state import Held, Names, collect
+from dtrain.comm import GroupLike
+from dtrain.config import OptimizerConfig
+from dtrain.job_layout import Layout
+from dtrain.layouts.held import Held, Names, collect
 from dtrain.models import loss_of_output
 from dtrain.parallel.clip import GradPart, clip_grad_norm_
-from dtrain.parallel.data_parallel import DataParallel
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -52,6 +53,8 @@ class Holding:
         held: how the parameters are held, for checkpoints and steps (layouts.state).
         names: the logical names of the parameters.
         groups: the mesh groups by axis ("dp", "tp", "pp") the clip sums over.
+        notes: what else the banner says of how the model is held (given to the
+            constructor: sequence parallel, what is recomputed).
 
     and define `grad_parts()`: the strategy's own (DataParallel, ZeRO, Pipeline), told
     which parameters are tensor-parallel blocks.
@@ -63,11 +66,11 @@ class Holding:
     optimizers: list[torch.optim.Optimizer]
     held: list[Held]
     names: Names
-    groups: dict[str, Any]
-    loss_group: Any = None
+    groups: dict[str, GroupLike]
+    loss_group: GroupLike = None
     accum: int = 1
     """Batches of `train.batch_size / dp` one step takes (gradient accumulation)."""
-    checkpoint_group: Any = "world"
+    checkpoint_group: CheckpointGroup = "world"
     """Who writes a checkpoint together (dtrain.checkpoint.universal.save's `group`)."""
     writes_checkpoint: bool = True
 
@@ -108,24 +111,13 @@ class Holding:
         returns that norm (collective over the mesh)."""
         return clip_grad_norm_(self.grad_parts(), max_norm, self.groups)
 
-    outer: Any = None
-    """With parallel.sync = local_sgd or diloco: the synchronization of this rank's
-    replica with the others every sync_every steps (dtrain.parallel.diloco.DiLoCo, over
-    `synced()`); None when gradients are averaged every step."""
-
     def step(self) -> None:
-        """Update the parameters from their gradients (and, every sync_every steps, from
-        the other replicas')."""
+        """Update the parameters from their gradients."""
         for h in self.held:
             h.step()
-        if self.outer is not None and self.outer.step():
-            self.synchronized()
 
     def finish_rounds(self) -> None:
-        """Apply a synchronization still in flight (`parallel.streaming`), at the end."""
-        if self.outer is not None:
-            self.outer.flush()
-            self.synchronized()
+        """At the end: apply what is still in flight (a wrapper's, dtrain.layouts.synced)."""
 
     def synced(self) -> list[torch.Tensor]:
         """The tensors that make up this rank's copy of the model: what its optimizers step
@@ -148,8 +140,6 @@ class Holding:
         """Called after the last step."""
 
     notes: tuple[str, ...] = ()
-    """What else the banner says of how the model is held (sequence parallel, what is
-    recomputed)."""
 
     def describe(self) -> str:
         """The layout in words, for the banner."""
@@ -177,33 +167,19 @@ class Holding:
 
     def rank_state(self) -> dict[str, torch.Tensor]:
         """What this rank keeps for itself across checkpoints, beyond the model and
-        optimizer: DataParallel's compression state, the replicas' outer state."""
-        state = {}
-        wrappers = [m for m in self.module.modules() if isinstance(m, DataParallel)]
-        for i, wrapper in enumerate(wrappers):
-            state.update({f"compression/{i}/{k}": v
-                          for k, v in wrapper.compression_state().items()})
-        if self.outer is not None:  # nested (lists, the outer SGD's state): one blob
-            blob = io.BytesIO()
-            torch.save(self.outer.state_dict(), blob)
-            state["outer"] = torch.frombuffer(bytearray(blob.getvalue()), dtype=torch.uint8)
-        return state
+        optimizer (DataParallel's compression state; a wrapper's own, as the replicas'
+        outer optimizer): nothing by default."""
+        return {}
 
     def load_rank_state(self, state: dict[str, torch.Tensor]) -> None:
         """Continue from `rank_state()`'s tensors (a checkpoint of the same ranks)."""
-        wrappers = [m for m in self.module.modules() if isinstance(m, DataParallel)]
-        for i, wrapper in enumerate(wrappers):
-            wrapper.load_compression_state(_under(state, f"compression/{i}/"))
-        if self.outer is not None and "outer" in state:  # this rank's own checkpoint file
-            blob = io.BytesIO(state["outer"].numpy().tobytes())
-            self.outer.load_state_dict(torch.load(blob, weights_only=True))
-            self.synchronized()
 
     def aliases(self) -> dict[str, str]:
         return self.names.aliases()
 
 
-def _under(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+def under(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries of `state` whose keys start with `prefix`, without it."""
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
@@ -214,7 +190,8 @@ def decay_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[di
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def build_optimizer(params: Iterable[nn.Parameter], cfg: Any) -> torch.optim.Optimizer:
+def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimizerConfig
+                    ) -> torch.optim.Optimizer:
     """The configured optimizer (`[optimizer]`: name, lr, betas, momentum, weight_decay)."""
     groups = decay_groups(params, cfg.weight_decay)
     if cfg.name == "sgd":

@@ -5,21 +5,21 @@ No collective runs per step, so asynchronous workers never wait on each other.""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 from torch import nn
 
 from dtrain import ps
-from dtrain.layout import Layout
+from dtrain.config import Config
+from dtrain.job_layout import Layout
+from dtrain.layouts.held import Names, Tensors
 from dtrain.layouts.holding import Holding
-from dtrain.layouts.state import Names, Tensors
 from dtrain.mesh import Mesh
 from dtrain.parallel.clip import GradPart
 
 
-def ps_settings(config: Any) -> ps.Settings:
+def ps_settings(config: Config) -> ps.Settings:
     """The parameter servers' rules from the config (the optimizer runs on the servers)."""
-    o, p = config.optimizer, config.parallel
+    o, p = config.optimizer, config.ps
     return ps.Settings(p.consistency, p.staleness if p.consistency == "ssp" else 0,
                        optimizer=o.name, lr=o.lr, momentum=o.momentum, betas=tuple(o.betas),
                        weight_decay=o.weight_decay)
@@ -33,17 +33,19 @@ class ParameterServer(Holding):
     # servers' snapshots.
     checkpoint_group = None
 
-    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
+                 notes: tuple[str, ...] = ()) -> None:
         # Pushes overlap backward unless the gradient must first be clipped whole.
         self.worker = ps.Worker(model, ps_settings(config),
                                 overlap=config.optimizer.grad_clip == 0)
         self.layout, self.module, self.names = layout, model, Names(model)
+        self.notes = notes
         self.optimizers = [ps.RemoteOptimizer(self.worker)]
         self.held = [Tensors(self.names, list(model.parameters()))]
         self.groups = {}  # each worker clips its own gradient
         self.accum = config.train.grad_accum
         self.writes_checkpoint = mesh.world.is_main
-        pc = config.parallel
+        pc = config.ps
         self._how = (f"{pc.consistency} parameter-server training with {pc.servers} "
                      "server(s) per machine")
 

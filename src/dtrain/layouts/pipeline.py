@@ -4,19 +4,20 @@ micro-batches (dtrain.pipeline), each of this rank's pieces data parallel or ZeR
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
 from dtrain import pipeline
-from dtrain.layout import Layout
-from dtrain.layouts.data_parallel import data_parallel
+from dtrain.config import Config
+from dtrain.job_layout import Layout
+from dtrain.layouts.data_parallel import compression_state, data_parallel, load_compression_state
+from dtrain.layouts.held import Names, Shards, Tensors
 from dtrain.layouts.holding import Batch, Holding, build_optimizer
-from dtrain.layouts.state import Names, Shards, Tensors
 from dtrain.layouts.zero import zero_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
+from dtrain.parallel.averaging import Averaging
 from dtrain.parallel.clip import GradPart
 from dtrain.parallel.zero import ZeRO
 
@@ -24,10 +25,10 @@ from dtrain.parallel.zero import ZeRO
 class Pipelined(Holding):
     """This rank's pipeline pieces, each wrapped over dp, driven by the schedule."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
-                 live: Any = None) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
+                 notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
         group, dp = mesh.group("pp"), mesh.group("dp")
-        self.layout = layout
+        self.layout, self.notes = layout, notes
         mine = pipeline.pieces_for(pipeline.cut(model, layout.pp * layout.virtual_stages),
                                    group)
         device = mesh.world.device  # a model built in split form: only my pieces get memory
@@ -38,11 +39,11 @@ class Pipelined(Holding):
         self.names = Names(model, tp=(mesh.coords["tp"], layout.tp),
                            skip={id(p) for p, peer in tied if peer < group.rank()})
         if layout.zero:
-            wrapped = [zero_of(piece, dp, config, device, live) for piece in mine]
+            wrapped = [zero_of(piece, dp, config, device, averaging) for piece in mine]
             self.optimizers = [z.optimizer for z in wrapped]
             self.held = [Shards(self.names, z) for z in wrapped]
         else:
-            wrapped = [data_parallel(piece, dp, config, live) for piece in mine]
+            wrapped = [data_parallel(piece, dp, config, averaging) for piece in mine]
             params = list(nn.ModuleList(mine).parameters())
             self.optimizers = [build_optimizer(params, config.optimizer)]
             self.held = [Tensors(self.names, params, self.optimizers[0],
@@ -67,6 +68,12 @@ class Pipelined(Holding):
 
     def grad_parts(self) -> list[GradPart]:
         return self.pipe.grad_parts(is_split=self.names.is_split)  # a tied copy counted once
+
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        return compression_state(self.module)
+
+    def load_rank_state(self, state: dict[str, torch.Tensor]) -> None:
+        load_compression_state(self.module, state)
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.pipe.evaluate(x, y)

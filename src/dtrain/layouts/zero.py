@@ -3,41 +3,43 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from dtrain.layout import Layout
+from dtrain.comm import GroupLike
+from dtrain.config import Config
+from dtrain.job_layout import Layout
+from dtrain.layouts.held import Names, Shards
 from dtrain.layouts.holding import Holding, build_optimizer
-from dtrain.layouts.state import Names, Shards
 from dtrain.mesh import Mesh
 from dtrain.models import init
+from dtrain.parallel.averaging import Averaging
 from dtrain.parallel.clip import GradPart
 from dtrain.parallel.zero import ZeRO
 
 
-def zero_of(module: nn.Module, group: Any, config: Any, device: torch.device,
-            live: Any = None) -> ZeRO:
-    """`module` wrapped in ZeRO over `group` as `[parallel]` and `[optimizer]` say, each
-    shard also averaged over the live replicas if `live`; a module built in split form
-    gets its shards (only) on `device`."""
+def zero_of(module: nn.Module, group: GroupLike, config: Config, device: torch.device,
+            averaging: Averaging | None = None) -> ZeRO:
+    """`module` wrapped in ZeRO over `group` as `[parallel]`, `[comm]` and `[optimizer]`
+    say, each shard also averaged by `averaging` if given; a module built in
+    split form gets its shards (only) on `device`."""
     pc = config.parallel
     mixed = None if pc.mixed_precision == "fp32" else pc.mixed_precision
     init.allocate_buffers(module, device)
     return ZeRO(module, lambda _: build_optimizer(module.parameters(), config.optimizer),
-                stage=pc.zero, group=group, bucket_mb=pc.bucket_mb, mixed_precision=mixed,
-                device=device, live=live)
+                stage=pc.zero, group=group, bucket_mb=config.comm.bucket_mb,
+                mixed_precision=mixed, device=device, averaging=averaging)
 
 
 class Sharded(Holding):
     """The model, whole or split over tp, sharded over dp by one ZeRO wrapper."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Any,
-                 live: Any = None) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
+                 notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
         self.layout, self.names = layout, Names(model, tp=(mesh.coords["tp"], layout.tp))
+        self.notes = notes
         self.module = self.zero = zero_of(model, mesh.group("dp"), config, mesh.world.device,
-                                          live)
+                                          averaging)
         self.optimizers = [self.zero.optimizer]
         self.held = [Shards(self.names, self.zero)]
         self.groups = {"dp": mesh.group("dp"), "tp": mesh.group("tp")}

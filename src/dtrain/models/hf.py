@@ -22,13 +22,17 @@ from __future__ import annotations
 import enum
 import json
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
+
+if TYPE_CHECKING:  # transformers is optional: imported where arch "hf" needs it
+    from transformers import PretrainedConfig
 
 
 class Family(enum.Enum):
@@ -61,7 +65,7 @@ def _config_file(cfg: ModelConfig) -> tuple[str, Path]:
     return key, file
 
 
-def _transformers() -> Any:
+def _transformers() -> ModuleType:
     try:
         import transformers
     except ImportError:
@@ -70,7 +74,7 @@ def _transformers() -> Any:
     return transformers
 
 
-def _read_json(key: str, file: Path) -> Any:
+def _read_json(key: str, file: Path) -> object:
     try:
         return json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -78,7 +82,7 @@ def _read_json(key: str, file: Path) -> Any:
                           "Hugging Face config.json") from None
 
 
-def _config_of(key: str, file: Path | str, data: Any) -> Any:
+def _config_of(key: str, file: Path | str, data: object) -> PretrainedConfig:
     """The transformers config of `data` (read from `file`), without running any code
     from the Hub."""
     transformers = _transformers()
@@ -98,7 +102,7 @@ def _config_of(key: str, file: Path | str, data: Any) -> Any:
                           f"{_one_line(exc)}") from None
 
 
-def _causal_lm_class(key: str, file: Path | str, config: Any) -> type:
+def _causal_lm_class(key: str, file: Path | str, config: PretrainedConfig) -> type:
     """The causal-LM class transformers builds for `config`.
 
     BERT-like encoders also have an LM-head class in that mapping, but only as a decoder
@@ -116,7 +120,8 @@ def _causal_lm_class(key: str, file: Path | str, config: Any) -> type:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def _check_shape(cfg: ModelConfig, key: str, file: Path | str, config: Any) -> None:
+def _check_shape(cfg: ModelConfig, key: str, file: Path | str,
+                 config: PretrainedConfig) -> None:
     vocab = getattr(config, "vocab_size", None)
     if vocab is not None and vocab < cfg.vocab_size:
         raise ConfigError(f"model.{key}: vocab_size = {vocab} in {file} is smaller than the "

@@ -33,13 +33,16 @@ import hashlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.models.weights import SlicedWeights
+
+if TYPE_CHECKING:
+    from dtrain.checkpoint.universal import Checkpoint
 
 CHUNK = 1 << 20
 """Elements per generator group (at least one row)."""
@@ -99,7 +102,7 @@ class _NoValuesOnMeta(torch.overrides.TorchFunctionMode):
     no values anyway, and some (normal_) reach torch's reference kernels on the meta device,
     whose first call imports the compiler (torch._dynamo): seconds of every rank's start."""
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (),
+    def __torch_function__(self, func: Callable, types: tuple[type, ...], args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _INITIALIZERS:
@@ -331,8 +334,8 @@ class Initial(SlicedWeights):
         return value
 
 
-def materialized(model: nn.Module, weights: Any, device: torch.device | str = "cpu"
-                 ) -> nn.Module:
+def materialized(model: nn.Module, weights: Checkpoint | SlicedWeights,
+                 device: torch.device | str = "cpu") -> nn.Module:
     """`model` (a skeleton) whole on `device` with the values of `weights` (`Initial`, a
     checkpoint, Hugging Face weights): what one process trains."""
     from dtrain.checkpoint.universal import MODEL

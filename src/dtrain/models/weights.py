@@ -1,7 +1,7 @@
 """A Hugging Face folder of safetensors weights, read the way a checkpoint is.
 
 `init_from` starts a run from such a folder in any layout: the layouts restore their
-parameters from it exactly as from a dtrain checkpoint (dtrain.layouts.state), through the
+parameters from it exactly as from a dtrain checkpoint (dtrain.layouts.held), through the
 few calls a checkpoint answers (`tensor`, `names`, `extra`, `path`) and two a checkpoint
 does not (`block`, `rows`), all served by `SlicedWeights` from one slice reader (which
 dtrain.models.init's initial values share). Names are dtrain's (`model/` + the model's
@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
 from dtrain.checkpoint.universal import MODEL
 from dtrain.errors import ConfigError
-from dtrain.layout import Split
+from dtrain.job_layout import Split
+
+if TYPE_CHECKING:
+    from dtrain.models.config import ModelConfig
 
 ROWS_AT_ONCE = 1 << 20
 """Elements `copy_into` reads at a time (at least one row)."""
@@ -199,7 +202,7 @@ class HFWeights(SlicedWeights):
         return piece[index[::-1]].t() if transposed else piece[index]
 
 
-def weights_of(cfg: Any, model: torch.nn.Module) -> HFWeights:
+def weights_of(cfg: ModelConfig, model: torch.nn.Module) -> HFWeights:
     """The weights `cfg.init_from` names, mapped to `model` (built from `cfg`, a resolved
     ModelConfig).
 

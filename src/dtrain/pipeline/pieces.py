@@ -11,7 +11,6 @@ sums its gradients there as autograd does for one shared weight.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -98,7 +97,8 @@ def loss_of(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     return loss
 
 
-def tied_weights(model: nn.Module, mine: Sequence[Piece], group: Any = None) -> list:
+def tied_weights(model: nn.Module, mine: Sequence[Piece], group: comm.GroupLike = None
+                 ) -> list:
     """The (parameter, peer) pairs for `Pipeline(tied=...)`: each parameter both the input
     part (first stage's rank) and the output part (last stage's rank) hold, when those are
     different ranks."""

@@ -17,7 +17,7 @@ view to adjust in place) and `reduce_gradients()` (reduce what was accumulated, 
 rank's shards) holds its gradients outside `param.grad`; its `group` is its data-parallel
 group. With tied weights the pipeline runs every backward of such a piece under `no_sync`,
 adds the other stage's gradient of a tied parameter to `accumulated_grad(param)`, then calls
-`reduce_gradients()`. A piece averaging over live replicas (its `live` set: a redo over
+`reduce_gradients()`. A piece with an `averaging` of its own (live replicas: a redo over
 the survivors must not wait on a stage still waiting for this one's sends) is driven the
 same way, tied weights or not. A piece with `grad_parts(is_split=, counted=)` (ZeRO,
 DataParallel) gives its gradients to the clip that way (dtrain.parallel.clip).
@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -45,11 +44,12 @@ from dtrain.timeline import span
 _TIED_TAG = 1
 
 
-def live(piece: object) -> bool:
-    """Whether `piece` averages over live replicas (dtrain.parallel.live): it then reduces
-    after the schedule, with `reduce_gradients()`, not inside its last backward, where a
-    redo over the survivors would wait on stages still waiting for this one's sends."""
-    return getattr(piece, "live", None) is not None
+def averages_apart(piece: object) -> bool:
+    """Whether `piece` averages over replicas of its own choosing (its `averaging` set, as
+    fault tolerance's live replicas do, dtrain.ft.live): it then reduces after the schedule,
+    with `reduce_gradients()`, not inside its last backward, where a redo over the
+    survivors would wait on stages still waiting for this one's sends."""
+    return getattr(piece, "averaging", None) is not None
 
 
 def holds_shards(piece: object) -> bool:
@@ -85,7 +85,7 @@ class Pipeline:
         ConfigError: an unknown schedule, or micro-batches/chunks it cannot use.
     """
 
-    def __init__(self, pieces: nn.Module | Sequence[nn.Module], group: Any = None,
+    def __init__(self, pieces: nn.Module | Sequence[nn.Module], group: comm.GroupLike = None,
                  microbatches: int = 1, schedule: str = "1f1b",
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  tied: Sequence[tuple[nn.Parameter, int]] = (), timeline: bool = False) -> None:
@@ -100,7 +100,7 @@ class Pipeline:
         # gradients are then summed across stages, unsharded, before each piece reduces its
         # own (see holds_shards).
         self._defer = ((bool(self.tied) and any(holds_shards(p) for p in self.pieces))
-                       or any(live(p) for p in self.pieces))
+                       or any(averages_apart(p) for p in self.pieces))
         self.timeline, self.events = timeline, []
         self.peak_live = 0
         first = next((p for piece in self.pieces for p in piece.parameters()), None)
@@ -198,7 +198,7 @@ class Pipeline:
                   index: int) -> None:
         chunk = action.chunk
         piece = self.pieces[chunk]
-        deferred = self._defer and (holds_shards(piece) or live(piece))
+        deferred = self._defer and (holds_shards(piece) or averages_apart(piece))
         quiet = (piece.no_sync() if hasattr(piece, "no_sync") and
                  (deferred or index != self._last_backward[chunk])
                  else contextlib.nullcontext())
@@ -274,13 +274,13 @@ class Pipeline:
                 param.grad = total
         if self._defer:
             for piece in self.pieces:
-                if holds_shards(piece) or live(piece):
+                if holds_shards(piece) or averages_apart(piece):
                     piece.reduce_gradients()
 
 
 @torch.no_grad()
 def full_state_dict(whole: nn.Module, mine: Sequence[nn.Module],
-                    group: Any = None) -> dict[str, torch.Tensor]:
+                    group: comm.GroupLike = None) -> dict[str, torch.Tensor]:
     """The whole model's state_dict on every rank of the pipeline group (collective).
 
     Every rank builds the whole model and trains only its pieces; each name is held by one
@@ -295,7 +295,7 @@ def full_state_dict(whole: nn.Module, mine: Sequence[nn.Module],
     return out
 
 
-def pieces_for(pieces: Sequence[nn.Module], group: Any = None) -> list[nn.Module]:
+def pieces_for(pieces: Sequence[nn.Module], group: comm.GroupLike = None) -> list[nn.Module]:
     """This rank's pieces of a model cut into `pp * v` pieces: piece `c * pp + rank` for
     each chunk c (one chunk per rank when there are pp pieces)."""
     g = comm.resolve(group)

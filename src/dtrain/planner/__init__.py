@@ -1,154 +1,46 @@
 """dtrain.planner: which layout fits a model on some devices, and how fast it may run.
 
+Two planners answer in one vocabulary:
+
+- `dtrain.planner.traced` plans this machine's ranks: the model is traced on fake tensors
+  and each layout's figures follow dtrain's own strategies (`dtrain plan`);
+- `dtrain.planner.analytic` plans GPU clusters this machine is not, by arithmetic on the
+  model's shape and the hardware's figures (`dtrain plan --hardware`).
+
+Both know a model by its `ModelShape` (dtrain.planner.shape: from a `[model]` section, a
+GPTConfig or a LlamaConfig, or `--model-shape`), answer with a `PlannedLayout`
+(dtrain.planner.planned: a Layout with its recomputation mode, sequence parallelism and
+micro-batch size), and share the arithmetic of dtrain.planner.costs (bytes per parameter,
+the pipeline bubble).
+
     cfg = GPTConfig(n_layer=24, n_embd=1024, n_head=16)
     estimates = plan(lambda b: profile_gpt(cfg, b), devices=8, memory=80e9, batch=64,
                      flops=300e12, links=Links.given(100, 10))
     best, why = recommend(estimates)
-
-`dtrain plan` prints the same (dtrain.tools.plan). The model is traced on fake tensors
-once per activation-recomputation mode (dtrain.planner.profile, dtrain.planner.trace),
-each layout's figures follow dtrain's own strategies (dtrain.planner.estimate), with
-sequence parallelism where asked and its construction peak (dtrain.planner.construction),
-and collectives cost what dtrain.comm measured (dtrain.planner.links). `LiveBytes`
-(dtrain.planner.tracker) measures real runs the same way, which is how the figures are
-checked (dtrain.planner.measure).
-
-GPU clusters this machine is not are planned by arithmetic on a model's shape instead
-(dtrain.planner.shape, .hardware, .cluster, .cluster_search; `dtrain plan --hardware`):
+    best.planned                    # its Layout, recomputation, sequence parallelism
 
     shape = parse_shape("layers=80,hidden=12288,heads=96,seq=2048,vocab=51200")
     cluster = Cluster(hardware("a100-80gb"), nodes=192, gpus_per_node=8)
     best = rank_layouts(shape, cluster, batch=2304)[0]
-
-Recomputation and sequence parallelism are choices per layout: `plan(...,
-recompute=("none", "selective", "full"), sequence_parallel=(False, True))` plans each
-layout with the fastest of them that fits (recomputation costs a forward of what it
-recomputes; sequence parallelism a few more calls), so a layout that fits as it is keeps
-everything, and one that does not falls back to sequence parallelism, then to recomputing
-the attention cores, then whole blocks.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Callable
-
-from dtrain.layout import Layout
-from dtrain.planner.cluster import Choice, ClusterEstimate
-from dtrain.planner.cluster import evaluate as evaluate_layout
-from dtrain.planner.cluster_search import rank as rank_layouts
-from dtrain.planner.estimate import Estimate, bubble, estimate
-from dtrain.planner.hardware import Cluster, Hardware, hardware
-from dtrain.planner.links import Links
-from dtrain.planner.profile import (
-    RECOMPUTE,
-    Profile,
-    profile_factory,
-    profile_gpt,
-    profile_model,
-)
+from dtrain.job_layout import Layout
+from dtrain.planner.analytic import Cluster, ClusterEstimate, Hardware, hardware, planned_layout
+from dtrain.planner.analytic import evaluate as evaluate_layout
+from dtrain.planner.analytic import rank as rank_layouts
+from dtrain.planner.costs import PARAM_BYTES, bubble
+from dtrain.planner.planned import RECOMPUTE, PlannedLayout
 from dtrain.planner.shape import ModelShape, parse_shape
-from dtrain.planner.tracker import LiveBytes
+from dtrain.planner.traced import choices, layouts, plan, recommend
+from dtrain.planner.traced.estimate import Estimate, estimate
+from dtrain.planner.traced.links import Links
+from dtrain.planner.traced.profile import Profile, profile_factory, profile_gpt, profile_model
+from dtrain.planner.traced.tracker import LiveBytes
 
-MICROBATCHES = (1, 2, 4)  # pipelines try m = pp times these
-
-
-def layouts(profile: Profile, devices: int, batch: int, accum: int = 1,
-            schedules: tuple[str, ...] = ("1f1b",)) -> list[Layout]:
-    """Every layout of `devices` ranks the model and a global batch of `batch` allow."""
-    found = []
-    for tp in profile.tp_degrees(devices):
-        for pp in range(1, devices // tp + 1):
-            if (devices // tp) % pp or (pp > 1 and pp > profile.n_layer):
-                continue
-            dp = devices // (tp * pp)
-            for zero in range(4) if dp > 1 else (0,):
-                if pp == 1:
-                    if batch % (dp * accum) == 0:
-                        found.append(Layout(dp, tp, 1, zero))
-                    continue
-                for m in (pp * k for k in MICROBATCHES):
-                    if batch % (dp * m):
-                        continue
-                    for schedule in schedules:
-                        found.append(Layout(dp, tp, pp, zero, m, schedule))
-    return found
-
-
-def choices(profile: Profile, layout: Layout, recompute: tuple[str, ...],
-            sequence_parallel: tuple[bool, ...]) -> list[tuple[str, bool]]:
-    """The (recomputation mode, sequence parallelism) pairs `layout` can take of those
-    asked, in the order asked: modes the model has, sequence parallelism where tp allows."""
-    modes = [m for m in recompute if m in profile.modes] or ["none"]
-    seq = [s for s in sequence_parallel if not s or profile.sequence_parallel(layout.tp)]
-    return [(m, s) for m in modes for s in dict.fromkeys(seq or [False])]
-
-
-def _speed(e: Estimate) -> int:
-    """Steps within 1% of each other are a tie."""
-    return round(math.log(max(e.step_s, 1e-12)) * 100)
-
-
-def plan(trace: Callable[[int], Profile], devices: int, memory: float, batch: int,
-         flops: float, links: Links, optimizer: str = "adamw", accum: int = 1,
-         bucket_mb: float = 25.0, schedules: tuple[str, ...] = ("1f1b",),
-         recompute: str | tuple[str, ...] = "none",
-         sequence_parallel: bool | tuple[bool, ...] = False) -> list[Estimate]:
-    """The estimate of every layout (see `layouts`), fastest first. `trace(b)` profiles
-    the model on a micro-batch of b sequences (activations are not quite linear in b:
-    kernels differ by size, so each size is traced).
-
-    `recompute` (modes of RECOMPUTE) and `sequence_parallel` are the choices each layout
-    may take, preferred first: a layout gets the fastest pair that fits (the first of
-    those within 1%), or, if none fits, the pair needing the least memory.
-    """
-    modes = (recompute,) if isinstance(recompute, str) else tuple(recompute)
-    seq = (sequence_parallel,) if isinstance(sequence_parallel, bool) else \
-        tuple(sequence_parallel)
-    profile = functools.cache(trace)  # layouts share micro-batch sizes
-    out = []
-    for layout in layouts(profile(max(1, batch // devices)), devices, batch, accum, schedules):
-        per_micro = batch // (layout.dp * (accum if layout.pp == 1 else layout.microbatches))
-        traced = profile(per_micro)
-        candidates = [estimate(traced, layout, memory, flops, links, optimizer,
-                               accum if layout.pp == 1 else 1, bucket_mb, mode, sp)
-                      for mode, sp in choices(traced, layout, modes, seq)]
-        fitting = [e for e in candidates if e.fits]
-        out.append(min(fitting, key=_speed) if fitting
-                   else min(candidates, key=lambda e: e.total))
-    # Steps within 1% of each other are a tie: then less traffic, then less memory.
-    return sorted(out, key=lambda e: (not e.fits, _speed(e), sum(e.traffic.values()), e.total))
-
-
-def _options(e: Estimate) -> str:
-    return f", recomputing {e.recompute}" if e.recompute != "none" else ""
-
-
-def recommend(estimates: list[Estimate]) -> tuple[Estimate | None, str]:
-    """The fastest layout that fits, and why; None if none fits."""
-    fitting = [e for e in estimates if e.fits]
-    if not fitting:
-        least = min(estimates, key=lambda e: e.total) if estimates else None
-        need = (f"; the smallest needs {least.total / 2**30:.2f} GiB per device "
-                f"({least.label}{_options(least)})") if least else ""
-        return None, f"no layout fits{need}: add devices or memory, or shrink the batch"
-    best = fitting[0]
-    again = f", {best.recompute_s * 1e3:.1f} recomputation" if best.recompute_s else ""
-    why = (f"{best.label}{_options(best)}: the fastest estimated step "
-           f"({best.step_s * 1e3:.1f} ms: {best.compute_s * 1e3:.1f} compute{again}, "
-           f"{best.comm_s * 1e3:.1f} communication) of the {len(fitting)} layouts that fit, "
-           f"at {best.total / 2**30:.2f} GiB per device")
-    if len(fitting) > 1:
-        second = fitting[1]
-        why += f"; next: {second.label}{_options(second)} at {second.step_s * 1e3:.1f} ms"
-    unfit = [e for e in estimates if not e.fits]
-    if unfit:
-        why += f"; {len(unfit)} layouts do not fit"
-    return best, why
-
-
-__all__ = ["RECOMPUTE", "Choice", "Cluster", "ClusterEstimate", "Estimate", "Hardware",
-           "Layout", "Links", "LiveBytes", "ModelShape", "Profile", "bubble", "choices",
-           "estimate", "evaluate_layout", "hardware", "layouts", "parse_shape", "plan",
-           "profile_factory", "profile_gpt", "profile_model", "rank_layouts", "recommend"]
+__all__ = ["PARAM_BYTES", "RECOMPUTE", "Cluster", "ClusterEstimate", "Estimate", "Hardware",
+           "Layout", "Links", "LiveBytes", "ModelShape", "PlannedLayout", "Profile", "bubble",
+           "choices", "estimate", "evaluate_layout", "hardware", "layouts", "parse_shape",
+           "plan", "planned_layout", "profile_factory", "profile_gpt", "profile_model",
+           "rank_layouts", "recommend"]

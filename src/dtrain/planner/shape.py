@@ -1,9 +1,13 @@
 """A transformer by its shape alone: parameters, FLOPs and activation bytes, no tensors.
 
-The cluster planner (dtrain.planner.cluster) plans models far bigger than this machine
-could trace; it needs only their shape:
+Both planners know a model by its `ModelShape`. The analytic planner
+(dtrain.planner.analytic) plans models far bigger than this machine could trace and needs
+nothing else; the traced one (dtrain.planner.traced) keeps it beside what it traced, for
+the tp degrees the heads allow and the FLOPs of a step:
 
     shape = parse_shape("layers=80,hidden=12288,heads=96,seq=2048,vocab=51200")
+    shape = ModelShape.of(config.model)   # a resolved [model] section, a GPTConfig or a
+                                          # LlamaConfig
     shape.parameters()              # 145.6e9 = 12·l·h²(1 + 13/(12h) + (V+s)/(12lh))
     shape.flops_per_token("full")   # 96·l·h²(1 + s/(6h) + V/(16lh)) per token
 
@@ -29,7 +33,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from dtrain.errors import ConfigError
-from dtrain.models.llama import llama_config, llama_ffn_hidden
+from dtrain.models.config import ModelConfig
+from dtrain.models.gpt import GPTConfig
+from dtrain.models.llama import LlamaConfig, llama_config, llama_ffn_hidden
 
 FAMILIES = ("gpt", "llama")
 REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
@@ -76,6 +82,31 @@ class ModelShape:
             object.__setattr__(self, "tied", self.arch == "gpt")
         if self.dropout is None:
             object.__setattr__(self, "dropout", self.arch == "gpt")
+
+    @classmethod
+    def of(cls, config: ModelConfig | GPTConfig | LlamaConfig) -> ModelShape:
+        """The shape of dtrain's GPT or Llama: a resolved `[model]` section (presets
+        applied, vocabulary set), or the model's own config.
+
+        Raises:
+            ConfigError: a Hugging Face or custom model, which has no shape here.
+        """
+        if isinstance(config, ModelConfig):
+            if config.arch not in FAMILIES:
+                raise ConfigError(f"model.arch = {config.arch!r} has no shape for the planner: "
+                                  "describe it with --model-shape layers=..,hidden=..,heads=..,"
+                                  "seq=..,vocab=..")
+            config = llama_config(config) if config.arch == "llama" else GPTConfig(
+                vocab_size=config.vocab_size, block_size=config.block_size,
+                n_layer=config.n_layer, n_head=config.n_head, n_embd=config.n_embd,
+                dropout=config.dropout)
+        if isinstance(config, LlamaConfig):
+            return cls(config.n_layer, config.n_embd, config.n_head, config.block_size,
+                       config.vocab_size, "llama", kv_heads=config.n_kv_head,
+                       ffn=config.ffn_hidden, tied=config.tie_embeddings,
+                       dropout=config.dropout > 0)
+        return cls(config.n_layer, config.n_embd, config.n_head, config.block_size,
+                   config.vocab_size, "gpt", dropout=config.dropout > 0)
 
     @property
     def head_dim(self) -> int:
@@ -176,22 +207,3 @@ def parse_shape(text: str) -> ModelShape:
         raise ConfigError(f"--model-shape lacks {', '.join(missing)} (give at least "
                           f"{', '.join(REQUIRED)})")
     return ModelShape(**values)  # type: ignore[arg-type]
-
-
-def shape_of(model) -> ModelShape:
-    """The shape of a resolved `[model]` config (dtrain's GPT or Llama, presets included).
-
-    Raises:
-        ConfigError: a Hugging Face or custom model, which has no shape here.
-    """
-    if model.arch == "gpt":
-        return ModelShape(model.n_layer, model.n_embd, model.n_head, model.block_size,
-                          model.vocab_size, "gpt", dropout=model.dropout > 0)
-    if model.arch == "llama":
-        cfg = llama_config(model)
-        return ModelShape(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size,
-                          "llama", kv_heads=cfg.n_kv_head, ffn=cfg.ffn_hidden,
-                          tied=cfg.tie_embeddings, dropout=cfg.dropout > 0)
-    raise ConfigError(f"model.arch = {model.arch!r} has no shape for the cluster planner: "
-                      "describe it with --model-shape layers=..,hidden=..,heads=..,seq=..,"
-                      "vocab=..")

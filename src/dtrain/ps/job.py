@@ -14,14 +14,7 @@ import secrets
 from datetime import timedelta
 
 from dtrain.errors import ConfigError, DtrainError
-
-SERVERS = "DTRAIN_PS_SERVERS"  # servers in the whole job
-WORKERS = "DTRAIN_PS_WORKERS"  # workers in the whole job
-INDEX = "DTRAIN_PS_INDEX"  # this process's index among the servers or the workers
-SECRET = "DTRAIN_PS_SECRET"  # hex; the same on every machine of the job
-HOST = "DTRAIN_PS_HOST"  # the address servers bind and publish
-SNAPSHOT_DIR = "DTRAIN_PS_SNAPSHOT_DIR"
-SNAPSHOT_EVERY = "DTRAIN_PS_SNAPSHOT_EVERY"
+from dtrain.ft import env
 
 
 def new_secret() -> str:
@@ -29,8 +22,14 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
-def _need(name: str) -> str:
-    value = os.environ.get(name)
+def _need(var: env.Var | str) -> str:
+    """The value of `var` (a contract variable, or torch's MASTER_ADDR or MASTER_PORT).
+
+    Raises:
+        DtrainError: it is not set (the process was not started by `dtrain run --servers`).
+    """
+    name = var if isinstance(var, str) else var.name
+    value = os.environ.get(name) or None
     if value is None:
         raise DtrainError(f"{name} is not set: start parameter-server jobs with `dtrain run "
                           "--servers S`, or pass servers, rank and secret to ps.Worker")
@@ -40,15 +39,15 @@ def _need(name: str) -> str:
 def secret() -> bytes:
     """The job's shared key."""
     try:
-        return bytes.fromhex(_need(SECRET))
+        return bytes.fromhex(_need(env.PS_SECRET))
     except ValueError:
-        raise ConfigError(f"{SECRET} must be hex (for example from `openssl rand -hex 32`)"
-                          ) from None
+        raise ConfigError(f"{env.PS_SECRET.name} must be hex (for example from `openssl rand "
+                          "-hex 32`)") from None
 
 
 def worker_index() -> int:
     """This worker's index among the job's workers."""
-    return int(_need(INDEX))
+    return int(_need(env.PS_INDEX))
 
 
 def _store(timeout_s: float):
@@ -69,7 +68,7 @@ def server_addresses(timeout_s: float = 120.0) -> list[str]:
     Raises:
         DtrainError: not a parameter-server job, or a server did not come up in time.
     """
-    n = int(_need(SERVERS))
+    n = int(_need(env.PS_SERVERS))
     store = _store(timeout_s)
     try:
         store.wait([_key(i) for i in range(n)])
@@ -84,10 +83,10 @@ def serve_from_env() -> None:
     from dtrain.ps.server import Server
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    index = int(_need(INDEX))
-    host = os.environ.get(HOST, "127.0.0.1")
-    server = Server(int(_need(WORKERS)), secret(), index=index, bind=f"tcp://{host}:0",
-                    snapshot_dir=os.environ.get(SNAPSHOT_DIR) or None,
-                    snapshot_every=int(os.environ.get(SNAPSHOT_EVERY, "0")))
+    index = int(_need(env.PS_INDEX))
+    host = env.PS_HOST.get() or "127.0.0.1"
+    server = Server(int(_need(env.PS_WORKERS)), secret(), index=index, bind=f"tcp://{host}:0",
+                    snapshot_dir=env.PS_SNAPSHOT_DIR.get(),
+                    snapshot_every=env.PS_SNAPSHOT_EVERY.get())
     _store(120.0).set(_key(index), server.address)
     server.serve()

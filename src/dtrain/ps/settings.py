@@ -77,7 +77,7 @@ class Settings:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: Any) -> Settings:
+    def from_json(cls, data: object) -> Settings:
         """Settings from a decoded JSON object.
 
         Raises:

@@ -38,7 +38,7 @@ class Message:
     meta: dict[str, Any] | None = None
 
 
-def _mac(secret: bytes, header: bytes, payload: Any) -> bytes:
+def _mac(secret: bytes, header: bytes, payload: bytes | memoryview) -> bytes:
     mac = hmac.new(secret, header, hashlib.sha256)
     mac.update(payload)
     return mac.digest()
@@ -61,11 +61,11 @@ def pack(secret: bytes, message: Message) -> list[Any]:
     return [header, _mac(secret, header, payload), payload]
 
 
-def _is_integer(value: Any) -> bool:
+def _is_integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _integer(value: Any) -> int:
+def _integer(value: object) -> int:
     """A header's count (worker, clock): a JSON integer, not a float, string or bool."""
     if not _is_integer(value):
         raise TypeError(f"{value!r} is not an integer")

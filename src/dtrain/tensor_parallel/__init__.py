@@ -18,7 +18,7 @@ vocab-parallel cross-entropy; their communication is in `functions` (Megatron's 
 activations between the split layers as 1/tp of the sequence on each rank (`sequence`).
 """
 
-from dtrain.layout import Split
+from dtrain.job_layout import Split
 from dtrain.tensor_parallel.functions import (
     SequenceGather,
     copy_to_group,
@@ -40,7 +40,7 @@ from dtrain.tensor_parallel.parallelize import Colwise, Rowwise, Vocab, VocabLos
 from dtrain.tensor_parallel.plan_of import plan_of, split_model
 from dtrain.tensor_parallel.plans import bert_plan, gpt_plan, llama_plan
 from dtrain.tensor_parallel.sequence import apply_sequence_parallel
-from dtrain.tensor_parallel.state import (
+from dtrain.tensor_parallel.whole import (
     clip_grad_norm_,
     full_grads,
     full_optimizer_state,

@@ -33,6 +33,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from dtrain import comm
 
@@ -73,12 +74,13 @@ class CopyToGroup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: comm.Group, algorithm: str) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: comm.Group, algorithm: str
+                ) -> torch.Tensor:
         ctx.group, ctx.algorithm = group, algorithm
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _all_reduce(grad, ctx.group, ctx.algorithm), None, None
 
 
@@ -90,11 +92,12 @@ class ReduceFromGroup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: comm.Group, algorithm: str) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: comm.Group, algorithm: str
+                ) -> torch.Tensor:
         return _all_reduce(x, group, algorithm)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return grad, None, None
 
 
@@ -103,13 +106,13 @@ class Gather(torch.autograd.Function):
     tensor's gradient is the same on every rank)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: comm.Group,
+    def forward(ctx: FunctionCtx, x: torch.Tensor, dim: int, group: comm.Group,
                 algorithm: str) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _gather(x, dim, group, algorithm)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _own_block(grad, ctx.dim, ctx.group), None, None, None
 
 
@@ -117,13 +120,13 @@ class Scatter(torch.autograd.Function):
     """Keep this rank's block of `dim` in forward; all-gather it in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: comm.Group,
+    def forward(ctx: FunctionCtx, x: torch.Tensor, dim: int, group: comm.Group,
                 algorithm: str) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.algorithm = dim, group, algorithm
         return _own_block(x, dim, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _gather(grad, ctx.dim, ctx.group, ctx.algorithm), None, None, None
 
 
@@ -134,12 +137,13 @@ class GatherSequence(torch.autograd.Function):
     ranks is the whole of it, and each rank keeps its own part's."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: comm.Group, algorithm: str) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: comm.Group, algorithm: str
+                ) -> torch.Tensor:
         ctx.group, ctx.algorithm = group, algorithm
         return _gather(x, SEQUENCE, group, algorithm)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _reduce_scatter(grad, SEQUENCE, ctx.group, ctx.algorithm), None, None
 
 
@@ -149,12 +153,13 @@ class ReduceScatterSequence(torch.autograd.Function):
     sequence become each rank's part of the summed output."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: comm.Group, algorithm: str) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: comm.Group, algorithm: str
+                ) -> torch.Tensor:
         ctx.group, ctx.algorithm = group, algorithm
         return _reduce_scatter(x, SEQUENCE, group, algorithm)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _gather(grad, SEQUENCE, ctx.group, ctx.algorithm), None, None
 
 

@@ -12,7 +12,7 @@ A model type without a plan here takes `[model] tp_plan`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -20,10 +20,13 @@ from dtrain.errors import ConfigError
 from dtrain.models.hf import HFCausalLM
 from dtrain.tensor_parallel.parallelize import Colwise, Style
 
+if TYPE_CHECKING:  # transformers is optional
+    from transformers import PretrainedConfig
+
 ROTARY_TYPES = ("llama", "mistral", "qwen2")
 
 
-def _rotary_plan(config: Any) -> dict[str, Style | str]:
+def _rotary_plan(config: PretrainedConfig) -> dict[str, Style | str]:
     """Llama, Mistral, Qwen2: Q by query heads, K and V by key/value heads (Qwen2's biases
     split with them), the SwiGLU's gate and up colwise and down rowwise."""
     heads = config.num_attention_heads
@@ -43,7 +46,7 @@ def _rotary_plan(config: Any) -> dict[str, Style | str]:
     }
 
 
-def _gpt2_plan(config: Any) -> dict[str, Style | str]:
+def _gpt2_plan(config: PretrainedConfig) -> dict[str, Style | str]:
     """GPT-2: the fused QKV (a Conv1D, an nn.Linear once wrapped) split by heads in each of
     its three parts; position embeddings and LayerNorms stay replicated."""
     layer = "hf.transformer.h.*."

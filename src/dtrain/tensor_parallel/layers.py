@@ -9,7 +9,7 @@ output projection) communicates once forward and once backward. Under sequence
 parallelism (dtrain.tensor_parallel.sequence) the column-parallel layer all-gathers its
 input from each rank's part of the sequence and the row-parallel one reduce-scatters its
 output back into parts, in place of the two all-reduces. Each layer's `splits`
-says how its parameters are cut (dtrain.layout.Split), which is what
+says how its parameters are cut (dtrain.job_layout.Split), which is what
 `parallelize`, the state functions and gradient clipping read.
 
 Built directly, a layer initializes its own block like the torch layer it replaces;
@@ -19,7 +19,6 @@ Built directly, a layer initializes its own block like the torch layer it replac
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,7 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.errors import ConfigError
-from dtrain.layout import Split
+from dtrain.job_layout import Split
 from dtrain.tensor_parallel.functions import (
     SequenceGather,
     copy_to_group,
@@ -73,8 +72,9 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 gather_output: bool = False, group: Any = None, chunks: int = 1,
-                 algorithm: str = "auto", device: Any = None, dtype: Any = None,
+                 gather_output: bool = False, group: comm.GroupLike = None, chunks: int = 1,
+                 algorithm: str = "auto", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None,
                  sequence_gather: SequenceGather | None = None) -> None:
         super().__init__()
         self.group, self.algorithm = comm.resolve(group), algorithm
@@ -132,8 +132,9 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 input_is_parallel: bool = True, group: Any = None, algorithm: str = "auto",
-                 device: Any = None, dtype: Any = None, sequence_parallel: bool = False) -> None:
+                 input_is_parallel: bool = True, group: comm.GroupLike = None,
+                 algorithm: str = "auto", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.algorithm = comm.resolve(group), algorithm
         self.in_features, self.out_features = in_features, out_features
@@ -174,8 +175,9 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 group: Any = None, algorithm: str = "auto", device: Any = None,
-                 dtype: Any = None) -> None:
+                 group: comm.GroupLike = None, algorithm: str = "auto",
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.group, self.algorithm = comm.resolve(group), algorithm
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim

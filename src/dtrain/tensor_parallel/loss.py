@@ -15,17 +15,16 @@ token: O(V/n) and three floats instead of O(V).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
+from torch.autograd.function import FunctionCtx
 
 from dtrain import comm
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: comm.Group,
+    def forward(ctx: FunctionCtx, logits: torch.Tensor, target: torch.Tensor, group: comm.Group,
                 algorithm: str, ignore_index: int) -> torch.Tensor:
         z = logits.float()
         width = z.shape[-1]
@@ -49,7 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.consumed:
             raise RuntimeError("vocab_parallel_cross_entropy: backward runs once per forward "
                                "(it turns the saved softmax into the gradient in place)")
@@ -60,9 +59,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return softmax.to(ctx.dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Any = None,
-                                 reduction: str = "mean", ignore_index: int = -100,
-                                 algorithm: str = "auto") -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 group: comm.GroupLike = None, reduction: str = "mean",
+                                 ignore_index: int = -100, algorithm: str = "auto"
+                                 ) -> torch.Tensor:
     """Cross-entropy of `target` under logits whose last dimension is split across `group`.
 
     Args:
@@ -86,7 +86,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 class VocabParallelCrossEntropy(nn.Module):
     """`vocab_parallel_cross_entropy` as a module, in place of `nn.CrossEntropyLoss`."""
 
-    def __init__(self, group: Any = None, ignore_index: int = -100,
+    def __init__(self, group: comm.GroupLike = None, ignore_index: int = -100,
                  reduction: str = "mean", algorithm: str = "auto") -> None:
         super().__init__()
         self.group, self.algorithm = comm.resolve(group), algorithm

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from dtrain import comm
 from dtrain.errors import ConfigError
-from dtrain.layout import Split
-from dtrain.parallel.replicas import broadcast_state
+from dtrain.job_layout import Split
+from dtrain.parallel.agreement import broadcast_state
 from dtrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -162,7 +161,7 @@ def _build(name: str, old: nn.Module, style: Style, group: comm.Group,
 
 
 @torch.no_grad()
-def parallelize(model: nn.Module, plan: dict[str, Style | str], group: Any = None,
+def parallelize(model: nn.Module, plan: dict[str, Style | str], group: comm.GroupLike = None,
                 algorithm: str = "auto") -> nn.Module:
     """Replace the modules `plan` names by tensor-parallel ones holding this rank's blocks.
 

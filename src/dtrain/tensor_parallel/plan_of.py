@@ -61,7 +61,7 @@ def check_sequence_parallel(model: nn.Module) -> None:
                           "= false")
 
 
-def split_model(model: nn.Module, group: Any, given: dict[str, Any] | None = None,
+def split_model(model: nn.Module, group: comm.GroupLike, given: dict[str, Any] | None = None,
                 sequence_parallel: bool = False, algorithm: str = "auto") -> nn.Module:
     """Split `model`'s layers across the tensor-parallel `group` by `plan_of(model, given)`,
     then let the model fix what counts whole heads (`after_split`).

@@ -24,8 +24,6 @@ their part's gradient: a hook sums it over the group as backward reaches it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -34,7 +32,7 @@ from dtrain.errors import ConfigError
 from dtrain.models.stages import AttentionCore, Stages
 from dtrain.tensor_parallel.functions import SEQUENCE, SequenceGather, scatter_sequence
 from dtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from dtrain.tensor_parallel.state import placements
+from dtrain.tensor_parallel.whole import placements
 
 
 class CutSequence:
@@ -48,7 +46,7 @@ class CutSequence:
     def __init__(self, group: comm.Group, algorithm: str) -> None:
         self.group, self.algorithm = group, algorithm
 
-    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         length, parts = output.shape[SEQUENCE], self.group.size
         if length % parts:
             raise ConfigError(f"sequence parallelism: a sequence of {length} tokens does not "
@@ -96,7 +94,7 @@ def _parts_after_cut(model: nn.Module) -> tuple[nn.Module, list[nn.Module], set[
     return model.get_submodule(inputs[-1]), after, before
 
 
-def apply_sequence_parallel(model: nn.Module, group: Any = None,
+def apply_sequence_parallel(model: nn.Module, group: comm.GroupLike = None,
                             algorithm: str = "auto") -> nn.Module:
     """Run `model`'s blocks and output part on this rank's part of the sequence.
 

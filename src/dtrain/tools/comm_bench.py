@@ -5,15 +5,18 @@
     dtrain bench comm --json comm.json --calibrate        # also save auto's cost models
     dtrain run -n 8 -m dtrain.cli bench comm              # under a launcher: one rank each
 
-Each rank makes warm-up calls of each algorithm, then times runs of calls on a float32
-tensor (sum, root 0) after a barrier each, the algorithms taking turns in rounds so that
-a busy moment hurts them alike: the slowest rank's mean. Big messages get fewer calls
-(about SECONDS_PER_POINT a row): the default range takes minutes on 2 cores.
+For each operation and message size, every rank makes warm-up calls of each algorithm,
+then times runs of calls on a float32 tensor (sum, root 0), each run after a barrier, the
+algorithms taking turns in rounds so that a busy moment of the machine hurts them alike;
+the figure is the slowest rank's median round (dtrain.comm.timing). Big messages get fewer
+calls (about SECONDS_PER_POINT for each row), so the default range takes a few minutes on
+2 cores.
 
 As in nccl-tests, `bytes` is the whole buffer (for all_gather the gathered result, for
-reduce_scatter the input), algbw = bytes / time, and busbw = algbw times the share each
-rank moves (2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for
-broadcast and reduce): comparable across rank counts and with the links' bandwidth.
+reduce_scatter the input before scattering), algbw = bytes / time, and busbw = algbw times
+the share of the data each rank must move: 2(n-1)/n for all_reduce, (n-1)/n for
+all_gather and reduce_scatter, 1 for broadcast and reduce. Busbw is comparable across rank
+counts and with the bandwidth of the links.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ WARMUP_SECONDS = 0.1  # warm-up calls after the first: about this long, at most 
 ROUNDS = 20  # the timed calls of the algorithms at one size take turns in this many rounds
 ELEMENT_BYTES = 4  # float32
 
+
 def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     """min_bytes, min_bytes * factor, ... up to max_bytes."""
     sizes, size = [], min_bytes
@@ -56,7 +60,8 @@ def message_sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
 
 
 def element_count(op: str, nbytes: int, ranks: int) -> int:
-    """float32 elements of the whole buffer for `nbytes` (a multiple of `ranks` if split)."""
+    """float32 elements of the whole buffer for `nbytes`; a multiple of `ranks` where the
+    operation splits the buffer into one piece per rank."""
     count = max(1, nbytes // ELEMENT_BYTES)
     if op in ("all_gather", "reduce_scatter"):
         count = -(-count // ranks) * ranks
@@ -110,7 +115,6 @@ class Record:
     algbw_gbps: float
     busbw_gbps: float
     chosen: str = ""  # for algorithm "auto": the algorithm it ran
-
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -240,7 +244,7 @@ def bench(opts: Options) -> list[Record]:
 
     from dtrain import comm
     from dtrain import world as world_mod
-    from dtrain.comm import ring
+    from dtrain.comm.algorithms import ring
     from dtrain.comm.group import timeout_of
 
     if opts.segment_bytes is not None:
@@ -271,8 +275,9 @@ def bench(opts: Options) -> list[Record]:
 
 def calibrate(group: Group, device: torch.device, ops: tuple[str, ...],
               algorithms: tuple[str, ...]) -> Path | None:
-    """Measure the cost models of `ops` with a choice, over their `algorithms`, for this
-    run; rank 0 saves them and returns where (the other ranks return None)."""
+    """Measure the cost models of each of `ops` that has a choice of algorithm, over those
+    of its algorithms in `algorithms`, and use them in this run where all of them were
+    measured; rank 0 saves them and returns where (the other ranks return None)."""
     from dtrain.comm import AVAILABLE, select
 
     models = {}
@@ -281,7 +286,7 @@ def calibrate(group: Group, device: torch.device, ops: tuple[str, ...],
         if len(AVAILABLE[op]) > 1 and candidates:
             lines = select.measure(group, op, candidates, device)  # rank 0's, on every rank
             if candidates == AVAILABLE[op]:
-                group.cost_models[op] = lines  # auto needs no file (rank 0 is writing it)
+                group.cost_models[op] = lines  # so auto needs no file, which rank 0 is writing
             models[select.cache_key(group, op)] = lines
     return select.save_models(models) if group.rank == 0 else None
 

@@ -54,17 +54,23 @@ from dtrain.errors import DtrainError, exit_code_of
 DEFAULT_PREFIX = "dtel"
 DEFAULT_SUBNET = "10.177.0"  # first three octets; seen only inside the hosts' namespaces
 PACKET_SECONDS = 1e-3  # a packet's time on the wire, at most (see the module doc)
-MIN_MTU, MAX_MTU = 1500, 65000
+MIN_MTU = 1500  # Ethernet's, for links too slow to send that much in PACKET_SECONDS
+MAX_MTU = 65000  # below the 65535 bytes of the largest IPv4 packet
 READ_BYTES = 1 << 16  # more than the largest packet
 TUNSETIFF = 0x400454CA  # linux/if_tun.h
-IFF_TUN, IFF_NO_PI = 0x0001, 0x1000  # IP packets, without the 4-byte packet-info header
-COMMAND_TIMEOUT_S, STOP_TIMEOUT_S = 30, 10
+IFF_TUN = 0x0001  # IP packets (not Ethernet frames)
+IFF_NO_PI = 0x1000  # without the 4-byte packet-info header
+COMMAND_TIMEOUT_S = 30  # an `ip` or `tc` command's limit
+STOP_TIMEOUT_S = 10  # how long a process killed or told to stop is waited for
 
 
 @dataclass(frozen=True)
 class Link:
     """A link's bandwidth in each direction (Mbit/s, 10^6 bits) and one-way delay (ms).
-    Raises DtrainError if the rate is not above 0 or the delay is negative."""
+
+    Raises:
+        DtrainError: the rate is not above 0, or the delay is negative.
+    """
 
     rate_mbit: float
     delay_ms: float
@@ -197,7 +203,9 @@ class EmulatedHosts:
             ipaddress.IPv4Network(f"{subnet}.0/24")
         except ValueError:
             raise DtrainError(f"subnet {subnet!r}: give three octets, e.g. 10.177.0") from None
-        self.hosts, self.prefix, self.subnet = hosts, prefix, subnet
+        self.hosts = hosts
+        self.prefix = prefix
+        self.subnet = subnet
         self._procs: list[subprocess.Popen] = []
         self._forwarder: subprocess.Popen | None = None
 
@@ -277,7 +285,8 @@ class EmulatedHosts:
 
     def _make_host(self, host: int) -> int:
         """Host `host`'s namespace and shaped device; returns the device's descriptor."""
-        namespace, device = self.namespace(host), self.interface(host)
+        namespace = self.namespace(host)
+        device = self.interface(host)
         inside = ("ip", "-n", namespace)
         _command("ip", "netns", "add", namespace)
         fd = open_tun(device)

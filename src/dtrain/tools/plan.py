@@ -85,8 +85,8 @@ def _size(nbytes: float) -> str:
 
 
 def _links(args: argparse.Namespace):
-    from dtrain.planner import machine
-    from dtrain.planner.links import DEFAULT_LATENCY_US, Links
+    from dtrain.planner.traced import machine
+    from dtrain.planner.traced.links import DEFAULT_LATENCY_US, Links
 
     if args.bandwidth is not None:
         latency = args.latency if args.latency is not None else DEFAULT_LATENCY_US
@@ -117,9 +117,10 @@ def plan_command(args: argparse.Namespace) -> None:
     from dtrain.config import load_config
     from dtrain.data import vocab_of
     from dtrain.models import resolve
-    from dtrain.planner import machine, plan, profile_factory, profile_model, recommend
-    from dtrain.planner.construction import whole_model
-    from dtrain.planner.slow_links import recommend_sync, sync_options
+    from dtrain.planner import plan, profile_factory, profile_model, recommend
+    from dtrain.planner.traced import machine
+    from dtrain.planner.traced.construction import whole_model
+    from dtrain.planner.traced.slow_links import recommend_sync, sync_options
 
     config_overrides, hw_overrides = plan_cluster.split_overrides(list(args.overrides))
     overrides = config_overrides + [
@@ -161,7 +162,7 @@ def plan_command(args: argparse.Namespace) -> None:
                           "checkpoint_modules out, or plan with --recompute MODE")
     modes, seq = plan_choices(args, config)
     estimates = plan(trace, devices, memory, batch, flops, links, config.optimizer.name,
-                     config.train.grad_accum, config.parallel.bucket_mb, schedules, modes, seq)
+                     config.train.grad_accum, config.comm.bucket_mb, schedules, modes, seq)
     if not estimates:
         raise ConfigError(f"no layout of {devices} devices splits a batch of {batch}: make "
                           "--batch a multiple of the device count")
@@ -223,7 +224,8 @@ def _print_table(info: dict, estimates, why: str, out=sys.stdout) -> None:
 
 
 def _print_sync(sync: dict, options, out=sys.stdout) -> None:
-    """The ways the fastest data-parallel layout could synchronize (dtrain.planner.slow_links)."""
+    """The ways the fastest data-parallel layout could synchronize
+    (dtrain.planner.traced.slow_links)."""
     print(f"\nsynchronizing {sync['layout']} over these links (progress: steps to the loss one "
           "synchronous step reaches, measured on the default job):", file=out)
     header = f"{'option':18} {'sent/step':>10} {'step':>9} {'progress':>8} {'to same loss':>12}"

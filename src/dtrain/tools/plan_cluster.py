@@ -9,7 +9,7 @@
     dtrain plan ... --tokens 300e9          # days and GPU-hours to train on 300B tokens
 
 Everything is arithmetic on the model's shape and the hardware's figures
-(dtrain.planner.cluster), so it runs in seconds for any size. docs/choosing-a-layout.md
+(dtrain.planner.analytic), so it runs in seconds for any size. docs/choosing-a-layout.md
 explains the model, its constants and its limits, and RESULTS.md compares it with
 published runs.
 """
@@ -22,24 +22,24 @@ import math
 import sys
 
 from dtrain.errors import ConfigError
-from dtrain.planner.cluster import (
+from dtrain.planner.analytic.cluster import (
     CHUNKS,
     MICRO_SIZES,
     ZERO_STAGES,
-    Choice,
     ClusterEstimate,
     Software,
+    planned_layout,
 )
-from dtrain.planner.cluster_search import (
+from dtrain.planner.analytic.hardware import Cluster, hardware
+from dtrain.planner.analytic.search import (
     best_layout,
-    check_choice,
+    check_layout,
     rank,
     recommend,
     training_time,
 )
-from dtrain.planner.hardware import Cluster, hardware
-from dtrain.planner.profile import RECOMPUTE
-from dtrain.planner.shape import parse_shape, shape_of
+from dtrain.planner.planned import RECOMPUTE
+from dtrain.planner.shape import ModelShape, parse_shape
 from dtrain.tools import check_output, write_json
 
 LAYOUT_KEYS = ("tp", "pp", "dp")
@@ -134,7 +134,7 @@ def cluster_plan(args: argparse.Namespace, config, hw_overrides: dict[str, str])
     hw = hardware(args.hardware, overrides)
     cluster = Cluster(hw, 1 if args.nodes is None else args.nodes,
                       hw.gpus_per_node if args.gpus_per_node is None else args.gpus_per_node)
-    shape = parse_shape(args.model_shape) if args.model_shape else shape_of(
+    shape = parse_shape(args.model_shape) if args.model_shape else ModelShape.of(
         _resolved_model(config))
     batch = args.batch if args.batch is not None else config.train.batch_size
     if batch < 1 or args.top < 1:
@@ -186,8 +186,8 @@ def _given(shape, cluster: Cluster, batch: int, layout: dict[str, int],
     chunks = (args.virtual_stages,) if args.virtual_stages is not None else CHUNKS
     zeros = (args.zero,) if args.zero is not None else ZERO_STAGES
     # the degrees, heads and layers; and, when the flags fix everything, the one choice
-    check_choice(shape, cluster, batch, Choice(tp, pp, dp, zeros[0], micro[0], chunks[0],
-                                               modes[0]))
+    check_layout(shape, cluster, batch, planned_layout(batch, tp, pp, dp, zeros[0], micro[0],
+                                                       chunks[0], modes[0]))
     best = best_layout(shape, cluster, batch, tp, pp, dp, micro, chunks, zeros, modes, seq,
                        soft)
     if best is None:
@@ -210,7 +210,7 @@ def _print(info: dict, shown: list[ClusterEstimate], count: int, hw, out=sys.std
     print(header, file=out)
     print("-" * len(header), file=out)
     for e in shown:
-        print(f"{str(e.choice):34} {e.choice.recompute:>9} "
+        print(f"{e.label:34} {e.planned.recompute:>9} "
               f"{e.memory['total'] / gib:>5.1f} GiB {'yes' if e.fits else 'NO':>4} "
               f"{e.bubble:>6.1%} {e.step_s:>8.2f}s {e.tokens_per_s:>10.0f} "
               f"{e.tflops_per_gpu:>7.1f} {e.mfu:>6.1%}", file=out)

@@ -36,11 +36,14 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import ConfigError
 from dtrain.tools import check_output, parse_list
 from dtrain.tools.scaling_report import MODES, Row, plot, print_table
+
+if TYPE_CHECKING:  # the config (and torch under it) is imported where a command needs it
+    from dtrain.config import Config
 
 STDERR_TAIL = 15  # lines of a failed run's stderr shown above the error
 
@@ -176,7 +179,7 @@ def check_point(opts: Options, mode: str, workers: int, batch: int) -> None:
         ConfigError: the config is invalid, or the workers do not fit its layout or batch.
     """
     from dtrain.config import load_config, per_rank_batch
-    from dtrain.layout import resolve_layout
+    from dtrain.job_layout import resolve_layout
 
     config = load_config(opts.config, run_overrides(opts, workers, batch, opts.out))
     pc = config.parallel
@@ -312,13 +315,13 @@ def make_rows(batches: dict[str, dict[int, int]], results: dict[tuple[int, int],
     return rows
 
 
-def machine_info(config: Any, cores: int) -> dict[str, Any]:
+def machine_info(config: Config, cores: int) -> dict[str, Any]:
     """What the figures depend on: cores, the load others put on them before the runs
     (1-minute load average), backend, device, versions."""
     import torch
 
     cuda = torch.cuda.is_available()
-    backend = config.parallel.backend
+    backend = config.comm.backend
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
     return {"cores": cores, "load_before": round(os.getloadavg()[0], 2), "backend": backend,

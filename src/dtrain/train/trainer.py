@@ -19,29 +19,37 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dtrain import comm, faults, layouts, models, timeline
+from dtrain import comm, layouts, models, timeline
 from dtrain import world as world_mod
 from dtrain.checkpoint import training
+from dtrain.checkpoint.background import PendingSave
 from dtrain.checkpoint.universal import Checkpoint
-from dtrain.config import Config, OptimizerConfig, layout_of, per_rank_batch, replicas_of
+from dtrain.config import (
+    Config,
+    LoggingConfig,
+    OptimizerConfig,
+    layout_of,
+    per_rank_batch,
+    replicas_of,
+)
 from dtrain.data import Tokenizer, TokenSequences, batches, open_data
+from dtrain.ft import elastic, env, faults
+from dtrain.ft.live.job import open_live
+from dtrain.ft.membership import Fixed, Membership, RunOver
 from dtrain.layouts import Holding
 from dtrain.mesh import Mesh
 from dtrain.models import init
 from dtrain.models.config import ModelConfig
 from dtrain.models.generate import generate
 from dtrain.models.weights import weights_of
-from dtrain.parallel.live_rounds import RunFinished
-from dtrain.train import elastic
-from dtrain.train.live import incarnation, open_live
 from dtrain.train.metrics import MetricsLog, Progress
 
 
@@ -55,7 +63,7 @@ def lr_factor(step: int, total: int, cfg: OptimizerConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def mean_over(value: float, group: Any, device: torch.device) -> float:
+def mean_over(value: float, group: comm.GroupLike, device: torch.device) -> float:
     """`value` averaged over `group` (None: this rank's own)."""
     if group is None:
         return value
@@ -75,7 +83,7 @@ def evaluate(held: Holding, data: TokenSequences, batch_size: int, n_batches: in
         total += held.evaluate(x.to(device), y.to(device)).item()
     held.module.train()
     mine = mean_over(total / n_batches, mesh.group("dp"), device)
-    return mean_over(mine, mesh.across, device)  # and over the replicas, if any
+    return mean_over(mine, mesh.group("dp_replicate"), device)  # and over the replicas
 
 
 def open_checkpoint(path: str, config: Config) -> Checkpoint:
@@ -94,176 +102,200 @@ def train(config: Config, metrics_path: str = "") -> dict[str, Any]:
         ConfigError: the batch does not divide across ranks, the data is too small, or the
             checkpoint to resume from holds another model.
     """
-    backend = None if config.parallel.backend == "auto" else config.parallel.backend
-    # Under dtrain's launcher with a timeline (env DTRAIN_TIMELINE) the launcher merges it.
-    own_timeline = "" if os.environ.get("DTRAIN_TIMELINE") else config.logging.timeline
-    world = world_mod.init(backend=backend, timeline=own_timeline or None)
-    live = open_live(config, world)  # live replicas: each a world (dtrain.train.live)
-    note = ""
-    most = elastic.max_ranks(world)
-    if most:  # this round's ranks: the layout and accumulation fit them
-        config, note = elastic.adapt(config, world.world_size, most, elastic.agreed(world))
-    tc, mc = config.train, config.model
-    layout = layout_of(config, world.world_size)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp,
-                replicas=replicas_of(config, world.world_size))
-    # replicas synchronized every sync_every steps each keep checkpoints of their own
-    run_dir = Path(tc.out_dir) / (f"replica-{mesh.replica}" if mesh.replica else "")
-    resume_from = training.resume_path(config.checkpoint.resume, run_dir)
-    if mesh.replicas > 1:
-        resume_from = training.agreed_resume(resume_from, world.device)
-    resume = open_checkpoint(resume_from, config) if resume_from else None
-    start = resume.step if resume is not None else 0
+    return Trainer(config, metrics_path).run()
 
-    dc = config.data
-    data = open_data(dc.path, dc.format, dc.tokenizer, dc.max_bytes, dc.val_fraction,
-                     mc.block_size)
-    train_data, val_data = data.train, data.val
-    # (data shards, this rank's): the batch splits over the replicas, and the dp inside each
-    count, replica = (live.slots, live.replica_id) if live else (mesh.replicas, mesh.replica)
-    shards = (count * layout.dp, replica * layout.dp + mesh.coords["dp"])
-    per_rank = per_rank_batch(config, shards[0])  # sequences per forward
 
-    shape = models.resolve(mc, data.vocab_size)
-    torch.manual_seed(tc.seed)
-    model = init.skeleton(lambda: models.build(shape))  # each rank makes what it holds
-    n_params = sum(p.numel() for p in model.parameters())
-    weights = weights_of(shape, model) if shape.init_from and resume is None else None
-    held = layouts.build(model, mesh, layout, config, weights=weights, live=live)
+class Trainer:
+    """One rank's run of `dtrain train`: `Trainer(config)` sets it up (world, layout, data,
+    model, the checkpoint it resumes from), `run()` trains: `step()` after step, with
+    `evaluate()` and `save()` every so often.
 
-    def stream_from(step: int):
-        return batches(train_data, tc.batch_size, *shards, tc.seed, shuffle=True,
-                       accum=held.accum, start=step)
+    Who takes part in each step is fault tolerance's answer (`membership`, a
+    dtrain.ft.membership.Membership): every replica, or the live ones.
+    """
 
-    stream = stream_from(start)
-    schedulers = [torch.optim.lr_scheduler.LambdaLR(
-        o, lambda s: lr_factor(s, tc.steps, config.optimizer)) for o in held.optimizers]
-    if resume is not None:  # the options, schedule and RNG too
-        training.restore(resume, held, schedulers, layout)
-    held.start()
-    if live:  # what a replacement is sent besides the model and optimizer state
-        live.track(optimizer=held.optimizers[0],
-                   save_extra=lambda: {"schedule": schedulers[0].state_dict()},
-                   load_extra=lambda extra: schedulers[0].load_state_dict(extra["schedule"]))
+    def __init__(self, config: Config, metrics_path: str = "") -> None:
+        backend = None if config.comm.backend == "auto" else config.comm.backend
+        # Under dtrain's launcher with a timeline (env DTRAIN_TIMELINE) the launcher merges it.
+        self.own_timeline = "" if env.TIMELINE.is_set() else config.logging.timeline
+        world = self.world = world_mod.init(backend=backend, timeline=self.own_timeline or None)
+        live = open_live(config, world)  # live replicas: each a world (dtrain.ft.live.job)
+        self.note = ""
+        most = elastic.max_ranks(world)
+        if most:  # this round's ranks: the layout and accumulation fit them
+            config, self.note = elastic.adapt(config, world.world_size, most,
+                                              elastic.agreed(world))
+        self.config = config
+        tc, mc = config.train, config.model
+        self.layout = layout_of(config, world.world_size)
+        mesh = self.mesh = Mesh(dp=self.layout.dp, tp=self.layout.tp, pp=self.layout.pp,
+                                dp_replicate=replicas_of(config, world.world_size))
+        replicas, replica = mesh.size("dp_replicate"), mesh.coords["dp_replicate"]
+        self.membership: Membership = live or Fixed(replicas, replica)
+        # replicas synchronized every sync.every steps each keep checkpoints of their own
+        self.run_dir = Path(tc.out_dir) / (f"replica-{replica}" if replica else "")
+        resume_from = training.resume_path(config.checkpoint.resume, self.run_dir)
+        if replicas > 1:
+            resume_from = training.agreed_resume(resume_from, world.device)
+        self.resume = open_checkpoint(resume_from, config) if resume_from else None
+        self.start = self.resume.step if self.resume is not None else 0
 
-    main = world.is_main and (live is None or live.replica_id == 0)
-    progress = Progress(tc.steps, config.logging.log_every, enabled=main)
-    # Of live replicas, the first of each step's quorum records it (replica 0 may be gone).
-    metrics = MetricsLog(metrics_path or config.logging.metrics, enabled=world.is_main,
-                         resumed=(resume is not None and not config.checkpoint.resume)
-                         or (live is not None and (incarnation() > 0 or live.replica_id > 0)))
-    who = f"{world.world_size} rank(s), {held.describe()}"
-    if live:  # each replica: one rank, or a world of dp x tp x pp
-        each = "data-parallel replica(s)" if world.world_size == 1 else f"replica(s) of {who}"
-        who = f"{live.slots} live {each} (step timeout {config.parallel.step_timeout:g}s)"
-    progress.write(f"dtrain: {who}; "
-                   f"{describe_model(shape, model)} {n_params / 1e6:.2f}M parameters; "
-                   f"{len(train_data):,} training sequences of {mc.block_size} tokens "
-                   f"({data.tokenizer.name}); global batch {tc.batch_size}")
-    if world.source not in ("single", "dtrain"):  # started by torchrun, srun or mpirun
-        progress.write(f"dtrain: {world.describe()}")
-    if note:
-        progress.write(note)
-    if resume is not None:
-        progress.write(f"resumed from {resume.path} (step {start})")
-    elif weights is not None:
-        progress.write(f"weights from {weights.path}")
-    tokenizer_file = data.tokenizer.path and str(Path(data.tokenizer.path).resolve())
-    described = {"model": dataclasses.asdict(shape), "tokenizer": tokenizer_file,
-                 **model_meta(model)}
-    tokens_per_step = tc.batch_size * mc.block_size
-    losses: list[float] = []
-    eval_losses: list[tuple[int, float]] = []
+        dc = config.data
+        self.data = open_data(dc.path, dc.format, dc.tokenizer, dc.max_bytes, dc.val_fraction,
+                              mc.block_size)
+        # (data shards, this rank's): the batch splits over the replicas, and the dp in each
+        members = self.membership
+        self.shards = (members.replicas * self.layout.dp,
+                       members.replica * self.layout.dp + mesh.coords["dp"])
+        self.per_rank = per_rank_batch(config, self.shards[0])  # sequences per forward
 
-    def writes() -> bool:  # of live replicas, the first of the step's quorum records and saves
-        return live is None or live.replica_id == min(live.members or (live.replica_id,))
+        self.shape = models.resolve(mc, self.data.vocab_size)
+        torch.manual_seed(tc.seed)
+        self.model = init.skeleton(lambda: models.build(self.shape))  # each rank: what it holds
+        self.n_params = sum(p.numel() for p in self.model.parameters())  # before any split
+        self.weights = weights_of(self.shape, self.model) \
+            if self.shape.init_from and self.resume is None else None
+        self.held = layouts.build(self.model, mesh, self.layout, config, weights=self.weights,
+                                  averaging=members.averaging)
+        self.stream = self._stream_from(self.start)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(
+            o, lambda s: lr_factor(s, tc.steps, config.optimizer)) for o in self.held.optimizers]
+        if self.resume is not None:  # the options, schedule and RNG too
+            training.restore(self.resume, self.held, self.schedulers, self.layout)
+        self.held.start()
+        members.track(self.held.optimizers[0], self.schedulers[0])
 
-    def run_eval(step: int) -> None:
-        with timeline.span("eval", "eval", step=step):
-            loss = evaluate(held, val_data, per_rank, tc.eval_batches, mesh, world.device)
-        eval_losses.append((step, loss))
-        progress.write(f"step {step:>5}: held-out loss {loss:.4f}")
-        if writes():
-            metrics.write({"step": step, "eval_loss": loss})
+        self.main = world.is_main and members.first
+        self.progress = Progress(tc.steps, config.logging.log_every, enabled=self.main)
+        self.metrics = MetricsLog(
+            metrics_path or config.logging.metrics, enabled=world.is_main,
+            resumed=(self.resume is not None and not config.checkpoint.resume)
+            or members.joined_late)
+        tokenizer_file = self.data.tokenizer.path and str(Path(self.data.tokenizer.path).resolve())
+        self.described = {"model": dataclasses.asdict(self.shape), "tokenizer": tokenizer_file,
+                          **model_meta(self.model)}
+        self.losses: list[float] = []
+        self.eval_losses: list[tuple[int, float]] = []
 
-    def save(step: int, background: bool = False) -> Any:
-        """The checkpoint of `step`: its folder, or in the background (training goes on
-        while it is written) its PendingSave (dtrain.checkpoint.background)."""
-        if not writes():
-            return run_dir / "checkpoints"
-        how = training.save_in_background if background else training.save
-        with timeline.span("checkpoint", "checkpoint", step=step):
-            return how(run_dir / "checkpoints", step, held, schedulers, config.to_dict(),
-                       config.checkpoint.keep_last, described)
+    def _stream_from(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        tc = self.config.train
+        return batches(self.data.train, tc.batch_size, *self.shards, tc.seed, shuffle=True,
+                       accum=self.held.accum, start=step)
 
-    def train_step() -> float:
+    def _banner(self) -> None:
+        world, data, tc = self.world, self.data, self.config.train
+        who = self.membership.describe(f"{world.world_size} rank(s), {self.held.describe()}",
+                                       world.world_size)
+        self.progress.write(f"dtrain: {who}; "
+                            f"{describe_model(self.shape, self.model)} {self.n_params / 1e6:.2f}M "
+                            f"parameters; {len(data.train):,} training sequences of "
+                            f"{self.config.model.block_size} tokens ({data.tokenizer.name}); "
+                            f"global batch {tc.batch_size}")
+        if world.source not in ("single", "dtrain"):  # started by torchrun, srun or mpirun
+            self.progress.write(f"dtrain: {world.describe()}")
+        if self.note:
+            self.progress.write(self.note)
+        if self.resume is not None:
+            self.progress.write(f"resumed from {self.resume.path} (step {self.start})")
+        elif self.weights is not None:
+            self.progress.write(f"weights from {self.weights.path}")
+
+    def run(self) -> dict[str, Any]:
+        """Train from the step resumed to `train.steps`; evaluate, save and sample as the
+        config says. Returns the losses, held-out losses and the last checkpoint's path."""
+        config, tc = self.config, self.config.train
+        self._banner()
+        tokens_per_step = tc.batch_size * config.model.block_size
+        path = self.resume.path if self.resume is not None else self.run_dir / "checkpoints"
+        step = self.start
+        while step < tc.steps:
+            try:
+                at = self.membership.begin_step(step + 1)
+            except RunOver as exc:  # the run finished while this replica waited to rejoin
+                print(f"dtrain: {exc}", file=sys.stderr, flush=True)
+                return {"losses": self.losses, "eval_losses": self.eval_losses,
+                        "checkpoint": ""}
+            if at != step + 1:  # a replacement, at its peers' step
+                self.stream = self._stream_from(at - 1)
+            step = at
+            faults.at("step", step)
+            begin = time.perf_counter()
+            with timeline.span("step", "step", step=step):
+                step_loss = self.step()
+            elapsed = time.perf_counter() - begin
+            self.losses.append(step_loss)
+            self.progress.step(step, step_loss, tokens_per_step / elapsed)
+            if self.membership.writes():
+                self.metrics.write({"step": step, "time": time.time(), "loss": step_loss,
+                                    "lr": self.schedulers[0].get_last_lr()[0],
+                                    "step_time_s": elapsed,
+                                    "tokens_per_s": tokens_per_step / elapsed,
+                                    **self.membership.step_metrics()})
+            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                self.evaluate(step)
+            every = config.checkpoint.every
+            if every and step % every == 0 and step < tc.steps:
+                if config.checkpoint.background:
+                    self.save(step, background=True)
+                else:
+                    path = self.save(step)
+        self.progress.close()
+        self.held.finish_rounds()
+        self.held.close()
+        self.membership.finish()
+        self.evaluate(tc.steps)
+        if self.start < tc.steps:
+            path = self.save(tc.steps)
+        if self.main:
+            self.progress.write(f"checkpoint: {path}")
+        if config.logging.sample_tokens and self.main:  # from the checkpoint: whole, here
+            self.progress.write("sample:\n" + sample(self.shape, Checkpoint(path),
+                                                       self.data.tokenizer, config.logging,
+                                                       self.world.device))
+        self.metrics.close()
+        if self.own_timeline:
+            self.progress.write(f"timeline: {_write_own_timeline(self.world)}")
+        return {"losses": self.losses, "eval_losses": self.eval_losses, "checkpoint": str(path)}
+
+    def step(self) -> float:
         """Forward and backward of one global batch, the optimizer step; the mean loss."""
+        held, device = self.held, self.world.device
         data = []
         for _ in range(held.accum):
             with timeline.span("data", "data"):
-                data.append(tuple(t.to(world.device) for t in next(stream)))
+                data.append(tuple(t.to(device) for t in next(self.stream)))
         loss = held.forward_backward(data)
         with timeline.span("optimizer", "optimizer"):
-            if config.optimizer.grad_clip > 0:
-                held.clip_grad_norm_(config.optimizer.grad_clip)
-            if live is None or live.committed:  # a dropped replica is sent the state anew
+            if self.config.optimizer.grad_clip > 0:
+                held.clip_grad_norm_(self.config.optimizer.grad_clip)
+            if self.membership.applies_step():  # a dropped replica is sent the state anew
                 held.step()
-                for scheduler in schedulers:
+                for scheduler in self.schedulers:
                     scheduler.step()
             held.zero_grad()
-        return mean_over(mean_over(loss.item(), held.loss_group, world.device), mesh.across,
-                         world.device)
+        return mean_over(mean_over(loss.item(), held.loss_group, device),
+                         self.mesh.group("dp_replicate"), device)
 
-    path = resume.path if resume is not None else run_dir / "checkpoints"
-    step = start
-    while step < tc.steps:
-        step += 1
-        if live:
-            try:
-                if live.begin_step(step) != step:  # a replacement, at its peers' step
-                    step = live.step
-                    stream = stream_from(step - 1)
-            except RunFinished as exc:  # nothing left to rejoin
-                print(f"dtrain: {exc}", file=sys.stderr, flush=True)
-                live.close()
-                return {"losses": losses, "eval_losses": eval_losses, "checkpoint": ""}
-        faults.at("step", step)
-        begin = time.perf_counter()
-        with timeline.span("step", "step", step=step):
-            step_loss = train_step()
-        elapsed = time.perf_counter() - begin
-        losses.append(step_loss)
-        progress.step(step, step_loss, tokens_per_step / elapsed)
-        if writes():
-            metrics.write({"step": step, "time": time.time(), "loss": step_loss,
-                           "lr": schedulers[0].get_last_lr()[0], "step_time_s": elapsed,
-                           "tokens_per_s": tokens_per_step / elapsed,
-                           **({"replicas": len(live.participants)} if live else {})})
-        if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-            run_eval(step)
-        if config.checkpoint.every and step % config.checkpoint.every == 0 and step < tc.steps:
-            if config.checkpoint.background:
-                save(step, background=True)
-            else:
-                path = save(step)
-    progress.close()
-    held.finish_rounds()
-    held.close()
-    if live:
-        live.finish()
-        live.close()
-    run_eval(tc.steps)
-    if start < tc.steps:
-        path = save(tc.steps)
-    if main:
-        progress.write(f"checkpoint: {path}")
-    if config.logging.sample_tokens and main:  # from the checkpoint: whole, here
-        progress.write("sample:\n" + sample(shape, Checkpoint(path), data.tokenizer,
-                                             config.logging, world.device))
-    metrics.close()
-    if own_timeline:
-        progress.write(f"timeline: {_write_own_timeline(world)}")
-    return {"losses": losses, "eval_losses": eval_losses, "checkpoint": str(path)}
+    def evaluate(self, step: int) -> None:
+        """The held-out loss at `step`, printed and recorded."""
+        with timeline.span("eval", "eval", step=step):
+            loss = evaluate(self.held, self.data.val, self.per_rank,
+                            self.config.train.eval_batches, self.mesh, self.world.device)
+        self.eval_losses.append((step, loss))
+        self.progress.write(f"step {step:>5}: held-out loss {loss:.4f}")
+        if self.membership.writes():
+            self.metrics.write({"step": step, "eval_loss": loss})
+
+    def save(self, step: int, background: bool = False) -> Path | PendingSave:
+        """The checkpoint of `step`: its folder, or in the background (training goes on
+        while it is written) its PendingSave (dtrain.checkpoint.background)."""
+        folder = self.run_dir / "checkpoints"
+        if not self.membership.writes():
+            return folder
+        how = training.save_in_background if background else training.save
+        with timeline.span("checkpoint", "checkpoint", step=step):
+            return how(folder, step, self.held, self.schedulers, self.config.to_dict(),
+                       self.config.checkpoint.keep_last, self.described)
 
 
 def _write_own_timeline(world: world_mod.World) -> str:
@@ -295,7 +327,7 @@ def describe_model(shape: ModelConfig, model: torch.nn.Module) -> str:
                                                           if shape.preset else "")
 
 
-def sample(shape: ModelConfig, ckpt: Checkpoint, tokenizer: Tokenizer, cfg: Any,
+def sample(shape: ModelConfig, ckpt: Checkpoint, tokenizer: Tokenizer, cfg: LoggingConfig,
            device: torch.device) -> str:
     """Generate `cfg.sample_tokens` tokens after `cfg.sample_prompt` with the model saved
     in `ckpt` (built whole here, straight from the checkpoint), decoded as text."""

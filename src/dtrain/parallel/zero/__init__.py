@@ -3,7 +3,7 @@
 Plain data parallelism keeps a full copy of the parameters, gradients and optimizer state
 on every rank. ZeRO (Rajbhandari et al., 2020) splits them across the N ranks of the
 data-parallel group instead. Parameters are packed into flat *units*
-(dtrain.parallel.flat) whose shard r belongs to rank r:
+(dtrain.parallel.zero.flat) whose shard r belongs to rank r:
 
 - stage 1: each rank keeps optimizer state (and the fp32 master weights) for its shard
   only. Gradients are reduce-scattered, not allreduced, so each rank receives the summed
@@ -38,17 +38,20 @@ then builds the same optimizer class with the same options over this rank's shar
 get a zero gradient (in one process their gradient would stay None and the optimizer
 would skip them).
 
-Modules, one concern each (no import cycle: units <- optimizer <- wrapper, units <- state
-<- wrapper):
+Modules, one concern each (no import cycle: flat <- units <- optimizer <- wrapper, units
+<- state_io <- wrapper):
+
+- flat: the flat units' layout, parameters end to end and their shards.
 
 - units: `Unit`, one flat unit's tensors on this rank (`ZeRO.units`), and their packing.
 - optimizer: the factory's optimizer rebuilt over this rank's shard pieces.
 - wrapper: the `ZeRO` module (hooks, gathers, reduce-scatters, step, clip, grad_parts).
-- state: state in and out, full and sharded (`from dtrain.parallel.zero import state`).
+- state_io: state in and out, full and sharded (`from dtrain.parallel.zero import
+  state_io`).
 """
 
-from dtrain.parallel.zero import state
+from dtrain.parallel.zero import state_io
 from dtrain.parallel.zero.units import Unit
 from dtrain.parallel.zero.wrapper import ZeRO
 
-__all__ = ["Unit", "ZeRO", "state"]
+__all__ = ["Unit", "ZeRO", "state_io"]

@@ -1,6 +1,6 @@
 """The flat units on one rank: which parameters each packs, and its buffers.
 
-A unit (dtrain.parallel.flat.FlatUnit) lays some parameters end to end in one flat buffer
+A unit (dtrain.parallel.zero.flat.FlatUnit) lays some parameters end to end in one flat buffer
 cut into one equal shard per rank. `Unit` adds this rank's tensors for it: the full buffer
 the module's parameters view, this rank's master shard, and the gradient buffers.
 `build_units` packs a module's trainable parameters into units for a ZeRO stage.
@@ -17,7 +17,7 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.errors import DtrainError
-from dtrain.parallel.flat import FlatUnit, Span, split_by_size
+from dtrain.parallel.zero.flat import FlatUnit, Span, split_by_size
 
 Named = list[tuple[str, nn.Parameter]]
 
@@ -27,7 +27,7 @@ class Unit:
     """One flat unit's tensors on this rank.
 
     Attributes:
-        flat: the layout: parameters, their offsets, the shards (dtrain.parallel.flat).
+        flat: the layout: parameters, their offsets, the shards (dtrain.parallel.zero.flat).
         full: the whole unit in the compute dtype, padded; the module's parameters are
             views of it (stage 3: its storage is released between uses).
         master: this rank's shard in the parameters' dtype (the optimizer updates it; a
@@ -74,7 +74,7 @@ class Unit:
         self.pending = len(self.flat.params)
         self.backward_started = False
 
-    def start_gather(self, group: Any, algorithm: str) -> None:
+    def start_gather(self, group: comm.GroupLike, algorithm: str) -> None:
         """Stage 3: start all-gathering `full` from every rank's master shard."""
         if self.gathered or self.gathering is not None:
             return
@@ -82,7 +82,7 @@ class Unit:
                                          async_op=True, algorithm=algorithm)
 
     @torch.no_grad()
-    def gather(self, group: Any, algorithm: str) -> None:
+    def gather(self, group: comm.GroupLike, algorithm: str) -> None:
         """Stage 3: make `full` hold the parameters again (waits for the all-gather)."""
         if self.gathered:
             return
@@ -124,7 +124,7 @@ oldest (overlap with the next units' backward, memory of two units' gradients)."
 
 def settle(works: list[tuple[Unit, Any]], keep: int = IN_FLIGHT) -> None:
     """Wait for all but the `keep` latest of `works` (unit, its reduce-scatter) and add
-    each one's result to the unit's shard gradient: a unit's whole gradient lives until its
+    each one's result to the unit's shard gradient: a unit's whole gradient is kept until its
     collective has read it, so a bounded number in flight bounds backward's memory."""
     while len(works) > keep:
         unit, work = works.pop(0)

@@ -1,7 +1,12 @@
-# Over 400 lines: one class, whose hooks, step, clip and live averaging share its units
-# (the state in and out, and the units themselves, are already modules of their own).
-"""The ZeRO module: hooks that gather, free and reduce-scatter flat units (.units), the
-step over this rank's shards (.optimizer), the clip; state in and out is in .state."""
+"""The ZeRO module (dtrain.parallel.zero describes the stages and what each rank keeps).
+
+One class, because its forward and backward hooks, its step, its clip and its averaging
+over replicas all work on the same units: the hooks gather, free and reduce-scatter the
+flat units, the step updates this rank's shards, and the clip takes the global norm over
+them. What stands apart is in modules of its own: the units' tensors and their packing
+(.units), the optimizer rebuilt over this rank's shards (.optimizer), and the state in
+and out, full and sharded (.state_io).
+"""
 
 from __future__ import annotations
 
@@ -15,13 +20,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from dtrain import comm
 from dtrain.errors import DtrainError
-from dtrain.parallel import clip, live_reduce
-from dtrain.parallel.buckets import launch_ready
+from dtrain.parallel import clip
+from dtrain.parallel.agreement import agreement_device, broadcast_state, check_same_model
+from dtrain.parallel.averaging import Averaging
 from dtrain.parallel.clip import GradPart
 from dtrain.parallel.data_parallel import parse_dtype
-from dtrain.parallel.live import LiveReplicas
-from dtrain.parallel.replicas import agreement_device, broadcast_state, check_same_model
-from dtrain.parallel.zero import state as zero_state
+from dtrain.parallel.data_parallel.buckets import launch_ready
+from dtrain.parallel.zero import state_io as zero_state
 from dtrain.parallel.zero.optimizer import OptimizerFactory, group_index, shard_optimizer
 from dtrain.parallel.zero.optimizer import state_bytes as optimizer_bytes
 from dtrain.parallel.zero.units import Unit, build_units, one_dtype, segment, settle, unit_bytes
@@ -50,9 +55,11 @@ class ZeRO(nn.Module):
         device: where the units of a module built on the meta device are allocated
             (dtrain.models.init; each rank allocates its shards only, values to be
             restored, e.g. by dtrain.layouts); default the CPU.
-        live: this rank's `LiveReplicas` (dtrain.parallel.live) when the group is one of
-            several replicas that may die: each shard's gradient is averaged with the same
-            shard of the others (stages 1-2, no mixed precision). Step if `live.committed`.
+        averaging: when the group is one of several replicas that change from step to
+            step (dtrain.parallel.averaging; fault tolerance, dtrain.ft, hands one):
+            after the reduce-scatter inside the group, each rank's gradient shard
+            is averaged by it with the same shard of the other replicas (a step it does not
+            count leaves the group's own average).
 
     Raises:
         DtrainError: a bad stage or option, ranks with different models, or an optimizer
@@ -64,26 +71,25 @@ class ZeRO(nn.Module):
         module: nn.Module,
         optimizer: OptimizerFactory,
         stage: int = 2,
-        group: Any = None,
+        group: comm.GroupLike = None,
         mixed_precision: torch.dtype | str | None = None,
         bucket_mb: float = 25.0,
         units: list[nn.Module] | None = None,
         algorithm: str = "auto",
         device: torch.device | str | None = None,
-        live: LiveReplicas | None = None,
+        averaging: Averaging | None = None,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
             raise DtrainError(f"ZeRO stage={stage!r}: use 1, 2 or 3")
-        if live is not None and (stage == 3 or mixed_precision is not None):
-            raise DtrainError("ZeRO(live=...) needs stage 1 or 2 without mixed precision: a "
-                              "replacement is sent the parameters and its shard's optimizer "
-                              "state, and stage 3 or mixed precision keep more")
         if bucket_mb <= 0:
             raise DtrainError(f"ZeRO bucket_mb={bucket_mb} must be positive")
-        self.module, self.stage, self.algorithm = module, stage, algorithm
+        self.module = module
+        self.stage = stage
+        self.algorithm = algorithm
         self.group = comm.resolve(group)
-        self.rank, self.size = self.group.rank, self.group.size
+        self.rank = self.group.rank
+        self.size = self.group.size
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise DtrainError("ZeRO: the module has no trainable parameters")
@@ -109,11 +115,12 @@ class ZeRO(nn.Module):
                             self.size, self.param_dtype, self.compute_dtype,
                             torch.device(device) if device is not None else None)
         self.units: list[Unit] = built.units  # in the order their gradients are reduced
-        self._root, self._chain = built.root, built.chain  # stage 3 (chain: forward order)
+        self._root = built.root  # stage 3: what no unit claims, held from forward to backward
+        self._chain = built.chain  # stage 3: the units in forward order
         self.optimizer = shard_optimizer(template, self.units, self.rank)
-        self.live = live
-        if live is not None:
-            live.track(module=module, optimizer=self.optimizer)
+        self.averaging = averaging
+        if averaging is not None:
+            averaging.attach(module, self.optimizer)
         self._sync = True
         self._finalize_queued = False
         self._next_launch = 0
@@ -155,7 +162,7 @@ class ZeRO(nn.Module):
         if k + 1 < len(self._chain):
             self._start_gather(self._chain[k + 1])  # prefetch while this one computes
 
-    def _after_forward(self, k: int, output: Any) -> None:
+    def _after_forward(self, k: int, output: object) -> None:
         unit = self._chain[k]
         self._free(unit)
         if torch.is_grad_enabled():
@@ -163,12 +170,14 @@ class ZeRO(nn.Module):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad, k=k: self._before_backward(k))
 
-    def _after_root_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _after_root_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if not torch.is_grad_enabled():  # no backward follows
             for unit in self.units:
                 self._free(unit)
-        elif self._root is not None:  # gathered again for this output's backward, which may
-            for t in tree_flatten(output)[0]:  # come after other forwards (a pipeline)
+        elif self._root is not None:
+            # The root is gathered again for this output's backward, which may come after
+            # other forwards (a pipeline).
+            for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda grad: self._gather(self._root))
 
@@ -201,7 +210,8 @@ class ZeRO(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Accumulate unsharded gradients locally, without communication, inside this
         context; the first backward outside it reduces everything accumulated so far."""
-        previous, self._sync = self._sync, False
+        previous = self._sync
+        self._sync = False
         try:
             yield
         finally:
@@ -260,8 +270,12 @@ class ZeRO(nn.Module):
         settle(self._works, 0)
         self._next_launch = 0
         self._overflow = None
-        if self.live is not None:  # then each shard over the replicas alive
-            live_reduce.average(self.live, [unit.shard_grad() for unit in self.units])
+        if self.averaging is not None:  # then each shard over the other replicas
+            shards = [unit.shard_grad() for unit in self.units]
+            replicas = self.averaging.finish([self.averaging.start(t) for t in shards], shards)
+            if replicas:  # 0: the step does not count here, the shards keep the group's
+                for shard in shards:
+                    shard.div_(replicas)
 
     def accumulated_grad(self, param: nn.Parameter) -> torch.Tensor:
         """The unsharded gradient of `param` accumulated under `no_sync` (a view; zeros if

@@ -1,0 +1,328 @@
+"""Synchronous data parallelism: every rank holds the whole model, gradients are averaged.
+
+Each rank runs forward and backward on its own slice of the global batch. Gradients are
+averaged across the data-parallel group with allreduce, bucket by bucket, launched from
+autograd hooks the moment a bucket is complete, so communication overlaps the rest of
+backward. After `loss.backward()` returns, every rank holds the same averaged gradients,
+so the same optimizer step keeps the replicas identical — the result equals one process
+training on the concatenated batch.
+
+Run it with `dtrain run -n 2 train.py`, where train.py does::
+
+    world = dtrain.init()
+    model = dtrain.DataParallel(MyModel())
+    ...
+    loss.backward()      # gradients averaged across ranks here
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain import comm
+from dtrain.comm.group import Handle
+from dtrain.errors import DtrainError
+from dtrain.parallel.agreement import agreement_device, broadcast_state, check_same_model
+from dtrain.parallel.averaging import Averaging
+from dtrain.parallel.clip import GradPart
+from dtrain.parallel.data_parallel.buckets import Bucket, build_buckets, launch_ready
+from dtrain.parallel.sync import compression as compression_mod
+
+FIRST_BUCKET = 1 << 20
+"""Bytes of the first bucket at most (DDP's too): communication starts early in backward."""
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    """Accept a torch dtype or its short name ("bf16", "fp16", "fp32"); None stays None."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise DtrainError(f"unknown dtype {value!r}: use one of {', '.join(_DTYPES)}")
+    return _DTYPES[value]
+
+
+class DataParallel(nn.Module):
+    """Wrap a module so its gradients are averaged across a data-parallel group.
+
+    Args:
+        module: the model; its parameters and buffers are broadcast from the group's first
+            rank at wrap time so all replicas start identical.
+        group: the data-parallel group (e.g. `mesh.group("dp")`); default the world.
+        bucket_mb: cap on a gradient bucket's size in MB; smaller buckets start
+            communicating earlier, larger ones pay less per-message latency.
+        grad_dtype: communicate gradients in this dtype ("bf16", "fp16" or a torch dtype)
+            to halve the bytes sent; gradients are cast back to the parameter dtype.
+        algorithm: the allreduce algorithm for gradient buckets (see `dtrain.comm`).
+        averaging: average over replicas that may change from step to step instead of a
+            fixed group (dtrain.parallel.averaging; fault tolerance, dtrain.ft, hands
+            one): the buckets are summed by it, and a step it does
+            not count leaves this replica's own gradients. The wrap then neither checks
+            nor broadcasts the model: the averaging makes the replicas identical.
+        compression: send the gradients compressed (dtrain.parallel.sync.compression):
+            "powersgd" or "int8" with their defaults, or a `Compressor`; the gradients
+            are reduced as one bucket at the end of backward (each collective costs round
+            trips), and a parameter no rank used gets a zero gradient (presence is not
+            sent). Its error feedback is `compression_state()`.
+
+    Parameters that receive no gradient in a step (unused branches) are fine: their slots
+    are sent as zeros, and a parameter no rank used keeps `grad = None`, as in one process.
+
+    Raises:
+        DtrainError: ranks hold models with different parameters; `averaging` with
+            `group`, an algorithm, or compression.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: comm.GroupLike = None,
+        bucket_mb: float = 25.0,
+        grad_dtype: torch.dtype | str | None = None,
+        algorithm: str = "auto",
+        averaging: Averaging | None = None,
+        compression: str | compression_mod.Compressor | None = None,
+    ) -> None:
+        super().__init__()
+        if bucket_mb <= 0:
+            raise DtrainError(f"bucket_mb={bucket_mb} must be positive")
+        compressor = compression_mod.make(compression) if isinstance(compression, str) \
+            else compression
+        if compressor is not None and (averaging is not None or grad_dtype is not None):
+            raise DtrainError("DataParallel(compression=...) sends its own encoding of fp32 "
+                              "gradients over a fixed group: leave grad_dtype= and averaging= "
+                              "unset")
+        self.module = module
+        self.averaging = averaging
+        if averaging is None:
+            self.group = comm.resolve(group)
+            self.size = self.group.size
+        else:
+            if group is not None or algorithm != "auto":
+                raise DtrainError("DataParallel(averaging=...) averages over the replicas the "
+                                  "averaging chooses, its own way: leave group= and "
+                                  "algorithm= unset")
+            averaging.attach(module, None)
+            self.group, self.size = None, 0  # size: the averaging's, per step
+        self.algorithm = algorithm
+        self.grad_dtype = parse_dtype(grad_dtype)
+        self.compressor = compressor if self.size > 1 else None
+        self._sync = True
+        self._finalize_queued = False
+        self._next_launch = 0
+        self._works: list[Handle] = []
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._position = {id(p): k for k, p in enumerate(self._params)}
+        self._bucket_bytes = int(bucket_mb * 1024 * 1024)
+        averages = averaging is not None or self.size > 1  # a group of one: nothing to do
+        self._buckets: list[Bucket] = []
+        self._unpacked: dict[int, torch.Tensor] = {}  # grad_dtype's buckets, cast back
+        self._where: dict[int, tuple[Bucket, int]] = {}
+        if averages:
+            self._pack(list(reversed(range(len(self._params)))))
+        # The order backward makes the gradients in, noted in the first averaged backward:
+        # the buckets are then repacked in it, so each is complete as early as it can be.
+        # (Not when compressing: error feedback is kept per bucket, from the first step on.)
+        self._seen: list[int] | None = [] if averaging is None and averages and \
+            self.compressor is None else None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(k))
+                       for k, p in enumerate(self._params)]
+        if averaging is None and self.size > 1:
+            check_same_model(self._params, self.group, "DataParallel", algorithm)
+            broadcast_state(module, self.group, algorithm)
+
+    def _pack(self, order: list[int]) -> None:
+        """Buckets of the parameters in `order` (indices), the first of at most 1 MB; one
+        when compressing (reduced after backward anyway: each bucket costs round trips)."""
+        params = [self._params[k] for k in order]
+        if self.compressor is not None:
+            self._buckets = build_buckets(params, sys.maxsize, None)
+        else:
+            self._buckets = build_buckets(params, self._bucket_bytes, self.grad_dtype,
+                                          min(self._bucket_bytes, FIRST_BUCKET))
+        self._where = {self._position[id(p)]: (bucket, i)
+                       for bucket in self._buckets for i, p in enumerate(bucket.params)}
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication, inside this context.
+
+        The first backward outside it averages everything accumulated so far, so k-1
+        micro-batches under `no_sync()` plus one outside equal one batch k times larger.
+        """
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # ----------------------------------------------------------------- backward
+    def _make_hook(self, k: int):
+        def hook(param: torch.Tensor) -> None:
+            if not self._sync or not self._buckets:
+                return
+            if not self._finalize_queued:
+                self._finalize_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            if self._seen is not None:
+                self._seen.append(k)
+            bucket, i = self._where[k]
+            self._fill_slot(bucket, i, param)
+            bucket.ready[i] = True
+            bucket.pending -= 1
+            self._launch_ready()
+
+        return hook
+
+    @torch.no_grad()
+    def _fill_slot(self, bucket: Bucket, i: int, param: torch.Tensor) -> None:
+        """Copy param's local gradient into its slot, pre-divided by the group size (the
+        compressor and an averaging divide once they have summed)."""
+        slot, grad = bucket.slots[i], param.grad
+        if grad is None:
+            slot.zero_()
+            bucket.present[i] = 0
+            return
+        bucket.present[i] = 1
+        scale = 1.0 if self.compressor is not None or self.averaging is not None \
+            else 1.0 / self.size
+        if grad.data_ptr() == slot.data_ptr() and grad.dtype == slot.dtype:
+            slot.mul_(scale)  # accumulated in place in the bucket already
+        else:
+            torch.mul(grad, scale, out=slot)
+            if self.grad_dtype is None:
+                param.grad = slot  # later steps accumulate straight into the bucket
+
+    def _launch_ready(self) -> None:
+        self._next_launch = launch_ready(self._buckets, self._next_launch, self._launch)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.write_flags()
+        if self.averaging is not None:
+            self._works.append(self.averaging.start(bucket.buffer))
+            return
+        if self.compressor is not None:  # reduced at the end of backward, in order
+            return
+        self._works.append(comm.all_reduce(bucket.buffer, group=self.group, async_op=True,
+                                           algorithm=self.algorithm))
+
+    @torch.no_grad()
+    def _finalize(self) -> None:
+        """At the end of backward: send what is left, wait, hand out averaged gradients."""
+        for bucket in self._buckets[self._next_launch :]:
+            for i, p in enumerate(bucket.params):
+                if not bucket.ready[i]:
+                    self._fill_slot(bucket, i, p)
+            self._launch(bucket)
+        if self.averaging is not None:
+            self._divide(self.averaging.finish(self._works, [b.buffer for b in self._buckets]))
+        for work in self._works if self.averaging is None else ():
+            work.wait()
+        for bucket in self._buckets if self.compressor is not None else ():
+            self.compressor.reduce(bucket.index, bucket.grads,
+                                   [p.shape for p in bucket.params], self.group)
+            bucket.present = [1] * len(bucket.params)  # not sent: every parameter gets one
+        for bucket in self._buckets:
+            grads = bucket.grads if self.grad_dtype is None else self._cast_back(bucket)
+            present = bucket.present if self.compressor is not None else bucket.flags.tolist()
+            for i, p in enumerate(bucket.params):
+                if present[i] == 0:
+                    continue  # no rank had a gradient: it stays None, as in one process
+                start = bucket.offsets[i]
+                p.grad = grads[start : start + p.numel()].view_as(p)
+            bucket.reset()
+        self._works.clear()
+        self._next_launch = 0
+        self._finalize_queued = False
+        if self._seen is not None:
+            self._repack()
+
+    def _cast_back(self, bucket: Bucket) -> torch.Tensor:
+        """A bucket's averaged gradients in the parameters' dtype: one cast into a buffer
+        kept from step to step (a new one would be allocated and touched every step)."""
+        kept = self._unpacked.get(bucket.index)
+        if kept is None:
+            kept = self._unpacked[bucket.index] = bucket.grads.to(bucket.params[0].dtype)
+        else:
+            kept.copy_(bucket.grads)
+        return kept
+
+    def _repack(self) -> None:
+        """Repack the buckets in the order the first backward made the gradients (rank 0's,
+        so that every rank launches the same buckets), as DDP rebuilds its buckets."""
+        seen, self._seen = dict.fromkeys(self._seen or []), None
+        order = [*seen, *(k for k in reversed(range(len(self._params))) if k not in seen)]
+        agreed = torch.tensor(order, dtype=torch.int64, device=agreement_device(self._params))
+        comm.broadcast(agreed, src=0, group=self.group, algorithm=self.algorithm)
+        order = agreed.tolist()
+        if order == [self._position[id(p)] for b in self._buckets for p in b.params]:
+            return
+        self._pack(order)
+        self._unpacked.clear()
+        if self.grad_dtype is None:  # the averaged gradients move into the new buckets
+            for bucket in self._buckets:
+                for i, p in enumerate(bucket.params):
+                    if p.grad is not None:
+                        slot = bucket.slots[i]
+                        slot.copy_(p.grad)
+                        p.grad = slot
+
+    def reduce_gradients(self) -> None:
+        """Average what backward accumulated under `no_sync` now, as the first backward
+        outside it would at its end (a pipeline piece with an averaging, once its schedule
+        is done)."""
+        if self.averaging is not None or self.size > 1:
+            self._finalize()
+
+    def _divide(self, replicas: int) -> None:
+        """Averages from the sums an averaging wrote into the buckets (their presence flags
+        stay counts); with 0 replicas (a step that does not count here) the buckets hold
+        this replica's own gradients, left as they are."""
+        for bucket in self._buckets if replicas else ():
+            bucket.buffer[: bucket.numel].div_(replicas)
+
+    # ----------------------------------------------------------------- compression
+    def compression_state(self) -> dict[str, torch.Tensor]:
+        """This rank's compression state (error feedback, warm starts) as flat tensors,
+        for a checkpoint; empty without compression."""
+        return {} if self.compressor is None else self.compressor.state_dict()
+
+    def load_compression_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Continue from `compression_state()`'s tensors (a resumed run on the same ranks)."""
+        if self.compressor is not None and state:
+            self.compressor.load_state_dict(state)
+
+    # ----------------------------------------------------------------- clipping
+    def grad_parts(self, is_split: Callable[[nn.Parameter], bool] | None = None,
+                   counted: Callable[[nn.Parameter], bool] | None = None) -> list[GradPart]:
+        """The averaged gradients as parts of a global norm (see dtrain.parallel.clip):
+        replicated over the group, so summed over no axis, or over "tp" where
+        `is_split(param)` (a tensor-parallel block); `counted(param)` False marks a copy
+        another rank counts (a tied weight's second holder). Call after backward."""
+        return [GradPart(p.grad, over=("tp",) if is_split is not None and is_split(p) else (),
+                         counted=counted is None or counted(p))
+                for p in self.module.parameters() if p.grad is not None]
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict, without a wrapper prefix."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ):
+        """Load into the wrapped module (keys as produced by `state_dict`)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

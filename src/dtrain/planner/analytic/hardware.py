@@ -1,0 +1,158 @@
+"""GPU clusters described by numbers: accelerator presets, their links, and overrides.
+
+    hw = hardware("a100-80gb")                                   # a preset
+    hw = hardware("a100-80gb", {"inter_gbps": "50", "memory": "40GiB"})  # overridden
+    hw = hardware("my-cluster.toml")                             # a file (see below)
+    cluster = Cluster(hw, nodes=192, gpus_per_node=8)
+
+A preset's figures are the vendor's datasheet numbers (dense bf16/fp16 tensor-core rate,
+memory, memory bandwidth, NVLink bandwidth per direction; one InfiniBand/RoCE port per
+GPU between nodes, as in DGX and HGX systems) and a few constants that say how much of
+them software reaches. Those constants are documented in docs/choosing-a-layout.md:
+
+- `gemm_efficiency`: the share of the peak rate a large bf16 matrix multiply reaches (the
+  compute roof of dtrain.planner.analytic.cluster's roofline), the one fitted constant: 0.69, on
+  two rows of Megatron-LM's published Table 1 on A100s (the first and the last), kept
+  for the other presets;
+- `memory_efficiency`: the share of memory bandwidth element-wise kernels and the
+  optimizer step reach (0.8, what STREAM-like copies reach on HBM);
+- `link_efficiency`: the share of a link's rate collectives reach (0.8, about what
+  nccl-tests reports as bus bandwidth against the link rate);
+- `intra_latency_us`, `inter_latency_us`: seconds per collective call inside a node and
+  across nodes;
+- `reserved`: memory a GPU cannot give the model (CUDA context, communication buffers,
+  the allocator's fragmentation).
+
+A TOML cluster file has one `[hardware]` table: `base = "h100-80gb"` (optional) and any
+of the keys above, e.g. `inter_gbps = 25` or `memory = "40GB"`. `--set hardware.KEY=VALUE`
+overrides a preset or a file the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtrain.errors import ConfigError
+from dtrain.sizes import parse_size
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator and the links around it (rates per GPU)."""
+
+    name: str
+    peak_tflops: float  # dense bf16/fp16 tensor-core rate
+    memory: float  # bytes of device memory
+    memory_gbps: float  # memory bandwidth, GB/s
+    intra_gbps: float  # NVLink/NVSwitch, GB/s per direction
+    inter_gbps: float  # InfiniBand/RoCE, GB/s per GPU per direction
+    gpus_per_node: int = 8
+    intra_latency_us: float = 10.0
+    inter_latency_us: float = 25.0
+    link_efficiency: float = 0.8
+    memory_efficiency: float = 0.8
+    gemm_efficiency: float = 0.69  # fitted: see the module doc
+    reserved: float = 2 * GiB
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.peak_tflops:g} TFLOP/s bf16, {self.memory / GiB:.0f} GiB "
+                f"at {self.memory_gbps / 1000:.2f} TB/s; NVLink {self.intra_gbps:g} GB/s, "
+                f"network {self.inter_gbps:g} GB/s per GPU")
+
+
+PRESETS: dict[str, Hardware] = {
+    # A100 SXM: 312 TFLOP/s bf16, NVLink 3 (600 GB/s both ways), HDR InfiniBand 200 Gbit/s
+    "a100-40gb": Hardware("a100-40gb", 312, 40 * GiB, 1555, 300, 25),
+    "a100-80gb": Hardware("a100-80gb", 312, 80 * GiB, 2039, 300, 25),
+    # H100 SXM5: 989 TFLOP/s bf16, NVLink 4 (900 GB/s both ways), NDR 400 Gbit/s
+    "h100-80gb": Hardware("h100-80gb", 989, 80 * GiB, 3350, 450, 50),
+    # H200 SXM: an H100 with 141 GB of HBM3e at 4.8 TB/s
+    "h200": Hardware("h200", 989, 141 * GiB, 4800, 450, 50),
+}
+ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb",
+           "h200-141gb": "h200"}
+KEYS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name != "name")
+
+
+def hardware(name: str, overrides: dict[str, str] | None = None) -> Hardware:
+    """The preset `name` (or the TOML cluster file at that path), with `overrides`
+    (key -> value as text) applied.
+
+    Raises:
+        ConfigError: an unknown preset, an unreadable file, an unknown key or a bad value.
+    """
+    key = ALIASES.get(name.lower(), name.lower())
+    if key in PRESETS:
+        base, values = PRESETS[key], {}
+    elif name.endswith(".toml"):
+        base, values = _from_file(Path(name))
+    else:
+        raise ConfigError(f"--hardware {name!r} is unknown: use one of "
+                          f"{', '.join(PRESETS)}, or a .toml cluster file")
+    values.update(overrides or {})
+    return dataclasses.replace(base, **{k: _value(k, v) for k, v in values.items()})
+
+
+def _from_file(path: Path) -> tuple[Hardware, dict[str, str]]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"--hardware {path}: cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--hardware {path}: not TOML ({exc})") from None
+    table = data.get("hardware")
+    if not isinstance(table, dict) or set(data) - {"hardware"}:
+        raise ConfigError(f"--hardware {path}: give one [hardware] table (base = a preset, "
+                          "and the keys to change)")
+    table = dict(table)
+    base_name = str(table.pop("base", "a100-80gb"))
+    base = hardware(base_name)
+    return dataclasses.replace(base, name=path.stem), {k: str(v) for k, v in table.items()}
+
+
+def _value(key: str, text: str) -> float | int:
+    if key not in KEYS:
+        raise ConfigError(f"hardware.{key} is unknown: use one of {', '.join(KEYS)}")
+    if key in ("memory", "reserved"):
+        value: float = float(parse_size(text, f"hardware.{key}"))
+    else:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(f"hardware.{key} = {text!r} is not a number") from None
+    if key == "gpus_per_node":
+        if value != int(value) or value < 1:
+            raise ConfigError(f"hardware.gpus_per_node = {text} must be a positive whole "
+                              "number")
+        return int(value)
+    lowest = 0.0 if key in ("reserved", "intra_latency_us", "inter_latency_us") else 1e-12
+    if not lowest <= value < math.inf or (key.endswith("efficiency") and value > 1):
+        raise ConfigError(f"hardware.{key} = {text} is out of range")
+    return value
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`nodes` machines of `gpus_per_node` accelerators each."""
+
+    hardware: Hardware
+    nodes: int
+    gpus_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ConfigError("--nodes and --gpus-per-node must be positive")
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node

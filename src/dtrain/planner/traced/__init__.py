@@ -1,0 +1,130 @@
+"""The traced planner: every layout of this machine's ranks, from the model traced on fake
+tensors.
+
+    cfg = GPTConfig(n_layer=24, n_embd=1024, n_head=16)
+    estimates = plan(lambda b: profile_gpt(cfg, b), devices=8, memory=80e9, batch=64,
+                     flops=300e12, links=Links.given(100, 10))
+    best, why = recommend(estimates)
+
+The model is traced once per activation-recomputation mode and micro-batch size
+(`profile`, `trace`, counting live bytes with `tracker.LiveBytes`); each layout's figures
+follow dtrain's own strategies (`estimate`), with sequence parallelism where asked and the
+peak while the layout builds its share (`construction`); collectives cost what
+dtrain.comm measured (`links`), on this machine's figures unless told (`machine`).
+`slow_links` weighs ways to synchronize a data-parallel layout over slow links, and
+`measure` runs a layout for real to check the figures.
+
+Recomputation and sequence parallelism are choices per layout: `plan(...,
+recompute=("none", "selective", "full"), sequence_parallel=(False, True))` plans each
+layout with the fastest of them that fits (recomputation costs a forward of what it
+recomputes; sequence parallelism a few more calls), so a layout that fits as it is keeps
+everything, and one that does not falls back to sequence parallelism, then to recomputing
+the attention cores, then whole blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+from dtrain.job_layout import Layout
+from dtrain.planner.traced.estimate import Estimate, estimate
+from dtrain.planner.traced.links import Links
+from dtrain.planner.traced.profile import Profile
+
+MICROBATCHES = (1, 2, 4)  # pipelines try m = pp times these
+
+
+def layouts(profile: Profile, devices: int, batch: int, accum: int = 1,
+            schedules: tuple[str, ...] = ("1f1b",)) -> list[Layout]:
+    """Every layout of `devices` ranks the model and a global batch of `batch` allow."""
+    found = []
+    for tp in profile.tp_degrees(devices):
+        for pp in range(1, devices // tp + 1):
+            if (devices // tp) % pp or (pp > 1 and pp > profile.n_layer):
+                continue
+            dp = devices // (tp * pp)
+            for zero in range(4) if dp > 1 else (0,):
+                if pp == 1:
+                    if batch % (dp * accum) == 0:
+                        found.append(Layout(dp, tp, 1, zero))
+                    continue
+                for m in (pp * k for k in MICROBATCHES):
+                    if batch % (dp * m):
+                        continue
+                    for schedule in schedules:
+                        found.append(Layout(dp, tp, pp, zero, m, schedule))
+    return found
+
+
+def choices(profile: Profile, layout: Layout, recompute: tuple[str, ...],
+            sequence_parallel: tuple[bool, ...]) -> list[tuple[str, bool]]:
+    """The (recomputation mode, sequence parallelism) pairs `layout` can take of those
+    asked, in the order asked: modes the model has, sequence parallelism where tp allows."""
+    modes = [m for m in recompute if m in profile.modes] or ["none"]
+    seq = [s for s in sequence_parallel if not s or profile.sequence_parallel(layout.tp)]
+    return [(m, s) for m in modes for s in dict.fromkeys(seq or [False])]
+
+
+def _speed(e: Estimate) -> int:
+    """Steps within 1% of each other are a tie."""
+    return round(math.log(max(e.step_s, 1e-12)) * 100)
+
+
+def plan(trace: Callable[[int], Profile], devices: int, memory: float, batch: int,
+         flops: float, links: Links, optimizer: str = "adamw", accum: int = 1,
+         bucket_mb: float = 25.0, schedules: tuple[str, ...] = ("1f1b",),
+         recompute: str | tuple[str, ...] = "none",
+         sequence_parallel: bool | tuple[bool, ...] = False) -> list[Estimate]:
+    """The estimate of every layout (see `layouts`), fastest first. `trace(b)` profiles
+    the model on a micro-batch of b sequences (activations are not quite linear in b:
+    kernels differ by size, so each size is traced).
+
+    `recompute` (modes of RECOMPUTE) and `sequence_parallel` are the choices each layout
+    may take, preferred first: a layout gets the fastest pair that fits (the first of
+    those within 1%), or, if none fits, the pair needing the least memory.
+    """
+    modes = (recompute,) if isinstance(recompute, str) else tuple(recompute)
+    seq = (sequence_parallel,) if isinstance(sequence_parallel, bool) else \
+        tuple(sequence_parallel)
+    profile = functools.cache(trace)  # layouts share micro-batch sizes
+    out = []
+    for layout in layouts(profile(max(1, batch // devices)), devices, batch, accum, schedules):
+        per_micro = batch // (layout.dp * (accum if layout.pp == 1 else layout.microbatches))
+        traced = profile(per_micro)
+        candidates = [estimate(traced, layout, memory, flops, links, optimizer,
+                               accum if layout.pp == 1 else 1, bucket_mb, mode, sp)
+                      for mode, sp in choices(traced, layout, modes, seq)]
+        fitting = [e for e in candidates if e.fits]
+        out.append(min(fitting, key=_speed) if fitting
+                   else min(candidates, key=lambda e: e.total))
+    # Steps within 1% of each other are a tie: then less traffic, then less memory.
+    return sorted(out, key=lambda e: (not e.fits, _speed(e), sum(e.traffic.values()), e.total))
+
+
+def _options(e: Estimate) -> str:
+    return f", recomputing {e.recompute}" if e.recompute != "none" else ""
+
+
+def recommend(estimates: list[Estimate]) -> tuple[Estimate | None, str]:
+    """The fastest layout that fits, and why; None if none fits."""
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        least = min(estimates, key=lambda e: e.total) if estimates else None
+        need = (f"; the smallest needs {least.total / 2**30:.2f} GiB per device "
+                f"({least.label}{_options(least)})") if least else ""
+        return None, f"no layout fits{need}: add devices or memory, or shrink the batch"
+    best = fitting[0]
+    again = f", {best.recompute_s * 1e3:.1f} recomputation" if best.recompute_s else ""
+    why = (f"{best.label}{_options(best)}: the fastest estimated step "
+           f"({best.step_s * 1e3:.1f} ms: {best.compute_s * 1e3:.1f} compute{again}, "
+           f"{best.comm_s * 1e3:.1f} communication) of the {len(fitting)} layouts that fit, "
+           f"at {best.total / 2**30:.2f} GiB per device")
+    if len(fitting) > 1:
+        second = fitting[1]
+        why += f"; next: {second.label}{_options(second)} at {second.step_s * 1e3:.1f} ms"
+    unfit = [e for e in estimates if not e.fits]
+    if unfit:
+        why += f"; {len(unfit)} layouts do not fit"
+    return best, why

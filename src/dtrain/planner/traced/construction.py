@@ -1,0 +1,73 @@
+"""A rank's peak memory while `dtrain.layouts.build` makes its share of a model from a
+skeleton (split-form construction, dtrain.models.init), per layout.
+
+The skeleton holds no parameter memory. The layout allocates what the rank holds (its tp
+blocks, its pipeline pieces, or its ZeRO shards) and fills it from the initial values
+(`Initial`), drawn in generator groups of whole rows of at most `CHUNK` elements and read
+a few rows at a time (about as many elements), so that one tensor's filling needs one
+group and the rows read from it (twice: the pieces and the rows joined), on top of what
+the rank holds (fp32, 4 bytes each; Ψ is what the rank holds after tp and pp split the
+model, N = dp):
+
+    dp (DataParallel)   parameters 4Ψ + gradient buckets 4Ψ (none at dp = 1), then each
+                        tensor in turn
+    ZeRO 1              the unit buffers 4Ψ + stage 1's unsharded gradients 4Ψ
+    ZeRO 2              the unit buffers 4Ψ
+    ZeRO 3              this rank's shards 4Ψ/N (and, for a moment, one whole unit)
+
+A ZeRO rank reads each parameter's span of its shard in turn (a tensor tp divides: its
+whole block); ZeRO 1 and 2 then all-gather every unit at once into a second 4Ψ. Before
+split-form construction every rank built the whole model first: its peak was at least the
+whole model, 4 bytes per parameter, whatever the layout (`whole_model`).
+"""
+
+from __future__ import annotations
+
+from dtrain.job_layout import Layout
+from dtrain.models import init
+from dtrain.models.weights import ROWS_AT_ONCE
+from dtrain.planner.costs import PARAM_BYTES
+from dtrain.planner.traced.profile import Params, ParamTensor
+
+
+def group_elements(t: ParamTensor, chunk: int) -> int:
+    """Elements of one generator group of `t`: whole rows, at most `chunk` (one row)."""
+    row = max(t.row, 1)
+    return min(t.numel, max(1, chunk // row) * row)
+
+
+def piece(t: ParamTensor, layout: Layout, shard: float) -> float:
+    """Elements of `t` a rank reads at once: a few rows of its tp block (DataParallel,
+    pipelines), or its span of the shard (ZeRO: up to the tensor, or its whole tp block)."""
+    divided = t.split and layout.tp > 1
+    block = t.numel / layout.tp if divided else t.numel
+    if layout.zero:
+        return block if divided else min(block, shard)
+    return min(block, max(ROWS_AT_ONCE, t.row))
+
+
+def construction_peak(layout: Layout, held: Params, tensors: list[ParamTensor],
+                      unit: float, chunk: int | None = None) -> float:
+    """Bytes a rank peaks at while its share is built: it holds the parameters `held`
+    (elements before tp divides them), in ZeRO units of at most `unit` elements (ZeRO 3
+    allocates each whole for a moment), and fills them from `tensors` one at a time.
+    `chunk`: elements per generator group (default dtrain.models.init.CHUNK)."""
+    chunk = init.CHUNK if chunk is None else chunk
+    psi, n = held.per_rank(layout.tp), layout.dp
+    pieces = [piece(t, layout, unit / n) for t in tensors] or [0.0]
+    # a group and the piece read from it, joined; ZeRO still holds the span before it
+    draw = max(group_elements(t, chunk) + 2 * p for t, p in zip(tensors, pieces, strict=False))
+    if not layout.zero:  # gradient buckets only where there is a group to average over
+        return PARAM_BYTES * ((2 if n > 1 else 1) * psi + draw)
+    state = {1: 2 * psi, 2: psi, 3: psi / n}[layout.zero]
+    peak = state + draw + max(pieces)
+    if layout.zero == 3:
+        peak = max(peak, psi / n + unit)
+    else:  # once the shards are filled, every unit is all-gathered at once
+        peak = max(peak, state + psi)
+    return PARAM_BYTES * peak
+
+
+def whole_model(params: Params) -> float:
+    """Bytes of the whole model in fp32: what every rank built before split form."""
+    return PARAM_BYTES * params.total

@@ -1,0 +1,350 @@
+"""Per-rank memory, traffic and step time of one layout, from a model's profile.
+
+A layout is dp x tp x pp ranks with a ZeRO stage and, for pipelines, micro-batches and a
+schedule. The figures follow what dtrain's own strategies hold (fp32 parameters, Ψ of them
+on a rank after tp and pp split the model, N = dp, K bytes of optimizer state per
+parameter: 8 for Adam, 4 for SGD with momentum):
+
+    zero 0 (DataParallel)  params 4Ψ   grads 4Ψ (the buckets)     optimizer KΨ
+    zero 1                 params 4Ψ   grads 4Ψ + 4Ψ/N (shard)    optimizer KΨ/N
+    zero 2                 params 4Ψ   grads 4Ψ/N                 optimizer KΨ/N
+    zero 3                 params 4Ψ/N + the root unit and two blocks gathered at once
+                                       grads 4Ψ/N                 optimizer KΨ/N
+                           (no block is gathered while backward goes through the head: when
+                           that is the peak, as with a large vocabulary, the figure is its)
+
+The gradient shards come as backward ends and go when the training loop's `zero_grad`
+releases them, so the peak is the larger of backward's and the optimizer step's (every
+gradient the table lists, no activations): `Estimate.total`. Backward's holds the
+activations and the gradients then alive (`grads_in_backward`): DataParallel's buckets
+(none at dp = 1: there autograd's own gradients, at most all of them, are the grads row;
+and, over micro-batches or accumulated batches, the parameters' own gradients, which
+`zero_grad` released and backward made anew outside the buckets until the last one),
+ZeRO 1's unsharded gradients, with the gradient backward has just computed beside either,
+until it is copied in (the largest parameter's, at most); ZeRO 2's unit being reduced (its
+full gradient, a bucket), ZeRO 3's root unit's full gradient (from the head's backward to
+the embedding's) and the block's whose backward is under way.
+
+Activations are the profile's, per micro-batch, with the recomputation mode planned
+(`[memory] activation_checkpointing`: the profile traces each), times the micro-batches a
+stage holds at once: the most that the schedule (dtrain.pipeline.schedules, the very lists
+the runtime executes) leaves between a forward and its backward, plus what backward adds at
+its peak. Tensor parallelism divides the split part by tp; sequence parallelism also
+divides the part between its regions (norms, dropouts, residuals, and what pipeline stages
+send each other), leaving whole each column-parallel layer's gathered input.
+
+Traffic per step, in bytes of the buffers each collective is given: dp all-reduces the
+gradients once (ZeRO 1-2: reduce-scatter then all-gather the parameters; ZeRO 3 gathers
+each unit for every forward and backward), tp all-reduces a micro-batch's activations
+twice per block forward and twice backward (sequence parallelism: an all-gather and a
+reduce-scatter each instead, moving the same bus bytes, and an all-reduce per replicated
+parameter's gradient), full recomputation repeats the forward's, pp sends each
+micro-batch's activations forward and their gradients back, and the first and last stage
+sum the tied embedding.
+
+Step time = compute + recomputation + the communication it does not hide. Compute is 6
+flops per parameter per token plus attention (6·layers·seq·width per token), at the given
+rate, stretched by the pipeline bubble (p-1)/(m+p-1), (p-1)/(v·m+p-1) interleaved.
+Recomputation is one more forward of what is recomputed: 2 flops per block parameter per
+token plus attention's 2·layers·seq·width ("full"), or attention's alone ("selective").
+Each collective costs its calls times alpha plus its bus bytes times beta
+(dtrain.planner.traced.links); dp's gradient collectives overlap backward (2/3 of compute, and
+the recomputation; only the excess counts), tp's and pp's messages sit on the critical path
+and count whole.
+
+The construction peak (dtrain.planner.traced.construction) is each rank's while the layout builds
+it from a skeleton.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from dtrain.job_layout import Layout
+from dtrain.pipeline.partition import balanced_sizes
+from dtrain.pipeline.schedules import build
+from dtrain.planner.costs import PARAM_BYTES, bubble
+from dtrain.planner.planned import PlannedLayout
+from dtrain.planner.traced.construction import construction_peak
+from dtrain.planner.traced.links import Links
+from dtrain.planner.traced.profile import Activation, Params, Profile
+
+STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
+
+
+@dataclass
+class Estimate:
+    """One layout's figures for its busiest rank (bytes, seconds), with the recomputation
+    mode and sequence parallelism they assume; `construction`: the most any of its ranks
+    holds while the layout builds it."""
+
+    layout: Layout
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    fits: bool = True
+    traffic: dict[str, float] = field(default_factory=dict)  # collective -> buffer bytes
+    bubble: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    recompute_s: float = 0.0
+    construction: float = 0.0
+    grads_in_backward: float | None = None  # of `grads`, what backward's peak holds
+
+    @property
+    def total(self) -> float:
+        """The peak: parameters and optimizer state, and the more of backward's
+        activations with its gradients and the step's gradients (see the module doc)."""
+        backward = self.grads if self.grads_in_backward is None else self.grads_in_backward
+        return self.params + self.optimizer + max(backward + self.activations, self.grads)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.recompute_s + self.comm_s
+
+    @property
+    def planned(self) -> PlannedLayout:
+        """The layout with the recomputation and sequence parallelism it is planned with."""
+        return PlannedLayout(self.layout, self.recompute, self.sequence_parallel)
+
+    @property
+    def label(self) -> str:
+        """The layout, with " sp" under sequence parallelism (`str(self.planned)`)."""
+        return str(self.planned)
+
+    def to_dict(self) -> dict:
+        layout = self.layout
+        return {
+            "layout": self.label, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+            "zero": layout.zero, "microbatches": layout.microbatches,
+            "schedule": layout.schedule if layout.pp > 1 else None,
+            "recompute": self.recompute, "sequence_parallel": self.sequence_parallel,
+            "memory_bytes": {"params": int(self.params), "grads": int(self.grads),
+                             "grads_in_backward": int(self.grads if self.grads_in_backward
+                                                      is None else self.grads_in_backward),
+                             "optimizer": int(self.optimizer),
+                             "activations": int(self.activations), "total": int(self.total)},
+            "construction_bytes": int(self.construction),
+            "fits": self.fits, "traffic_bytes": {k: int(v) for k, v in self.traffic.items()},
+            "bubble": self.bubble, "compute_s": self.compute_s,
+            "recompute_s": self.recompute_s, "comm_s": self.comm_s, "step_s": self.step_s,
+        }
+
+
+def stage_blocks(profile: Profile, pp: int, chunks: int = 1) -> list[list[int]]:
+    """Blocks of each virtual stage held by each pipeline rank (rank r: stages r, r+pp, ...)."""
+    sizes = balanced_sizes([1.0] * profile.n_layer, pp * chunks)
+    return [[sizes[c * pp + r] for c in range(chunks)] for r in range(pp)]
+
+
+def in_flight(layout: Layout, rank: int, per_chunk: list[float]) -> float:
+    """The most activation bytes the schedule keeps on `rank` between forwards and their
+    backwards, chunk `c`'s micro-batch weighing `per_chunk[c]`."""
+    if layout.pp == 1:
+        return per_chunk[0]
+    live, most = 0.0, 0.0
+    v = layout.virtual_stages
+    for action in build(layout.schedule, layout.pp, rank, layout.microbatches, v):
+        live += per_chunk[action.chunk] if action.kind == "F" else -per_chunk[action.chunk]
+        most = max(most, live)
+    return most
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a layout is planned with beyond its degrees."""
+
+    optimizer: str = "adamw"
+    accum: int = 1
+    bucket_mb: float = 25.0
+    recompute: str = "none"  # [memory] activation_checkpointing
+    sequence_parallel: bool = False
+
+
+def estimate(profile: Profile, layout: Layout, memory: float, flops: float, links: Links,
+             optimizer: str = "adamw", accum: int = 1, bucket_mb: float = 25.0,
+             recompute: str = "none", sequence_parallel: bool = False) -> Estimate:
+    """The figures of `layout` for a global batch of
+    `profile.micro_batch * dp * accum * microbatches` sequences, recomputing as
+    `recompute` says, with sequence parallelism if `sequence_parallel` (see the module doc).
+
+    Raises:
+        ConfigError: the profile has no figures for `recompute`.
+    """
+    options = Options(optimizer, accum, bucket_mb, recompute,
+                      sequence_parallel and profile.sequence_parallel(layout.tp))
+    ranks = [_rank(profile, layout, r, options) for r in range(layout.pp)]
+    worst = max(ranks, key=lambda e: e.total)
+    worst.fits = worst.total <= memory
+    worst.bubble = bubble(layout.pp, layout.microbatches, layout.virtual_stages)
+    busiest = max(ranks, key=lambda e: sum(e.traffic.values()))
+    worst.traffic = busiest.traffic
+    worst.compute_s, worst.recompute_s = _compute_s(profile, layout, accum, flops, recompute)
+    worst.comm_s = max(_exposed_comm_s(e, layout, links,
+                                       worst.compute_s * 2 / 3 + worst.recompute_s)
+                       for e in ranks)
+    worst.construction = max(e.construction for e in ranks)
+    return worst
+
+
+def _exposed_comm_s(figures: _RankFigures, layout: Layout, links: Links,
+                    backward_s: float) -> float:
+    """Communication time not hidden behind arithmetic: the data-parallel gradient
+    collectives run while backward (`backward_s`) goes on; the rest waits."""
+    def cost(keys: list[str]) -> float:
+        return links.seconds({k: figures.traffic[k] for k in keys},
+                             {k: figures.calls[k] for k in keys}, layout)
+
+    overlapped = [k for k in figures.traffic if k.startswith("dp ")]
+    exposed = [k for k in figures.traffic if not k.startswith("dp ")]
+    return max(0.0, cost(overlapped) - backward_s) + cost(exposed)
+
+
+@dataclass
+class _RankFigures(Estimate):
+    calls: dict[str, float] = field(default_factory=dict)
+
+
+def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _RankFigures:
+    tp, pp, n = layout.tp, layout.pp, layout.dp
+    sp = options.sequence_parallel
+    first, last = rank == 0, rank == pp - 1
+    blocks = stage_blocks(profile, pp, layout.virtual_stages)[rank] if profile.n_layer else [0]
+    held = profile.params_block * sum(blocks)
+    if first:
+        held += profile.params_embed
+    if last:
+        held += profile.params_head + (Params(0, profile.tied) if pp > 1 else Params())
+    psi = held.per_rank(tp)
+    k = STATE_BYTES[options.optimizer]
+    unit = min(PARAM_BYTES * psi, options.bucket_mb * 2**20)
+    block_bytes = PARAM_BYTES * profile.params_block.per_rank(tp)
+    params, grads, state = PARAM_BYTES * psi, PARAM_BYTES * psi, k * psi
+    parts = {"embed"} if first else set()
+    parts |= ({"block"} if sum(blocks) else set()) | ({"head"} if last else set())
+    tensors = [t for t in profile.tensors if t.part in parts and (pp > 1 or not t.tied)]
+    fresh = PARAM_BYTES * max((t.numel / (tp if t.split else 1) for t in tensors), default=0)
+    # DataParallel's buckets, ZeRO 1's unsharded gradients: always there; and the gradient
+    # backward has just made, beside them until copied in (at most the largest parameter's)
+    backward = grads + fresh
+    if not layout.zero and n == 1:
+        backward = grads  # no buckets: autograd's own gradients, at most all of them
+    elif not layout.zero and (pp > 1 or options.accum > 1):
+        backward += grads  # and the gradients micro-batches accumulate before the buckets
+    root = PARAM_BYTES * psi - sum(blocks) * block_bytes  # the input and output parts
+    figures = profile.activations(options.recompute)
+    micro = _per_micro(profile, figures, first, last, blocks)
+    flight = in_flight(layout, rank, [m.per_rank(tp, sp) for m in micro])
+    extra = figures.peak_extra if last else figures.block_extra
+    acts = flight + extra.per_rank(tp, sp)
+    if layout.zero:
+        state = k * psi / n
+        shard = PARAM_BYTES * psi / n
+        grads = grads + shard if layout.zero == 1 else shard
+        if layout.zero == 2:  # the unit under way: its full gradient, till reduce-scattered
+            backward = unit
+    if layout.zero == 3:
+        # Gathered: the root unit (embedding, norm) and, in a block's backward, that block
+        # and the next (prefetched). Alive as full gradients: the block's under way, and
+        # the root's from the head's backward on (the embedding's comes last of all).
+        gathered = min(2, sum(blocks)) * block_bytes
+        under_way = min(1, sum(blocks)) * block_bytes
+        params = PARAM_BYTES * psi / n + root + gathered
+        backward = (root if last else 0.0) + under_way
+        head = flight + figures.head_extra.per_rank(tp, sp)
+        if last and head > flight + figures.tail_extra.per_rank(tp, sp) + gathered + under_way:
+            params, backward, acts = params - gathered, root, head  # the logits' gradients
+    out = _RankFigures(layout, params, grads, state, acts, recompute=options.recompute,
+                       sequence_parallel=sp, grads_in_backward=backward)
+    largest = max(root, block_bytes) if layout.zero == 3 else unit  # a ZeRO unit, in bytes
+    out.construction = construction_peak(layout, held, tensors, largest / PARAM_BYTES)
+    out.traffic, out.calls = _traffic(profile, layout, psi, first, last, blocks, options, unit)
+    return out
+
+
+def _per_micro(profile: Profile, figures, first: bool, last: bool,
+               blocks: list[int]) -> list[Activation]:
+    """Activation bytes of one micro-batch on each chunk of the rank."""
+    received = Activation(seq=profile.micro_batch * profile.width)  # a stage's input
+    out = []
+    for c, count in enumerate(blocks):
+        head = last and c == len(blocks) - 1
+        start = figures.embed if first and c == 0 else received
+        out.append(start + figures.block * count + (figures.head if head else Activation()))
+    return out
+
+
+def _traffic(profile: Profile, layout: Layout, psi: float, first: bool, last: bool,
+             blocks: list[int], options: Options, unit: float):
+    """(buffer bytes, calls) per "axis collective" (e.g. "dp all_reduce") in one step."""
+    traffic: dict[str, float] = {}
+    calls: dict[str, float] = {}
+
+    def add(key: str, nbytes: float, count: float) -> None:
+        if count:
+            traffic[key] = traffic.get(key, 0.0) + nbytes
+            calls[key] = calls.get(key, 0.0) + count
+
+    grads = PARAM_BYTES * psi
+    passes = layout.microbatches if layout.pp > 1 else options.accum
+    if layout.dp > 1:
+        buckets = max(1, math.ceil(grads / unit))
+        if layout.zero == 0:
+            add("dp all_reduce", grads, buckets)
+        else:
+            add("dp reduce_scatter", grads, buckets)
+            gathers = 1 if layout.zero < 3 else 2 * passes
+            units = buckets if layout.zero < 3 else sum(blocks) + 1
+            add("dp all_gather", grads * gathers, units * gathers)
+    activation = profile.micro_batch * profile.width
+    if layout.tp > 1:
+        count = sum(blocks)
+        forwards = 2 if options.recompute == "full" else 1  # recomputed blocks' again
+        regions = 2 * count * forwards + 2 * count  # two per block, forward and backward
+        if options.sequence_parallel:  # an all-gather and a reduce-scatter per region
+            add("tp all_gather", (regions + first + last) * activation * passes,
+                (regions + first + last) * passes)
+            add("tp reduce_scatter", (regions + last) * activation * passes,
+                (regions + last) * passes)
+            replicated = profile.params_block.whole * count + \
+                (profile.params_head.whole if last else 0)
+            add("tp all_reduce", (activation * first + PARAM_BYTES * replicated) * passes,
+                (first + profile.replicated_block * count + last) * passes)
+        else:
+            per_pass = regions + int(first) + int(last)
+            add("tp all_reduce", per_pass * activation * passes, per_pass * passes)
+    if layout.pp > 1:
+        sends = (2 - int(first) - int(last)) * layout.microbatches * layout.virtual_stages
+        sent = activation / (layout.tp if options.sequence_parallel else 1)
+        add("pp send", sends * sent, sends)
+        if first or last:
+            add("pp all_reduce", PARAM_BYTES * profile.tied / layout.tp, 1)
+    return traffic, calls
+
+
+def _compute_s(profile: Profile, layout: Layout, accum: int, flops: float,
+               recompute: str = "none") -> tuple[float, float]:
+    """Seconds of arithmetic per step on one rank, the pipeline's idle share included:
+    (training's, recomputation's)."""
+    devices = layout.dp * layout.tp * layout.pp
+    sequences = profile.micro_batch * layout.dp * accum * layout.microbatches
+    tokens = sequences * max(profile.seq_len, 1)
+    if profile.shape is None:
+        blocks = matmul = profile.params.total  # a user's model: all of it, once recomputed
+        attention = 0.0
+    else:
+        shape = profile.shape
+        blocks = shape.layers * profile.params_block.total
+        matmul = blocks + shape.vocab * shape.hidden
+        attention = shape.layers * shape.seq * shape.hidden
+    again = {"none": 0.0, "selective": attention, "full": blocks + attention}[recompute]
+    scale = tokens / devices / flops
+    if layout.pp > 1:
+        most = max(sum(b) for b in stage_blocks(profile, layout.pp, layout.virtual_stages))
+        scale *= most * layout.pp / profile.n_layer  # the busiest stage sets the pace
+        scale /= 1 - bubble(layout.pp, layout.microbatches, layout.virtual_stages)
+    return 6 * (matmul + attention) * scale, 2 * again * scale
