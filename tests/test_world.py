@@ -193,6 +193,26 @@ def test_single_process_world_runs_collectives() -> None:
         dtrain.shutdown()
 
 
+def test_a_rank_that_leaves_while_the_group_forms_is_one_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo connects every pair of ranks, each finishing its half alone: a rank that exits
+    right after its half makes the other's init fail with gloo's "Connection closed by
+    peer". That is one line saying what happened, not gloo's traceback."""
+    def closed(*args, **kwargs) -> None:
+        raise RuntimeError("Gloo connectFullMesh failed with [../third_party/gloo/gloo/"
+                           "transport/tcp/pair.cc:553] Connection closed by peer "
+                           "[127.0.0.1]:52916")
+
+    monkeypatch.setattr(dist, "init_process_group", closed)
+    monkeypatch.setattr(dtrain.world, "detect", lambda env: dtrain.world.World(
+        rank=1, world_size=2, local_rank=1, local_world_size=2))
+    with pytest.raises(DtrainError, match=r"^rank 1: another rank closed its connection "
+                       r"while the ranks were connecting \(master 127.0.0.1:\d+\): it "
+                       r"exited or failed during start-up") as err:
+        dtrain.init(backend="gloo")
+    assert "\n" not in str(err.value)
+
+
 def test_nccl_with_more_ranks_than_gpus_on_the_host_says_what_to_change(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Two ranks of one host on one GPU: NCCL cannot put two ranks on one device, so

@@ -262,6 +262,14 @@ def _init_process_group(world: World, timeout: timedelta) -> World:
                 f"port {world.master_port} on {world.master_addr} is in use: pick another "
                 "master port (MASTER_PORT or --master HOST:PORT)"
             ) from None
+        if "connection closed by peer" in text.lower() or "connection reset" in text.lower():
+            # gloo connects every pair of ranks, and each rank finishes its half alone: a
+            # rank that exits (or dies) just after its half leaves the others half-connected.
+            raise DtrainError(
+                f"rank {world.rank}: another rank closed its connection while the ranks "
+                f"were connecting (master {where}): it exited or failed during start-up; "
+                "its own output says why"
+            ) from None
         if world.rank != 0 and ("timed out" in text.lower() or "timeout" in text.lower()):
             raise DtrainError(
                 f"rank {world.rank} could not reach the master at {where} within "
