@@ -210,6 +210,27 @@ def detect(env: Mapping[str, str]) -> World:
     return World(role=role)
 
 
+PEER_GONE = ("connection closed by peer", "connection reset", "socket closed", "broken pipe",
+             "read error", "writev", "short read", "short write")
+"""What gloo's TCP transport says when the other end of a pair went away. Which of them a
+survivor sees depends on timing: the peer's FIN read by gloo's event loop ("Connection
+closed by peer"), its RST ("Read error ...: Connection reset by peer"), a send issued
+before the loop noticed ("writev ...: Broken pipe"), or a pair already torn down ("Socket
+closed")."""
+
+
+def connection_lost(error: str) -> bool:
+    """Whether a collective's or the process group's `error` says that a peer went away:
+    an I/O error of gloo's transport, not a timeout and not one of gloo's failed checks (a
+    size mismatch is a bug, not a missing peer). Shared by the process group's set-up here
+    and the collectives' diagnosis (dtrain.comm.debug)."""
+    text = error.lower()
+    if "timed out" in text or "timeout" in text:
+        return False
+    transport = "gloo/transport/" in text and "enforce fail" not in text
+    return transport or any(phrase in text for phrase in PEER_GONE)
+
+
 def _timeout_s(timeout: float | None) -> float:
     if timeout is not None:
         return float(timeout)
@@ -262,7 +283,7 @@ def _init_process_group(world: World, timeout: timedelta) -> World:
                 f"port {world.master_port} on {world.master_addr} is in use: pick another "
                 "master port (MASTER_PORT or --master HOST:PORT)"
             ) from None
-        if "connection closed by peer" in text.lower() or "connection reset" in text.lower():
+        if connection_lost(text):
             # gloo connects every pair of ranks, and each rank finishes its half alone: a
             # rank that exits (or dies) just after its half leaves the others half-connected.
             raise DtrainError(

@@ -23,6 +23,7 @@ from dtrain.comm import ops
 from dtrain.comm.group import CollectiveTimeout, Group, Handle
 from dtrain.comm.ops import AVAILABLE
 from dtrain.ft import env
+from dtrain.world import connection_lost
 
 OPS = tuple(AVAILABLE)
 ALGORITHMS = ("auto", *ops.ALGORITHMS)
@@ -85,23 +86,12 @@ def check(g: Group, what: str, tensor: torch.Tensor, algorithm: str,
             )
 
 
-_PEER_GONE = ("connection closed by peer", "connection reset", "socket closed", "broken pipe",
-              "read error", "writev", "short read", "short write")
-"""What gloo's TCP transport says when the other end of a pair went away. Which of them a
-survivor sees depends on timing: the peer's FIN read by gloo's event loop ("Connection
-closed by peer"), its RST ("Read error ...: Connection reset by peer"), a send issued
-before the loop noticed ("writev ...: Broken pipe"), or a pair already torn down ("Socket
-closed")."""
-
-
 def _failure(exc: BaseException) -> str | None:
     """Why a collective could not complete, if `exc` says so; None for other errors."""
     text = str(exc).lower()
     if isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text:
         return "timed out"
-    transport = "gloo/transport/" in text and "enforce fail" not in text  # an I/O error of
-    # gloo's, not a failed check of its (a size mismatch is a bug, not a missing peer)
-    if transport or any(phrase in text for phrase in _PEER_GONE):
+    if connection_lost(text):
         # A peer that gave up (its own timeout) or died closes its sockets; whoever waits
         # on it learns that before its own timeout, and still deserves the diagnosis.
         return "failed: a peer closed its connection"

@@ -229,8 +229,9 @@ class DataParallel(nn.Module):
             self._launch(bucket)
         if self.averaging is not None:
             self._divide(self.averaging.finish(self._works, [b.buffer for b in self._buckets]))
-        for work in self._works if self.averaging is None else ():
-            work.wait()
+        else:
+            for work in self._works:
+                work.wait()
         for bucket in self._buckets if self.compressor is not None else ():
             self.compressor.reduce(bucket.index, bucket.grads,
                                    [p.shape for p in bucket.params], self.group)
