@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dtrain.comm import AVAILABLE, select
 
-COST = {"ring": 1.0, "native": 2.0, "tree": 3.0, "halving_doubling": 4.0}
+COST = {"ring": 1.0, "native": 2.0, "tree": 3.0, "halving_doubling": 4.0, "pairwise": 5.0}
 """Relative cost of each algorithm: ring is cheapest wherever an operation has it."""
 
 

@@ -70,6 +70,9 @@ def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 # ---------------------------------------------------------------------------------- configs
 # (TOML file or None, arguments after `dtrain train [FILE]`, part of the error line, exit code)
+MOE = ["--set", "model.arch='llama'", "--set", "model.preset='moe-tiny'"]
+"""dtrain's Llama with 8 experts per MoE block (moe-tiny)."""
+
 CONFIGS = [
     pytest.param("[train]\nstepz = 3\n", [], "unknown key 'train.stepz' (did you mean "
                  "'train.steps'?)", 2, id="unknown-key"),
@@ -171,6 +174,24 @@ CONFIGS = [
                  "'blocks.*.atn' names no module of the model", 2, id="recompute-no-module"),
     pytest.param(None, ["--set", "memory.activation_checkpointing='some'"],
                  "must be one of none, full, selective", 2, id="recompute-unknown-mode"),
+    pytest.param(None, [*MOE, "--set", "parallel.ep=3", "-n", "3"],
+                 "parallel.ep = 3 does not divide model.n_experts = 8", 2,
+                 id="ep-not-dividing-experts"),
+    pytest.param(None, [*MOE, "--set", "parallel.ep=4"],
+                 "parallel.ep = 4 does not divide the data-parallel ranks (dp = 2)", 2,
+                 id="ep-not-dividing-dp"),
+    pytest.param(None, [*MOE, "--set", "model.experts_per_token=9"],
+                 "model.experts_per_token = 9 must lie in [1, model.n_experts = 8]", 2,
+                 id="top-k-above-experts"),
+    pytest.param(None, [*MOE, "--set", "parallel.ep=2", "--set", "parallel.mode='ps'"],
+                 "parallel.ep with parallel.mode = \"ps\"", 2, id="ep-with-ps"),
+    pytest.param(None, ["--set", "model.n_experts=8"], "model.n_experts is a mixture-of-experts "
+                 "key, which only model.arch = \"llama\" has (not 'gpt')", 2, id="moe-on-gpt"),
+    pytest.param(None, [*MOE, "--set", "model.capacity_factor=-0.5"],
+                 "model.capacity_factor = -0.5 must not be negative", 2,
+                 id="negative-capacity"),
+    pytest.param(None, ["--set", "parallel.ep=2"], "parallel.ep = 2 splits experts, and this "
+                 "model has none", 2, id="ep-without-experts"),
     pytest.param("[train\nsteps = 3", [], "not valid TOML", 2, id="malformed-toml"),
     pytest.param("[train]\nsteps = 3\nsteps = 4\n", [], "not valid TOML", 2, id="duplicate-key"),
     pytest.param(b"\xff\xfe[train]\n", [], "cannot read config", 2, id="not-utf8"),

@@ -23,17 +23,24 @@ ORDER = ("dp_replicate", "pp", "dp_shard", "cp", "tp")  # outermost first, as do
 NAMES = (*ORDER, "dp")  # "dp" is dp_shard's other name
 
 
-def _bits(degrees: dict[str, int]) -> dict[str, int]:
+EXPERT_ORDER = ("dp_replicate", "pp", "edp", "ep", "cp", "tp")  # dp_shard = (edp, ep)
+
+
+def _bits(degrees: dict[str, int], order: tuple[str, ...] = ORDER) -> dict[str, int]:
     """The bit of each axis of degree 2 (the innermost the lowest); the others have none."""
-    halved = [a for a in reversed(ORDER) if degrees.get(a, 1) == 2]
-    assert all(degrees.get(a, 1) in (1, 2) for a in ORDER)
+    halved = [a for a in reversed(order) if degrees.get(a, 1) == 2]
+    assert all(degrees.get(a, 1) in (1, 2) for a in order)
     return {axis: 1 << i for i, axis in enumerate(halved)}
 
 
-def _expected(degrees: dict[str, int], rank: int, names: tuple[str, ...]) -> list[int]:
-    """The ranks of `rank`'s group over `names`, by the bits: agree on every other axis."""
-    axes = {"dp_shard" if n == "dp" else n for n in names} if names else set(ORDER)
-    bits = _bits(degrees)
+def _expected(degrees: dict[str, int], rank: int, names: tuple[str, ...],
+              order: tuple[str, ...] = ORDER) -> list[int]:
+    """The ranks of `rank`'s group over `names`, by the bits: agree on every other axis
+    (on the expert axes' order, dp_shard is edp and ep together)."""
+    axes = {"dp_shard" if n == "dp" else n for n in names} if names else set(order)
+    if order == EXPERT_ORDER and "dp_shard" in axes:
+        axes |= {"edp", "ep"}
+    bits = _bits(degrees, order)
     world = 1 << len(bits)
     others = sum(bit for axis, bit in bits.items() if axis not in axes)
     return [q for q in range(world) if q & others == rank & others]
@@ -113,6 +120,8 @@ def test_replicas_are_outermost_blocks_of_consecutive_ranks() -> None:
     ({"tp": 2.0}, "mesh degree tp=2.0 must be a positive integer"),
     ({"tp": None}, "mesh degrees dp_shard, tp are unset: give all but one"),
     ({"dp": 2, "dp_shard": 4}, "dp is dp_shard's other name; give one of the two"),
+    ({"dp": 8, "ep": 3}, r"ep=3 must be a positive integer that divides dp_shard=8"),
+    ({"dp": 4, "cp": 2, "ep": 2}, r"ep=2 with cp=2: expert parallelism spans dp_shard only"),
 ])
 def test_bad_degrees_are_one_line(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as raised:
@@ -125,12 +134,13 @@ def test_one_process_mesh_names_its_axes_and_lets_go_at_shutdown() -> None:
     try:
         mesh = dtrain.Mesh()
         assert mesh.size() == mesh.size("dp") == mesh.size("dp", "cp", "tp") == 1
-        assert mesh.coords == {**dict.fromkeys(ORDER, 0), "dp": 0}
+        assert mesh.coords == {**dict.fromkeys(ORDER, 0), "dp": 0, "ep": 0, "edp": 0}
         assert mesh.group("dp_shard", "cp") is mesh.group("tp")  # the same ranks: one group
         for call in (mesh.group, mesh.size, mesh.ranks):
-            with pytest.raises(ConfigError, match="unknown mesh axis 'ep': use one of "
-                                                  "dp_replicate, pp, dp_shard, cp, tp") as e:
-                call("dp", "ep")
+            with pytest.raises(ConfigError, match="unknown mesh axis 'xp': use one of "
+                                                  "dp_replicate, pp, dp_shard, cp, tp, edp, "
+                                                  "ep") as e:
+                call("dp", "xp")
             assert "\n" not in str(e.value)
     finally:
         dtrain.shutdown()
@@ -143,7 +153,8 @@ def _every_group(degrees: dict[str, int]) -> dict:
     over group() (so the group holds exactly those members)."""
     mesh = dtrain.Mesh(**degrees)
     out = {"coords": dict(mesh.coords), "groups": {}}
-    for names in _subsets():
+    experts = [("ep",), ("edp",), ("ep", "tp"), ("edp", "pp")] if "ep" in degrees else []
+    for names in [*_subsets(), *experts]:
         t = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(t, group=mesh.group(*names))
         out["groups"][names] = (mesh.ranks(*names), mesh.size(*names), t.item(),
@@ -154,14 +165,29 @@ def _every_group(degrees: dict[str, int]) -> dict:
 @pytest.mark.parametrize("degrees", [
     {"pp": 2, "dp": 2, "tp": 2},  # today's layouts
     {"dp_replicate": 2, "dp_shard": 2, "cp": 2},  # replicas, each data and context parallel
-], ids=["pp-dp-tp", "replicas-dp-cp"])
+    {"pp": 2, "dp": 4, "ep": 2},  # experts split over pairs of data-parallel ranks
+], ids=["pp-dp-tp", "replicas-dp-cp", "pp-dp-ep"])
 def test_group_of_every_combination_holds_its_ranks(degrees: dict[str, int]) -> None:
     results = run_ranks(_every_group, 8, degrees)
     full = {"dp_shard" if a == "dp" else a: n for a, n in degrees.items()}
+    order = ORDER
+    if "ep" in full:  # the ranks on the expert axes: dp_shard factored into (edp, ep)
+        ep = full.pop("ep")
+        full = {**full, "edp": full.pop("dp_shard") // ep, "ep": ep}
+        order = EXPERT_ORDER
     for rank, result in enumerate(results):
-        assert result["coords"] == {**_coords(full, rank), "dp": _coords(full, rank)["dp_shard"]}
+        coords = {a: int(bool(rank & bit)) for a, bit in _bits(full, order).items()}
+        if order == EXPERT_ORDER:
+            d = coords.get("edp", 0) * full["ep"] + coords.get("ep", 0)
+            want = {**{a: coords.get(a, 0) for a in ORDER if a != "dp_shard"},
+                    "dp_shard": d, "dp": d, "ep": coords.get("ep", 0),
+                    "edp": coords.get("edp", 0)}
+        else:
+            want = {**_coords(full, rank), "dp": _coords(full, rank)["dp_shard"], "ep": 0,
+                    "edp": _coords(full, rank)["dp_shard"]}
+        assert result["coords"] == want
         for names, (ranks, size, total, reversed_ranks) in result["groups"].items():
-            expected = _expected(full, rank, names)
+            expected = _expected(full, rank, names, order)
             assert (ranks, size, total) == (expected, len(expected), float(sum(expected))), \
                 (rank, names)
             assert reversed_ranks == expected

@@ -43,7 +43,9 @@ from typing import Any
 
 from dtrain.errors import ConfigError
 from dtrain.job_layout import Layout, resolve_layout
-from dtrain.models.config import ARCHS, ModelConfig, check_shape
+from dtrain.models import presets as models_presets
+from dtrain.models.config import ARCHS, ModelConfig, check_moe, check_shape, with_preset
+from dtrain.models.moe.router import ROUTERS
 from dtrain.ps.settings import CONSISTENCY
 
 
@@ -136,6 +138,10 @@ class ParallelConfig:
     """collective (the ranks exchange gradients among themselves: DataParallel, ZeRO, tp,
     pp) or ps (parameter servers hold the model and its optimizer; nproc workers push
     gradients and pull parameters: dtrain.ps, tuned in [ps])."""
+    ep: int = 1
+    """Expert-parallel degree: each mixture-of-experts layer's experts split over this many
+    of the data-parallel ranks (carved from dp, which it must divide), tokens sent to their
+    experts' ranks and back by all-to-all; the other layers stay data parallel over dp."""
     sequence_parallel: bool = False
     """With tp > 1: run the norms, dropouts and residuals between the tensor-parallel
     layers on 1/tp of the sequence each (all-gather in, reduce-scatter out instead of an
@@ -299,6 +305,7 @@ CHOICES = {
     "fault_tolerance.mode": ("restart", "live"),
     "ps.consistency": CONSISTENCY,
     "memory.activation_checkpointing": ("none", "full", "selective"),
+    "model.router": ROUTERS,
 }
 POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
@@ -306,13 +313,15 @@ POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "parallel.microbatches", "parallel.virtual_stages", "comm.bucket_mb",
             "comm.compression_rank", "sync.every", "sync.outer_lr",
             "fault_tolerance.step_timeout", "ps.servers", "checkpoint.keep_last",
-            "optimizer.lr", "logging.log_every"}
+            "optimizer.lr", "logging.log_every", "model.experts_per_token", "parallel.ep"}
 NON_NEGATIVE = {"model.dropout", "model.vocab_size", "model.n_kv_head", "model.ffn_hidden",
                 "model.rope_theta", "model.norm_eps", "optimizer.weight_decay",
                 "optimizer.momentum",
                 "optimizer.warmup_steps", "optimizer.min_lr_ratio", "optimizer.grad_clip",
                 "train.eval_every", "parallel.dp", "checkpoint.every", "logging.sample_tokens",
-                "ps.staleness", "ps.snapshot_every", "sync.replicas"}
+                "ps.staleness", "ps.snapshot_every", "sync.replicas", "model.head_dim",
+                "model.n_experts", "model.n_shared_experts", "model.moe_inter_size",
+                "model.aux_loss_weight", "model.capacity_factor"}
 MOVED = {
     "parallel.backend": "comm.backend",
     "parallel.bucket_mb": "comm.bucket_mb",
@@ -402,6 +411,7 @@ def _validate(config: Config) -> None:
                 raise ConfigError(f"{key} = {value!r} must not be negative")
     m = config.model
     check_shape(m, config.parallel.tp)
+    _validate_moe(config)
     if len(config.optimizer.betas) != 2 or not all(0 <= b < 1 for b in config.optimizer.betas):
         raise ConfigError(f"optimizer.betas = {config.optimizer.betas} must be two numbers in "
                           "[0, 1), e.g. [0.9, 0.95]")
@@ -434,6 +444,42 @@ def _validate(config: Config) -> None:
         raise ConfigError("comm.grad_dtype is for DataParallel; with parallel.zero set "
                           "parallel.mixed_precision instead")
     _validate_slow_links(config)
+
+
+def _validate_moe(config: Config) -> None:
+    """Mixture of experts and expert parallelism: what they need and what they work with
+    (so far)."""
+    p = config.parallel
+    m = with_preset(config.model, models_presets())
+    check_moe(m)
+    experts = m.n_experts if m.arch == "llama" else 0
+    if experts and p.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel with a mixture-of-experts model is not "
+                          "supported yet: leave sequence_parallel off")
+    if experts and m.aux_loss_weight and p.pp > 1:
+        raise ConfigError("model.aux_loss_weight with parallel.pp > 1 is not supported yet (the "
+                          "balance loss of a middle stage does not reach the loss): use "
+                          "model.router = \"sigmoid_bias\" with aux_loss_weight = 0")
+    if p.ep == 1:
+        return
+    if not experts:
+        raise ConfigError(f"parallel.ep = {p.ep} splits experts, and this model has none: set "
+                          "model.n_experts (dtrain's Llama, model.arch = \"llama\")")
+    if experts % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep} does not divide model.n_experts = {experts}: "
+                          "choose an expert-parallel degree that divides it")
+    if p.mode == "ps":
+        raise ConfigError("parallel.ep with parallel.mode = \"ps\": parameter servers hold "
+                          "whole replicas; use parallel.mode = \"collective\"")
+    for what, unsupported in (("parallel.zero", p.zero), ("parallel.pp > 1", p.pp > 1),
+                              ("fault_tolerance.mode = \"live\"",
+                               config.fault_tolerance.mode == "live"),
+                              ("sync.method other than every_step",
+                               config.sync.method != "every_step"),
+                              ("comm.compression", config.comm.compression != "none")):
+        if unsupported:
+            raise ConfigError(f"parallel.ep > 1 with {what} is not supported yet: leave "
+                              "parallel.ep = 1, or that option at its default")
 
 
 def _validate_slow_links(config: Config) -> None:
@@ -540,7 +586,11 @@ def layout_of(config: Config, world_size: int) -> Layout:
     replicas = replicas_of(config, world_size)  # each laid out alike
     layout = resolve_layout(world_size // replicas, p.dp or None, p.tp, p.pp, zero=p.zero,
                             microbatches=p.microbatches, schedule=p.schedule,
-                            virtual_stages=p.virtual_stages, mode=p.mode)
+                            virtual_stages=p.virtual_stages, mode=p.mode, ep=p.ep)
+    if layout.dp % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep} does not divide the data-parallel ranks (dp = "
+                          f"{layout.dp}): experts split over data-parallel ranks; choose an ep "
+                          f"that divides {layout.dp}")
     per_rank_batch(config, layout.dp * replicas)
     return layout
 

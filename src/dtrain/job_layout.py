@@ -30,6 +30,7 @@ class Layout:
         microbatches, schedule, virtual_stages: the pipeline's (when pp > 1).
         mode: "collective" (replicas exchange gradients among themselves) or "ps"
             (parameter servers hold the model).
+        ep: the expert-parallel degree, carved from dp (it does not add ranks).
     """
 
     dp: int
@@ -40,6 +41,7 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     mode: str = "collective"
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -52,7 +54,7 @@ class Layout:
         if self.pp > 1:
             v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             parts.append(f"pp{self.pp} ({self.schedule}{v}, m={self.microbatches})")
-        text = " x ".join(parts)
+        text = " x ".join(parts) + (f" ep{self.ep}" if self.ep > 1 else "")
         return f"{text} zero{self.zero}" if self.zero else text
 
     def describe(self, replicas: str = "") -> str:
@@ -64,7 +66,8 @@ class Layout:
         if self.pp > 1:
             how = (f"pipeline of {self.pp} stages ({self.schedule}, {self.microbatches} "
                    f"micro-batches) x {how}")
-        return f"{how} over {self.dp}"
+        experts = f" (experts split over {self.ep})" if self.ep > 1 else ""
+        return f"{how} over {self.dp}{experts}"
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain JSON values, and the world size: what checkpoints record
@@ -72,7 +75,7 @@ class Layout:
         return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "pp": self.pp,
                 "zero": self.zero, "microbatches": self.microbatches,
                 "schedule": self.schedule, "virtual_stages": self.virtual_stages,
-                "mode": self.mode}
+                "mode": self.mode, "ep": self.ep}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Layout:

@@ -31,12 +31,17 @@ both is `group("dp_replicate", "dp")`). `Mesh(dp=4)` is `Mesh(dp_shard=4)`, and
 `group("dp")`, `size("dp")`, `coords["dp"]` are dp_shard's. With cp > 1, the ranks that
 hold the same parameters, and so average their gradients, are `group("dp", "cp")`.
 
-Expert parallelism (`ep`, not built yet) will be carved from dp_shard x cp, as in
-torchtitan: ep must divide dp_shard * cp and be a multiple of cp; dp_shard then factors
-into (dp_shard_out_ep, dp_shard_in_ep) with dp_shard_in_ep = ep / cp, a second Grid over
-the same ranks in which dp_shard's place holds those two axes, so no rank moves; `ep`
-names the axes (dp_shard_in_ep, cp) of that grid, and an expert's gradients average over
-the remaining dp_shard_out_ep.
+Expert parallelism (`ep`) is carved from dp_shard, as torchtitan carves it: dp_shard
+factors into (edp, ep), ep innermost, a second Grid over the same ranks in which
+dp_shard's place holds those two axes, so no rank moves:
+
+    ep            the ranks that split each MoE layer's experts between them (E / ep
+                  each) and exchange tokens by all-to-all: ep consecutive dp ranks.
+    edp           expert data parallel: the ranks that hold the same experts and average
+                  their gradients (dp_shard / ep of them).
+
+Dense parameters still average over all of dp_shard. (With cp, torchtitan lets ep span
+dp_shard x cp; dtrain's ep spans dp_shard only, and needs cp = 1 for now.)
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ AXES = ("dp_replicate", "pp", "dp_shard", "cp", "tp")
 
 SYNONYMS = {"dp": "dp_shard"}
 """Other names an axis may be asked for by (see the module's docstring for "dp")."""
+
+EXPERT_AXES = ("edp", "ep")
+"""The two axes dp_shard factors into under expert parallelism, outermost first."""
 
 _MESHES: weakref.WeakSet[Mesh] = weakref.WeakSet()
 """The meshes alive: `dtrain.shutdown()` makes each let go of its process groups."""
@@ -153,6 +161,7 @@ class Mesh:
         dp_replicate: how many replicas synchronize every `sync_every` steps (outermost:
             each a block of consecutive ranks).
         dp: the familiar name of dp_shard (`Mesh(dp=4)`); give one of the two.
+        ep: expert-parallel degree, carved from dp_shard (groups "ep" and "edp").
         world: the world to lay out (default: `dtrain.init()`'s).
 
     One degree may be None and is inferred (to infer another than dp_shard, give dp_shard
@@ -175,6 +184,7 @@ class Mesh:
         cp: int | None = 1,
         dp_replicate: int | None = 1,
         dp: int | None = None,
+        ep: int = 1,
         world: world_mod.World | None = None,
     ) -> None:
         if dp is not None:
@@ -185,9 +195,24 @@ class Mesh:
         self.world = world or world_mod.current()
         self.grid = fit(self.world.world_size, {"dp_replicate": dp_replicate, "pp": pp,
                                                 "dp_shard": dp_shard, "cp": cp, "tp": tp})
+        shape = self.grid.shape
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 \
+                or shape["dp_shard"] % ep:
+            raise ConfigError(f"ep={ep!r} must be a positive integer that divides "
+                              f"dp_shard={shape['dp_shard']} (experts split over data-parallel "
+                              "ranks)")
+        if ep > 1 and shape["cp"] > 1:
+            raise ConfigError(f"ep={ep} with cp={shape['cp']}: expert parallelism spans "
+                              "dp_shard only for now; use cp=1")
+        self.expert_grid = Grid({"dp_replicate": shape["dp_replicate"], "pp": shape["pp"],
+                                 "edp": shape["dp_shard"] // ep, "ep": ep, "cp": shape["cp"],
+                                 "tp": shape["tp"]})
+        """The same ranks with dp_shard factored into (edp, ep) (see the module's docstring)."""
         self.coords = self.grid.coords(self.world.rank)
-        """This rank's index along each axis, and along "dp" (dp_shard's)."""
+        """This rank's index along each axis, along "dp" (dp_shard's), "ep" and "edp"."""
         self.coords["dp"] = self.coords["dp_shard"]
+        expert = self.expert_grid.coords(self.world.rank)
+        self.coords["ep"], self.coords["edp"] = expert["ep"], expert["edp"]
         self._by_members: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._by_axes: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._released = False
@@ -222,7 +247,8 @@ class Mesh:
         Raises:
             ConfigError: an axis name is unknown.
         """
-        return self.grid.size(self._axes(axes))
+        grid, names = self._grid_of(axes)
+        return grid.size(names)
 
     def ranks(self, *axes: str) -> list[int]:
         """The global ranks of this rank's group over `axes`, ascending (the mesh's axis
@@ -231,13 +257,15 @@ class Mesh:
         Raises:
             ConfigError: an axis name is unknown.
         """
-        return self.grid.ranks(self.world.rank, self._axes(axes))
+        grid, names = self._grid_of(axes)
+        return grid.ranks(self.world.rank, names)
 
     def group(self, *axes: str) -> dist.ProcessGroup:
         """The process group of this rank over one axis or a combination of axes, by name:
         `group("tp")`, `group("dp", "cp")`, `group("dp_replicate")` (this rank and its
         counterparts in the other replicas), `group("pp", "dp", "cp", "tp")` (this rank's
-        replica); no axes: the world. Each group is made once and kept.
+        replica), `group("ep")` (the ranks that split the experts), `group("edp")` (those
+        that hold the same experts); no axes: the world. Each group is made once and kept.
 
         The first request for a combination of axes makes its group: a collective call, in
         which every rank of the job asks for the same axes, in the same order relative to
@@ -248,13 +276,25 @@ class Mesh:
             ConfigError: an axis name is unknown.
             DtrainError: the world this mesh was laid over has shut down.
         """
-        key = self._axes(axes)
+        grid, key = self._grid_of(axes)
         if self._released:
             raise DtrainError("this mesh's process groups were destroyed by dtrain.shutdown(): "
                               "build a new Mesh after dtrain.init()")
         if key not in self._by_axes:
-            self._by_axes[key] = self._group_of(self.grid.ranks(self.world.rank, key))
+            self._by_axes[key] = self._group_of(grid.ranks(self.world.rank, key))
         return self._by_axes[key]
+
+    def _grid_of(self, names: tuple[str, ...]) -> tuple[Grid, tuple[str, ...]]:
+        """The grid that has `names` (the expert grid when an expert axis is among them,
+        dp_shard then standing for its two factors) and the axes in its order."""
+        if not any(n in EXPERT_AXES for n in names):
+            return self.grid, self._axes(names)
+        plain = tuple(n for n in names if n not in EXPERT_AXES)
+        chosen = set(self._axes(plain)) if plain else set()
+        if "dp_shard" in chosen:
+            chosen |= set(EXPERT_AXES)
+        chosen |= {n for n in names if n in EXPERT_AXES}
+        return self.expert_grid, tuple(a for a in self.expert_grid.shape if a in chosen)
 
     @staticmethod
     def _axes(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -262,10 +302,12 @@ class Mesh:
         unknown = [n for n in names if n not in AXES and n not in SYNONYMS]
         if unknown:
             raise ConfigError(f"unknown mesh axis {unknown[0]!r}: use one of "
-                              f"{', '.join(AXES)} (or dp for dp_shard)")
+                              f"{', '.join(AXES + EXPERT_AXES)} (or dp for dp_shard)")
         named = {SYNONYMS.get(n, n) for n in names}
         return tuple(a for a in AXES if a in named or not names)
 
     def __repr__(self) -> str:
         shape = ", ".join(f"{a}={n}" for a, n in self.grid.shape.items() if n > 1) or "1 rank"
+        if self.expert_grid.shape["ep"] > 1:
+            shape += f", ep={self.expert_grid.shape['ep']}"
         return f"Mesh({shape}; rank {self.world.rank} at {self.grid.coords(self.world.rank)})"

@@ -82,7 +82,8 @@ def _run(what: str, g: Group, tensor: torch.Tensor, algorithm: str, async_op: bo
     if debug.enabled():  # before choosing: auto's first choice measures, itself collectively
         debug.check(g, what, tensor, algorithm, details)
     name = cost.choose(what, tensor, g, algorithm, AVAILABLE[what], _TIMED)
-    if tensor.numel() == 0 and what != "barrier":  # same length on every rank: nothing to send
+    if tensor.numel() == 0 and what != "barrier" and not details.get("uneven"):
+        # the same length on every rank: nothing to send
         return _trivial(finish(), async_op)
     recorder = timeline.recorder()
     span = None if recorder is None else recorder.begin_comm(what, whole, name, g.size, async_op)
@@ -248,19 +249,80 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: GroupLike = None,
 
 
 def all_to_all(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = False,
-               algorithm: str = "auto") -> torch.Tensor | Result:
+               algorithm: str = "auto", send_sizes: list[int] | None = None,
+               recv_sizes: list[int] | None = None) -> torch.Tensor | Result:
     """Send shard j of the flattened `tensor` to rank j; return the shards received, in rank order.
 
-    Every rank passes the same number of elements; the result has size * shard_sizes[rank].
+    Even (no sizes): every rank passes the same number of elements, cut as `shard_sizes`
+    cuts it; the result has size * shard_sizes[rank]. Uneven: the first send_sizes[0]
+    elements go to rank 0, the next send_sizes[1] to rank 1, and so on, and recv_sizes[j]
+    elements come from rank j (when not given, the ranks exchange their send sizes first,
+    one small all_to_all more); ranks may pass different numbers of elements.
+    Algorithms: native (the backend's, what auto runs) or pairwise (size - 1 rounds of
+    point-to-point exchanges, rank r sending to r + i and receiving from r - i in round i).
+
+    Raises:
+        ValueError: send_sizes or recv_sizes do not have one entry per rank, or
+            send_sizes do not add up to the tensor's elements.
     """
     g = resolve(group)
     flat = _flat(tensor)
+    if send_sizes is None:
+        if recv_sizes is not None:
+            raise ValueError("all_to_all: recv_sizes needs send_sizes")
+        send = shard_sizes(flat.numel(), g.size)
+        recv = [send[g.rank]] * g.size
+    else:
+        send = [int(n) for n in send_sizes]
+        if len(send) != g.size or sum(send) != flat.numel() or min(send) < 0:
+            raise ValueError(f"all_to_all: send_sizes {send} must give one count per rank of "
+                             f"the group ({g.size}) adding up to the tensor's {flat.numel()} "
+                             "elements")
+        if recv_sizes is None:
+            counts = torch.tensor(send, dtype=torch.int64, device=flat.device)
+            recv = all_to_all(counts, group=g).tolist() if g.size > 1 else send
+        else:
+            recv = [int(n) for n in recv_sizes]
+            if len(recv) != g.size:
+                raise ValueError(f"all_to_all: recv_sizes {recv} must give one count per "
+                                 f"rank of the group ({g.size})")
     if g.size == 1:
         return _trivial(flat.clone(), async_op)
-    sizes = shard_sizes(flat.numel(), g.size)
-    out = torch.empty(g.size * sizes[g.rank], dtype=tensor.dtype, device=tensor.device)
-    return _run("all_to_all", g, tensor, algorithm, async_op,
-                lambda: g.native("all_to_all", out, flat, sizes), {}, lambda: out)
+    out = torch.empty(sum(recv), dtype=tensor.dtype, device=tensor.device)
+
+    def pairwise() -> None:
+        sent, got = _offsets(send), _offsets(recv)
+        out[got[g.rank]:got[g.rank] + recv[g.rank]].copy_(
+            flat[sent[g.rank]:sent[g.rank] + send[g.rank]])
+        for i in range(1, g.size):
+            to, frm = (g.rank + i) % g.size, (g.rank - i) % g.size
+            handles = []
+            if send[to]:
+                handles.append(g.isend(flat[sent[to]:sent[to] + send[to]].clone(), to))
+            if recv[frm]:
+                piece = torch.empty(recv[frm], dtype=out.dtype, device=out.device)
+                handles.append(g.irecv(piece, frm))
+            for handle in handles:
+                handle.wait()
+            if recv[frm]:
+                out[got[frm]:got[frm] + recv[frm]].copy_(piece)
+
+    uneven = {"uneven": True} if send_sizes is not None else {}
+    # auto is native: pairwise is for an explicit choice, and ranks whose lengths differ
+    # must not each decide by measuring on their own
+    chosen = "native" if algorithm == "auto" else algorithm
+    return _run("all_to_all", g, tensor, chosen, async_op,
+                lambda: g.native("all_to_all", out, flat, send, recv),
+                {"pairwise": pairwise}, lambda: out, **uneven)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    """Where each of consecutive pieces of `sizes` starts."""
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += n
+    return starts
 
 
 def barrier(group: GroupLike = None, async_op: bool = False) -> Result | None:

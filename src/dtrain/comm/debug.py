@@ -46,14 +46,15 @@ def enabled() -> bool:
 def _fingerprint(g: Group, what: str, tensor: torch.Tensor, algorithm: str,
                  details: dict[str, Any]) -> torch.Tensor:
     op = details.get("op")
-    shape = list(tensor.shape)[:MAX_DIMS]
+    # an uneven all_to_all: the ranks' lengths differ by design
+    shape = [] if details.get("uneven") else list(tensor.shape)[:MAX_DIMS]
     def code(value: object, table: tuple) -> int:
         return table.index(value) if value in table else -1
 
     values = [
         g.seq, code(what, OPS), code(tensor.dtype, DTYPES), code(algorithm, ALGORITHMS),
         code(op.value if op is not None else None, REDUCE_OPS), details.get("root", -1),
-        tensor.dim(), *shape, *[-1] * (MAX_DIMS - len(shape)),
+        1 if details.get("uneven") else tensor.dim(), *shape, *[-1] * (MAX_DIMS - len(shape)),
     ]
     return torch.tensor(values, dtype=torch.int64, device=tensor.device)
 

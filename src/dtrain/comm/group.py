@@ -343,9 +343,9 @@ def _gather(g: TorchGroup, tensor: torch.Tensor, chunks: list[torch.Tensor] | No
 
 
 def _all_to_all(g: TorchGroup, out: torch.Tensor, tensor: torch.Tensor,
-                sizes: list[int]) -> Handle:
-    return dist.all_to_all_single(out, tensor, output_split_sizes=[sizes[g.rank]] * g.size,
-                                  input_split_sizes=sizes, group=g.pg, async_op=True)
+                send: list[int], recv: list[int]) -> Handle:
+    return dist.all_to_all_single(out, tensor, output_split_sizes=recv,
+                                  input_split_sizes=send, group=g.pg, async_op=True)
 
 
 def _barrier(g: TorchGroup) -> Handle:

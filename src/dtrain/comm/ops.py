@@ -23,7 +23,7 @@ AVAILABLE: dict[str, tuple[str, ...]] = {
     "reduce_scatter": ("native", "ring"),
     "scatter": ("native",),
     "gather": ("native",),
-    "all_to_all": ("native",),
+    "all_to_all": ("native", "pairwise"),
     "barrier": ("native",),
 }
 

@@ -152,9 +152,9 @@ class ThreadGroup(Group):
                 chunk.copy_(value)
 
     def _native_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor,
-                           sizes: list[int]) -> None:
-        values = self._gather_all(tensor.detach().clone(), "all_to_all")
-        pieces = [shards(v.reshape(-1), self.size)[self.rank] for v in values]
+                           send: list[int], recv: list[int]) -> None:
+        values = self._gather_all((tensor.detach().clone(), send), "all_to_all")
+        pieces = [v.reshape(-1).split(sizes)[self.rank] for v, sizes in values]
         out.copy_(torch.cat(pieces).view_as(out))
 
     def _native_barrier(self) -> None:

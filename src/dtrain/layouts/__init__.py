@@ -30,7 +30,7 @@ from dtrain.layouts.pipeline import Pipelined
 from dtrain.layouts.synced import Synced
 from dtrain.layouts.zero import Sharded
 from dtrain.mesh import Mesh
-from dtrain.models import init, recompute
+from dtrain.models import init, moe, recompute
 from dtrain.models.weights import SlicedWeights
 from dtrain.parallel.averaging import Averaging
 from dtrain.parallel.sync.diloco import DiLoCo
@@ -60,6 +60,8 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
 
     tp > 1 splits `model`'s layers in place first, by its family's plan or `[model]
     tp_plan` (dtrain.tensor_parallel.plan_of), with `parallel.sequence_parallel` if set;
+    ep > 1 then keeps each rank's share of every MoE layer's experts (whole on each tp
+    rank), averaged over the ranks that hold the same experts (mesh group "edp");
     `[memory]` chooses the modules recomputed in backward (dtrain.models.recompute).
 
     A `model` built in split form (its parameters on the meta device, dtrain.models.init)
@@ -84,6 +86,8 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
         check_sequence_parallel(model)
     if layout.tp > 1:
         split_model(model, mesh.group("tp"), config.model.tp_plan)
+    if layout.ep > 1:  # each rank keeps its E / ep experts of every MoE layer
+        moe.expert_parallel(model, mesh.group("ep"), mesh.coords["ep"], layout.ep)
     recomputed = recompute.apply(model, config.memory)  # split layers, before pp cuts blocks
     kind = kind_of(layout)
     if skeleton and kind in ("dp", "ps"):  # these hold their (tp blocks of the) model whole

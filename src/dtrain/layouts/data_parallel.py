@@ -19,7 +19,8 @@ from dtrain.parallel.sync import compression
 
 
 def data_parallel(module: nn.Module, group: GroupLike, config: Config,
-                  averaging: Averaging | None = None) -> DataParallel:
+                  averaging: Averaging | None = None,
+                  expert_group: GroupLike = None) -> DataParallel:
     """`module` in a DataParallel over `group` (or by `averaging`) as `[comm]` says:
     bucket size, gradient dtype, compression (PowerSGD from the end of the learning-rate
     warm-up: its first, large gradients would take many steps of error feedback)."""
@@ -28,7 +29,8 @@ def data_parallel(module: nn.Module, group: GroupLike, config: Config,
         cc.compression, rank=cc.compression_rank, start_iter=config.optimizer.warmup_steps)
     return DataParallel(module, group=None if averaging else group, bucket_mb=cc.bucket_mb,
                         grad_dtype=None if cc.grad_dtype == "fp32" else cc.grad_dtype,
-                        averaging=averaging, compression=compressor)
+                        averaging=averaging, compression=compressor,
+                        expert_group=expert_group)
 
 
 def compression_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -52,13 +54,14 @@ class Replicated(Holding):
 
     def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
                  notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
-        self.layout, self.names = layout, Names(model, tp=(mesh.coords["tp"], layout.tp))
+        self.layout, self.names = layout, Names.of(model, mesh, layout)
         self.notes = notes
-        self.module = data_parallel(model, mesh.group("dp"), config, averaging)
+        experts = mesh.group("edp") if layout.ep > 1 else None
+        self.module = data_parallel(model, mesh.group("dp"), config, averaging, experts)
         self.optimizers = [build_optimizer(model.parameters(), config.optimizer)]
         self.held = [Tensors(self.names, list(model.parameters()), self.optimizers[0],
                              dp=(mesh.coords["dp"], layout.dp))]
-        self.groups = {"tp": mesh.group("tp")}
+        self.groups = {"tp": mesh.group("tp"), **({"ep": mesh.group("ep")} if experts else {})}
         self.loss_group = mesh.group("dp")
         self.accum = config.train.grad_accum
 

@@ -30,12 +30,18 @@ from torch import nn
 from dtrain import tensor_parallel
 from dtrain.checkpoint.universal import MODEL, OPTIM, Checkpoint, Piece, pieces_of
 from dtrain.errors import DtrainError
-from dtrain.job_layout import Split
+from dtrain.job_layout import Layout, Split
+from dtrain.mesh import Mesh
+from dtrain.models.moe import split_experts
 from dtrain.parallel.zero import ZeRO
 from dtrain.parallel.zero import state_io as zero_state
 
 if TYPE_CHECKING:
     from dtrain.models.weights import SlicedWeights
+
+
+EXPERTS = Split(0)
+"""How split experts cut their stacked tensors: by expert, along dim 0."""
 
 
 def _scalar(value: torch.Tensor | float) -> float:
@@ -51,11 +57,16 @@ class Names:
         tp: (tp rank, tp size) of this rank.
         skip: ids of parameters another rank writes and counts (a tied weight's copy on a
             later pipeline stage).
+        ep: (ep rank, ep size): which E / ep of every MoE layer's experts this rank holds
+            (dtrain.models.moe.split_experts), by global index.
+        edp: (rank, size) among the ranks holding the same experts.
     """
 
     whole: nn.Module
     tp: tuple[int, int] = (0, 1)
     skip: set[int] = field(default_factory=set)
+    ep: tuple[int, int] = (0, 1)
+    edp: tuple[int, int] = (0, 1)
 
     def __post_init__(self) -> None:
         self.canonical = {id(p): n for n, p in self.whole.named_parameters()}
@@ -63,6 +74,13 @@ class Names:
         self.split: dict[int, Split] = {
             id(named[n]): split for n, (split, _) in tensor_parallel.placements(self.whole).items()
             if n in named}
+        self.experts = {id(p) for p in split_experts(self.whole)}
+
+    @classmethod
+    def of(cls, whole: nn.Module, mesh: Mesh, layout: Layout) -> Names:
+        """The names of `whole` held at this rank's place on `mesh` in `layout`."""
+        return cls(whole, tp=(mesh.coords["tp"], layout.tp), ep=(mesh.coords["ep"], layout.ep),
+                   edp=(mesh.coords["edp"], layout.dp // layout.ep))
 
     def aliases(self) -> dict[str, str]:
         """Other names of tied parameters -> their canonical name."""
@@ -74,6 +92,12 @@ class Names:
         """Whether `p` is a tensor-parallel block (its squares sum over tp)."""
         return id(p) in self.split
 
+    def replicas(self, p: nn.Parameter, dp: tuple[int, int]) -> tuple[int, int]:
+        """(rank, size) among the ranks that hold the same values of `p` and split its
+        writing: the data-parallel ranks `dp`, or for split experts those holding the same
+        experts."""
+        return self.edp if id(p) in self.experts else dp
+
     def counted(self, p: nn.Parameter) -> bool:
         """Whether this rank counts `p` in the global gradient norm (not a tied copy)."""
         return id(p) not in self.skip
@@ -84,19 +108,24 @@ class Names:
         return self.counted(p) and (self.is_split(p) or self.tp[0] == 0)
 
     def placement(self, p: nn.Parameter) -> tuple[int, int, Split | None]:
-        """(part, parts, split): which tensor-parallel block of its tensor `p` is."""
+        """(part, parts, split): which block of its tensor `p` is: a tensor-parallel block,
+        or split experts (this rank's E / ep of them, by global index, along dim 0)."""
         split = self.split.get(id(p))
-        return (*self.tp, split) if split is not None else (0, 1, None)
+        if split is not None:
+            return (*self.tp, split)
+        if id(p) in self.experts:
+            return (*self.ep, EXPERTS)
+        return (0, 1, None)
 
     def local(self, ckpt: Checkpoint, name: str, p: nn.Parameter) -> torch.Tensor:
         """This rank's block of the logical tensor `name` (p's shape)."""
-        split = self.split.get(id(p))
+        part, parts, split = self.placement(p)
         if split is None:
             block = ckpt.tensor(name)
         elif hasattr(ckpt, "block"):  # a source that reads a slice (models.weights)
-            block = ckpt.block(name, split, *self.tp)
+            block = ckpt.block(name, split, part, parts)
         else:
-            block = split.shard(ckpt.tensor(name), *self.tp)
+            block = split.shard(ckpt.tensor(name), part, parts)
         _check_shape(ckpt, name, block.shape, p)
         return block
 
@@ -106,17 +135,17 @@ class Names:
         if not hasattr(ckpt, "copy_into"):
             p.copy_(self.local(ckpt, name, p))
             return
-        split = self.split.get(id(p))
+        part, parts, split = self.placement(p)
         shape = ckpt.shape(name) if split is None else split.block_shape(ckpt.shape(name),
-                                                                          self.tp[1])
+                                                                          parts)
         _check_shape(ckpt, name, shape, p)
-        ckpt.copy_into(p, name, split, *self.tp if split is not None else (0, 1))
+        ckpt.copy_into(p, name, split, part, parts)
 
     def span(self, ckpt: Checkpoint, name: str, p: nn.Parameter, lo: int, hi: int
              ) -> torch.Tensor:
         """Elements lo..hi of this rank's block of `name`, flattened (a ZeRO shard's span);
         a source that reads rows (models.weights) reads only the rows holding them."""
-        if id(p) in self.split or not hasattr(ckpt, "rows"):
+        if self.placement(p)[2] is not None or not hasattr(ckpt, "rows"):
             return self.local(ckpt, name, p).reshape(-1)[lo:hi]
         _check_shape(ckpt, name, ckpt.shape(name), p)
         return ckpt.rows(name, lo, hi)
@@ -165,11 +194,12 @@ class Tensors:
             if not names.writes(p):
                 continue
             name = names.canonical[id(p)]
-            pieces += pieces_of(MODEL + name, p, *self.dp, *names.placement(p))
+            dp = names.replicas(p, self.dp)
+            pieces += pieces_of(MODEL + name, p, *dp, *names.placement(p))
             state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim():
-                    pieces += pieces_of(f"{OPTIM}{name}/{key}", value, *self.dp,
+                    pieces += pieces_of(f"{OPTIM}{name}/{key}", value, *dp,
                                         *names.placement(p))
                 elif value is not None:
                     scalars.setdefault(name, {})[key] = _scalar(value)

@@ -56,13 +56,45 @@ class ModelConfig:
     """A Hugging Face folder of safetensors weights to start from (arch llama or hf)."""
     factory: str = ""
     """arch = "custom": "package.module:function" returning the nn.Module."""
+    head_dim: int = 0
+    """Llama: each attention head's width; 0 means n_embd / n_head (Qwen3 sets its own)."""
+    qk_norm: bool = False
+    """Llama: RMSNorm each query and key head before the rotary embedding (Qwen3)."""
+    n_experts: int = 0
+    """Llama: routed experts of each mixture-of-experts block; 0 keeps every block dense."""
+    experts_per_token: int = 2
+    """With n_experts: the experts each token goes to (top-k)."""
+    n_shared_experts: int = 0
+    """With n_experts: experts every token also passes through (DeepSeek's shared ones)."""
+    moe_inter_size: int = 0
+    """With n_experts: each expert's hidden width; 0 means ffn_hidden."""
+    moe_layers: str = "all"
+    """With n_experts: the MoE blocks: "all", "after K" (all but the first K), "every N"
+    (blocks N-1, 2N-1, ...: Qwen3-MoE's decoder_sparse_step) or a list like "1,3,5"; the
+    others keep the dense MLP."""
+    router: str = "softmax_topk"
+    """With n_experts: softmax_topk (Mixtral, Qwen3) or sigmoid_bias (DeepSeek-V3's
+    auxiliary-loss-free balancing: a per-expert bias nudged toward even load each step)."""
+    norm_topk_prob: bool = True
+    """With n_experts: renormalize each token's k routing weights to sum to one."""
+    aux_loss_weight: float = 0.0
+    """With n_experts: weight of the load-balancing loss added to the training loss; 0 is
+    off."""
+    capacity_factor: float = 0.0
+    """With n_experts: assignments an expert takes per sequence, as a multiple of an even
+    share (later ones are dropped); 0 is dropless."""
     tp_plan: dict[str, str] = field(default_factory=dict)
     """Tensor-parallel plan for a model without a built-in one: module-name pattern ->
     colwise, rowwise, vocab or vocab_loss (dtrain.tensor_parallel.parallelize)."""
 
 
+MOE_KEYS = ("n_experts", "experts_per_token", "n_shared_experts", "moe_inter_size",
+            "moe_layers", "router", "norm_topk_prob", "aux_loss_weight", "capacity_factor")
+"""The mixture-of-experts keys (dtrain's Llama only)."""
+
 SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head",
-              "ffn_hidden", "rope_theta", "norm_eps", "tie_embeddings")
+              "ffn_hidden", "rope_theta", "norm_eps", "tie_embeddings", "head_dim", "qk_norm",
+              *MOE_KEYS)
 
 
 def with_preset(cfg: ModelConfig, presets: dict[str, tuple[str, dict]]) -> ModelConfig:
@@ -103,3 +135,52 @@ def check_shape(cfg: ModelConfig, tp: int) -> None:
         if count % tp:
             raise ConfigError(f"parallel.tp = {tp} does not divide {what} = {count}: choose "
                               f"a tensor-parallel degree that divides {count}")
+
+
+def moe_layer_indices(spec: str, n_layer: int) -> tuple[int, ...]:
+    """The blocks `model.moe_layers` names among n_layer: "all", "after K", "every N" or
+    a comma-separated list of block indices.
+
+    Raises:
+        ConfigError: a spec of another form, or an index outside the model.
+    """
+    words = spec.split()
+    try:
+        if spec == "all":
+            return tuple(range(n_layer))
+        if len(words) == 2 and words[0] == "after":
+            return tuple(range(int(words[1]), n_layer))
+        if len(words) == 2 and words[0] == "every" and int(words[1]) > 0:
+            step = int(words[1])
+            return tuple(i for i in range(n_layer) if (i + 1) % step == 0)
+        chosen = tuple(sorted({int(w) for w in spec.split(",")}))
+    except ValueError:
+        chosen = None
+    if not chosen or not all(0 <= i < n_layer for i in chosen):
+        raise ConfigError(f"model.moe_layers = {spec!r} must be \"all\", \"after K\", \"every "
+                          f"N\" or block indices in [0, {n_layer}) like \"1,3\"")
+    return chosen
+
+
+def check_moe(cfg: ModelConfig) -> None:
+    """The mixture-of-experts keys: only dtrain's Llama has MoE blocks, and their values
+    must make sense (the expert-parallel degree is checked with the layout).
+
+    Raises:
+        ConfigError: MoE keys on another arch, or a value out of range.
+    """
+    default = ModelConfig()
+    changed = [k for k in MOE_KEYS if getattr(cfg, k) != getattr(default, k)]
+    if cfg.arch != "llama" and changed:
+        raise ConfigError(f"model.{changed[0]} is a mixture-of-experts key, which only "
+                          f"model.arch = \"llama\" has (not {cfg.arch!r})")
+    if cfg.arch != "llama" or not cfg.n_experts:
+        return
+    if cfg.n_experts < 0:
+        raise ConfigError(f"model.n_experts = {cfg.n_experts} must be 0 (dense) or positive")
+    from dtrain.models.moe import MoEConfig
+
+    MoEConfig(n_experts=cfg.n_experts, experts_per_token=cfg.experts_per_token,
+              router=cfg.router, aux_loss_weight=cfg.aux_loss_weight,
+              capacity_factor=cfg.capacity_factor)
+    moe_layer_indices(cfg.moe_layers, cfg.n_layer)

@@ -18,10 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.errors import ConfigError
-from dtrain.models.config import ModelConfig
+from dtrain.models.config import ModelConfig, moe_layer_indices
+from dtrain.models.moe import Experts, MoE, MoEConfig, aux_loss
 from dtrain.models.stages import AttentionCore, StagedLM
 
 _LLAMA_3 = {"vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5}
+_QWEN3 = {"vocab_size": 151936, "rope_theta": 1000000.0, "norm_eps": 1e-6, "head_dim": 128,
+          "qk_norm": True, "n_kv_head": 4, "n_experts": 128, "experts_per_token": 8,
+          "block_size": 40960, "tie_embeddings": False, "norm_topk_prob": True}
 PRESETS: dict[str, tuple[str, dict]] = {
     "llama-tiny": ("llama", {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_kv_head": 2,
                              "ffn_hidden": 352, "vocab_size": 0, "block_size": 128,
@@ -36,6 +40,19 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "llama-3-70b": ("llama", {**_LLAMA_3, "n_layer": 80, "n_embd": 8192, "n_head": 64,
                               "n_kv_head": 8, "ffn_hidden": 28672, "block_size": 8192,
                               "tie_embeddings": False}),
+    "moe-tiny": ("llama", {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_kv_head": 2,
+                           "ffn_hidden": 352, "vocab_size": 0, "block_size": 128,
+                           "tie_embeddings": False, "rope_theta": 10000.0, "norm_eps": 1e-5,
+                           "n_experts": 8, "experts_per_token": 2, "moe_inter_size": 128}),
+    "mixtral-8x7b": ("llama", {"vocab_size": 32000, "n_layer": 32, "n_embd": 4096,
+                               "n_head": 32, "n_kv_head": 8, "ffn_hidden": 14336,
+                               "block_size": 32768, "rope_theta": 1000000.0,
+                               "norm_eps": 1e-5, "tie_embeddings": False, "n_experts": 8,
+                               "experts_per_token": 2}),
+    "qwen3-30b-a3b": ("llama", {**_QWEN3, "n_layer": 48, "n_embd": 2048, "n_head": 32,
+                                "ffn_hidden": 6144, "moe_inter_size": 768}),
+    "qwen3-235b-a22b": ("llama", {**_QWEN3, "n_layer": 94, "n_embd": 4096, "n_head": 64,
+                                  "ffn_hidden": 12288, "moe_inter_size": 1536}),
 }
 """Named shapes: preset -> ("llama", ModelConfig shape keys). Llama 3.2's published model
 also scales its rotary frequencies for long contexts ("llama3" rope scaling), which dtrain's
@@ -73,17 +90,31 @@ class LlamaConfig:
     """The output head shares the token embedding's weight."""
     dropout: float = 0.0
     """Dropout on the attention probabilities (Hugging Face's attention_dropout)."""
+    head_dim: int = 0
+    """Width of each attention head; 0 means n_embd / n_head (Qwen3 sets its own)."""
+    qk_norm: bool = False
+    """RMSNorm each query and key head before the rotary embedding (Qwen3)."""
+    moe: MoEConfig | None = None
+    """The mixture-of-experts MLP of the blocks in `moe_layers` (None: every block dense)."""
+    moe_layers: tuple[int, ...] = ()
+    """The blocks whose MLP is `moe` (the others keep the dense SwiGLU)."""
+
+    @property
+    def head_size(self) -> int:
+        """Each attention head's width."""
+        return self.head_dim or self.n_embd // self.n_head
 
     def __post_init__(self) -> None:
-        if self.n_head <= 0 or self.n_embd % self.n_head:
+        if self.n_head <= 0 or (self.n_embd % self.n_head and not self.head_dim):
             raise ConfigError(f"model.n_head = {self.n_head} does not divide model.n_embd = "
                               f"{self.n_embd}: choose a head count that divides it")
         if self.n_kv_head <= 0 or self.n_head % self.n_kv_head:
             raise ConfigError(f"model.n_kv_head = {self.n_kv_head} does not divide model.n_head"
                               f" = {self.n_head}: choose a key/value head count that divides it")
-        if (self.n_embd // self.n_head) % 2:
-            raise ConfigError(f"model.n_embd / model.n_head = {self.n_embd // self.n_head} is "
-                              "odd: rotary embeddings need an even head size")
+        if self.head_size % 2:
+            what = "model.head_dim" if self.head_dim else "model.n_embd / model.n_head"
+            raise ConfigError(f"{what} = {self.head_size} is odd: rotary embeddings need an "
+                              "even head size")
 
 
 def llama_ffn_hidden(n_embd: int) -> int:
@@ -98,21 +129,41 @@ def llama_config(cfg: ModelConfig) -> LlamaConfig:
     Raises:
         ConfigError: the heads do not divide the width or each other, or the head size is odd.
     """
+    ffn_hidden = cfg.ffn_hidden or llama_ffn_hidden(cfg.n_embd)
+    moe = None if not cfg.n_experts else MoEConfig(
+        n_experts=cfg.n_experts, experts_per_token=cfg.experts_per_token,
+        hidden=cfg.moe_inter_size or ffn_hidden, n_shared_experts=cfg.n_shared_experts,
+        router=cfg.router, norm_topk_prob=cfg.norm_topk_prob,
+        aux_loss_weight=cfg.aux_loss_weight, capacity_factor=cfg.capacity_factor)
     return LlamaConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size,
                        n_layer=cfg.n_layer, n_head=cfg.n_head,
                        n_kv_head=cfg.n_kv_head or cfg.n_head, n_embd=cfg.n_embd,
-                       ffn_hidden=cfg.ffn_hidden or llama_ffn_hidden(cfg.n_embd),
-                       rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
-                       tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout)
+                       ffn_hidden=ffn_hidden, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
+                       tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout,
+                       head_dim=cfg.head_dim, qk_norm=cfg.qk_norm, moe=moe,
+                       moe_layers=moe_layer_indices(cfg.moe_layers, cfg.n_layer)
+                       if moe is not None else ())
 
 
-def parameter_count(cfg: LlamaConfig) -> int:
-    """Parameters of `Llama(cfg)` (a tied head counted once), without building it."""
-    head_dim = cfg.n_embd // cfg.n_head
+def parameter_count(cfg: LlamaConfig, active: bool = False) -> int:
+    """Parameters of `Llama(cfg)` (a tied head counted once), without building it; with
+    `active`, those one token uses: of each MoE layer's routed experts only the k it goes
+    to (the router, its bias included, and the shared experts count in both)."""
+    head_dim = cfg.head_size
     attention = 2 * cfg.n_embd * cfg.n_head * head_dim + 2 * cfg.n_embd * cfg.n_kv_head * head_dim
-    block = attention + 3 * cfg.n_embd * cfg.ffn_hidden + 2 * cfg.n_embd
+    attention += 2 * head_dim if cfg.qk_norm else 0
+    dense = 3 * cfg.n_embd * cfg.ffn_hidden
+    total = 0
+    for i in range(cfg.n_layer):
+        mlp = dense
+        if cfg.moe is not None and i in cfg.moe_layers:
+            m = cfg.moe
+            used = m.experts_per_token if active else m.n_experts
+            mlp = (m.n_experts * (cfg.n_embd + 1) + used * 3 * cfg.n_embd * m.hidden
+                   + m.n_shared_experts * 3 * cfg.n_embd * m.hidden)
+        total += attention + mlp + 2 * cfg.n_embd
     embeddings = cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2)
-    return embeddings + cfg.n_layer * block + cfg.n_embd
+    return embeddings + total + cfg.n_embd
 
 
 class RMSNorm(nn.Module):
@@ -147,11 +198,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.head_dim = cfg.n_embd // cfg.n_head
+        self.head_dim = cfg.head_size
         self.theta = cfg.rope_theta
         self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        if cfg.qk_norm:  # Qwen3: each head normalized before the rotation
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.core = AttentionCore(cfg.dropout)
         self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
 
@@ -165,7 +220,10 @@ class Attention(nn.Module):
         # projections gather whole.
         q, k, v = (proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj))
         b, t = q.shape[:2]
-        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (z.view(b, t, -1, self.head_dim) for z in (q, k, v))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         cos, sin = rope if rope is not None else rotary(t, self.head_dim, self.theta,
                                                         x.device, q.dtype)
         q = q * cos + _rotate_half(q) * sin
@@ -187,12 +245,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, moe: bool = False) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg.moe, cfg.n_embd) if moe and cfg.moe is not None else MLP(cfg)
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -208,7 +266,7 @@ class Llama(StagedLM):
         super().__init__()
         self.cfg, self.block_size = cfg, cfg.block_size
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i in cfg.moe_layers) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -222,6 +280,12 @@ class Llama(StagedLM):
         # Hugging Face's initializer_range = 0.02; RMSNorm weights start at ones.
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, Experts):
+            module.reset_parameters(0.02)
+
+    def extra_loss(self) -> torch.Tensor | None:
+        """The weighted load-balancing loss of the MoE blocks in the last forward."""
+        return aux_loss(self) if self.cfg.moe is not None else None
 
     # How the pipeline cuts it (dtrain.models.Stages).
     def stage_parts(self) -> tuple[list[str], str, list[str]]:
@@ -248,7 +312,7 @@ class Llama(StagedLM):
         t = x.shape[1] * self.sequence_parts
         key = (t, x.device, x.dtype, type(x))  # a fake tensor is not a real one
         if self._rope_cache[0] != key:
-            head_dim = self.cfg.n_embd // self.cfg.n_head
+            head_dim = self.cfg.head_size
             self._rope_cache = (key, rotary(t, head_dim, self.cfg.rope_theta, x.device,
                                             x.dtype))
         return self._rope_cache[1]

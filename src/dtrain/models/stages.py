@@ -68,10 +68,17 @@ class StagedLM(nn.Module):
         logits = self.stage_out(x)
         if targets is None:
             return logits
-        return logits, self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss = self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        extra = self.extra_loss()
+        return logits, loss if extra is None else loss + extra
 
     def stage_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return block(x)
+
+    def extra_loss(self) -> torch.Tensor | None:
+        """A loss the blocks computed on the way, added to the model's (a mixture of
+        experts' load balancing); None by default."""
+        return None
 
 
 class AttentionCore(nn.Module):

@@ -37,10 +37,19 @@ def check_same_model(params: list[nn.Parameter], group: comm.Group, who: str,
 
 
 @torch.no_grad()
-def broadcast_state(module: nn.Module, group: comm.Group, algorithm: str = "auto") -> None:
+def broadcast_state(module: nn.Module, group: comm.Group, algorithm: str = "auto",
+                    skip: frozenset[int] = frozenset()) -> None:
     """Copy the group's first rank's parameters and buffers into every rank's module
-    (not those on the meta device: a model built in split form has no values yet)."""
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.is_meta:
-            continue
-        comm.broadcast(tensor.data, src=0, group=group, algorithm=algorithm)
+    (not those on the meta device: a model built in split form has no values yet; nor
+    those whose id is in `skip`)."""
+    broadcast_tensors([t for t in [*module.parameters(), *module.buffers()]
+                       if id(t) not in skip], group, algorithm)
+
+
+@torch.no_grad()
+def broadcast_tensors(tensors: list[torch.Tensor], group: comm.GroupLike,
+                      algorithm: str = "auto") -> None:
+    """Copy the group's first rank's `tensors` into every rank's (meta ones left alone)."""
+    for tensor in tensors:
+        if not tensor.is_meta:
+            comm.broadcast(tensor.data, src=0, group=group, algorithm=algorithm)

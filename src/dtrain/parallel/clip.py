@@ -1,12 +1,14 @@
 """One global gradient-norm clip for every layout.
 
-A rank holds gradients in three ways, and each way says over which mesh axes its squares
+A rank holds gradients in four ways, and each way says over which mesh axes its squares
 must be summed to count every element of the whole model's gradient exactly once:
 
 - replicated (DataParallel after its all-reduce, a tensor that tp copies on every rank):
   summed over no axis, every rank already has the same values;
 - split by tensor parallelism (a column- or row-parallel block): summed over "tp";
-- sharded over data parallelism (a ZeRO shard): summed over "dp".
+- sharded over data parallelism (a ZeRO shard): summed over "dp";
+- split by expert parallelism (each rank holds other experts of a MoE layer): summed over
+  "ep".
 
 A ZeRO shard of a tensor-parallel block is summed over both. Pipeline stages hold
 different layers, so every total is finally summed over "pp"; a tied weight held by two
@@ -15,7 +17,7 @@ stages is scaled on both but counted on one (`counted=False` on the other).
     parts = [GradPart(p.grad, over=("tp",)) for p in split] + [GradPart(g) for g in ...]
     norm = clip_grad_norm_(parts, max_norm=1.0, groups={"dp": dp, "tp": tp, "pp": pp})
 
-Every rank runs the same three all-reduces (dp, tp, pp; a group of one is skipped), so
+Every rank runs the same all-reduces (dp, tp, ep, pp; a group not given is skipped), so
 the collective sequence never depends on what a rank holds.
 """
 
@@ -29,7 +31,7 @@ import torch
 
 from dtrain import comm
 
-AXES = ("dp", "tp")  # the axes a part may be summed over before the final sum over pp
+AXES = ("dp", "tp", "ep")  # the axes a part may be summed over before the final sum over pp
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class GradPart:
 
     Args:
         grad: the gradient (scaled in place by the clip).
-        over: the axes ("dp", "tp") over which this tensor's squares are summed.
+        over: the axes ("dp", "tp", "ep") over which this tensor's squares are summed.
         counted: False for a copy another rank counts (a tied weight's second holder).
     """
 
@@ -48,7 +50,7 @@ class GradPart:
 
 
 def _slot(over: tuple[str, ...]) -> int:
-    """Index of the axis set in the sums vector: bit 0 = dp, bit 1 = tp."""
+    """Index of the axis set in the sums vector: bit 0 = dp, bit 1 = tp, bit 2 = ep."""
     unknown = set(over) - set(AXES)
     if unknown:
         raise ValueError(f"GradPart.over: unknown axes {sorted(unknown)}; use {AXES}")
@@ -59,7 +61,7 @@ def _slot(over: tuple[str, ...]) -> int:
 def global_grad_norm(parts: Iterable[GradPart], groups: Mapping[str, Any],
                      device: torch.device | None = None) -> float:
     """The 2-norm of the whole model's gradient from every rank's parts (collective over
-    the dp, tp and pp groups given; a missing axis counts as a group of one)."""
+    the dp, tp, ep and pp groups given; a missing axis counts as a group of one)."""
     parts = list(parts)
     if device is None:
         device = parts[0].grad.device if parts else torch.device("cpu")
@@ -87,7 +89,7 @@ def clip_grad_norm_(parts: Iterable[GradPart], max_norm: float, groups: Mapping[
     returns the norm before clipping (collective, see `global_grad_norm`).
 
     Raises:
-        ValueError: a part names an axis other than "dp" or "tp".
+        ValueError: a part names an axis other than "dp", "tp" or "ep".
     """
     parts = list(parts)
     norm = global_grad_norm(parts, groups, device)

@@ -36,18 +36,24 @@ def llama_plan(cfg: LlamaConfig) -> dict[str, Style | str]:
     row-parallel; the embedding and the head split by vocabulary (tied or not) and the loss
     vocab-parallel, as in `gpt_plan`. RMSNorms stay replicated.
 
+    A mixture-of-experts block's MLP stays whole on every tensor-parallel rank (its router,
+    experts and shared experts; expert parallelism splits the experts over data-parallel
+    ranks instead): only the dense blocks' MLPs are split.
+
     `parallelize` raises ConfigError when tp does not divide the heads, the key/value heads,
     the MLP width or the vocabulary.
     """
+    dense = ["*"] if cfg.moe is None else \
+        [str(i) for i in range(cfg.n_layer) if i not in cfg.moe_layers]
+    mlp = {f"blocks.{i}.mlp.{name}": style for i in dense
+           for name, style in (("gate", "colwise"), ("up", "colwise"), ("down", "rowwise"))}
     return {
         "embed": "vocab",
         "blocks.*.attn.q_proj": Colwise(heads=cfg.n_head),
         "blocks.*.attn.k_proj": Colwise(heads=cfg.n_kv_head),
         "blocks.*.attn.v_proj": Colwise(heads=cfg.n_kv_head),
         "blocks.*.attn.o_proj": "rowwise",
-        "blocks.*.mlp.gate": "colwise",
-        "blocks.*.mlp.up": "colwise",
-        "blocks.*.mlp.down": "rowwise",
+        **mlp,
         "head": "colwise",
         "loss_fn": "vocab_loss",
     }

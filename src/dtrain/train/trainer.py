@@ -46,7 +46,7 @@ from dtrain.ft.live.job import open_live
 from dtrain.ft.membership import Fixed, Membership, RunOver
 from dtrain.layouts import Holding
 from dtrain.mesh import Mesh
-from dtrain.models import init
+from dtrain.models import init, moe
 from dtrain.models.config import ModelConfig
 from dtrain.models.generate import generate
 from dtrain.models.weights import weights_of
@@ -129,7 +129,8 @@ class Trainer:
         tc, mc = config.train, config.model
         self.layout = layout_of(config, world.world_size)
         mesh = self.mesh = Mesh(dp=self.layout.dp, tp=self.layout.tp, pp=self.layout.pp,
-                                dp_replicate=replicas_of(config, world.world_size))
+                                dp_replicate=replicas_of(config, world.world_size),
+                                ep=self.layout.ep)
         replicas, replica = mesh.size("dp_replicate"), mesh.coords["dp_replicate"]
         self.membership: Membership = live or Fixed(replicas, replica)
         # replicas synchronized every sync.every steps each keep checkpoints of their own
@@ -153,6 +154,7 @@ class Trainer:
         torch.manual_seed(tc.seed)
         self.model = init.skeleton(lambda: models.build(self.shape))  # each rank: what it holds
         self.n_params = sum(p.numel() for p in self.model.parameters())  # before any split
+        self.moe = moe.moe_layers(self.model)
         self.weights = weights_of(self.shape, self.model) \
             if self.shape.init_from and self.resume is None else None
         self.held = layouts.build(self.model, mesh, self.layout, config, weights=self.weights,
@@ -230,7 +232,7 @@ class Trainer:
                                     "lr": self.schedulers[0].get_last_lr()[0],
                                     "step_time_s": elapsed,
                                     "tokens_per_s": tokens_per_step / elapsed,
-                                    **self.membership.step_metrics()})
+                                    **self.membership.step_metrics(), **self._moe_metrics()})
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                 self.evaluate(step)
             every = config.checkpoint.every
@@ -273,8 +275,19 @@ class Trainer:
                 for scheduler in self.schedulers:
                     scheduler.step()
             held.zero_grad()
+            if self.moe:  # the step's load over the data-parallel ranks: routers' biases
+                moe.after_step(self.model, self.mesh.group("dp"))
         return mean_over(mean_over(loss.item(), held.loss_group, device),
                          self.mesh.group("dp_replicate"), device)
+
+    def _moe_metrics(self) -> dict[str, list[float]]:
+        """Each MoE layer's load imbalance (max / mean assignments per expert) and dropped
+        share in the last step, over the data-parallel ranks; nothing for a dense model."""
+        balance = [m.balance for m in self.moe if m.balance is not None]
+        if not balance:
+            return {}
+        return {"moe_imbalance": [round(b[0], 4) for b in balance],
+                "moe_dropped": [round(b[1], 4) for b in balance]}
 
     def evaluate(self, step: int) -> None:
         """The held-out loss at `step`, printed and recorded."""

@@ -64,7 +64,7 @@ class Bucket:
 
 def build_buckets(
     params: list[nn.Parameter], bucket_bytes: int, grad_dtype: torch.dtype | None,
-    first_bytes: int | None = None,
+    first_bytes: int | None = None, apart: Callable[[nn.Parameter], bool] | None = None,
 ) -> list[Bucket]:
     """Pack `params` (in the given order) into buckets of about `bucket_bytes` each.
 
@@ -77,6 +77,8 @@ def build_buckets(
         grad_dtype: dtype of the communicated gradients; None keeps each parameter's dtype.
         first_bytes: a smaller cap for the first bucket, so that communication starts
             early in backward (DDP's first bucket is 1 MB); default `bucket_bytes`.
+        apart: a bucket never mixes parameters for which this says True with others
+            (they are reduced over another group: split experts).
     """
     groups: list[list[nn.Parameter]] = []
     size = 0
@@ -88,6 +90,7 @@ def build_buckets(
         fits = current is not None and size + nbytes <= cap
         same_kind = current is not None and (
             current[0].device == p.device and current[0].dtype == p.dtype
+            and (apart is None or apart(current[0]) == apart(p))
         )
         if fits and same_kind:
             current.append(p)

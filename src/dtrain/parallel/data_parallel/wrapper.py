@@ -29,7 +29,13 @@ from torch import nn
 from dtrain import comm
 from dtrain.comm.group import Handle
 from dtrain.errors import DtrainError
-from dtrain.parallel.agreement import agreement_device, broadcast_state, check_same_model
+from dtrain.models.moe import split_experts
+from dtrain.parallel.agreement import (
+    agreement_device,
+    broadcast_state,
+    broadcast_tensors,
+    check_same_model,
+)
 from dtrain.parallel.averaging import Averaging
 from dtrain.parallel.clip import GradPart
 from dtrain.parallel.data_parallel.buckets import Bucket, build_buckets, launch_ready
@@ -73,6 +79,11 @@ class DataParallel(nn.Module):
             are reduced as one bucket at the end of backward (each collective costs round
             trips), and a parameter no rank used gets a zero gradient (presence is not
             sent). Its error feedback is `compression_state()`.
+        expert_group: under expert parallelism, the ranks that hold the same experts as
+            this one (`mesh.group("edp")`): the experts each rank holds of the model's MoE
+            layers (dtrain.models.moe.split_experts) are summed over it, divided by the
+            whole group's size (each holder's gradient came from the tokens of its own
+            expert-parallel peers), in buckets of their own; the rest as always.
 
     Parameters that receive no gradient in a step (unused branches) are fine: their slots
     are sent as zeros, and a parameter no rank used keeps `grad = None`, as in one process.
@@ -91,6 +102,7 @@ class DataParallel(nn.Module):
         algorithm: str = "auto",
         averaging: Averaging | None = None,
         compression: str | compression_mod.Compressor | None = None,
+        expert_group: comm.GroupLike = None,
     ) -> None:
         super().__init__()
         if bucket_mb <= 0:
@@ -101,6 +113,14 @@ class DataParallel(nn.Module):
             raise DtrainError("DataParallel(compression=...) sends its own encoding of fp32 "
                               "gradients over a fixed group: leave grad_dtype= and averaging= "
                               "unset")
+        experts = split_experts(module)
+        if experts and (averaging is not None or compressor is not None
+                        or expert_group is None):
+            raise DtrainError("DataParallel of a model whose experts are split (expert "
+                              "parallelism) needs expert_group= (mesh.group(\"edp\")), and "
+                              "takes neither averaging= nor compression=")
+        self._experts = frozenset(id(p) for p in experts)
+        self.expert_group = comm.resolve(expert_group) if experts else None
         self.module = module
         self.averaging = averaging
         if averaging is None:
@@ -138,7 +158,9 @@ class DataParallel(nn.Module):
                        for k, p in enumerate(self._params)]
         if averaging is None and self.size > 1:
             check_same_model(self._params, self.group, "DataParallel", algorithm)
-            broadcast_state(module, self.group, algorithm)
+            broadcast_state(module, self.group, algorithm, skip=self._experts)
+            if self.expert_group is not None and self.expert_group.size > 1:
+                broadcast_tensors(experts, self.expert_group, algorithm)
 
     def _pack(self, order: list[int]) -> None:
         """Buckets of the parameters in `order` (indices), the first of at most 1 MB; one
@@ -148,9 +170,13 @@ class DataParallel(nn.Module):
             self._buckets = build_buckets(params, sys.maxsize, None)
         else:
             self._buckets = build_buckets(params, self._bucket_bytes, self.grad_dtype,
-                                          min(self._bucket_bytes, FIRST_BUCKET))
+                                          min(self._bucket_bytes, FIRST_BUCKET),
+                                          apart=self._is_expert if self._experts else None)
         self._where = {self._position[id(p)]: (bucket, i)
                        for bucket in self._buckets for i, p in enumerate(bucket.params)}
+
+    def _is_expert(self, p: nn.Parameter) -> bool:
+        return id(p) in self._experts
 
     # ----------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -216,7 +242,8 @@ class DataParallel(nn.Module):
             return
         if self.compressor is not None:  # reduced at the end of backward, in order
             return
-        self._works.append(comm.all_reduce(bucket.buffer, group=self.group, async_op=True,
+        group = self.expert_group if self._is_expert(bucket.params[0]) else self.group
+        self._works.append(comm.all_reduce(bucket.buffer, group=group, async_op=True,
                                            algorithm=self.algorithm))
 
     @torch.no_grad()
@@ -311,10 +338,15 @@ class DataParallel(nn.Module):
                    counted: Callable[[nn.Parameter], bool] | None = None) -> list[GradPart]:
         """The averaged gradients as parts of a global norm (see dtrain.parallel.clip):
         replicated over the group, so summed over no axis, or over "tp" where
-        `is_split(param)` (a tensor-parallel block); `counted(param)` False marks a copy
-        another rank counts (a tied weight's second holder). Call after backward."""
-        return [GradPart(p.grad, over=("tp",) if is_split is not None and is_split(p) else (),
-                         counted=counted is None or counted(p))
+        `is_split(param)` (a tensor-parallel block), or over "ep" for split experts (each
+        rank of the expert-parallel group holds others); `counted(param)` False marks a
+        copy another rank counts (a tied weight's second holder). Call after backward."""
+        def over(p: nn.Parameter) -> tuple[str, ...]:
+            if self._is_expert(p):
+                return ("ep",)
+            return ("tp",) if is_split is not None and is_split(p) else ()
+
+        return [GradPart(p.grad, over=over(p), counted=counted is None or counted(p))
                 for p in self.module.parameters() if p.grad is not None]
 
     # ----------------------------------------------------------------- state

@@ -1,0 +1,293 @@
+"""Mixture of experts: the layer against a plain per-token reference, its routers, capacity
+and balancing rules exact, the uneven all-to-all, and expert parallelism equal to one
+process (losses per step and final weights)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+import dtrain
+from dtrain import comm
+from dtrain.checkpoint import universal
+from dtrain.models.llama import Llama, LlamaConfig
+from dtrain.models.moe import MoE, MoEConfig, after_step, expert_parallel, moe_layers
+from dtrain.models.moe import experts as experts_mod
+from dtrain.parallel.clip import clip_grad_norm_
+from dtrain.testing import run_threads
+from tests import cli
+from tests.distributed import run_ranks
+from tests.test_models_train import BASE
+
+DIM, HIDDEN, E, K = 16, 24, 8, 2
+
+
+def layer(**rules) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(n_experts=E, experts_per_token=K, hidden=HIDDEN, **rules), DIM)
+    nn.init.normal_(moe.gate.gate.weight, std=0.5)  # routing far from uniform
+    return moe
+
+
+def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer computed one token and one chosen expert at a time, in plain torch."""
+    b, t, _ = x.shape
+    cfg, out = moe.cfg, torch.zeros_like(x)
+    taken = torch.zeros(b, E, dtype=torch.long)
+    capacity = math.ceil(cfg.capacity_factor * t * K / E) if cfg.capacity_factor else None
+    for i in range(b):
+        for j in range(t):
+            logits = x[i, j] @ moe.gate.gate.weight.t()
+            if cfg.router == "sigmoid_bias":
+                scores = torch.sigmoid(logits)
+                chosen = torch.topk(scores + moe.gate.expert_bias, K).indices
+            else:
+                scores = torch.softmax(logits, -1)
+                chosen = torch.topk(scores, K).indices
+            weights = scores[chosen] / (scores[chosen].sum() if cfg.norm_topk_prob else 1)
+            for w, e in zip(weights, chosen.tolist(), strict=True):
+                taken[i, e] += 1
+                if capacity is not None and taken[i, e] > capacity:
+                    continue
+                gate_up = moe.experts.gate_up_proj[e] @ x[i, j]
+                gate, up = gate_up[:HIDDEN], gate_up[HIDDEN:]
+                out[i, j] += w * (moe.experts.down_proj[e] @ (F.silu(gate) * up))
+            if moe.shared is not None:
+                out[i, j] += moe.shared(x[i, j])
+    return out
+
+
+@pytest.mark.parametrize("rules", [
+    {}, {"router": "sigmoid_bias"}, {"capacity_factor": 0.5}, {"n_shared_experts": 1},
+    {"norm_topk_prob": False}])
+def test_the_layer_equals_one_token_at_a_time(rules: dict) -> None:
+    moe = layer(**rules)
+    if rules.get("router") == "sigmoid_bias":
+        moe.gate.expert_bias.copy_(torch.linspace(-0.3, 0.3, E))  # steers the choice
+    x = torch.randn(2, 6, DIM)
+    torch.testing.assert_close(moe(x), reference(moe, x))
+
+
+def test_capacity_drops_the_later_tokens_and_counts_them() -> None:
+    moe = layer(capacity_factor=0.25)  # ceil(0.25 * 6 * 2 / 8) = 1 assignment per expert
+    moe.train()
+    x = torch.randn(2, 6, DIM)
+    moe(x)
+    kept = moe._within_capacity(moe.gate(x.reshape(-1, DIM))[1].view(2, 6, K))
+    assert int((~kept).sum()) == int(moe.dropped) > 0
+    assert int(moe.load.sum()) == 2 * 6 * K  # routed, dropped or not
+
+
+def test_grouped_product_equals_the_loop_over_experts() -> None:
+    x = torch.randn(10, DIM, requires_grad=True)
+    w = torch.randn(3, HIDDEN, DIM, requires_grad=True)
+    counts = [4, 0, 6]
+    grouped = experts_mod.grouped_matmul(x, w, counts)
+    loop = torch.cat([x[:4] @ w[0].t(), x[4:] @ w[2].t()])
+    torch.testing.assert_close(grouped, loop)
+    (gx, gw) = torch.autograd.grad(grouped.sum(), (x, w))  # an expanded gradient, too
+    (lx, lw) = torch.autograd.grad(loop.sum(), (x, w))
+    torch.testing.assert_close((gx, gw), (lx, lw))
+
+
+def test_the_balance_loss_is_the_sequence_wise_formula() -> None:
+    moe = layer(aux_loss_weight=0.1)
+    moe.train()
+    x = torch.randn(3, 5, DIM)
+    moe(x)
+    flat = x.reshape(-1, DIM)
+    probs = torch.softmax(flat @ moe.gate.gate.weight.t(), -1).view(3, 5, E)
+    chosen = torch.topk(probs, K).indices  # (3, 5, K)
+    want = 0.0
+    for i in range(3):
+        counts = torch.bincount(chosen[i].reshape(-1), minlength=E).float()
+        f = counts * E / (K * 5)
+        want += float((f * probs[i].mean(0)).sum().detach()) / 3
+    torch.testing.assert_close(float(moe.aux_loss.detach()), 0.1 * want)
+
+
+def test_the_bias_moves_toward_even_load_by_the_rate() -> None:
+    moe = layer(router="sigmoid_bias")
+    moe.train()
+    moe(torch.randn(2, 6, DIM))
+    load = moe.load.clone().double()
+    after_step(nn.Sequential(moe))
+    want = 1e-3 * torch.sign(load.mean() - load)
+    torch.testing.assert_close(moe.gate.expert_bias, want.float())
+    assert moe.balance[0] == pytest.approx(float(load.max() / load.mean()))
+    assert int(moe.load.sum()) == 0  # counted afresh each step
+
+
+def _uneven(rank: int, algorithm: str) -> torch.Tensor:
+    size = 3
+    send = [(rank + j) % 3 for j in range(size)]  # some ranks send nothing to some peers
+    x = torch.cat([torch.full((n,), 10.0 * rank + j) for j, n in enumerate(send)])
+    return comm.all_to_all(x, send_sizes=send, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["native", "pairwise"])
+def test_the_uneven_all_to_all(algorithm: str) -> None:
+    got = run_threads(_uneven, 3, algorithm)
+    for rank in range(3):
+        want = torch.cat([torch.full(((r + rank) % 3,), 10.0 * r + rank) for r in range(3)])
+        torch.testing.assert_close(got[rank], want)
+
+
+# ------------------------------------------------------------------ expert parallelism
+CFG = dict(vocab_size=64, block_size=12, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+           ffn_hidden=48)
+STEPS, BATCH, CLIP = 3, 8, 0.5
+CASES = [(2, {}), (4, {}), (2, {"capacity_factor": 0.5}), (4, {"capacity_factor": 0.5}),
+         (2, {"router": "sigmoid_bias", "aux_loss_weight": 0.0}),
+         (4, {"aux_loss_weight": 0.05, "n_shared_experts": 1})]
+
+
+def moe_llama(rules: dict) -> Llama:
+    torch.manual_seed(0)
+    moe = MoEConfig(n_experts=E, experts_per_token=K, hidden=24, **rules)
+    return Llama(LlamaConfig(**CFG, moe=moe, moe_layers=(1,)))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + step)
+    x = torch.randint(0, 64, (BATCH, 12), generator=g)
+    return x, torch.roll(x, -1, 1)
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """eps well above rounding noise: an expert that few tokens reach has tiny gradients,
+    whose float rounding (summed in another order across ranks) Adam would scale up to
+    whole steps."""
+    return torch.optim.AdamW(trainable(model), lr=1e-2, eps=1e-4)
+
+
+def serial_run(rules: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = moe_llama(rules)
+    opt = adamw(model)
+    losses = []
+    for step in range(STEPS):
+        loss = model(*batch(step))[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable(model), CLIP)
+        opt.step()
+        opt.zero_grad()
+        after_step(model)
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def ep_rank(cases: list) -> list:
+    out = []
+    for ep, rules in cases:
+        mesh = dtrain.Mesh(dp=4, ep=ep)
+        model = moe_llama(rules)
+        expert_parallel(model, mesh.group("ep"), mesh.coords["ep"], ep)
+        wrapped = dtrain.DataParallel(model, group=mesh.group("dp"), algorithm="native",
+                                      expert_group=mesh.group("edp"))
+        opt = adamw(model)
+        mine = slice(2 * mesh.coords["dp"], 2 * mesh.coords["dp"] + 2)
+        losses = []
+        for step in range(STEPS):
+            x, y = batch(step)
+            loss = wrapped(x[mine], y[mine])[1]
+            loss.backward()
+            clip_grad_norm_(wrapped.grad_parts(), CLIP, {"ep": mesh.group("ep")})
+            opt.step()
+            opt.zero_grad()
+            after_step(model, mesh.group("dp"))
+            losses.append(float(comm.all_reduce(loss.detach(), op="avg")))
+        out.append({"losses": losses, "state": model.state_dict(), "ep": mesh.coords["ep"],
+                    "balance": [m.balance for m in moe_layers(model)]})
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_expert_parallel_ranks_equal_one_process() -> None:
+    """ep = 2 and 4 over four ranks (dropless and with a capacity that drops, both routers,
+    the balance loss and shared experts): every step's loss and every final weight equal
+    one process on the same global batch (a rank's experts, those of its global indices)."""
+    ranks = run_ranks(ep_rank, 4, CASES, timeout=110)
+    for c, (ep, rules) in enumerate(CASES):
+        losses, state = serial_run(rules)
+        results = [r[c] for r in ranks]
+        balance = results[0]["balance"][0]  # (max / mean load, dropped share) of the last step
+        assert balance[0] > 1.0 and (balance[1] > 0) == ("capacity_factor" in rules)
+        if rules.get("router") == "sigmoid_bias":
+            assert state["blocks.1.mlp.gate.expert_bias"].abs().min() > 0  # it moved
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses))
+            for name, value in state.items():
+                got = r["state"][name]
+                if "experts." in name:  # this rank's E / ep experts: global index ep * E / ep on
+                    value = value.chunk(ep)[r["ep"]]
+                label = f"{name}, ep={ep}, {rules}"
+                torch.testing.assert_close(got, value, msg=lambda m, at=label: f"{at}: {m}")
+
+
+# ------------------------------------------------------------------ dtrain train
+MOE_TOML = """
+[model]
+arch = "llama"
+preset = "moe-tiny"
+n_layer = 2
+n_embd = 32
+n_head = 2
+n_kv_head = 2
+moe_inter_size = 32
+ffn_hidden = 64
+block_size = 32
+moe_layers = "after 1"
+capacity_factor = 1.0
+router = "sigmoid_bias"
+""" + BASE
+
+
+def moe_run(folder: Path, args: list[str], steps: int) -> tuple[list[dict], Path]:
+    folder.mkdir(exist_ok=True)
+    config = folder / "moe.toml"
+    config.write_text(MOE_TOML)
+    metrics = folder / f"metrics-{len(list(folder.glob('metrics-*')))}.jsonl"
+    result = cli.dtrain("train", str(config), *args, "--set", f"train.steps={steps}",
+                    "--set", f"train.out_dir='{folder / 'run'}'", "--metrics", str(metrics),
+                    timeout=170)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in rows if "loss" in r], folder / "run" / "checkpoints"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> None:
+    """`dtrain train` of moe-tiny (sigmoid_bias router, a capacity that drops), against one
+    process: two steps at ep = 4 on four ranks, resumed for one at ep = 2 on two, then for
+    one on one process (the checkpoints hold experts by global index, and the routers'
+    biases); tp = 2 x ep = 2 on four ranks (the MoE blocks whole on each tp rank); ep = 2
+    with every block recomputed in backward. Every step's loss and the final weights equal
+    the one-process run's; the metrics carry each MoE layer's balance."""
+    one, one_ckpt = moe_run(tmp_path / "one", ["-n", "1"], 4)
+    first, _ = moe_run(tmp_path / "chain", ["-n", "4", "--set", "parallel.ep=4"], 2)
+    second, _ = moe_run(tmp_path / "chain", ["-n", "2", "--set", "parallel.ep=2", "--resume"], 3)
+    third, chain = moe_run(tmp_path / "chain", ["-n", "1", "--resume"], 4)
+    tp_ep = moe_run(tmp_path / "tp", ["-n", "4", "--set", "parallel.tp=2", "--set",
+                                      "parallel.ep=2"], 4)
+    recomputed = moe_run(tmp_path / "recompute", ["-n", "2", "--set", "parallel.ep=2", "--set",
+                                                  "memory.activation_checkpointing='full'"], 4)
+    want = [r["loss"] for r in one]
+    exported = load_file(universal.export(one_ckpt, one_ckpt.parent / "model.safetensors"))
+    for rows, ckpt in ((first + second + third, chain), tp_ep, recomputed):
+        torch.testing.assert_close([r["loss"] for r in rows], want, rtol=1e-5, atol=1e-6)
+        got = load_file(universal.export(ckpt, ckpt.parent / "model.safetensors"))
+        torch.testing.assert_close(got, exported, rtol=1e-4, atol=2e-5)
+    assert exported["blocks.1.mlp.gate.expert_bias"].abs().max() > 0  # it moved
+    assert all(len(r["moe_imbalance"]) == 1 and 0 < r["moe_dropped"][0] < 1 for r in one)
