@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 import dtrain
 from dtrain import comm
 from dtrain.checkpoint import universal
-from dtrain.models.llama import Llama, LlamaConfig
+from dtrain.checkpoint.universal import MODEL
+from dtrain.models import ModelConfig, hf_names, init
+from dtrain.models.llama import Llama, LlamaConfig, llama_config
 from dtrain.models.moe import MoE, MoEConfig, after_step, expert_parallel, moe_layers
 from dtrain.models.moe import experts as experts_mod
 from dtrain.parallel.clip import clip_grad_norm_
@@ -32,7 +34,7 @@ DIM, HIDDEN, E, K = 16, 24, 8, 2
 def layer(**rules) -> MoE:
     torch.manual_seed(0)
     moe = MoE(MoEConfig(n_experts=E, experts_per_token=K, hidden=HIDDEN, **rules), DIM)
-    nn.init.normal_(moe.gate.gate.weight, std=0.5)  # routing far from uniform
+    nn.init.normal_(moe.gate.weight, std=0.5)  # routing far from uniform
     return moe
 
 
@@ -44,7 +46,7 @@ def reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     capacity = math.ceil(cfg.capacity_factor * t * K / E) if cfg.capacity_factor else None
     for i in range(b):
         for j in range(t):
-            logits = x[i, j] @ moe.gate.gate.weight.t()
+            logits = x[i, j] @ moe.gate.weight.t()
             if cfg.router == "sigmoid_bias":
                 scores = torch.sigmoid(logits)
                 chosen = torch.topk(scores + moe.gate.expert_bias, K).indices
@@ -103,7 +105,7 @@ def test_the_balance_loss_is_the_sequence_wise_formula() -> None:
     x = torch.randn(3, 5, DIM)
     moe(x)
     flat = x.reshape(-1, DIM)
-    probs = torch.softmax(flat @ moe.gate.gate.weight.t(), -1).view(3, 5, E)
+    probs = torch.softmax(flat @ moe.gate.weight.t(), -1).view(3, 5, E)
     chosen = torch.topk(probs, K).indices  # (3, 5, K)
     want = 0.0
     for i in range(3):
@@ -111,6 +113,17 @@ def test_the_balance_loss_is_the_sequence_wise_formula() -> None:
         f = counts * E / (K * 5)
         want += float((f * probs[i].mean(0)).sum().detach()) / 3
     torch.testing.assert_close(float(moe.aux_loss.detach()), 0.1 * want)
+
+
+def test_split_form_draws_the_router_and_experts_like_the_linear_layers() -> None:
+    """A MoE Llama built on the meta device (dtrain train's way) gets normal(0, 0.02)
+    router and expert weights from its initial values, and a zero balancing bias."""
+    model = init.skeleton(lambda: moe_llama({}))
+    initial = init.Initial(model, seed=0)
+    for name in ("gate.weight", "experts.gate_up_proj", "experts.down_proj"):
+        values = initial.tensor(MODEL + f"blocks.1.mlp.{name}")
+        assert abs(values.std().item() - 0.02) < 0.003, name
+    assert not initial.tensor(MODEL + "blocks.1.mlp.gate.expert_bias").any()
 
 
 def test_the_bias_moves_toward_even_load_by_the_rate() -> None:
@@ -291,3 +304,73 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
         torch.testing.assert_close(got, exported, rtol=1e-4, atol=2e-5)
     assert exported["blocks.1.mlp.gate.expert_bias"].abs().max() > 0  # it moved
     assert all(len(r["moe_imbalance"]) == 1 and 0 < r["moe_dropped"][0] < 1 for r in one)
+
+
+# ------------------------------------------------------------------ Hugging Face
+def hf_mixtral() -> tuple[nn.Module, ModelConfig]:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(1)
+    hf = MixtralForCausalLM(MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=16, rope_theta=10000.0,
+        tie_word_embeddings=False))
+    ours = ModelConfig(arch="llama", vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                       n_kv_head=2, ffn_hidden=24, block_size=16, tie_embeddings=False,
+                       rope_theta=10000.0, n_experts=4, experts_per_token=2)
+    return hf, ours
+
+
+def hf_qwen3_moe() -> tuple[nn.Module, ModelConfig]:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(2)
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
+        max_position_embeddings=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False))
+    ours = ModelConfig(arch="llama", vocab_size=64, n_embd=32, n_layer=3, n_head=4,
+                       n_kv_head=2, head_dim=16, qk_norm=True, ffn_hidden=40, block_size=16,
+                       tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-6, n_experts=8,
+                       experts_per_token=2, moe_inter_size=16, moe_layers="after 1")
+    return hf, ours
+
+
+@pytest.mark.parametrize("make", [hf_mixtral, hf_qwen3_moe], ids=["mixtral", "qwen3-moe"])
+def test_hugging_face_moe_models_in_and_out_give_their_logits(make, tmp_path: Path) -> None:
+    """A Mixtral and a Qwen3-MoE built by transformers from their configs, saved as
+    transformers saves them (a tensor per expert): dtrain's Llama of the same shape reads
+    the folder (`init_from`'s reader) and gives transformers' logits; written back
+    (`dtrain export --format hf`'s state and config), transformers loads it and gives them
+    again."""
+    from transformers import AutoModelForCausalLM
+
+    from dtrain.models.convert import hf_config_of
+    from dtrain.models.weights import HFWeights
+    from dtrain.tools.export_hf import hf_state
+
+    hf, cfg = make()
+    hf.eval()
+    hf.save_pretrained(tmp_path / "in")
+    names = hf_names(cfg)
+    weights = HFWeights(tmp_path / "in", names)
+    model = Llama(llama_config(cfg)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights.tensor(MODEL + name))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(x).logits
+        torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-5)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(hf_config_of(cfg)))
+    state = model.state_dict()
+    save_file(hf_state(names, lambda n: state[n]), str(out / "model.safetensors"))
+    again = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(again) is type(hf)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x).logits, want, rtol=1e-4, atol=1e-5)

@@ -27,6 +27,7 @@ from dtrain.errors import ConfigError
 from dtrain.models.config import ARCHS, ModelConfig, with_preset
 from dtrain.models.gpt import GPTConfig
 from dtrain.models.stages import Stages
+from dtrain.models.weights import HFName
 
 __all__ = ["ARCHS", "ModelConfig", "Stages", "build", "gpt_config", "hf_names",
            "loss_of_output", "presets", "resolve"]
@@ -84,7 +85,8 @@ def build(cfg: ModelConfig) -> nn.Module:
     return build_custom(cfg)
 
 
-def hf_names(cfg: ModelConfig, model: nn.Module | None = None) -> dict[str, tuple[str, bool]]:
+def hf_names(cfg: ModelConfig, model: nn.Module | None = None
+             ) -> dict[str, tuple[HFName, bool]]:
     """dtrain parameter name -> (its Hugging Face name, whether it is stored transposed
     there) for the model `cfg` (resolved) describes; arch "hf" needs the `model` built
     from it (its Conv1D layers), the built-in archs only the shape.

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from dtrain.errors import ConfigError
+from dtrain.models.moe import Experts, Router
 from dtrain.models.weights import SlicedWeights
 
 if TYPE_CHECKING:
@@ -192,8 +193,11 @@ def _norm(module: nn.Module, pname: str) -> Init | None:
 
 
 def _gpt_like(module: nn.Module, pname: str) -> Init:
-    """dtrain's GPT and Llama: normal(0, 0.02) weights, zero biases, unit norms."""
-    if isinstance(module, (nn.Linear, nn.Embedding)) and pname == "weight":
+    """dtrain's GPT and Llama: normal(0, 0.02) weights (a MoE layer's router and experts
+    too), zero biases (the router's balancing bias too), unit norms."""
+    if isinstance(module, (nn.Linear, nn.Embedding, Router)) and pname == "weight":
+        return normal(0.02)
+    if isinstance(module, Experts):
         return normal(0.02)
     return _norm(module, pname) or constant(0.0)
 

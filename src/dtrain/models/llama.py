@@ -19,7 +19,7 @@ from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig, moe_layer_indices
-from dtrain.models.moe import Experts, MoE, MoEConfig, aux_loss
+from dtrain.models.moe import Experts, MoE, MoEConfig, Router, aux_loss
 from dtrain.models.stages import AttentionCore, StagedLM
 
 _LLAMA_3 = {"vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5}
@@ -280,7 +280,7 @@ class Llama(StagedLM):
         # Hugging Face's initializer_range = 0.02; RMSNorm weights start at ones.
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
-        elif isinstance(module, Experts):
+        elif isinstance(module, (Experts, Router)):
             module.reset_parameters(0.02)
 
     def extra_loss(self) -> torch.Tensor | None:

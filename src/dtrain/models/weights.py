@@ -14,6 +14,7 @@ optimizer state.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -149,8 +150,43 @@ class SlicedWeights:
         return torch.cat(blocks, dim=split.dim)
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """A dtrain tensor (E, rows, cols) of E experts that Hugging Face's files keep as
+    tensors of their own per expert: `parts` name patterns (with `{e}`, the expert's index)
+    whose (rows_i, cols) tensors, concatenated along rows, make expert e's (rows, cols)
+    (a fused gate and up projection has two parts)."""
+
+    parts: tuple[str, ...]
+    count: int
+
+    def names(self) -> list[str]:
+        """Every Hugging Face tensor name it covers, expert by expert."""
+        return [part.format(e=e) for e in range(self.count) for part in self.parts]
+
+    def split(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """dtrain's (E, rows, cols) tensor as the Hugging Face tensors (equal parts)."""
+        return {part.format(e=e): piece.contiguous().clone()
+                for e in range(self.count)
+                for part, piece in zip(self.parts, tensor[e].chunk(len(self.parts)),
+                                       strict=True)}
+
+
+@dataclass(frozen=True)
+class Zeros:
+    """A dtrain tensor of `shape` that Hugging Face's format has no place for and that its
+    model computes as zeros (a softmax router's unused balancing bias)."""
+
+    shape: tuple[int, ...]
+
+
+HFName = str | Stacked | Zeros
+"""Where a dtrain tensor lives in a Hugging Face folder: one tensor's name, one per expert,
+or nowhere (zeros)."""
+
+
 class HFWeights(SlicedWeights):
-    """The weights in `folder`, named by `names`: dtrain name -> (Hugging Face name,
+    """The weights in `folder`, named by `names`: dtrain name -> (its Hugging Face name,
     whether the tensor is stored transposed there).
 
     Raises:
@@ -158,7 +194,7 @@ class HFWeights(SlicedWeights):
             needs.
     """
 
-    def __init__(self, folder: str | Path, names: dict[str, tuple[str, bool]]) -> None:
+    def __init__(self, folder: str | Path, names: dict[str, tuple[HFName, bool]]) -> None:
         self.path = Path(folder)
         if not self.path.is_dir():
             raise ConfigError(f"model.init_from = {str(folder)!r} is not a folder: give a "
@@ -166,10 +202,14 @@ class HFWeights(SlicedWeights):
         self.names_map = names
         self.files = _files(self.path)
         self._open: dict[Path, Any] = {}
-        for name, (hf_name, _) in names.items():
-            if self._stored(hf_name) is None:
-                raise ConfigError(f"model.init_from = {str(folder)!r} has no tensor {hf_name!r} "
-                                  f"(dtrain's {name}): is it the same model as [model]?")
+        for name, (where, _) in names.items():
+            needed = where.names() if isinstance(where, Stacked) else \
+                [] if isinstance(where, Zeros) else [where]
+            for hf_name in needed:
+                if self._stored(hf_name) is None:
+                    raise ConfigError(f"model.init_from = {str(folder)!r} has no tensor "
+                                      f"{hf_name!r} (dtrain's {name}): is it the same model "
+                                      "as [model]?")
 
     def _stored(self, hf_name: str) -> str | None:
         """The name `hf_name` has in the files (a base model's are saved without the
@@ -182,21 +222,33 @@ class HFWeights(SlicedWeights):
     def _names(self) -> list[str]:
         return list(self.names_map)
 
-    def _slice(self, name: str) -> tuple[Any, bool]:
-        hf_name, transposed = self.names_map[self.plain(name)]
+    def _file_slice(self, hf_name: str) -> Any:
         stored = self._stored(hf_name)
         file = self.files[stored]
         if file not in self._open:
             self._open[file] = safe_open(str(file), framework="pt")
-        return self._open[file].get_slice(stored), transposed
+        return self._open[file].get_slice(stored)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        piece, transposed = self._slice(name)
-        shape = tuple(piece.get_shape())
+        where, transposed = self.names_map[self.plain(name)]
+        if isinstance(where, Zeros):
+            return where.shape
+        if isinstance(where, Stacked):
+            shapes = [tuple(self._file_slice(p.format(e=0)).get_shape()) for p in where.parts]
+            return (where.count, sum(rows for rows, _ in shapes), shapes[0][1])
+        shape = tuple(self._file_slice(where).get_shape())
         return shape[::-1] if transposed else shape
 
     def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        piece, transposed = self._slice(name)
+        where, transposed = self.names_map[self.plain(name)]
+        if isinstance(where, Zeros):
+            return torch.zeros(where.shape)[index]
+        if isinstance(where, Stacked):  # each expert's parts, then the rows and columns asked
+            experts = range(where.count)[index[0]]
+            return torch.stack([torch.cat([self._file_slice(p.format(e=e))[:, index[2]]
+                                           for p in where.parts])[index[1]]
+                                for e in experts])
+        piece = self._file_slice(where)
         if not index:
             return piece[:]
         return piece[index[::-1]].t() if transposed else piece[index]

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from safetensors.torch import save_file
 from dtrain.checkpoint.universal import MODEL, Checkpoint
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.models import ModelConfig, hf_names
+from dtrain.models.weights import HFName, Stacked, Zeros
 
 
 def _model_of(ckpt: Checkpoint) -> ModelConfig:
@@ -34,7 +36,7 @@ def _model_of(ckpt: Checkpoint) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in saved.items() if k in fields})
 
 
-def hf_format(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, tuple[str, bool]]]:
+def hf_format(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, tuple[HFName, bool]]]:
     """The Hugging Face config of the checkpoint's model, and its parameter names there
     (dtrain name -> (Hugging Face name, transposed)).
 
@@ -56,6 +58,30 @@ def hf_format(ckpt: Checkpoint) -> tuple[dict[str, Any], dict[str, tuple[str, bo
     return ckpt.meta["hf_config"], hf_names(cfg, model)
 
 
+def hf_state(names: dict[str, tuple[HFName, bool]],
+             tensor_of: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The Hugging Face state dict of a model whose dtrain tensors `tensor_of(name)` gives,
+    through `names` (dtrain name -> (Hugging Face name, transposed)): stacked experts
+    split into a tensor per expert, tensors Hugging Face has no place for left out.
+
+    Raises:
+        ConfigError: such a tensor is not zero (a sigmoid_bias router's bias has moved: no
+            Hugging Face model of this kind computes it).
+    """
+    state = {}
+    for name, (where, transposed) in names.items():
+        tensor = tensor_of(name)
+        if isinstance(where, Zeros):
+            if tensor.any():
+                raise ConfigError(f"{name} is not zero and the Hugging Face model has no place "
+                                  "for it: export with OUT ending in .safetensors")
+        elif isinstance(where, Stacked):
+            state.update(where.split(tensor))
+        else:
+            state[where] = (tensor.t() if transposed else tensor).contiguous().clone()
+    return state
+
+
 def export_hf(path: str | Path, out: str | Path) -> Path:
     """Write the model of the checkpoint at `path` as a Hugging Face folder `out`.
 
@@ -69,10 +95,7 @@ def export_hf(path: str | Path, out: str | Path) -> Path:
                           "choose another folder")
     ckpt = Checkpoint(path)
     hf_config, names = hf_format(ckpt)
-    state = {}
-    for name, (hf_name, transposed) in names.items():
-        tensor = ckpt.tensor(MODEL + name)
-        state[hf_name] = (tensor.t() if transposed else tensor).contiguous().clone()
+    state = hf_state(names, lambda name: ckpt.tensor(MODEL + name))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

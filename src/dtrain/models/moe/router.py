@@ -17,6 +17,7 @@ Two rules (`MoEConfig.router`):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROUTERS = ("softmax_topk", "sigmoid_bias")
@@ -26,21 +27,28 @@ class Router(nn.Module):
     """x (tokens, dim) -> (weights (tokens, k) in float32, experts (tokens, k), and the
     per-expert probabilities (tokens, E) in float32 that the load-balancing loss reads).
 
-    Its parameter is `gate.weight` (E, dim), the name Hugging Face's MoE models give it,
-    and `expert_bias` (E,), zero and unused under softmax_topk.
+    Its parameters are `weight` (E, dim) (a MoE layer's `gate.weight`, the name Hugging
+    Face's MoE models give it) and `expert_bias` (E,), zero and unused under softmax_topk.
     """
 
     def __init__(self, dim: int, n_experts: int, k: int, rule: str, norm_topk_prob: bool
                  ) -> None:
         super().__init__()
-        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
         self.k, self.rule, self.norm_topk_prob = k, rule, norm_topk_prob
         # A parameter that takes no gradient (no optimizer steps it) rather than a buffer, so
         # that checkpoints save and restore it with the weights.
         self.expert_bias = nn.Parameter(torch.zeros(n_experts), requires_grad=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """normal(0, std) weights, as the Linear layers of dtrain's Llama; a zero bias."""
+        if not self.weight.is_meta:
+            nn.init.normal_(self.weight, std=std)
+            nn.init.zeros_(self.expert_bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = self.gate(x).float()
+        logits = F.linear(x, self.weight).float()
         if self.rule == "sigmoid_bias":
             probs = torch.sigmoid(logits)
             experts = torch.topk(probs + self.expert_bias, self.k, dim=-1).indices
