@@ -471,7 +471,7 @@ def _validate_moe(config: Config) -> None:
     if p.mode == "ps":
         raise ConfigError("parallel.ep with parallel.mode = \"ps\": parameter servers hold "
                           "whole replicas; use parallel.mode = \"collective\"")
-    for what, unsupported in (("parallel.zero", p.zero), ("parallel.pp > 1", p.pp > 1),
+    for what, unsupported in (("parallel.zero", p.zero),
                               ("fault_tolerance.mode = \"live\"",
                                config.fault_tolerance.mode == "live"),
                               ("sync.method other than every_step",

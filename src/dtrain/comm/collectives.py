@@ -307,12 +307,28 @@ def all_to_all(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = F
             if recv[frm]:
                 out[got[frm]:got[frm] + recv[frm]].copy_(piece)
 
+    def native() -> Handle:
+        if g.backend != "gloo" or (send_sizes is None and min(send)):
+            return g.native("all_to_all", out, flat, send, recv)
+        # gloo mishandles an empty split (the next message lands in its place, or a size
+        # check aborts the process). Any split of the uneven form may be empty, so there
+        # (a choice every rank makes alike) every split carries one element more, dropped.
+        padded = torch.zeros(flat.numel() + g.size, dtype=flat.dtype, device=flat.device)
+        keep = torch.ones_like(padded, dtype=torch.bool)
+        keep[torch.tensor(_offsets([n + 1 for n in send])) + torch.tensor(send)] = False
+        padded[keep] = flat
+        arrived = torch.empty(out.numel() + g.size, dtype=out.dtype, device=out.device)
+        ends = torch.tensor(_offsets([n + 1 for n in recv])) + torch.tensor(recv)
+        mask = torch.ones_like(arrived, dtype=torch.bool)
+        mask[ends] = False
+        return Then(g.native("all_to_all", arrived, padded, [n + 1 for n in send],
+                             [n + 1 for n in recv]), lambda: out.copy_(arrived[mask]))
+
     uneven = {"uneven": True} if send_sizes is not None else {}
     # auto is native: pairwise is for an explicit choice, and ranks whose lengths differ
     # must not each decide by measuring on their own
     chosen = "native" if algorithm == "auto" else algorithm
-    return _run("all_to_all", g, tensor, chosen, async_op,
-                lambda: g.native("all_to_all", out, flat, send, recv),
+    return _run("all_to_all", g, tensor, chosen, async_op, native,
                 {"pairwise": pairwise}, lambda: out, **uneven)
 
 

@@ -77,9 +77,12 @@ class Names:
         self.experts = {id(p) for p in split_experts(self.whole)}
 
     @classmethod
-    def of(cls, whole: nn.Module, mesh: Mesh, layout: Layout) -> Names:
-        """The names of `whole` held at this rank's place on `mesh` in `layout`."""
-        return cls(whole, tp=(mesh.coords["tp"], layout.tp), ep=(mesh.coords["ep"], layout.ep),
+    def of(cls, whole: nn.Module, mesh: Mesh, layout: Layout,
+           skip: set[int] | None = None) -> Names:
+        """The names of `whole` held at this rank's place on `mesh` in `layout` (`skip`:
+        as the constructor's)."""
+        return cls(whole, tp=(mesh.coords["tp"], layout.tp), skip=skip or set(),
+                   ep=(mesh.coords["ep"], layout.ep),
                    edp=(mesh.coords["edp"], layout.dp // layout.ep))
 
     def aliases(self) -> dict[str, str]:

@@ -36,14 +36,15 @@ class Pipelined(Holding):
             for piece in mine:
                 init.allocate(piece, device)
         tied = pipeline.tied_weights(model, mine, group)
-        self.names = Names(model, tp=(mesh.coords["tp"], layout.tp),
-                           skip={id(p) for p, peer in tied if peer < group.rank()})
+        self.names = Names.of(model, mesh, layout,
+                              skip={id(p) for p, peer in tied if peer < group.rank()})
+        experts = mesh.group("edp") if layout.ep > 1 else None
         if layout.zero:
             wrapped = [zero_of(piece, dp, config, device, averaging) for piece in mine]
             self.optimizers = [z.optimizer for z in wrapped]
             self.held = [Shards(self.names, z) for z in wrapped]
         else:
-            wrapped = [data_parallel(piece, dp, config, averaging) for piece in mine]
+            wrapped = [data_parallel(piece, dp, config, averaging, experts) for piece in mine]
             params = list(nn.ModuleList(mine).parameters())
             self.optimizers = [build_optimizer(params, config.optimizer)]
             self.held = [Tensors(self.names, params, self.optimizers[0],
@@ -52,7 +53,8 @@ class Pipelined(Holding):
         self.pipe = pipeline.Pipeline(wrapped, group, microbatches=layout.microbatches,
                                       schedule=layout.schedule,
                                       loss_fn=pipeline.loss_of(model), tied=tied)
-        self.groups = {"dp": dp, "tp": mesh.group("tp"), "pp": group}
+        self.groups = {"dp": dp, "tp": mesh.group("tp"), "pp": group,
+                       **({"ep": mesh.group("ep")} if experts else {})}
         self.loss_group = dp
 
     def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:

@@ -36,7 +36,7 @@ class Sharded(Holding):
 
     def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
                  notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
-        self.layout, self.names = layout, Names(model, tp=(mesh.coords["tp"], layout.tp))
+        self.layout, self.names = layout, Names.of(model, mesh, layout)
         self.notes = notes
         self.module = self.zero = zero_of(model, mesh.group("dp"), config, mesh.world.device,
                                           averaging)

@@ -18,7 +18,7 @@ instead. A model that names its parts (`Stages`) can be cut into pipeline stages
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,7 +27,9 @@ from dtrain.errors import ConfigError
 from dtrain.models.config import ARCHS, ModelConfig, with_preset
 from dtrain.models.gpt import GPTConfig
 from dtrain.models.stages import Stages
-from dtrain.models.weights import HFName
+
+if TYPE_CHECKING:
+    from dtrain.models.hf_places import HFName
 
 __all__ = ["ARCHS", "ModelConfig", "Stages", "build", "gpt_config", "hf_names",
            "loss_of_output", "presets", "resolve"]

@@ -18,8 +18,8 @@ from typing import Any
 
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
+from dtrain.models.hf_places import HFName, Stacked, Zeros
 from dtrain.models.llama import LlamaConfig, llama_config
-from dtrain.models.weights import HFName, Stacked, Zeros
 
 
 def _check_arch(cfg: ModelConfig) -> None:

@@ -14,9 +14,8 @@ optimizer state.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -24,9 +23,18 @@ from safetensors import safe_open
 from dtrain.checkpoint.universal import MODEL
 from dtrain.errors import ConfigError
 from dtrain.job_layout import Split
+from dtrain.models.hf_places import HFName, Stacked, Zeros
 
 if TYPE_CHECKING:
     from dtrain.models.config import ModelConfig
+
+class TensorSlice(Protocol):
+    """A tensor in a safetensors file, read a slice at a time (safe_open's get_slice)."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor: ...
+
 
 ROWS_AT_ONCE = 1 << 20
 """Elements `copy_into` reads at a time (at least one row)."""
@@ -150,41 +158,6 @@ class SlicedWeights:
         return torch.cat(blocks, dim=split.dim)
 
 
-@dataclass(frozen=True)
-class Stacked:
-    """A dtrain tensor (E, rows, cols) of E experts that Hugging Face's files keep as
-    tensors of their own per expert: `parts` name patterns (with `{e}`, the expert's index)
-    whose (rows_i, cols) tensors, concatenated along rows, make expert e's (rows, cols)
-    (a fused gate and up projection has two parts)."""
-
-    parts: tuple[str, ...]
-    count: int
-
-    def names(self) -> list[str]:
-        """Every Hugging Face tensor name it covers, expert by expert."""
-        return [part.format(e=e) for e in range(self.count) for part in self.parts]
-
-    def split(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """dtrain's (E, rows, cols) tensor as the Hugging Face tensors (equal parts)."""
-        return {part.format(e=e): piece.contiguous().clone()
-                for e in range(self.count)
-                for part, piece in zip(self.parts, tensor[e].chunk(len(self.parts)),
-                                       strict=True)}
-
-
-@dataclass(frozen=True)
-class Zeros:
-    """A dtrain tensor of `shape` that Hugging Face's format has no place for and that its
-    model computes as zeros (a softmax router's unused balancing bias)."""
-
-    shape: tuple[int, ...]
-
-
-HFName = str | Stacked | Zeros
-"""Where a dtrain tensor lives in a Hugging Face folder: one tensor's name, one per expert,
-or nowhere (zeros)."""
-
-
 class HFWeights(SlicedWeights):
     """The weights in `folder`, named by `names`: dtrain name -> (its Hugging Face name,
     whether the tensor is stored transposed there).
@@ -222,7 +195,7 @@ class HFWeights(SlicedWeights):
     def _names(self) -> list[str]:
         return list(self.names_map)
 
-    def _file_slice(self, hf_name: str) -> Any:
+    def _file_slice(self, hf_name: str) -> TensorSlice:
         stored = self._stored(hf_name)
         file = self.files[stored]
         if file not in self._open:

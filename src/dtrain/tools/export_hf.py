@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from dtrain.checkpoint.universal import MODEL, Checkpoint
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.models import ModelConfig, hf_names
-from dtrain.models.weights import HFName, Stacked, Zeros
+from dtrain.models.hf_places import HFName, Stacked, Zeros
 
 
 def _model_of(ckpt: Checkpoint) -> ModelConfig:

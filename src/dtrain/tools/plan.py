@@ -156,6 +156,11 @@ def plan_command(args: argparse.Namespace) -> None:
         dc = config.data
         shape = resolve(config.model, vocab_of(dc.path, dc.format, dc.tokenizer))
         trace = functools.cache(lambda b: profile_model(shape, b))
+    if config.parallel.ep > 1:
+        raise ConfigError(f"parallel.ep = {config.parallel.ep}: dtrain plan counts this "
+                          "machine's layouts with every expert on every rank; plan expert "
+                          "parallelism with --hardware (a cluster file describes any "
+                          "machine), or leave parallel.ep = 1")
     if config.memory.checkpoint_modules:
         raise ConfigError("memory.checkpoint_modules is not planned: dtrain plan counts the "
                           "activation_checkpointing modes (none, selective, full); leave "

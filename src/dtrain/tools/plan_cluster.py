@@ -3,6 +3,9 @@
     dtrain plan --hardware a100-80gb --nodes 192 --gpus-per-node 8 \\
         --model-shape layers=80,hidden=12288,heads=96,seq=2048,vocab=51200 --batch 2304
     dtrain plan --hardware h100-80gb --nodes 64 --set model.preset=llama-3-70b --batch 512
+    dtrain plan --hardware h100-80gb --nodes 8 --set model.arch=llama \\
+        --set model.preset=mixtral-8x7b --set model.block_size=4096 --batch 256 \\
+        --layout tp=1,pp=4,dp=16,ep=8      # a mixture of experts, its experts over 8 GPUs
     dtrain plan --hardware a100-80gb --nodes 64 --model-shape ... --batch 1536 \\
         --layout tp=8,pp=8,dp=8 --microbatch 1 --recompute full --virtual-stages 2
     dtrain plan --hardware cluster.toml --nodes 16 --set hardware.inter_gbps=12.5 ...
@@ -42,7 +45,7 @@ from dtrain.planner.planned import RECOMPUTE
 from dtrain.planner.shape import ModelShape, parse_shape
 from dtrain.tools import check_output, write_json
 
-LAYOUT_KEYS = ("tp", "pp", "dp")
+LAYOUT_KEYS = ("tp", "pp", "dp", "ep")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,10 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "hardware's, 8)")
     group.add_argument("--model-shape", metavar="KEY=V,..", help="the model by its shape: "
                        "layers, hidden, heads, seq, vocab, and optionally arch (gpt|llama), "
-                       "kv_heads, ffn, tied, dropout (default: the config's model)")
-    group.add_argument("--layout", metavar="tp=T,pp=P,dp=D", help="evaluate this layout "
-                       "only (its best micro-batch, virtual stages, ZeRO stage and "
-                       "recomputation unless given)")
+                       "kv_heads, ffn, tied, dropout, head_dim, qk_norm; a mixture of "
+                       "experts (arch=llama): experts, top_k, and optionally moe_ffn, "
+                       "shared_experts, moe_layers (default: the config's model)")
+    group.add_argument("--layout", metavar="tp=T,pp=P,dp=D[,ep=E]", help="evaluate this "
+                       "layout only (its best micro-batch, virtual stages, ZeRO stage and "
+                       "recomputation unless given); ep splits a MoE model's experts over "
+                       "E of the dp GPUs (default 1)")
     group.add_argument("--microbatch", type=int, help="sequences per micro-batch (with "
                        "--layout)")
     group.add_argument("--virtual-stages", type=int, help="pipeline chunks per GPU, the "
@@ -97,8 +103,8 @@ def _layout(args: argparse.Namespace) -> dict[str, int] | None:
     for item in args.layout.split(","):
         key, _, value = item.partition("=")
         if key.strip() not in LAYOUT_KEYS or not value.strip().isdigit():
-            raise ConfigError(f"--layout {args.layout!r}: give tp=T,pp=P,dp=D (whole "
-                              "numbers)")
+            raise ConfigError(f"--layout {args.layout!r}: give tp=T,pp=P,dp=D and "
+                              "optionally ep=E (whole numbers)")
         degrees[key.strip()] = int(value)
     return {k: degrees.get(k, 1) for k in LAYOUT_KEYS}
 
@@ -157,6 +163,7 @@ def cluster_plan(args: argparse.Namespace, config, hw_overrides: dict[str, str])
                               "degrees, or change --nodes")
     best, why = recommend(estimates)
     info = {"model": shape.describe(), "parameters": shape.parameters(),
+            "active_parameters": shape.active_parameters(),
             "model_flops_per_token": shape.model_flops_per_token(),
             "hardware": dataclasses.asdict(hw), "nodes": cluster.nodes,
             "gpus_per_node": cluster.gpus_per_node, "gpus": cluster.gpus,
@@ -181,15 +188,15 @@ def _resolved_model(config):
 def _given(shape, cluster: Cluster, batch: int, layout: dict[str, int],
            args: argparse.Namespace, modes, seq, soft: Software) -> ClusterEstimate:
     """The given layout with its best options (those not fixed by the flags)."""
-    tp, pp, dp = layout["tp"], layout["pp"], layout["dp"]
+    tp, pp, dp, ep = layout["tp"], layout["pp"], layout["dp"], layout["ep"]
     micro = (args.microbatch,) if args.microbatch is not None else MICRO_SIZES
     chunks = (args.virtual_stages,) if args.virtual_stages is not None else CHUNKS
     zeros = (args.zero,) if args.zero is not None else ZERO_STAGES
     # the degrees, heads and layers; and, when the flags fix everything, the one choice
     check_layout(shape, cluster, batch, planned_layout(batch, tp, pp, dp, zeros[0], micro[0],
-                                                       chunks[0], modes[0]))
+                                                       chunks[0], modes[0], ep=ep))
     best = best_layout(shape, cluster, batch, tp, pp, dp, micro, chunks, zeros, modes, seq,
-                       soft)
+                       soft, ep)
     if best is None:
         raise ConfigError(f"--layout {args.layout}: no micro-batch size splits a batch of "
                           f"{batch} over dp={dp}")
@@ -198,21 +205,31 @@ def _given(shape, cluster: Cluster, batch: int, layout: dict[str, int],
 
 def _print(info: dict, shown: list[ClusterEstimate], count: int, hw, out=sys.stdout) -> None:
     gib = 2**30
-    print(f"dtrain plan: {info['model']}, {info['parameters'] / 1e9:.2f}B parameters; "
+    active = info["active_parameters"]
+    active_text = f" ({active / 1e9:.2f}B active)" if active != info["parameters"] else ""
+    print(f"dtrain plan: {info['model']}, {info['parameters'] / 1e9:.2f}B parameters"
+          f"{active_text}; "
           f"{info['gpus']} GPUs ({info['nodes']} nodes x {info['gpus_per_node']}); global "
           f"batch {info['global_batch']} x {info['seq_len']} tokens", file=out)
     print(f"hardware: {hw.describe()}; {info['attention']} attention", file=out)
     print("memory per GPU: bf16 weights, fp32 gradients and Adam state (ZeRO divides them), "
           "activations of the busiest stage; TFLOP/s counts recomputation, MFU does not",
           file=out)
-    header = (f"{'layout':34} {'recompute':>9} {'memory':>9} {'fits':>4} {'bubble':>6} "
+    moe = active != info["parameters"]
+    if moe:
+        print("experts: split over ep x tp GPUs (ZeRO: over the dp / ep GPUs holding the "
+              "same ones); FLOPs from the active parameters; a2a: the step's all-to-all time",
+              file=out)
+    a2a = f" {'a2a':>8}" if moe else ""
+    header = (f"{'layout':34} {'recompute':>9} {'memory':>9} {'fits':>4} {'bubble':>6}{a2a} "
               f"{'step':>9} {'tokens/s':>10} {'TFLOP/s':>7} {'MFU':>6}")
     print(header, file=out)
     print("-" * len(header), file=out)
     for e in shown:
+        a2a = f" {e.parts['ep']:>7.2f}s" if moe else ""
         print(f"{e.label:34} {e.planned.recompute:>9} "
               f"{e.memory['total'] / gib:>5.1f} GiB {'yes' if e.fits else 'NO':>4} "
-              f"{e.bubble:>6.1%} {e.step_s:>8.2f}s {e.tokens_per_s:>10.0f} "
+              f"{e.bubble:>6.1%}{a2a} {e.step_s:>8.2f}s {e.tokens_per_s:>10.0f} "
               f"{e.tflops_per_gpu:>7.1f} {e.mfu:>6.1%}", file=out)
     if count > len(shown):
         print(f"... {count - len(shown)} more layouts (--top N, or --json for all)", file=out)

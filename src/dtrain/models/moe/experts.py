@@ -76,7 +76,9 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch
         offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return _contiguous_grad(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
     parts = [piece @ w[e].t() for e, piece in enumerate(x.split(counts)) if counts[e]]
-    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-2])
+    # No rows: still a product, so that backward reaches this rank's all-to-all exchanges
+    # as it does on every other rank (a rank that skipped them would hang its peers).
+    return torch.cat(parts) if parts else x @ w[0].t()
 
 
 class Experts(nn.Module):

@@ -6,7 +6,9 @@
 
 A layout is tp x pp x dp = the cluster's GPUs with tp dividing the heads and the key/value
 heads and staying inside a node, pp at most the layers, and dp x micro-batch dividing the
-global batch; it may take a ZeRO stage (3 only without pipelining),
+global batch; a mixture-of-experts model's experts are split over ep of the dp GPUs (ep
+dividing dp and the experts: every such ep is a layout of its own); it may take a ZeRO
+stage (3 only without pipelining),
 virtual stages (the interleaved schedule: pp > 1, the layers dividing pp x v and the
 micro-batches pp). Each layout is planned with the fastest recomputation mode and sequence
 parallelism setting that fit (cluster.evaluate); a layout nothing makes fit keeps its
@@ -39,8 +41,8 @@ DEFAULT = Software()
 def check_layout(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout) -> None:
     """Raise a one-line ConfigError if `c` cannot run `shape` on `cluster` at `batch`."""
     layout = c.layout
-    tp, pp, dp, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
-    if min(tp, pp, dp, c.micro_batch, v) < 1:
+    tp, pp, dp, v, ep = layout.tp, layout.pp, layout.dp, layout.virtual_stages, layout.ep
+    if min(tp, pp, dp, c.micro_batch, v, ep) < 1:
         raise ConfigError(f"--layout {cluster_label(c)}: degrees, micro-batch and virtual "
                           "stages must be positive")
     if tp * pp * dp != cluster.gpus:
@@ -70,10 +72,23 @@ def check_layout(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayo
                               f"and the micro-batches ({m}) in groups of pp")
     if c.sequence_parallel and tp == 1:
         raise ConfigError("sequence parallelism needs tp > 1")
+    if ep > 1 and not shape.experts:
+        raise ConfigError(f"--layout ep={ep} splits experts, and this model has none: give "
+                          "the shape experts= and top_k=, or leave ep out")
+    if ep > 1 and (dp % ep or shape.experts % ep):
+        which = f"dp={dp}" if dp % ep else f"the model's {shape.experts} experts"
+        raise ConfigError(f"--layout ep={ep} does not divide {which}: pick an ep that "
+                          "divides both dp and the experts")
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def expert_degrees(shape: ModelShape, dp: int) -> list[int]:
+    """The ep degrees a layout of `dp` data-parallel GPUs may take: those dividing dp and
+    the experts (only 1 for a dense model)."""
+    return _divisors(math.gcd(dp, shape.experts)) if shape.experts else [1]
 
 
 def layouts(shape: ModelShape, cluster: Cluster, batch: int) -> list[PlannedLayout]:
@@ -95,7 +110,8 @@ def layouts(shape: ModelShape, cluster: Cluster, batch: int) -> list[PlannedLayo
                     pp > 1 and shape.layers >= pp * v and m % pp == 0)]
                 for v in chunks:
                     for zero in range(4 if pp == 1 else 3) if dp > 1 else (0,):
-                        found.append(planned_layout(batch, tp, pp, dp, zero, b, v))
+                        found += [planned_layout(batch, tp, pp, dp, zero, b, v, ep=ep)
+                                  for ep in expert_degrees(shape, dp)]
     return found
 
 
@@ -124,15 +140,16 @@ def best_layout(shape: ModelShape, cluster: Cluster, batch: int, tp: int, pp: in
                 microbatches: tuple[int, ...] = MICRO_SIZES, chunks: tuple[int, ...] = CHUNKS,
                 zeros: tuple[int, ...] = ZERO_STAGES, recompute: tuple[str, ...] = RECOMPUTE,
                 sequence_parallel: tuple[bool, ...] = (False, True),
-                soft: Software = DEFAULT) -> ClusterEstimate | None:
-    """tp x pp x dp with the fastest of the micro-batch sizes, virtual stages, ZeRO stages,
-    recomputation modes and sequence-parallel settings asked for (`fastest` of the valid
-    combinations, `check_layout`); None if no combination is valid."""
+                soft: Software = DEFAULT, ep: int = 1) -> ClusterEstimate | None:
+    """tp x pp x dp (the experts over `ep` of the dp GPUs) with the fastest of the
+    micro-batch sizes, virtual stages, ZeRO stages, recomputation modes and
+    sequence-parallel settings asked for (`fastest` of the valid combinations,
+    `check_layout`); None if no combination is valid."""
     found = []
     for b in microbatches:
         for v in chunks:
             for zero in zeros:
-                choice = planned_layout(batch, tp, pp, dp, zero, b, v, recompute[0])
+                choice = planned_layout(batch, tp, pp, dp, zero, b, v, recompute[0], ep=ep)
                 try:
                     check_layout(shape, cluster, batch, choice)
                 except ConfigError:

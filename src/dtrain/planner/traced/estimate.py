@@ -43,8 +43,9 @@ micro-batch's activations forward and their gradients back, and the first and la
 sum the tied embedding.
 
 Step time = compute + recomputation + the communication it does not hide. Compute is 6
-flops per parameter per token plus attention (6·layers·seq·width per token), at the given
-rate, stretched by the pipeline bubble (p-1)/(m+p-1), (p-1)/(v·m+p-1) interleaved.
+flops per parameter per token (of a mixture of experts', the active ones) plus attention
+(6·layers·seq·width per token), at the given rate, stretched by the pipeline bubble
+(p-1)/(m+p-1), (p-1)/(v·m+p-1) interleaved.
 Recomputation is one more forward of what is recomputed: 2 flops per block parameter per
 token plus attention's 2·layers·seq·width ("full"), or attention's alone ("selective").
 Each collective costs its calls times alpha plus its bus bytes times beta
@@ -338,7 +339,9 @@ def _compute_s(profile: Profile, layout: Layout, accum: int, flops: float,
         attention = 0.0
     else:
         shape = profile.shape
-        blocks = shape.layers * profile.params_block.total
+        # the experts a token does not go to do no arithmetic for it
+        idle = shape.parameters() - shape.active_parameters()
+        blocks = shape.layers * profile.params_block.total - idle
         matmul = blocks + shape.vocab * shape.hidden
         attention = shape.layers * shape.seq * shape.hidden
     again = {"none": 0.0, "selective": attention, "full": blocks + attention}[recompute]

@@ -29,6 +29,14 @@ The profile also lists the parameter tensors (`ParamTensor`: of the input part, 
 block, of the output part), which say what a rank draws at once while a layout builds it
 (dtrain.planner.traced.construction).
 
+A mixture-of-experts Llama is traced with every traced block a MoE block: its parameter
+tensors are the real ones (every expert, whole on each tp rank, as dtrain's ep leaves a
+MoE block), its activations those of a dense stand-in whose MLP is as wide as the k
+routed experts and the shared ones a token passes through (the routing's token counts
+depend on the data, which fake tensors do not have). So a model whose MoE blocks are not
+all of them is counted as if they were, and the router's and the dispatch's tensors are
+left out.
+
 A user's model (`module:factory`) is traced whole: the planner then offers data-parallel
 layouts (dp, ZeRO) only, since tensor and pipeline parallelism need a plan and pieces.
 """
@@ -45,6 +53,7 @@ from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
 from dtrain.models.custom import load_factory
 from dtrain.models.gpt import GPTConfig
+from dtrain.models.llama import llama_ffn_hidden
 from dtrain.planner.planned import RECOMPUTE
 from dtrain.planner.shape import ModelShape
 from dtrain.planner.traced.trace import SEQ, Marks, watch
@@ -309,11 +318,13 @@ def profile_model(cfg: ModelConfig, micro_batch: int,
     if cfg.arch not in ("gpt", "llama"):
         raise ConfigError(f"the planner traces dtrain's GPT and Llama, not model.arch = "
                           f"{cfg.arch!r}: plan another model with --model MODULE:FACTORY")
-    traced = dataclasses.replace(cfg, n_layer=TRACED_BLOCKS)
+    traced = dataclasses.replace(cfg, n_layer=TRACED_BLOCKS,
+                                 moe_layers="all" if cfg.n_experts else cfg.moe_layers)
     with FakeTensorMode():
         model = models.build(traced)
         tensors = _param_tensors(model, dict(matches(model, plan_of(model))))
-        figures = {mode: _trace_stages(traced, micro_batch, mode) for mode in modes}
+        figures = {mode: _trace_stages(_dense_stand_in(traced), micro_batch, mode)
+                   for mode in modes}
     kv = f", {cfg.n_kv_head} kv" if cfg.arch == "llama" and cfg.n_kv_head else ""
     return Profile(
         name=f"{'GPT' if cfg.arch == 'gpt' else 'Llama'} {cfg.n_layer}x{cfg.n_embd} "
@@ -324,6 +335,18 @@ def profile_model(cfg: ModelConfig, micro_batch: int,
         shape=ModelShape.of(cfg), tied=sum(t.numel for t in tensors if t.tied),
         replicated_block=sum(1 for t in tensors if t.part == "block" and not t.split),
     )
+
+
+def _dense_stand_in(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` itself, or for a mixture of experts the dense Llama whose MLP is as wide as
+    what one token passes through: its k routed experts and the shared ones (see the
+    module doc)."""
+    if not cfg.n_experts:
+        return cfg
+    dense = cfg.ffn_hidden or llama_ffn_hidden(cfg.n_embd)
+    width = (cfg.experts_per_token + cfg.n_shared_experts) * (cfg.moe_inter_size or dense)
+    return dataclasses.replace(cfg, n_experts=0, ffn_hidden=width, moe_inter_size=0,
+                               n_shared_experts=0)
 
 
 def profile_factory(spec: str, micro_batch: int, modes: tuple[str, ...] = RECOMPUTE) -> Profile:
