@@ -300,13 +300,15 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
     biases); tp = 2 x ep = 2 on four ranks (the MoE blocks whole on each tp rank); ep = 2
     with every block recomputed in backward; pp = 2 x ep = 2 (two micro-batches). Every
     step's loss and the final weights equal the one-process run's; the metrics carry each
-    MoE layer's balance."""
+    MoE layer's balance, and the timeline each MoE forward's dispatch, expert compute and
+    combine."""
     one, one_ckpt = moe_run(tmp_path / "one", ["-n", "1"], 4)
     first, _ = moe_run(tmp_path / "chain", ["-n", "4", "--set", "parallel.ep=4"], 2)
     second, _ = moe_run(tmp_path / "chain", ["-n", "2", "--set", "parallel.ep=2", "--resume"], 3)
     third, chain = moe_run(tmp_path / "chain", ["-n", "1", "--resume"], 4)
+    trace = tmp_path / "tp.json"
     tp_ep = moe_run(tmp_path / "tp", ["-n", "4", "--set", "parallel.tp=2", "--set",
-                                      "parallel.ep=2"], 4)
+                                      "parallel.ep=2", "--timeline", str(trace)], 4)
     recomputed = moe_run(tmp_path / "recompute", ["-n", "2", "--set", "parallel.ep=2", "--set",
                                                   "memory.activation_checkpointing='full'"], 4)
     piped = moe_run(tmp_path / "pp", ["-n", "4", "--set", "parallel.pp=2", "--set",
@@ -320,6 +322,11 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
         # (the pipeline's micro-batches) into up to ~3e-5 after four steps of lr 1e-2
         torch.testing.assert_close(got, exported, rtol=1e-4, atol=5e-5)
     assert exported["blocks.1.mlp.gate.expert_bias"].abs().max() > 0  # it moved
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    for rank in range(4):  # each MoE forward's exchanges and expert compute, as spans
+        names = {e["name"] for e in events if e.get("pid") == rank and e.get("cat") == "moe"}
+        assert names == {"moe dispatch", "moe experts", "moe combine"}, (rank, names)
     assert all(len(r["moe_imbalance"]) == 1 and 0 < r["moe_dropped"][0] < 1 for r in one)
 
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain import comm
+from dtrain import comm, timeline
 from dtrain.comm import GroupLike
 from dtrain.errors import ConfigError
 from dtrain.models.moe.experts import Dispatch, Experts
@@ -180,9 +180,12 @@ class MoE(nn.Module):
         rows = flat.index_select(0, token)
         if self.ep_size > 1:
             dispatch = Dispatch(rows, counts.cpu(), self.ep_group, self.ep_size)
-            out = dispatch.combine(self.experts(dispatch.tokens, dispatch.counts))
+            with timeline.span("moe experts", "moe"):
+                out = self.experts(dispatch.tokens, dispatch.counts)
+            out = dispatch.combine(out)
         else:
-            out = self.experts(rows, counts.tolist())
+            with timeline.span("moe experts", "moe"):
+                out = self.experts(rows, counts.tolist())
         out = out * weight.to(out.dtype)[:, None]
         y = torch.zeros_like(flat).index_add(0, token, out)
         if self.shared is not None:
