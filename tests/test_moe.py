@@ -298,7 +298,9 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
     process: two steps at ep = 4 on four ranks, resumed for one at ep = 2 on two, then for
     one on one process (the checkpoints hold experts by global index, and the routers'
     biases); tp = 2 x ep = 2 on four ranks (the MoE blocks whole on each tp rank); ep = 2
-    with every block recomputed in backward; pp = 2 x ep = 2 (two micro-batches). Every
+    with every block recomputed in backward; pp = 2 x ep = 2 (two micro-batches); ZeRO-3
+    (ep = 1: the routers' biases, which no optimizer steps, held whole beside the shards)
+    resumed on one process. Every
     step's loss and the final weights equal the one-process run's; the metrics carry each
     MoE layer's balance, and the timeline each MoE forward's dispatch, expert compute and
     combine."""
@@ -313,9 +315,12 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
                                                   "memory.activation_checkpointing='full'"], 4)
     piped = moe_run(tmp_path / "pp", ["-n", "4", "--set", "parallel.pp=2", "--set",
                                       "parallel.microbatches=2", "--set", "parallel.ep=2"], 4)
+    sharded, _ = moe_run(tmp_path / "zero", ["-n", "2", "--set", "parallel.zero=3"], 2)
+    resumed, zero_chain = moe_run(tmp_path / "zero", ["-n", "1", "--resume"], 4)
     want = [r["loss"] for r in one]
     exported = load_file(universal.export(one_ckpt, one_ckpt.parent / "model.safetensors"))
-    for rows, ckpt in ((first + second + third, chain), tp_ep, recomputed, piped):
+    for rows, ckpt in ((first + second + third, chain), tp_ep, recomputed, piped,
+                       (sharded + resumed, zero_chain)):
         torch.testing.assert_close([r["loss"] for r in rows], want, rtol=1e-5, atol=1e-6)
         got = load_file(universal.export(ckpt, ckpt.parent / "model.safetensors"))
         # AdamW's eps (1e-8) turns the rounding of a tiny gradient summed in another order

@@ -32,6 +32,7 @@ from dtrain.checkpoint.universal import MODEL, OPTIM, Checkpoint, Piece, pieces_
 from dtrain.errors import DtrainError
 from dtrain.job_layout import Layout, Split
 from dtrain.mesh import Mesh
+from dtrain.models import init
 from dtrain.models.moe import split_experts
 from dtrain.parallel.zero import ZeRO
 from dtrain.parallel.zero import state_io as zero_state
@@ -183,10 +184,12 @@ class Tensors:
     dp: tuple[int, int] = (0, 1)
 
     def step(self) -> None:
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def collect(self, pieces: list[Piece], scalars: dict[str, dict[str, float]]) -> None:
@@ -296,6 +299,17 @@ class _Spans(Mapping):
 
     def __len__(self) -> int:
         return len(self.ranges)
+
+
+def untrained(names: Names, modules: Iterable[nn.Module], dp: tuple[int, int],
+              device: torch.device) -> list[Tensors]:
+    """The parameters of `modules` that no optimizer steps (a MoE router's balancing bias),
+    beside ZeRO, which shards trainable parameters only: held whole on every rank, given
+    memory on `device` when built in split form, written and restored as tensors (none:
+    an empty list)."""
+    params = [p for m in modules for p in m.parameters() if not p.requires_grad]
+    init.allocate_parameters(params, device)
+    return [Tensors(names, params, None, dp)] if params else []
 
 
 Held = Tensors | Shards

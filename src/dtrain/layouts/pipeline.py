@@ -12,7 +12,7 @@ from dtrain import pipeline
 from dtrain.config import Config
 from dtrain.job_layout import Layout
 from dtrain.layouts.data_parallel import compression_state, data_parallel, load_compression_state
-from dtrain.layouts.held import Names, Shards, Tensors
+from dtrain.layouts.held import Names, Shards, Tensors, untrained
 from dtrain.layouts.holding import Batch, Holding, build_optimizer
 from dtrain.layouts.zero import zero_of
 from dtrain.mesh import Mesh
@@ -42,7 +42,8 @@ class Pipelined(Holding):
         if layout.zero:
             wrapped = [zero_of(piece, dp, config, device, averaging) for piece in mine]
             self.optimizers = [z.optimizer for z in wrapped]
-            self.held = [Shards(self.names, z) for z in wrapped]
+            self.held = [*(Shards(self.names, z) for z in wrapped),
+                         *untrained(self.names, mine, (mesh.coords["dp"], layout.dp), device)]
         else:
             wrapped = [data_parallel(piece, dp, config, averaging, experts) for piece in mine]
             params = list(nn.ModuleList(mine).parameters())

@@ -9,7 +9,7 @@ from torch import nn
 from dtrain.comm import GroupLike
 from dtrain.config import Config
 from dtrain.job_layout import Layout
-from dtrain.layouts.held import Names, Shards
+from dtrain.layouts.held import Names, Shards, untrained
 from dtrain.layouts.holding import Holding, build_optimizer
 from dtrain.mesh import Mesh
 from dtrain.models import init
@@ -41,7 +41,9 @@ class Sharded(Holding):
         self.module = self.zero = zero_of(model, mesh.group("dp"), config, mesh.world.device,
                                           averaging)
         self.optimizers = [self.zero.optimizer]
-        self.held = [Shards(self.names, self.zero)]
+        self.held = [Shards(self.names, self.zero),
+                     *untrained(self.names, [model], (mesh.coords["dp"], layout.dp),
+                                mesh.world.device)]
         self.groups = {"dp": mesh.group("dp"), "tp": mesh.group("tp")}
         self.loss_group = mesh.group("dp")
         self.accum = config.train.grad_accum

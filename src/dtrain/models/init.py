@@ -31,7 +31,7 @@ import contextlib
 import copy
 import hashlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -146,11 +146,17 @@ def allocate(module: nn.Module, device: torch.device | str) -> nn.Module:
     objects stay the same, so tied parameters stay tied) and move its buffers there;
     returns `module`. Hooks registered on a meta parameter do not follow it (its tensor is
     swapped): register them after."""
-    for p in module.parameters():  # each once; swapped in place, so ties and ids hold
+    allocate_parameters(module.parameters(), device)
+    return allocate_buffers(module, device)
+
+
+def allocate_parameters(params: Iterable[nn.Parameter], device: torch.device | str) -> None:
+    """Give those of `params` on the meta device uninitialized memory on `device`, each
+    swapped in place (the parameter objects stay the same: ties and ids hold)."""
+    for p in params:
         if p.is_meta:
             torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device),
                                                      requires_grad=p.requires_grad))
-    return allocate_buffers(module, device)
 
 
 def allocate_buffers(module: nn.Module, device: torch.device | str) -> nn.Module:
