@@ -300,7 +300,8 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
     biases); tp = 2 x ep = 2 on four ranks (the MoE blocks whole on each tp rank); ep = 2
     with every block recomputed in backward; pp = 2 x ep = 2 (two micro-batches); ZeRO-3
     (ep = 1: the routers' biases, which no optimizer steps, held whole beside the shards)
-    resumed on one process. Every
+    resumed on one process; DiLoCo over 2 replicas of ep = 2, whose replicas hold the same
+    weights after a synchronization (their routers' biases are each replica's own). Every
     step's loss and the final weights equal the one-process run's; the metrics carry each
     MoE layer's balance, and the timeline each MoE forward's dispatch, expert compute and
     combine."""
@@ -315,6 +316,14 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
                                                   "memory.activation_checkpointing='full'"], 4)
     piped = moe_run(tmp_path / "pp", ["-n", "4", "--set", "parallel.pp=2", "--set",
                                       "parallel.microbatches=2", "--set", "parallel.ep=2"], 4)
+    moe_run(tmp_path / "diloco", ["-n", "4", "--set", "parallel.ep=2", "--set",
+                                  "sync.method='diloco'", "--set", "sync.replicas=2", "--set",
+                                  "sync.every=2"], 4)
+    replicas = [load_file(universal.export(c, c.parent / "model.safetensors")) for c in (
+        tmp_path / "diloco/run/checkpoints", tmp_path / "diloco/run/replica-1/checkpoints")]
+    for name, value in replicas[0].items():  # synchronized at step 4, experts by index too
+        if not name.endswith("expert_bias"):  # each replica's own, from its own load
+            torch.testing.assert_close(replicas[1][name], value, rtol=0, atol=0, msg=name)
     sharded, _ = moe_run(tmp_path / "zero", ["-n", "2", "--set", "parallel.zero=3"], 2)
     resumed, zero_chain = moe_run(tmp_path / "zero", ["-n", "1", "--resume"], 4)
     want = [r["loss"] for r in one]

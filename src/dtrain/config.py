@@ -474,8 +474,6 @@ def _validate_moe(config: Config) -> None:
     for what, unsupported in (("parallel.zero", p.zero),
                               ("fault_tolerance.mode = \"live\"",
                                config.fault_tolerance.mode == "live"),
-                              ("sync.method other than every_step",
-                               config.sync.method != "every_step"),
                               ("comm.compression", config.comm.compression != "none")):
         if unsupported:
             raise ConfigError(f"parallel.ep > 1 with {what} is not supported yet: leave "
