@@ -10,8 +10,9 @@
 
     dtrain run -n 2 benchmarks/moe.py [--rounds 11 --steps 3 --write]
 
-Timing alternates between the two contenders in rounds (order flipped every round) so
-machine noise hits both alike; figures are medians over rounds.
+Timing alternates between the two contenders in rounds (order flipped every round, as
+benchmarks/dp_vs_ddp.py times its pair) so machine noise hits both alike; figures are
+medians over rounds.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import time
 
 import torch
-import torch.distributed as dist
+from dp_vs_ddp import alternate, time_steps
 from results_md import replace_section
 
 import dtrain
@@ -32,24 +32,6 @@ from dtrain.models.moe import MoE, MoEConfig, after_step, expert_parallel
 from dtrain.models.moe import experts as experts_mod
 
 DIM, HIDDEN, E, K = 256, 512, 8, 2
-
-
-def alternate(steps: dict, rounds: int, per_round: int, warmup: int = 2) -> dict[str, float]:
-    """Median seconds per step of each of `steps` (name -> step function), timed in rounds
-    of `per_round` steps, the order flipped every round."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for r in range(rounds):
-        for name in list(steps) if r % 2 == 0 else list(reversed(steps)):
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(per_round):
-                steps[name]()
-            dist.barrier()
-            times[name].append((time.perf_counter() - start) / per_round)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def trainer(model: torch.nn.Module, module: torch.nn.Module, batch, loss_of):
@@ -92,7 +74,7 @@ def layer_vs_transformers(args: argparse.Namespace, world: dtrain.World, experts
 
     steps = {"dtrain": trainer(ours, dtrain.DataParallel(ours), x, loss_of),
              "transformers": trainer(theirs, dtrain.DataParallel(theirs), x, loss_of)}
-    median = alternate(steps, args.rounds, args.steps)
+    median = alternate(steps, args.rounds, args.steps, warmup=2)
     tokens = x.shape[0] * x.shape[1] * world.world_size
     return {name: tokens / seconds for name, seconds in median.items()}
 
@@ -151,15 +133,9 @@ def ep_vs_whole(args: argparse.Namespace, world: dtrain.World) -> dict:
             after_step(model, mesh.group("dp"))
 
         steps[f"ep{ep}"], sizes[f"ep{ep}"], models[f"ep{ep}"] = step, expert_bytes(model), model
-    median = alternate(steps, args.rounds, args.steps)
+    median = alternate(steps, args.rounds, args.steps, warmup=2)
     with ExchangeClock() as clock:  # the ep run's exchanges, timed apart from the rounds
-        name = f"ep{world.world_size}"
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args.rounds):
-            steps[name]()
-        dist.barrier()
-        total = time.perf_counter() - start
+        total = args.rounds * time_steps(steps[f"ep{world.world_size}"], args.rounds)
     return {"ms": {n: s * 1e3 for n, s in median.items()}, "bytes": sizes,
             "exchange_share": clock.seconds / total}
 

@@ -45,6 +45,7 @@ from dtrain.errors import ConfigError
 from dtrain.job_layout import Layout, resolve_layout
 from dtrain.models import presets as models_presets
 from dtrain.models.config import ARCHS, ModelConfig, check_moe, check_shape, with_preset
+from dtrain.models.llama import moe_config
 from dtrain.models.moe.router import ROUTERS
 from dtrain.ps.settings import CONSISTENCY
 
@@ -453,6 +454,8 @@ def _validate_moe(config: Config) -> None:
     m = with_preset(config.model, models_presets())
     check_moe(m)
     experts = m.n_experts if m.arch == "llama" else 0
+    if experts:
+        moe_config(m)  # its rules: top-k within the experts, a known router, ...
     if experts and p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel with a mixture-of-experts model is not "
                           "supported yet: leave sequence_parallel off")

@@ -34,15 +34,12 @@ from dtrain.job_layout import Layout, Split
 from dtrain.mesh import Mesh
 from dtrain.models import init
 from dtrain.models.moe import split_experts
+from dtrain.models.moe.experts import EXPERTS
 from dtrain.parallel.zero import ZeRO
 from dtrain.parallel.zero import state_io as zero_state
 
 if TYPE_CHECKING:
     from dtrain.models.weights import SlicedWeights
-
-
-EXPERTS = Split(0)
-"""How split experts cut their stacked tensors: by expert, along dim 0."""
 
 
 def _scalar(value: torch.Tensor | float) -> float:

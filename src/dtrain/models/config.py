@@ -163,8 +163,9 @@ def moe_layer_indices(spec: str, n_layer: int) -> tuple[int, ...]:
 
 
 def check_moe(cfg: ModelConfig) -> None:
-    """The mixture-of-experts keys: only dtrain's Llama has MoE blocks, and their values
-    must make sense (the expert-parallel degree is checked with the layout).
+    """The mixture-of-experts keys: only dtrain's Llama has MoE blocks, with a positive
+    expert count and blocks that exist (dtrain.models.llama.moe_config checks the rules;
+    the expert-parallel degree is checked with the layout).
 
     Raises:
         ConfigError: MoE keys on another arch, or a value out of range.
@@ -178,9 +179,4 @@ def check_moe(cfg: ModelConfig) -> None:
         return
     if cfg.n_experts < 0:
         raise ConfigError(f"model.n_experts = {cfg.n_experts} must be 0 (dense) or positive")
-    from dtrain.models.moe import MoEConfig
-
-    MoEConfig(n_experts=cfg.n_experts, experts_per_token=cfg.experts_per_token,
-              router=cfg.router, aux_loss_weight=cfg.aux_loss_weight,
-              capacity_factor=cfg.capacity_factor)
     moe_layer_indices(cfg.moe_layers, cfg.n_layer)

@@ -130,11 +130,7 @@ def llama_config(cfg: ModelConfig) -> LlamaConfig:
         ConfigError: the heads do not divide the width or each other, or the head size is odd.
     """
     ffn_hidden = cfg.ffn_hidden or llama_ffn_hidden(cfg.n_embd)
-    moe = None if not cfg.n_experts else MoEConfig(
-        n_experts=cfg.n_experts, experts_per_token=cfg.experts_per_token,
-        hidden=cfg.moe_inter_size or ffn_hidden, n_shared_experts=cfg.n_shared_experts,
-        router=cfg.router, norm_topk_prob=cfg.norm_topk_prob,
-        aux_loss_weight=cfg.aux_loss_weight, capacity_factor=cfg.capacity_factor)
+    moe = moe_config(cfg)
     return LlamaConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size,
                        n_layer=cfg.n_layer, n_head=cfg.n_head,
                        n_kv_head=cfg.n_kv_head or cfg.n_head, n_embd=cfg.n_embd,
@@ -143,6 +139,23 @@ def llama_config(cfg: ModelConfig) -> LlamaConfig:
                        head_dim=cfg.head_dim, qk_norm=cfg.qk_norm, moe=moe,
                        moe_layers=moe_layer_indices(cfg.moe_layers, cfg.n_layer)
                        if moe is not None else ())
+
+
+def moe_config(cfg: ModelConfig) -> MoEConfig | None:
+    """The MoE blocks' shape and rules of a `[model]` section (None: every block dense);
+    moe_inter_size 0 means the dense MLP's width.
+
+    Raises:
+        ConfigError: a rule out of range (MoEConfig's checks).
+    """
+    if not cfg.n_experts:
+        return None
+    return MoEConfig(
+        n_experts=cfg.n_experts, experts_per_token=cfg.experts_per_token,
+        hidden=cfg.moe_inter_size or cfg.ffn_hidden or llama_ffn_hidden(cfg.n_embd),
+        n_shared_experts=cfg.n_shared_experts, router=cfg.router,
+        norm_topk_prob=cfg.norm_topk_prob, aux_loss_weight=cfg.aux_loss_weight,
+        capacity_factor=cfg.capacity_factor)
 
 
 def parameter_count(cfg: LlamaConfig, active: bool = False) -> int:

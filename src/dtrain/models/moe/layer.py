@@ -43,7 +43,7 @@ from torch import nn
 from dtrain import comm, timeline
 from dtrain.comm import GroupLike
 from dtrain.errors import ConfigError
-from dtrain.models.moe.experts import Dispatch, Experts
+from dtrain.models.moe.experts import EXPERTS, Dispatch, Experts
 from dtrain.models.moe.router import ROUTERS, Router
 
 BIAS_UPDATE_RATE = 1e-3
@@ -147,10 +147,9 @@ class MoE(nn.Module):
         if n % size:
             raise ConfigError(f"parallel.ep = {size} does not divide model.n_experts = {n}: "
                               "choose an expert-parallel degree that divides it")
-        local = n // size
         for name in ("gate_up_proj", "down_proj"):
             whole = getattr(self.experts, name)
-            part = whole.detach()[rank * local:(rank + 1) * local].clone()
+            part = EXPERTS.shard(whole.detach(), rank, size)
             setattr(self.experts, name, nn.Parameter(part, requires_grad=whole.requires_grad))
         self.ep_group, self.ep_rank, self.ep_size = group, rank, size
 
