@@ -211,37 +211,55 @@ def serial_run(rules: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def ep_rank(cases: list) -> list:
+    """Each case (ep, rules[, ZeRO stage]) trained on this rank: DataParallel, or ZeRO."""
     out = []
-    for ep, rules in cases:
+    for ep, rules, *zero in cases:
         mesh = dtrain.Mesh(dp=4, ep=ep)
         model = moe_llama(rules)
         expert_parallel(model, mesh.group("ep"), mesh.coords["ep"], ep)
-        wrapped = dtrain.DataParallel(model, group=mesh.group("dp"), algorithm="native",
-                                      expert_group=mesh.group("edp"))
-        opt = adamw(model)
+        if zero:
+            wrapped = opt = dtrain.ZeRO(
+                model, lambda params: torch.optim.AdamW(params, lr=1e-2, eps=1e-4),
+                stage=zero[0], group=mesh.group("dp"), algorithm="native",
+                expert_group=mesh.group("edp"))
+        else:
+            wrapped = dtrain.DataParallel(model, group=mesh.group("dp"), algorithm="native",
+                                          expert_group=mesh.group("edp"))
+            opt = adamw(model)
         mine = slice(2 * mesh.coords["dp"], 2 * mesh.coords["dp"] + 2)
         losses = []
         for step in range(STEPS):
             x, y = batch(step)
             loss = wrapped(x[mine], y[mine])[1]
             loss.backward()
-            clip_grad_norm_(wrapped.grad_parts(), CLIP, {"ep": mesh.group("ep")})
+            if zero:
+                wrapped.clip_grad_norm_(CLIP)
+            else:
+                clip_grad_norm_(wrapped.grad_parts(), CLIP, {"ep": mesh.group("ep")})
             opt.step()
             opt.zero_grad()
             after_step(model, mesh.group("dp"))
             losses.append(float(comm.all_reduce(loss.detach(), op="avg")))
-        out.append({"losses": losses, "state": model.state_dict(), "ep": mesh.coords["ep"],
+        out.append({"losses": losses, "state": wrapped.state_dict(), "ep": mesh.coords["ep"],
                     "balance": [m.balance for m in moe_layers(model)]})
     return out
 
 
+ZERO_CASES = [(2, {}, 1), (2, {"capacity_factor": 0.5}, 2), (4, {"aux_loss_weight": 0.05}, 2),
+              (2, {"router": "sigmoid_bias", "skew": True}, 3)]
+"""(ep, MoE rules, ZeRO stage): the experts sharded over the ranks that hold the same ones
+(two, or one at ep = 4), the rest over all four."""
+
+
 @pytest.mark.timeout(120)
-def test_expert_parallel_ranks_equal_one_process() -> None:
+@pytest.mark.parametrize("cases", [CASES, ZERO_CASES], ids=["data-parallel", "zero"])
+def test_expert_parallel_ranks_equal_one_process(cases: list) -> None:
     """ep = 2 and 4 over four ranks (dropless and with a capacity that drops, both routers,
-    the balance loss and shared experts): every step's loss and every final weight equal
-    one process on the same global batch (a rank's experts, those of its global indices)."""
-    ranks = run_ranks(ep_rank, 4, CASES, timeout=110)
-    for c, (ep, rules) in enumerate(CASES):
+    the balance loss and shared experts), under DataParallel and under ZeRO 1-3: every
+    step's loss and every final weight equal one process on the same global batch (a
+    rank's experts, those of its global indices)."""
+    ranks = run_ranks(ep_rank, 4, cases, timeout=110)
+    for c, (ep, rules, *_) in enumerate(cases):
         losses, state = serial_run(rules)
         results = [r[c] for r in ranks]
         balance = results[0]["balance"][0]  # (max / mean load, dropped share) of the last step
@@ -298,9 +316,10 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
     process: two steps at ep = 4 on four ranks, resumed for one at ep = 2 on two, then for
     one on one process (the checkpoints hold experts by global index, and the routers'
     biases); tp = 2 x ep = 2 on four ranks (the MoE blocks whole on each tp rank); ep = 2
-    with every block recomputed in backward; pp = 2 x ep = 2 (two micro-batches); ZeRO-3
-    (ep = 1: the routers' biases, which no optimizer steps, held whole beside the shards)
-    resumed on one process; DiLoCo over 2 replicas of ep = 2, whose replicas hold the same
+    with every block recomputed in backward; pp = 2 x ep = 2 (two micro-batches); ZeRO-2 x
+    ep = 2 on four ranks (the experts sharded over the two ranks holding the same ones; the
+    routers' biases, which no optimizer steps, held whole beside the shards) resumed as
+    ZeRO-3 x ep = 2 on two; DiLoCo over 2 replicas of ep = 2, whose replicas hold the same
     weights after a synchronization (their routers' biases are each replica's own). Every
     step's loss and the final weights equal the one-process run's; the metrics carry each
     MoE layer's balance, and the timeline each MoE forward's dispatch, expert compute and
@@ -324,8 +343,10 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
     for name, value in replicas[0].items():  # synchronized at step 4, experts by index too
         if not name.endswith("expert_bias"):  # each replica's own, from its own load
             torch.testing.assert_close(replicas[1][name], value, rtol=0, atol=0, msg=name)
-    sharded, _ = moe_run(tmp_path / "zero", ["-n", "2", "--set", "parallel.zero=3"], 2)
-    resumed, zero_chain = moe_run(tmp_path / "zero", ["-n", "1", "--resume"], 4)
+    sharded, _ = moe_run(tmp_path / "zero", ["-n", "4", "--set", "parallel.zero=2", "--set",
+                                             "parallel.ep=2"], 2)
+    resumed, zero_chain = moe_run(tmp_path / "zero", ["-n", "2", "--set", "parallel.zero=3",
+                                                      "--set", "parallel.ep=2", "--resume"], 4)
     want = [r["loss"] for r in one]
     exported = load_file(universal.export(one_ckpt, one_ckpt.parent / "model.safetensors"))
     for rows, ckpt in ((first + second + third, chain), tp_ep, recomputed, piped,

@@ -474,8 +474,7 @@ def _validate_moe(config: Config) -> None:
     if p.mode == "ps":
         raise ConfigError("parallel.ep with parallel.mode = \"ps\": parameter servers hold "
                           "whole replicas; use parallel.mode = \"collective\"")
-    for what, unsupported in (("parallel.zero", p.zero),
-                              ("fault_tolerance.mode = \"live\"",
+    for what, unsupported in (("fault_tolerance.mode = \"live\"",
                                config.fault_tolerance.mode == "live"),
                               ("comm.compression", config.comm.compression != "none")):
         if unsupported:

@@ -40,7 +40,8 @@ class Pipelined(Holding):
                               skip={id(p) for p, peer in tied if peer < group.rank()})
         experts = mesh.group("edp") if layout.ep > 1 else None
         if layout.zero:
-            wrapped = [zero_of(piece, dp, config, device, averaging) for piece in mine]
+            wrapped = [zero_of(piece, dp, config, device, averaging, experts)
+                       for piece in mine]
             self.optimizers = [z.optimizer for z in wrapped]
             self.held = [*(Shards(self.names, z) for z in wrapped),
                          *untrained(self.names, mine, (mesh.coords["dp"], layout.dp), device)]

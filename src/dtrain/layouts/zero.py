@@ -19,32 +19,36 @@ from dtrain.parallel.zero import ZeRO
 
 
 def zero_of(module: nn.Module, group: GroupLike, config: Config, device: torch.device,
-            averaging: Averaging | None = None) -> ZeRO:
+            averaging: Averaging | None = None, expert_group: GroupLike = None) -> ZeRO:
     """`module` wrapped in ZeRO over `group` as `[parallel]`, `[comm]` and `[optimizer]`
-    say, each shard also averaged by `averaging` if given; a module built in
-    split form gets its shards (only) on `device`."""
+    say, each shard also averaged by `averaging` if given, split experts sharded over
+    `expert_group` (the ranks holding the same experts); a module built in split form gets
+    its shards (only) on `device`."""
     pc = config.parallel
     mixed = None if pc.mixed_precision == "fp32" else pc.mixed_precision
     init.allocate_buffers(module, device)
     return ZeRO(module, lambda _: build_optimizer(module.parameters(), config.optimizer),
                 stage=pc.zero, group=group, bucket_mb=config.comm.bucket_mb,
-                mixed_precision=mixed, device=device, averaging=averaging)
+                mixed_precision=mixed, device=device, averaging=averaging,
+                expert_group=expert_group)
 
 
 class Sharded(Holding):
-    """The model, whole or split over tp, sharded over dp by one ZeRO wrapper."""
+    """The model, whole or split over tp, sharded over dp by one ZeRO wrapper (split
+    experts over the ranks holding the same experts)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
                  notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
         self.layout, self.names = layout, Names.of(model, mesh, layout)
         self.notes = notes
+        experts = mesh.group("edp") if layout.ep > 1 else None
         self.module = self.zero = zero_of(model, mesh.group("dp"), config, mesh.world.device,
-                                          averaging)
+                                          averaging, experts)
         self.optimizers = [self.zero.optimizer]
         self.held = [Shards(self.names, self.zero),
                      *untrained(self.names, [model], (mesh.coords["dp"], layout.dp),
                                 mesh.world.device)]
-        self.groups = {"dp": mesh.group("dp"), "tp": mesh.group("tp")}
+        self.groups = {"dp": mesh.group("dp"), "tp": mesh.group("tp")}  # experts: dp too
         self.loss_group = mesh.group("dp")
         self.accum = config.train.grad_accum
 

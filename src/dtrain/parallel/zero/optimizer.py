@@ -37,13 +37,13 @@ def group_index(template: torch.optim.Optimizer,
     return group_of
 
 
-def shard_optimizer(template: torch.optim.Optimizer, units: list[Unit], rank: int
+def shard_optimizer(template: torch.optim.Optimizer, units: list[Unit]
                     ) -> torch.optim.Optimizer:
     """The template's class and options over this rank's pieces of each parameter group
     (recorded in each unit's `pieces`)."""
     pieces: list[list[nn.Parameter]] = [[] for _ in template.param_groups]
     for unit in units:
-        for group, lo, hi in unit.flat.pieces(rank):
+        for group, lo, hi in unit.flat.pieces(unit.rank):
             piece = nn.Parameter(unit.master[lo:hi])
             pieces[group].append(piece)
             unit.pieces.append((group, lo, hi, piece))

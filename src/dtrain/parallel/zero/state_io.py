@@ -70,7 +70,8 @@ def _state_shard(unit: Unit, z: ZeRO, key: str) -> torch.Tensor:
 
 def _gather_unit(z: ZeRO, unit: Unit, shard: torch.Tensor) -> dict[str, torch.Tensor]:
     """The unit's parameters (by name, flattened) from every rank's `shard`."""
-    whole = comm.all_gather(shard.contiguous(), group=z.group, algorithm=z.algorithm).view(-1)
+    whole = comm.all_gather(shard.contiguous(), group=unit.group,
+                            algorithm=z.algorithm).view(-1)
     return {span.name: whole[span.at : span.at + span.hi - span.lo]
             for span in unit.flat.spans(0, unit.flat.numel)}
 
@@ -115,7 +116,7 @@ def full_optimizer_state(z: ZeRO) -> dict[str, Any]:
 def own_spans(z: ZeRO) -> Iterator[tuple[Unit, Span]]:
     """(unit, span) for every parameter range this rank's shards hold."""
     for unit in z.units:
-        for span, _ in unit.shard_spans(z.rank):
+        for span, _ in unit.shard_spans():
             yield unit, span
 
 
@@ -177,9 +178,9 @@ def _merge(shards: list[dict[str, Any]]) -> tuple[Segments, dict[str, Segments]]
     return params, state
 
 
-def _fill(unit: Unit, rank: int, segments: Segments, out: torch.Tensor) -> None:
+def _fill(unit: Unit, segments: Segments, out: torch.Tensor) -> None:
     """Copy into `out` (laid out like the unit's shard) the elements `segments` hold."""
-    lo, hi = unit.flat.shard(rank)
+    lo, hi = unit.flat.shard(unit.rank)
     for span in unit.flat.spans(lo, hi):
         covered = 0
         for s_lo, s_hi, values in segments.get(span.name, ()):
@@ -199,13 +200,13 @@ def load_segments(z: ZeRO, params: Segments, state: dict[str, Segments] | None,
     """Set master weights (and optimizer state) from per-parameter segments."""
     scalars = scalars or [{} for _ in z.optimizer.param_groups]
     for unit in z.units:
-        _fill(unit, z.rank, params, unit.master)
+        _fill(unit, params, unit.master)
         if state is None:
             continue
         shards = {}
         for key, segments in state.items():
             shards[key] = torch.zeros_like(unit.master, dtype=torch.float32)
-            _fill(unit, z.rank, segments, shards[key])
+            _fill(unit, segments, shards[key])
         for group, lo, hi, piece in unit.pieces:
             z.optimizer.state[piece] = {
                 **{key: v.clone() for key, v in scalars[group].items()},
@@ -225,7 +226,17 @@ def load_segments(z: ZeRO, params: Segments, state: dict[str, Segments] | None,
 
 
 def load_sharded_state(z: ZeRO, shards: list[dict[str, Any]]) -> None:
-    """Load the sharded states of all ranks of a run (any number of ranks)."""
+    """Load the sharded states of all ranks of a run (any number of ranks).
+
+    Raises:
+        DtrainError: the model's experts are split (expert parallelism): the ranks' states
+            name each rank's own experts alike; dtrain.checkpoint places them by global
+            index instead.
+    """
+    if any(unit.group is not z.group for unit in z.units):
+        raise DtrainError("ZeRO.load_sharded_state with split experts: the ranks' experts "
+                          "share names; save and restore through dtrain.checkpoint "
+                          "(dtrain.layouts), which places them by global index")
     params, state = _merge(shards)
     first = shards[0]
     load_segments(z, params, state, first["scalars"], first["param_groups"])

@@ -22,12 +22,16 @@ from dtrain.parallel.zero.flat import FlatUnit, Span, split_by_size
 Named = list[tuple[str, nn.Parameter]]
 
 
-@dataclass
+@dataclass(eq=False)  # a unit is itself (`unit in units` by identity)
 class Unit:
     """One flat unit's tensors on this rank.
 
     Attributes:
         flat: the layout: parameters, their offsets, the shards (dtrain.parallel.zero.flat).
+        group: the ranks the unit is sharded over, one shard each (the data-parallel
+            group; for split experts, the ranks holding the same experts).
+        scale: what the gradient averaged over `group` is multiplied by (split experts:
+            1 / ep, as their gradients sum the tokens of every data-parallel rank).
         full: the whole unit in the compute dtype, padded; the module's parameters are
             views of it (stage 3: its storage is released between uses).
         master: this rank's shard in the parameters' dtype (the optimizer updates it; a
@@ -44,9 +48,11 @@ class Unit:
     """
 
     flat: FlatUnit
+    group: comm.Group
     full: torch.Tensor
     master: torch.Tensor
     module: nn.Module | None = None
+    scale: float = 1.0
     grad: torch.Tensor | None = None
     pending: int = 0
     gathering: Any = None
@@ -54,6 +60,11 @@ class Unit:
     backward_started: bool = False
     pieces: list[tuple[int, int, int, nn.Parameter]] = field(default_factory=list)
     grad_shard: torch.Tensor | None = None
+
+    @property
+    def rank(self) -> int:
+        """This rank's shard of the unit (its index in `group`)."""
+        return self.group.rank
 
     def shard_grad(self) -> torch.Tensor:
         """The gradient shard, created (zero) on first use; the pieces' .grad view it."""
@@ -74,19 +85,19 @@ class Unit:
         self.pending = len(self.flat.params)
         self.backward_started = False
 
-    def start_gather(self, group: comm.GroupLike, algorithm: str) -> None:
+    def start_gather(self, algorithm: str) -> None:
         """Stage 3: start all-gathering `full` from every rank's master shard."""
         if self.gathered or self.gathering is not None:
             return
-        self.gathering = comm.all_gather(self.master.to(self.full.dtype), group=group,
+        self.gathering = comm.all_gather(self.master.to(self.full.dtype), group=self.group,
                                          async_op=True, algorithm=algorithm)
 
     @torch.no_grad()
-    def gather(self, group: comm.GroupLike, algorithm: str) -> None:
+    def gather(self, algorithm: str) -> None:
         """Stage 3: make `full` hold the parameters again (waits for the all-gather)."""
         if self.gathered:
             return
-        self.start_gather(group, algorithm)
+        self.start_gather(algorithm)
         gathered = self.gathering.wait()
         self.gathering = None
         self.full.untyped_storage().resize_(self.flat.padded * self.full.element_size())
@@ -99,11 +110,11 @@ class Unit:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
 
-    def shard_spans(self, rank: int) -> Iterator[tuple[Span, nn.Parameter]]:
-        """(span, parameter) for each parameter's elements that `rank`'s shard holds;
+    def shard_spans(self) -> Iterator[tuple[Span, nn.Parameter]]:
+        """(span, parameter) for each parameter's elements that this rank's shard holds;
         `span.at` is in shard coordinates (see `segment`)."""
         params = dict(zip(self.flat.names, self.flat.params, strict=True))
-        for span in self.flat.spans(*self.flat.shard(rank)):
+        for span in self.flat.spans(*self.flat.shard(self.rank)):
             yield span, params[span.name]
 
     def param_grad(self, param: nn.Parameter) -> torch.Tensor | None:
@@ -128,7 +139,7 @@ def settle(works: list[tuple[Unit, Any]], keep: int = IN_FLIGHT) -> None:
     collective has read it, so a bounded number in flight bounds backward's memory."""
     while len(works) > keep:
         unit, work = works.pop(0)
-        unit.shard_grad().add_(work.wait())
+        unit.shard_grad().add_(work.wait(), alpha=unit.scale)
         if unit.grad is not None:  # stage 1 keeps its buffer for the next step
             unit.grad.zero_()
 
@@ -168,43 +179,71 @@ def unit_bytes(units: list[Unit]) -> dict[str, int]:
 @dataclass
 class Built:
     """Units in the order their gradients are reduced (the reverse of forward), and for
-    stage 3 the root unit (what no submodule unit claims) and the others in forward order."""
+    stage 3 the root's units (what no submodule unit claims) and each unit module's units
+    in forward order (one per sharding group its parameters are in)."""
 
     units: list[Unit]
-    root: Unit | None
-    chain: list[Unit]
+    root: list[Unit]
+    chain: list[list[Unit]]
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """The groups a module's parameters are sharded over: `group` for all of them but
+    `apart` (ids of split experts), which go over `apart_group` (the ranks holding the
+    same experts), their average multiplied by `apart_scale`."""
+
+    group: comm.Group
+    apart: frozenset[int] = frozenset()
+    apart_group: comm.Group | None = None
+    apart_scale: float = 1.0
+
+    def runs(self, named: Named) -> list[tuple[Named, comm.Group, float]]:
+        """`named` cut into consecutive runs of one group each (order kept), with the
+        group and the scale of each."""
+        out: list[tuple[Named, comm.Group, float]] = []
+        for name, p in named:
+            group, scale = (self.apart_group, self.apart_scale) if id(p) in self.apart \
+                else (self.group, 1.0)
+            if out and out[-1][1] is group:
+                out[-1][0].append((name, p))
+            else:
+                out.append(([(name, p)], group, scale))
+        return out
 
 
 def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage: int,
-                units: list[nn.Module] | None, bucket_mb: float, rank: int, size: int,
+                units: list[nn.Module] | None, bucket_mb: float, sharding: Sharding,
                 param_dtype: torch.dtype, compute_dtype: torch.dtype,
                 device: torch.device | None = None) -> Built:
     """Pack `named` (trainable parameters) into units: stage 3 one per submodule of
     `units` (default every element of every nn.ModuleList) plus the root; stages 1-2
-    buckets of about `bucket_mb` in reverse order. `group_of` maps id(parameter) to its
-    optimizer parameter group. The parameters become views of the units' `full`.
+    buckets of about `bucket_mb` in reverse order. Each sharding group of `sharding` gets
+    units of its own. `group_of` maps id(parameter) to its optimizer parameter group. The
+    parameters become views of the units' `full`.
 
     Parameters on the meta device (a model built in split form, dtrain.models.init) get
     uninitialized memory on `device` instead of copies: at stage 3 only this rank's shard
     (`full` is released from the start), the values to be restored into the shards."""
-    if stage == 3:
-        runs = _module_runs(module, named, units)
-    else:
-        runs = [(run, None) for run in split_by_size(list(reversed(named)),
-                                                     int(bucket_mb * 2**20))]
-    built: list[Unit | None] = []
-    for run, unit_module in runs:
-        if not run:
-            built.append(None)
-            continue
+    def make(run: Named, group: comm.Group, scale: float, unit_module: nn.Module | None
+             ) -> Unit:
         run = sorted(run, key=lambda item: group_of[id(item[1])])
         flat = FlatUnit([n for n, _ in run], [p for _, p in run],
-                        [group_of[id(p)] for _, p in run], size)
-        built.append(_make_unit(flat, unit_module, stage, rank, param_dtype, compute_dtype,
-                                device))
+                        [group_of[id(p)] for _, p in run], group.size)
+        return _make_unit(flat, group, scale, unit_module, stage, param_dtype, compute_dtype,
+                          device)
+
     if stage != 3:
-        return Built(built, None, [])
-    return Built([u for u in reversed(built) if u is not None], built[0], built[1:])
+        built = [make(bucket, group, scale, None)
+                 for run, group, scale in sharding.runs(list(reversed(named)))
+                 for bucket in split_by_size(run, int(bucket_mb * 2**20))]
+        return Built(built, [], [])
+    per_module = [[make(run, group, scale, unit_module)
+                   for run, group, scale in sharding.runs(module_named)]
+                  for module_named, unit_module in _module_runs(module, named, units)]
+    root, chain = per_module[0], [u for u in per_module[1:] if u]
+    return Built([u for units_of in reversed(per_module) for u in reversed(units_of)], root,
+                 chain)
 
 
 def _module_runs(module: nn.Module, named: Named, units: list[nn.Module] | None
@@ -222,21 +261,19 @@ def _module_runs(module: nn.Module, named: Named, units: list[nn.Module] | None
             owner[id(p)] = k
     runs = [([(n, p) for n, p in named if id(p) not in owner], module)]
     for k, m in enumerate(units):
-        run = [(n, p) for n, p in named if owner.get(id(p)) == k]
-        if run:
-            runs.append((run, m))
+        runs.append(([(n, p) for n, p in named if owner.get(id(p)) == k], m))
     return runs
 
 
 @torch.no_grad()
-def _make_unit(flat: FlatUnit, module: nn.Module | None, stage: int, rank: int,
-               param_dtype: torch.dtype, compute_dtype: torch.dtype,
+def _make_unit(flat: FlatUnit, group: comm.Group, scale: float, module: nn.Module | None,
+               stage: int, param_dtype: torch.dtype, compute_dtype: torch.dtype,
                device: torch.device | None = None) -> Unit:
     mixed = compute_dtype != param_dtype
-    lo, hi = flat.shard(rank)
+    lo, hi = flat.shard(group.rank)
     if flat.params[0].is_meta:
-        return _empty_unit(flat, module, stage, lo, hi, param_dtype, compute_dtype,
-                           device or torch.device("cpu"))
+        return _empty_unit(flat, group, scale, module, stage, lo, hi, param_dtype,
+                           compute_dtype, device or torch.device("cpu"))
     values = torch.zeros(flat.padded, dtype=param_dtype, device=flat.params[0].device)
     for p, offset in zip(flat.params, flat.offsets, strict=True):
         values[offset : offset + p.numel()] = p.detach().reshape(-1)
@@ -244,15 +281,15 @@ def _make_unit(flat: FlatUnit, module: nn.Module | None, stage: int, rank: int,
     master = values[lo:hi] if not mixed and stage < 3 else values[lo:hi].clone()
     for p, offset in zip(flat.params, flat.offsets, strict=True):
         p.data = full[offset : offset + p.numel()].view(p.shape)
-    unit = Unit(flat, full, master, module)
+    unit = Unit(flat, group, full, master, module, scale)
     if stage == 1:
         unit.grad = torch.zeros_like(full)
     return unit
 
 
-def _empty_unit(flat: FlatUnit, module: nn.Module | None, stage: int, lo: int, hi: int,
-                param_dtype: torch.dtype, compute_dtype: torch.dtype,
-                device: torch.device) -> Unit:
+def _empty_unit(flat: FlatUnit, group: comm.Group, scale: float, module: nn.Module | None,
+                stage: int, lo: int, hi: int, param_dtype: torch.dtype,
+                compute_dtype: torch.dtype, device: torch.device) -> Unit:
     """A unit of meta parameters: memory for what this rank holds, values to come (the
     parameters become views of `full`, which stage 3 releases right away)."""
     full = torch.empty(flat.padded, dtype=compute_dtype, device=device)  # never touched
@@ -267,7 +304,7 @@ def _empty_unit(flat: FlatUnit, module: nn.Module | None, stage: int, lo: int, h
         p.data = full[offset : offset + shape.numel()].view(shape)
     if stage == 3:
         full.untyped_storage().resize_(0)
-    unit = Unit(flat, full, master, module, gathered=stage != 3)
+    unit = Unit(flat, group, full, master, module, scale, gathered=stage != 3)
     if stage == 1:
         unit.grad = torch.zeros_like(full)
     return unit

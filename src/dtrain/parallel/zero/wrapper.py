@@ -20,8 +20,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from dtrain import comm
 from dtrain.errors import DtrainError
+from dtrain.models.moe import split_experts
 from dtrain.parallel import clip
-from dtrain.parallel.agreement import agreement_device, broadcast_state, check_same_model
+from dtrain.parallel.agreement import (
+    agreement_device,
+    broadcast_state,
+    broadcast_tensors,
+    check_same_model,
+)
 from dtrain.parallel.averaging import Averaging
 from dtrain.parallel.clip import GradPart
 from dtrain.parallel.data_parallel import parse_dtype
@@ -29,7 +35,15 @@ from dtrain.parallel.data_parallel.buckets import launch_ready
 from dtrain.parallel.zero import state_io as zero_state
 from dtrain.parallel.zero.optimizer import OptimizerFactory, group_index, shard_optimizer
 from dtrain.parallel.zero.optimizer import state_bytes as optimizer_bytes
-from dtrain.parallel.zero.units import Unit, build_units, one_dtype, segment, settle, unit_bytes
+from dtrain.parallel.zero.units import (
+    Sharding,
+    Unit,
+    build_units,
+    one_dtype,
+    segment,
+    settle,
+    unit_bytes,
+)
 
 GROWTH_INTERVAL = 2000  # fp16: steps without overflow before the loss scale doubles
 ParamTest = Callable[[nn.Parameter], bool]
@@ -60,6 +74,12 @@ class ZeRO(nn.Module):
             after the reduce-scatter inside the group, each rank's gradient shard
             is averaged by it with the same shard of the other replicas (a step it does not
             count leaves the group's own average).
+        expert_group: under expert parallelism, the ranks of `group` that hold the same
+            experts as this one (`mesh.group("edp")`): the experts each rank holds of the
+            model's MoE layers (dtrain.models.moe.split_experts) are sharded over it, in
+            units of their own, their gradients summed over it and divided by the size of
+            `group` (each expert's gradient already sums the tokens its expert-parallel
+            peers sent it); the rest as always.
 
     Raises:
         DtrainError: a bad stage or option, ranks with different models, or an optimizer
@@ -78,10 +98,16 @@ class ZeRO(nn.Module):
         algorithm: str = "auto",
         device: torch.device | str | None = None,
         averaging: Averaging | None = None,
+        expert_group: comm.GroupLike = None,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
             raise DtrainError(f"ZeRO stage={stage!r}: use 1, 2 or 3")
+        experts = split_experts(module)
+        if experts and (averaging is not None or expert_group is None):
+            raise DtrainError("ZeRO of a model whose experts are split (expert parallelism) "
+                              "needs expert_group= (mesh.group(\"edp\")), and does not take "
+                              "averaging=")
         if bucket_mb <= 0:
             raise DtrainError(f"ZeRO bucket_mb={bucket_mb} must be positive")
         self.module = module
@@ -93,9 +119,17 @@ class ZeRO(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise DtrainError("ZeRO: the module has no trainable parameters")
+        apart = frozenset(id(p) for p in experts)
+        sharding = Sharding(self.group)
+        if experts:
+            expert_ranks = comm.resolve(expert_group)
+            sharding = Sharding(self.group, apart, expert_ranks,
+                                expert_ranks.size / self.size)
         if self.size > 1:
             check_same_model([p for _, p in named], self.group, "ZeRO", algorithm)
-            broadcast_state(module, self.group, algorithm)
+            broadcast_state(module, self.group, algorithm, skip=apart)
+            if experts and sharding.apart_group.size > 1:
+                broadcast_tensors(experts, sharding.apart_group, algorithm)
         self.param_dtype = one_dtype(named)
         self.compute_dtype = parse_dtype(mixed_precision) or self.param_dtype
         self.mixed = self.compute_dtype != self.param_dtype
@@ -111,13 +145,13 @@ class ZeRO(nn.Module):
         # state_dict key -> the trainable parameter it holds (tied weights: several keys)
         self.alias = {key: name_of[id(p)] for key, p in
                       module.named_parameters(remove_duplicate=False) if id(p) in name_of}
-        built = build_units(module, named, group_of, stage, units, bucket_mb, self.rank,
-                            self.size, self.param_dtype, self.compute_dtype,
+        built = build_units(module, named, group_of, stage, units, bucket_mb, sharding,
+                            self.param_dtype, self.compute_dtype,
                             torch.device(device) if device is not None else None)
         self.units: list[Unit] = built.units  # in the order their gradients are reduced
         self._root = built.root  # stage 3: what no unit claims, held from forward to backward
-        self._chain = built.chain  # stage 3: the units in forward order
-        self.optimizer = shard_optimizer(template, self.units, self.rank)
+        self._chain = built.chain  # stage 3: each module's units, in forward order
+        self.optimizer = shard_optimizer(template, self.units)
         self.averaging = averaging
         if averaging is not None:
             averaging.attach(module, self.optimizer)
@@ -131,14 +165,13 @@ class ZeRO(nn.Module):
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     self._grad_hook(unit, unit.flat.offsets[i])))
         if stage == 3:
-            for k, unit in enumerate(self._chain):
+            for k, (unit, *_) in enumerate(self._chain):
                 self._hooks.append(unit.module.register_forward_pre_hook(
                     lambda m, args, k=k: self._gather_for_forward(k)))
                 self._hooks.append(unit.module.register_forward_hook(
                     lambda m, args, out, k=k: self._after_forward(k, out)))
             self._hooks.append(module.register_forward_hook(self._after_root_forward))
-            for unit in self.units:
-                self._free(unit)
+            self._free(self.units)
 
     # ----------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -147,8 +180,7 @@ class ZeRO(nn.Module):
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         for unit in self.units:
             unit.reset_backward()
-        if self._root is not None:
-            self._gather(self._root)
+        self._gather(self._root)
         if self._chain:
             self._start_gather(self._chain[0])
         if self.mixed:
@@ -163,8 +195,7 @@ class ZeRO(nn.Module):
             self._start_gather(self._chain[k + 1])  # prefetch while this one computes
 
     def _after_forward(self, k: int, output: object) -> None:
-        unit = self._chain[k]
-        self._free(unit)
+        self._free(self._chain[k])
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -172,9 +203,8 @@ class ZeRO(nn.Module):
 
     def _after_root_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if not torch.is_grad_enabled():  # no backward follows
-            for unit in self.units:
-                self._free(unit)
-        elif self._root is not None:
+            self._free(self.units)
+        elif self._root:
             # The root is gathered again for this output's backward, which may come after
             # other forwards (a pipeline).
             for t in tree_flatten(output)[0]:
@@ -182,24 +212,29 @@ class ZeRO(nn.Module):
                     t.register_hook(lambda grad: self._gather(self._root))
 
     def _before_backward(self, k: int) -> None:
-        unit = self._chain[k]
-        if unit.backward_started:
+        units = self._chain[k]
+        if units[0].backward_started:
             return
-        unit.backward_started = True
-        self._gather(unit)
+        for unit in units:
+            unit.backward_started = True
+        self._gather(units)
         if k > 0:  # prefetch the unit whose backward comes next
             self._start_gather(self._chain[k - 1])
 
     # ----------------------------------------------------------------- stage 3 gathers
-    def _start_gather(self, unit: Unit) -> None:
-        unit.start_gather(self.group, self.algorithm)
+    def _start_gather(self, units: list[Unit]) -> None:
+        for unit in units:
+            unit.start_gather(self.algorithm)
 
-    def _gather(self, unit: Unit) -> None:
-        unit.gather(self.group, self.algorithm)
+    def _gather(self, units: list[Unit]) -> None:
+        self._start_gather(units)  # each group's gather in flight before waiting for any
+        for unit in units:
+            unit.gather(self.algorithm)
 
-    def _free(self, unit: Unit) -> None:
+    def _free(self, units: list[Unit]) -> None:
         if self.stage == 3:
-            unit.free()
+            for unit in units:
+                unit.free()
 
     # ----------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor) -> None:
@@ -229,8 +264,8 @@ class ZeRO(nn.Module):
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             unit.pending -= 1
             if unit.pending == 0:
-                if unit is not self._root:  # the root's parameters serve till backward ends
-                    self._free(unit)
+                if unit not in self._root:  # the root's parameters serve till backward ends
+                    self._free([unit])
                 if self._sync:
                     self._launch_ready()
 
@@ -240,7 +275,7 @@ class ZeRO(nn.Module):
         self._next_launch = launch_ready(self.units, self._next_launch, self._launch)
 
     def _launch(self, unit: Unit) -> None:
-        work = comm.reduce_scatter(unit.grad, op="avg", group=self.group, async_op=True,
+        work = comm.reduce_scatter(unit.grad, op="avg", group=unit.group, async_op=True,
                                    algorithm=self.algorithm)
         self._works.append((unit, work))
         if self.stage >= 2:
@@ -251,8 +286,8 @@ class ZeRO(nn.Module):
     def _finalize(self) -> None:
         """At the end of backward: send what is left, wait, keep each rank's shard."""
         self._finalize_queued = False
-        for unit in self.units:  # ready for the next backward, with or without a forward
-            self._free(unit)
+        self._free(self.units)  # ready for the next backward, with or without a forward
+        for unit in self.units:
             unit.reset_backward()
         if self._sync:
             self.reduce_gradients()
@@ -316,7 +351,7 @@ class ZeRO(nn.Module):
             if is_split is None and counted is None:
                 parts.append(GradPart(unit.shard_grad(), over=("dp",)))
                 continue
-            for span, param in unit.shard_spans(self.rank):
+            for span, param in unit.shard_spans():
                 split = is_split is not None and is_split(param)
                 parts.append(GradPart(segment(unit.shard_grad(), span),
                                       over=("dp", "tp") if split else ("dp",),
@@ -357,10 +392,10 @@ class ZeRO(nn.Module):
             return
         works = []
         for unit in self.units:
-            shard = unit.full[slice(*unit.flat.shard(self.rank))]
+            shard = unit.full[slice(*unit.flat.shard(unit.rank))]
             if self.mixed:
                 shard.copy_(unit.master)
-            works.append(comm.all_gather(shard, group=self.group, async_op=True,
+            works.append(comm.all_gather(shard, group=unit.group, async_op=True,
                                          algorithm=self.algorithm))
         for unit, work in zip(self.units, works, strict=True):
             unit.full.copy_(work.wait())
