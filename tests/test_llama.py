@@ -23,6 +23,7 @@ ALGORITHM = "native"
 SMALL = {"block_size": 16, "n_layer": 2, "n_embd": 32, "n_head": 4}
 TIED = ModelConfig(arch="llama", **SMALL, n_kv_head=2, ffn_hidden=64, tie_embeddings=True)
 UNTIED = dataclasses.replace(TIED, tie_embeddings=False, rope_theta=500000.0)
+QK_NORM = dataclasses.replace(TIED, qk_norm=True)  # Qwen3's per-head norms, shared by heads
 
 
 def model_of(cfg: ModelConfig) -> torch.nn.Module:
@@ -134,10 +135,11 @@ def split_rank(base: Llama, x: torch.Tensor, y: torch.Tensor) -> tuple:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("cfg", [TIED, pytest.param(UNTIED, marks=pytest.mark.slow)],
-                         ids=["tied", "untied"])
+@pytest.mark.parametrize("cfg", [TIED, QK_NORM, pytest.param(UNTIED, marks=pytest.mark.slow)],
+                         ids=["tied", "qk-norm", "untied"])
 def test_tensor_parallel_loss_and_gradients_equal_unsplit(cfg: ModelConfig) -> None:
-    """Two processes on gloo, each holding one of the two key/value heads."""
+    """Two processes on gloo, each holding one of the two key/value heads (with Qwen3's
+    per-head norms: whole on each rank, their gradients summed over its heads)."""
     base = model_of(cfg)
     x, y = tokens(0)
     split = copy.deepcopy(base)

@@ -433,3 +433,93 @@ def test_hugging_face_moe_models_in_and_out_give_their_logits(make, tmp_path: Pa
     assert type(again) is type(hf)
     with torch.no_grad():
         torch.testing.assert_close(again(x).logits, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [hf_mixtral, hf_qwen3_moe], ids=["mixtral", "qwen3-moe"])
+def test_arch_hf_swaps_the_sparse_blocks_and_keeps_the_logits(make, tmp_path: Path) -> None:
+    """`arch = "hf"` of a Mixtral or Qwen3-MoE folder: each sparse block is dtrain's MoE
+    layer holding the same parameters under the same names (Qwen3-MoE's dense first
+    block stays transformers' MLP); `init_from`'s reader fills it from the folder's
+    tensor-per-expert files, and it gives transformers' logits."""
+    from dtrain.models.hf import HFCausalLM
+    from dtrain.models.weights import HFWeights
+
+    hf, _ = make()
+    hf.eval()
+    hf.save_pretrained(tmp_path)
+    cfg = ModelConfig(arch="hf", init_from=str(tmp_path), vocab_size=64, block_size=16)
+    model = dtrain.models.build(cfg).eval()
+    assert isinstance(model, HFCausalLM)
+    layers = model.hf.model.layers
+    assert all(isinstance(layer.mlp, MoE) for layer in layers[1:])
+    assert isinstance(layers[0].mlp, MoE) == (hf.config.model_type == "mixtral")
+    assert dict(model.named_parameters()).keys() == {
+        f"hf.{n}" for n, _ in hf.named_parameters()} | {
+        f"hf.model.layers.{i}.mlp.gate.expert_bias" for i in range(len(layers))
+        if isinstance(layers[i].mlp, MoE)}
+    weights = HFWeights(tmp_path, hf_names(cfg, model))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights.tensor(MODEL + name))
+        torch.testing.assert_close(model(x), hf(x).logits, rtol=1e-4, atol=1e-5)
+
+
+HF_MOE_TOML = """
+[model]
+arch = "hf"
+init_from = "{folder}"
+block_size = 16
+""" + BASE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_arch_hf_moe_trains_in_expert_parallel_layouts(tmp_path: Path) -> None:
+    """`dtrain train` of a Qwen3-MoE folder (`arch = "hf"`, `init_from`; a dense first block
+    and two MoE blocks of 8 experts) on one process, at tp = 2 x ep = 2 on four ranks (the
+    Qwen3 plan: attention split by heads, MoE blocks whole) and at ZeRO-2 x ep = 4 on four:
+    every step's loss and the final weights equal; `dtrain export --format hf` writes a
+    folder transformers loads with the logits of dtrain's trained model."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from dtrain.models.hf import HFCausalLM
+
+    torch.manual_seed(3)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], max_position_embeddings=16,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)).save_pretrained(
+            tmp_path / "qwen3")
+    config = tmp_path / "hf.toml"
+    config.write_text(HF_MOE_TOML.format(folder=tmp_path / "qwen3"))
+
+    def run(name: str, *args: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+        out, metrics = tmp_path / name, tmp_path / f"{name}.jsonl"
+        result = cli.dtrain("train", str(config), *args, "--set", "train.steps=3", "--set",
+                            f"train.out_dir='{out}'", "--metrics", str(metrics), timeout=170)
+        assert result.returncode == 0, result.stdout + result.stderr
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        ckpt = out / "checkpoints"
+        return ([r["loss"] for r in rows if "loss" in r],
+                load_file(universal.export(ckpt, out / "model.safetensors")))
+
+    want, weights = run("one", "-n", "1")
+    for args in (["--set", "parallel.tp=2", "--set", "parallel.ep=2"],
+                 ["--set", "parallel.zero=2", "--set", "parallel.ep=4"]):
+        losses, got = run("-".join(args[1::2]), "-n", "4", *args)
+        torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, weights, rtol=1e-4, atol=5e-5)
+    exported = tmp_path / "export"
+    result = cli.dtrain("export", str(tmp_path / "one" / "checkpoints"), str(exported),
+                        "--format", "hf")
+    assert result.returncode == 0, result.stdout + result.stderr
+    model = dtrain.models.build(ModelConfig(arch="hf", init_from=str(tmp_path / "qwen3"),
+                                            vocab_size=256, block_size=16)).eval()
+    assert isinstance(model, HFCausalLM)
+    model.load_state_dict(weights)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(exported).eval()(
+            x).logits, model(x), rtol=1e-4, atol=1e-5)

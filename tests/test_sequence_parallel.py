@@ -28,6 +28,8 @@ CONFIGS = {
     "gpt": GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_embd=32),
     "llama": LlamaConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_kv_head=2,
                          n_embd=32, ffn_hidden=64),
+    "qwen3": LlamaConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_kv_head=2,
+                         n_embd=32, ffn_hidden=64, qk_norm=True),
 }
 
 
@@ -138,11 +140,13 @@ def equal_then_train(rank: int, base: nn.Module) -> dict:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "qwen3"])
 def test_equals_one_process(arch: str) -> None:
     """tp=2 with sequence parallelism: logits, loss and every gradient of a step, then
-    training steps (clipped AdamW), equal the unsplit model's. The forward sends what
-    plain tensor parallelism sends, plus the head's gather: q, k, v share one gather."""
+    training steps (clipped AdamW), equal the unsplit model's (Qwen3's per-head norms,
+    which see the whole sequence and this rank's heads, summed over the heads only). The
+    forward sends what plain tensor parallelism sends, plus the head's gather: q, k, v
+    share one gather."""
     base = build(arch)
     serial = copy.deepcopy(base)
     logits, loss = serial(*tokens(0))

@@ -45,6 +45,7 @@ from dtrain.errors import ConfigError
 from dtrain.job_layout import Layout, resolve_layout
 from dtrain.models import presets as models_presets
 from dtrain.models.config import ARCHS, ModelConfig, check_moe, check_shape, with_preset
+from dtrain.models.hf import hf_experts
 from dtrain.models.llama import moe_config
 from dtrain.models.moe.router import ROUTERS
 from dtrain.ps.settings import CONSISTENCY
@@ -454,7 +455,9 @@ def _validate_moe(config: Config) -> None:
     m = with_preset(config.model, models_presets())
     check_moe(m)
     experts = m.n_experts if m.arch == "llama" else 0
-    if experts:
+    if m.arch == "hf" and p.ep > 1:  # its config.json says (read only when it matters)
+        experts = hf_experts(m)
+    if experts and m.arch == "llama":
         moe_config(m)  # its rules: top-k within the experts, a known router, ...
     if experts and p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel with a mixture-of-experts model is not "
@@ -467,7 +470,8 @@ def _validate_moe(config: Config) -> None:
         return
     if not experts:
         raise ConfigError(f"parallel.ep = {p.ep} splits experts, and this model has none: set "
-                          "model.n_experts (dtrain's Llama, model.arch = \"llama\")")
+                          "model.n_experts (dtrain's Llama, model.arch = \"llama\"), or "
+                          "name a Mixtral or Qwen3-MoE config (model.arch = \"hf\")")
     if experts % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep} does not divide model.n_experts = {experts}: "
                           "choose an expert-parallel degree that divides it")

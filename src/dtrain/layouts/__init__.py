@@ -34,6 +34,7 @@ from dtrain.models import init, moe, recompute
 from dtrain.models.weights import SlicedWeights
 from dtrain.parallel.averaging import Averaging
 from dtrain.parallel.sync.diloco import DiLoCo
+from dtrain.tensor_parallel.parallelize import sum_headwise_grads
 from dtrain.tensor_parallel.plan_of import check_sequence_parallel, split_model
 from dtrain.tensor_parallel.sequence import apply_sequence_parallel
 
@@ -96,6 +97,8 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
                           **({"averaging": averaging} if averaging else {}))
     if skeleton:
         held.restore(weights)
+        if layout.tp > 1:  # the allocated parameters of per-head norms sum their gradients
+            sum_headwise_grads(model)
     if sequence:  # after allocation: its gradient hooks go on the real parameters
         apply_sequence_parallel(model, mesh.group("tp"))
     replicas = mesh.size("dp_replicate")

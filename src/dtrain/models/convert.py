@@ -18,7 +18,7 @@ from typing import Any
 
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
-from dtrain.models.hf_places import HFName, Stacked, Zeros
+from dtrain.models.hf_places import HFName, expert_places
 from dtrain.models.llama import LlamaConfig, llama_config
 
 
@@ -138,17 +138,8 @@ def _llama_names(cfg: ModelConfig) -> dict[str, tuple[HFName, bool]]:
                 names[f"blocks.{i}.{ours}.weight"] = (f"{layer}.{theirs}.weight", False)
             continue
         assert llama.moe is not None
-        n = llama.moe.n_experts
-        if family == "mixtral":  # its files keep each expert's w1 (gate), w3 (up), w2 (down)
-            moe, gate_up, down = f"{layer}.block_sparse_moe", ("w1", "w3"), ("w2",)
-        else:
-            moe, gate_up, down = f"{layer}.mlp", ("gate_proj", "up_proj"), ("down_proj",)
-        names[f"blocks.{i}.mlp.gate.weight"] = (f"{moe}.gate.weight", False)
-        names[f"blocks.{i}.mlp.gate.expert_bias"] = (Zeros((n,)), False)
-        names[f"blocks.{i}.mlp.experts.gate_up_proj"] = (Stacked(tuple(
-            f"{moe}.experts.{{e}}.{w}.weight" for w in gate_up), n), False)
-        names[f"blocks.{i}.mlp.experts.down_proj"] = (Stacked(tuple(
-            f"{moe}.experts.{{e}}.{w}.weight" for w in down), n), False)
+        for ours, place in expert_places(family, layer, llama.moe.n_experts).items():
+            names[f"blocks.{i}.mlp.{ours}"] = (place, False)
     names["norm.weight"] = ("model.norm.weight", False)
     if not cfg.tie_embeddings:
         names["head.weight"] = ("lm_head.weight", False)

@@ -9,7 +9,13 @@ initialized from torch's current RNG (no download, no weights: `init_from` is lo
 the layouts through `hf_names`), and wraps it in `HFCausalLM`, which gives it dtrain's
 calls: forward(idx, targets) -> (logits, loss) through a `loss_fn` module (tensor
 parallelism swaps it for the vocab-parallel loss), pipeline stages for the Llama family
-(Llama, Mistral, Qwen2) and GPT-2, and `after_split` for tensor parallelism.
+(Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE) and GPT-2, and `after_split` for tensor
+parallelism.
+
+Mixtral's and Qwen3-MoE's sparse blocks become dtrain's MoE layer (dtrain.models.moe)
+holding the same parameters under the same names: it computes what theirs does (softmax
+top-k routing, dropless), with grouped expert products instead of a Python loop over
+experts, and splits over an expert-parallel group (`parallel.ep`) like dtrain's Llama.
 
 Attention is SDPA: without a mask it is causal, so the pipeline's stages call the blocks
 with `attention_mask=None`. GPT-2's `Conv1D` layers (an nn.Linear with its weight stored
@@ -30,6 +36,8 @@ from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
+from dtrain.models.hf_places import HFName, expert_places
+from dtrain.models.moe import MoE, MoEConfig
 
 if TYPE_CHECKING:  # transformers is optional: imported where arch "hf" needs it
     from transformers import PretrainedConfig
@@ -43,8 +51,12 @@ class Family(enum.Enum):
 
 
 FAMILIES = {"llama": Family.ROTARY, "mistral": Family.ROTARY, "qwen2": Family.ROTARY,
-            "gpt2": Family.GPT2}
+            "mixtral": Family.ROTARY, "qwen3_moe": Family.ROTARY, "gpt2": Family.GPT2}
 """Hugging Face model_type -> the family whose pipeline stages dtrain knows."""
+
+SPARSE_BLOCKS = {"mixtral": "MixtralSparseMoeBlock", "qwen3_moe": "Qwen3MoeSparseMoeBlock"}
+"""Hugging Face model_type -> the class of its sparse MoE blocks, which dtrain swaps for its
+own MoE layer of the same parameters."""
 
 
 def _one_line(exc: BaseException) -> str:
@@ -165,6 +177,56 @@ def build_hf(cfg: ModelConfig, saved: dict[str, Any] | None = None) -> HFCausalL
     return HFCausalLM(hf, cfg.block_size)
 
 
+def moe_config_of(config: PretrainedConfig) -> MoEConfig:
+    """dtrain's MoE layer computing a Mixtral or Qwen3-MoE sparse block of `config`."""
+    return MoEConfig(n_experts=getattr(config, "num_local_experts", None) or config.num_experts,
+                     experts_per_token=config.num_experts_per_tok,
+                     hidden=getattr(config, "moe_intermediate_size", None)
+                     or config.intermediate_size,
+                     norm_topk_prob=getattr(config, "norm_topk_prob", True))
+
+
+def hf_experts(cfg: ModelConfig) -> int:
+    """The routed experts per MoE layer of the Hugging Face model `cfg` names (0: a dense
+    model, or one whose MoE blocks dtrain does not know), read from its config.json.
+
+    Raises:
+        ConfigError: no config named, or the file missing or not JSON.
+    """
+    key, file = _config_file(cfg)
+    data = _read_json(key, file)
+    if not isinstance(data, dict) or data.get("model_type") not in SPARSE_BLOCKS:
+        return 0
+    return int(data.get("num_local_experts") or data.get("num_experts") or 0)
+
+
+def _swap_moe(hf: nn.Module) -> None:
+    """Replace each sparse MoE block of a Mixtral or Qwen3-MoE model by dtrain's MoE layer
+    holding the same parameters (router weight, stacked experts) under the same names.
+
+    Raises:
+        ConfigError: Mixtral's router jitter, which dtrain's router does not add.
+    """
+    config = hf.config
+    block_class = SPARSE_BLOCKS.get(config.model_type)
+    if block_class is None:
+        return
+    if getattr(config, "router_jitter_noise", 0):
+        raise ConfigError(f"model.hf_config: router_jitter_noise = {config.router_jitter_noise} "
+                          "is not supported by dtrain's MoE layer: set it to 0")
+    moe_cfg = moe_config_of(config)
+    for layer in hf.model.layers:
+        block = layer.mlp
+        if type(block).__name__ != block_class:
+            continue  # a dense MLP (Qwen3-MoE's mlp_only_layers)
+        with torch.device(block.gate.weight.device):
+            moe = MoE(moe_cfg, config.hidden_size)
+        moe.gate.weight = block.gate.weight
+        moe.experts.gate_up_proj = block.experts.gate_up_proj
+        moe.experts.down_proj = block.experts.down_proj
+        layer.mlp = moe
+
+
 def _linear_of(conv: nn.Module) -> nn.Linear:
     """An nn.Linear computing what a transformers Conv1D does (its weight transposed)."""
     linear = nn.Linear(conv.nx, conv.nf, bias=conv.bias is not None, device="meta")
@@ -203,6 +265,7 @@ class HFCausalLM(nn.Module):
         self.block_size = block_size
         # Parameter names ("hf....weight") whose Hugging Face tensor is this one transposed.
         self.transposed: set[str] = _convert_conv1d(hf, "hf.")
+        _swap_moe(hf)
         self.family: Family | None = FAMILIES.get(hf.config.model_type)
         self.loss_fn = nn.CrossEntropyLoss()  # a module, so tensor parallelism can swap it
         self.train()
@@ -273,9 +336,18 @@ class HFCausalLM(nn.Module):
         return self.hf.lm_head(norm(h))
 
 
-def hf_names(model: HFCausalLM) -> dict[str, tuple[str, bool]]:
+def hf_names(model: HFCausalLM) -> dict[str, tuple[HFName, bool]]:
     """dtrain parameter name (as `model.named_parameters()` gives it: a tied head is not
-    listed) -> (the Hugging Face parameter name, whether the tensor is stored transposed
-    there: GPT-2's Conv1D weights)."""
-    return {name: (name.removeprefix("hf."), name in model.transposed)
-            for name, _ in model.named_parameters()}
+    listed) -> (where the tensor lives in a Hugging Face folder, whether it is stored
+    transposed there: GPT-2's Conv1D weights). A MoE layer's tensors are where Mixtral's
+    and Qwen3-MoE's files keep them (dtrain.models.hf_places.expert_places)."""
+    names: dict[str, tuple[HFName, bool]] = {
+        name: (name.removeprefix("hf."), name in model.transposed)
+        for name, _ in model.named_parameters()}
+    model_type = model.hf.config.model_type
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            layer = name.removeprefix("hf.").removesuffix(".mlp")
+            for ours, place in expert_places(model_type, layer, module.cfg.n_experts).items():
+                names[f"{name}.{ours}"] = (place, False)
+    return names

@@ -44,3 +44,23 @@ class Zeros:
 HFName = str | Stacked | Zeros
 """Where a dtrain tensor lives in a Hugging Face folder: one tensor's name, one per expert,
 or nowhere (zeros)."""
+
+
+def expert_places(model_type: str, layer: str, n_experts: int) -> dict[str, HFName]:
+    """Where a MoE block's tensors (by their names under dtrain's MoE layer) live in a
+    Mixtral (`model_type` "mixtral") or Qwen3-MoE ("qwen3_moe") folder, `layer` being the
+    block's prefix there ("model.layers.3"): Mixtral's files keep each expert's w1 (gate),
+    w3 (up) and w2 (down) under block_sparse_moe, Qwen3-MoE's its gate_proj, up_proj and
+    down_proj under mlp; the balancing bias has no place (a softmax router's is zeros)."""
+    if model_type == "mixtral":
+        moe, gate_up, down = f"{layer}.block_sparse_moe", ("w1", "w3"), ("w2",)
+    else:
+        moe, gate_up, down = f"{layer}.mlp", ("gate_proj", "up_proj"), ("down_proj",)
+    return {
+        "gate.weight": f"{moe}.gate.weight",
+        "gate.expert_bias": Zeros((n_experts,)),
+        "experts.gate_up_proj": Stacked(tuple(f"{moe}.experts.{{e}}.{w}.weight"
+                                              for w in gate_up), n_experts),
+        "experts.down_proj": Stacked(tuple(f"{moe}.experts.{{e}}.{w}.weight" for w in down),
+                                     n_experts),
+    }

@@ -215,6 +215,8 @@ def _hf_rule(hf: nn.Module) -> Callable[[nn.Module, str], Init]:
     def rule(module: nn.Module, pname: str) -> Init:
         if isinstance(module, nn.Linear) and pname == "weight":
             return normal(std)
+        if isinstance(module, (Router, Experts)):  # a swapped sparse block: as theirs draws it
+            return constant(0.0) if pname == "expert_bias" else normal(std)
         if isinstance(module, nn.Embedding) and pname == "weight":
             return normal(std, module.padding_idx)
         return _whole(hf._init_weights)

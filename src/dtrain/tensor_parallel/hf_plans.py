@@ -23,12 +23,18 @@ from dtrain.tensor_parallel.parallelize import Colwise, Style
 if TYPE_CHECKING:  # transformers is optional
     from transformers import PretrainedConfig
 
-ROTARY_TYPES = ("llama", "mistral", "qwen2")
+ROTARY_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
+QK_NORM_TYPES = ("qwen3_moe",)
+"""Rotary model types whose attention normalizes each query and key head."""
 
 
-def _rotary_plan(config: PretrainedConfig) -> dict[str, Style | str]:
-    """Llama, Mistral, Qwen2: Q by query heads, K and V by key/value heads (Qwen2's biases
-    split with them), the SwiGLU's gate and up colwise and down rowwise."""
+def _rotary_plan(config: PretrainedConfig, dense: bool) -> dict[str, Style | str]:
+    """Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE: Q by query heads, K and V by key/value
+    heads (Qwen2's biases split with them; Qwen3-MoE's per-head norms whole on every rank,
+    their gradients summed over it: "headwise"),
+    a dense SwiGLU's gate and up colwise and down rowwise. A MoE block (dtrain's layer,
+    dtrain.models.hf) stays whole on every tp rank, as in dtrain's Llama; `dense`: whether
+    any block has a dense MLP."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     layer = "hf.model.layers.*."
@@ -38,9 +44,10 @@ def _rotary_plan(config: PretrainedConfig) -> dict[str, Style | str]:
         f"{layer}self_attn.k_proj": Colwise(heads=kv_heads),
         f"{layer}self_attn.v_proj": Colwise(heads=kv_heads),
         f"{layer}self_attn.o_proj": "rowwise",
-        f"{layer}mlp.gate_proj": "colwise",
-        f"{layer}mlp.up_proj": "colwise",
-        f"{layer}mlp.down_proj": "rowwise",
+        **({f"{layer}self_attn.q_norm": "headwise", f"{layer}self_attn.k_norm": "headwise"}
+           if config.model_type in QK_NORM_TYPES else {}),
+        **({f"{layer}mlp.gate_proj": "colwise", f"{layer}mlp.up_proj": "colwise",
+            f"{layer}mlp.down_proj": "rowwise"} if dense else {}),
         "hf.lm_head": "colwise",
         "loss_fn": "vocab_loss",
     }
@@ -83,7 +90,8 @@ def hf_plan(model: HFCausalLM) -> dict[str, Style | str]:
     """
     config = model.hf.config
     if config.model_type in ROTARY_TYPES:
-        return _rotary_plan(config)
+        dense = any(name.endswith(".mlp.gate_proj") for name, _ in model.named_modules())
+        return _rotary_plan(config, dense)
     if config.model_type == "gpt2":
         return _gpt2_plan(config)
     raise ConfigError(f"no tensor-parallel plan for Hugging Face model type "

@@ -7,6 +7,12 @@ one dotted component (`blocks.*.mlp.fc` names the fc of every block, not of nest
     "rowwise"     nn.Linear -> RowParallelLinear      (or Rowwise(input_is_parallel=False))
     "vocab"       nn.Embedding -> VocabParallelEmbedding
     "vocab_loss"  nn.CrossEntropyLoss -> VocabParallelCrossEntropy (after a colwise head)
+    "headwise"    a module applied to each head with weights all heads share (Qwen3's
+                  per-head q_norm and k_norm): whole on every rank, its gradients summed
+
+A headwise module's gradient on a rank comes from that rank's heads only; a hook sums it
+over the group as backward reaches it (`sum_headwise_grads`: parallelize hooks the
+parameters it finds allocated; a model built in split form is hooked once allocated).
 
 Each new layer receives this rank's block of the original weights, so the parallelized
 model computes the same function. Parameters shared between layers (tied embeddings) stay
@@ -102,6 +108,45 @@ class Vocab:
                                       dtype=module.weight.dtype)
 
 
+class SumOverGroup:
+    """A gradient hook: a replicated parameter's gradient from this rank's part of the work
+    (its part of the sequence, or its heads), summed over the group into the whole's.
+    Every rank's backward reaches the same parameters in the same order, so the
+    all-reduces line up."""
+
+    def __init__(self, group: comm.Group, algorithm: str) -> None:
+        self.group, self.algorithm = group, algorithm
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce(grad.contiguous().clone(), group=self.group,
+                               algorithm=self.algorithm)
+
+
+@dataclass(frozen=True)
+class Headwise:
+    """Keep a module whole on every rank of a module applied to each attention head with
+    weights every head shares (Qwen3's q_norm and k_norm): each rank applies it to its own
+    heads, so its gradients are summed over the group (the module's `headwise` hook)."""
+
+    def build(self, name: str, module: nn.Module, group: comm.Group,
+              algorithm: str) -> nn.Module:
+        module.headwise = SumOverGroup(group, algorithm)
+        return module
+
+
+def sum_headwise_grads(model: nn.Module) -> None:
+    """Hook the allocated parameters of `model`'s headwise modules so that their gradients
+    are summed over the tensor-parallel group: parallelize does it for parameters that
+    have memory; a model built in split form (dtrain.models.init) needs it once allocated
+    (dtrain.layouts calls it), as allocation makes new tensors that have no hooks."""
+    for module in model.modules():
+        hook = getattr(module, "headwise", None)
+        if isinstance(hook, SumOverGroup):
+            for p in module.parameters():
+                if p.requires_grad and not p.is_meta:
+                    p.register_hook(hook)
+
+
 @dataclass(frozen=True)
 class VocabLoss:
     """Replace nn.CrossEntropyLoss by the vocab-parallel loss (logits split by a colwise
@@ -116,9 +161,9 @@ class VocabLoss:
                                          algorithm)
 
 
-Style = Colwise | Rowwise | Vocab | VocabLoss
+Style = Colwise | Rowwise | Vocab | VocabLoss | Headwise
 STYLES: dict[str, Style] = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": Vocab(),
-                            "vocab_loss": VocabLoss()}
+                            "vocab_loss": VocabLoss(), "headwise": Headwise()}
 
 
 def _style(pattern: str, value: Style | str) -> Style:
@@ -210,4 +255,6 @@ def parallelize(model: nn.Module, plan: dict[str, Style | str], group: comm.Grou
         if id(param) in shared:
             raise ConfigError(f"plan: {name} is tied to {shared[id(param)][2]}, which the plan "
                               f"splits: add {name.rpartition('.')[0]} to the plan")
+    if g.size > 1:
+        sum_headwise_grads(model)
     return model

@@ -34,7 +34,8 @@ def llama_plan(cfg: LlamaConfig) -> dict[str, Style | str]:
     tensor-parallel degree must divide `cfg.n_kv_head`, and each rank's query heads read
     its own key/value heads), the SwiGLU's gate and up column-parallel and down
     row-parallel; the embedding and the head split by vocabulary (tied or not) and the loss
-    vocab-parallel, as in `gpt_plan`. RMSNorms stay replicated.
+    vocab-parallel, as in `gpt_plan`. RMSNorms stay replicated; Qwen3's per-head norms
+    (`qk_norm`) too, their gradients summed over the heads' ranks ("headwise").
 
     A mixture-of-experts block's MLP stays whole on every tensor-parallel rank (its router,
     experts and shared experts; expert parallelism splits the experts over data-parallel
@@ -53,6 +54,8 @@ def llama_plan(cfg: LlamaConfig) -> dict[str, Style | str]:
         "blocks.*.attn.k_proj": Colwise(heads=cfg.n_kv_head),
         "blocks.*.attn.v_proj": Colwise(heads=cfg.n_kv_head),
         "blocks.*.attn.o_proj": "rowwise",
+        **({"blocks.*.attn.q_norm": "headwise", "blocks.*.attn.k_norm": "headwise"}
+           if cfg.qk_norm else {}),
         **mlp,
         "head": "colwise",
         "loss_fn": "vocab_loss",

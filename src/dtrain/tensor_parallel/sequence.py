@@ -32,6 +32,7 @@ from dtrain.errors import ConfigError
 from dtrain.models.stages import AttentionCore, Stages
 from dtrain.tensor_parallel.functions import SEQUENCE, SequenceGather, scatter_sequence
 from dtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from dtrain.tensor_parallel.parallelize import SumOverGroup
 from dtrain.tensor_parallel.whole import placements
 
 
@@ -53,19 +54,6 @@ class CutSequence:
                               f"divide into tp={parts} parts: use sequences whose length is a "
                               f"multiple of {parts}")
         return scatter_sequence(output, self.group, self.algorithm)
-
-
-class SumOverGroup:
-    """A gradient hook: a replicated parameter's gradient from this rank's part of the
-    sequence, summed over the group into the whole sequence's. Every rank's backward
-    reaches the same parameters in the same order, so the all-reduces line up."""
-
-    def __init__(self, group: comm.Group, algorithm: str) -> None:
-        self.group, self.algorithm = group, algorithm
-
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(grad.contiguous().clone(), group=self.group,
-                               algorithm=self.algorithm)
 
 
 def _check_attention(model: nn.Module, blocks: str) -> None:
@@ -138,6 +126,8 @@ def apply_sequence_parallel(model: nn.Module, group: comm.GroupLike = None,
     # Split parameters meet the whole sequence (their layers gather it); the input part's
     # run before the cut. Neither is summed.
     skip = before | {id(named[name]) for name in placements(model) if name in named}
+    skip |= {id(p) for m in model.modules() if getattr(m, "headwise", None) is not None
+             for p in m.parameters()}  # summed over the heads already, whatever the part
     for part in after:
         for p in part.parameters():
             if p.requires_grad and id(p) not in skip:
