@@ -365,6 +365,24 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
     assert all(len(r["moe_imbalance"]) == 1 and 0 < r["moe_dropped"][0] < 1 for r in one)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_live_replicas_with_expert_parallelism_equal_them_without(tmp_path: Path) -> None:
+    """`dtrain train` of moe-tiny with two live replicas of ZeRO-2 over two ranks: with
+    ep = 2 inside each replica (its experts sharded over their own ranks, each shard then
+    averaged with the other replica's same shard) every step's loss and the final weights
+    equal the same replicas' without expert parallelism."""
+    live = ["-n", "4", "--set", "fault_tolerance.mode='live'", "--set", "parallel.zero=2",
+            "--set", "parallel.dp=2"]
+    plain, plain_ckpt = moe_run(tmp_path / "plain", live, 4)
+    split, split_ckpt = moe_run(tmp_path / "ep", [*live, "--set", "parallel.ep=2"], 4)
+    torch.testing.assert_close([r["loss"] for r in split], [r["loss"] for r in plain],
+                               rtol=1e-5, atol=1e-6)
+    want = load_file(universal.export(plain_ckpt, plain_ckpt.parent / "model.safetensors"))
+    got = load_file(universal.export(split_ckpt, split_ckpt.parent / "model.safetensors"))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)
+
+
 # ------------------------------------------------------------------ Hugging Face
 def hf_mixtral() -> tuple[nn.Module, ModelConfig]:
     from transformers import MixtralConfig, MixtralForCausalLM

@@ -478,12 +478,9 @@ def _validate_moe(config: Config) -> None:
     if p.mode == "ps":
         raise ConfigError("parallel.ep with parallel.mode = \"ps\": parameter servers hold "
                           "whole replicas; use parallel.mode = \"collective\"")
-    for what, unsupported in (("fault_tolerance.mode = \"live\"",
-                               config.fault_tolerance.mode == "live"),
-                              ("comm.compression", config.comm.compression != "none")):
-        if unsupported:
-            raise ConfigError(f"parallel.ep > 1 with {what} is not supported yet: leave "
-                              "parallel.ep = 1, or that option at its default")
+    if config.comm.compression != "none":
+        raise ConfigError("parallel.ep > 1 with comm.compression is not supported yet: leave "
+                          "parallel.ep = 1, or comm.compression = \"none\"")
 
 
 def _validate_slow_links(config: Config) -> None:

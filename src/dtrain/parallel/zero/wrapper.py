@@ -79,7 +79,9 @@ class ZeRO(nn.Module):
             model's MoE layers (dtrain.models.moe.split_experts) are sharded over it, in
             units of their own, their gradients summed over it and divided by the size of
             `group` (each expert's gradient already sums the tokens its expert-parallel
-            peers sent it); the rest as always.
+            peers sent it); the rest as always. With `averaging`, each shard is then
+            averaged with the same shard of the other replicas, which split their experts
+            alike (live replicas).
 
     Raises:
         DtrainError: a bad stage or option, ranks with different models, or an optimizer
@@ -104,10 +106,9 @@ class ZeRO(nn.Module):
         if stage not in (1, 2, 3):
             raise DtrainError(f"ZeRO stage={stage!r}: use 1, 2 or 3")
         experts = split_experts(module)
-        if experts and (averaging is not None or expert_group is None):
+        if experts and expert_group is None:
             raise DtrainError("ZeRO of a model whose experts are split (expert parallelism) "
-                              "needs expert_group= (mesh.group(\"edp\")), and does not take "
-                              "averaging=")
+                              "needs expert_group= (mesh.group(\"edp\"))")
         if bucket_mb <= 0:
             raise DtrainError(f"ZeRO bucket_mb={bucket_mb} must be positive")
         self.module = module
