@@ -278,6 +278,51 @@ def test_expert_parallel_ranks_equal_one_process(cases: list) -> None:
                 torch.testing.assert_close(got, value, msg=lambda m, at=label: f"{at}: {m}")
 
 
+def two_moe_llama() -> Llama:
+    """Both blocks MoE with the balance loss, so each of two pipeline stages has one."""
+    torch.manual_seed(0)
+    moe = MoEConfig(n_experts=E, experts_per_token=K, hidden=24, aux_loss_weight=0.1)
+    return Llama(LlamaConfig(**CFG, moe=moe, moe_layers=(0, 1)))
+
+
+def pipeline_rank() -> dict:
+    from dtrain import pipeline
+
+    model = two_moe_llama()
+    mine = pipeline.pieces_for(pipeline.cut(model, 2))
+    pipe = pipeline.Pipeline(mine, microbatches=2, loss_fn=pipeline.loss_of(model),
+                             extra_loss=pipeline.extra_loss_of(model, mine))
+    opt = torch.optim.AdamW(nn.ModuleList(mine).parameters(), lr=1e-2, eps=1e-4)
+    losses = []
+    for step in range(STEPS):
+        losses.append(pipe.step(*batch(step)).item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "state": {k: v for piece in mine
+                                        for k, v in piece.state_dict().items()}}
+
+
+@pytest.mark.timeout(60)
+def test_a_pipeline_adds_every_stage_s_balance_loss() -> None:
+    """A pipeline of two stages (two micro-batches), each with a MoE block whose balance loss
+    is on: each stage backpropagates its share with the gradient from the stage after it,
+    and the returned loss counts both, so losses and weights equal one process."""
+    model = two_moe_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    losses = []
+    for step in range(STEPS):
+        loss = model(*batch(step))[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = model.state_dict()
+    for r in run_ranks(pipeline_rank, 2, timeout=50):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(losses))
+        for name, value in r["state"].items():
+            torch.testing.assert_close(value, state[name], msg=name)
+
+
 # ------------------------------------------------------------------ dtrain train
 MOE_TOML = """
 [model]

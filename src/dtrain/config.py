@@ -462,10 +462,6 @@ def _validate_moe(config: Config) -> None:
     if experts and p.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel with a mixture-of-experts model is not "
                           "supported yet: leave sequence_parallel off")
-    if experts and m.aux_loss_weight and p.pp > 1:
-        raise ConfigError("model.aux_loss_weight with parallel.pp > 1 is not supported yet (the "
-                          "balance loss of a middle stage does not reach the loss): use "
-                          "model.router = \"sigmoid_bias\" with aux_loss_weight = 0")
     if p.ep == 1:
         return
     if not experts:

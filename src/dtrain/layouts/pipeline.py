@@ -54,7 +54,8 @@ class Pipelined(Holding):
         self.module = nn.ModuleList(wrapped)
         self.pipe = pipeline.Pipeline(wrapped, group, microbatches=layout.microbatches,
                                       schedule=layout.schedule,
-                                      loss_fn=pipeline.loss_of(model), tied=tied)
+                                      loss_fn=pipeline.loss_of(model), tied=tied,
+                                      extra_loss=pipeline.extra_loss_of(model, mine))
         self.groups = {"dp": dp, "tp": mesh.group("tp"), "pp": group,
                        **({"ep": mesh.group("ep")} if experts else {})}
         self.loss_group = dp

@@ -14,12 +14,12 @@ messages between stages (`p2p`) and the executor (`runtime`) are separate module
 """
 
 from dtrain.pipeline.partition import balanced_sizes, split, stage_sizes
-from dtrain.pipeline.pieces import Piece, cut, lm_loss, loss_of, tied_weights
+from dtrain.pipeline.pieces import Piece, cut, extra_loss_of, lm_loss, loss_of, tied_weights
 from dtrain.pipeline.runtime import Pipeline, full_state_dict, pieces_for
 from dtrain.pipeline.schedules import SCHEDULES, Action, build
 
 __all__ = [
     "SCHEDULES", "Action", "Piece", "Pipeline", "balanced_sizes", "build", "cut",
-    "full_state_dict", "lm_loss", "loss_of", "pieces_for", "split",
+    "extra_loss_of", "full_state_dict", "lm_loss", "loss_of", "pieces_for", "split",
     "stage_sizes", "tied_weights",
 ]

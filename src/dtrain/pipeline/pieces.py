@@ -5,7 +5,9 @@ A piece holds the model's own submodules under their own dotted names (`blocks.3
 slice of the model's. The first piece also holds the input part (embeddings), the last the
 output part (final norm, head). A weight the two share (a head tied to the token
 embedding) is named by `tied_weights` when the two sit on different ranks, so the Pipeline
-sums its gradients there as autograd does for one shared weight.
+sums its gradients there as autograd does for one shared weight. A loss the blocks compute
+on the way (a mixture of experts' load balancing) is added by each piece for its own
+blocks (`extra_loss_of`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.errors import ConfigError
+from dtrain.models.moe import moe_layers
 from dtrain.models.stages import Stages
 from dtrain.pipeline.partition import stage_sizes
 
@@ -95,6 +98,28 @@ def loss_of(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
         return loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     return loss
+
+
+ExtraLoss = Callable[[int], torch.Tensor | None]
+"""Chunk -> the share of the model's extra loss its piece's blocks computed in their last
+forward (None: none)."""
+
+
+def extra_loss_of(model: nn.Module, mine: Sequence[nn.Module]) -> ExtraLoss | None:
+    """What each of this rank's pieces `mine` (by chunk) adds to the loss of `model` on
+    the way: its MoE layers' share of the model's load-balancing loss
+    (dtrain.models.moe.aux_loss, the mean over all the model's MoE layers, so a piece's
+    share is the sum of its layers' over their total). None when the model has no MoE
+    layer."""
+    layers = len(moe_layers(model))
+    if not layers:
+        return None
+
+    def share(chunk: int) -> torch.Tensor | None:
+        losses = [m.aux_loss for m in moe_layers(mine[chunk]) if m.aux_loss is not None]
+        return torch.stack(losses).sum() / layers if losses else None
+
+    return share
 
 
 def tied_weights(model: nn.Module, mine: Sequence[Piece], group: comm.GroupLike = None

@@ -38,6 +38,7 @@ from dtrain.parallel import clip
 from dtrain.parallel.clip import GradPart
 from dtrain.pipeline import schedules
 from dtrain.pipeline.p2p import Channels
+from dtrain.pipeline.pieces import ExtraLoss
 from dtrain.pipeline.schedules import Action
 from dtrain.timeline import span
 
@@ -80,6 +81,11 @@ class Pipeline:
         timeline: record (kind, micro, chunk, start, end) of every action of the last step
             in `self.events`, in seconds from the step's start; `start` is when its compute
             began, after any wait for a message (for bubble measurements and plots).
+        extra_loss: `extra_loss(chunk)`, the loss this rank's piece of that chunk computed
+            on the way in its last forward (a mixture of experts' balance loss:
+            dtrain.pipeline.pieces.extra_loss_of), added to the model's: each stage
+            backpropagates its own with the gradient from the stages after it, and the
+            returned loss counts it.
 
     Raises:
         ConfigError: an unknown schedule, or micro-batches/chunks it cannot use.
@@ -88,11 +94,13 @@ class Pipeline:
     def __init__(self, pieces: nn.Module | Sequence[nn.Module], group: comm.GroupLike = None,
                  microbatches: int = 1, schedule: str = "1f1b",
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 tied: Sequence[tuple[nn.Parameter, int]] = (), timeline: bool = False) -> None:
+                 tied: Sequence[tuple[nn.Parameter, int]] = (), timeline: bool = False,
+                 extra_loss: ExtraLoss | None = None) -> None:
         self.pieces = [pieces] if isinstance(pieces, nn.Module) else list(pieces)
         self.group = comm.resolve(group)
         self.pp, self.rank, self.chunks = self.group.size, self.group.rank, len(self.pieces)
         self.microbatches, self.schedule, self.loss_fn = microbatches, schedule, loss_fn
+        self.extra_loss = extra_loss
         self.actions = schedules.build(schedule, self.pp, self.rank, microbatches, self.chunks)
         self.tied = list(tied)
         # Sharded pieces (ZeRO) keep gradients as shards, not in param.grad. With tied
@@ -152,7 +160,7 @@ class Pipeline:
              targets: torch.Tensor | None, backward: bool) -> torch.Tensor:
         micro_in = self._split(inputs, "input") if self._needs("input") else None
         micro_tg = self._split(targets, "target") if self._needs("target") else None
-        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         self.events, self.peak_live = [], 0
         origin = time.perf_counter()
@@ -162,14 +170,16 @@ class Pipeline:
             with span(kind, kind, micro=action.micro, chunk=action.chunk):
                 if action.kind == "F":
                     out, inp = self._forward(action, micro_in, micro_tg, backward)
-                    if self._is_last(action.chunk):
-                        total += out.detach().double() * self.microbatches
+                    extra = self._extra(action.chunk)
+                    for loss in ([out] if self._is_last(action.chunk) else []) + \
+                            ([extra] if extra is not None else []):
+                        total += loss.detach().double() * self.microbatches
                     if backward:
-                        saved[(action.micro, action.chunk)] = (inp, out)
+                        saved[(action.micro, action.chunk)] = (inp, out, extra)
                         self.peak_live = max(self.peak_live, len(saved))
                 else:
-                    inp, out = saved.pop((action.micro, action.chunk))
-                    self._backward(action, inp, out, index)
+                    inp, out, extra = saved.pop((action.micro, action.chunk))
+                    self._backward(action, inp, out, extra, index)
             if self.timeline:
                 began = start + self._channels.waited - waited
                 self.events.append((action.kind, action.micro, action.chunk,
@@ -194,8 +204,14 @@ class Pipeline:
                             _tag("act", chunk + (self.rank == self.pp - 1)))
         return out, inp
 
+    def _extra(self, chunk: int) -> torch.Tensor | None:
+        """The chunk's share of the extra loss of its last forward, per micro-batch (the
+        loss is the micro-batches' mean), or None."""
+        extra = self.extra_loss(chunk) if self.extra_loss is not None else None
+        return None if extra is None else extra / self.microbatches
+
     def _backward(self, action: Action, inp: torch.Tensor, out: torch.Tensor,
-                  index: int) -> None:
+                  extra: torch.Tensor | None, index: int) -> None:
         chunk = action.chunk
         piece = self.pieces[chunk]
         deferred = self._defer and (holds_shards(piece) or averages_apart(piece))
@@ -204,10 +220,13 @@ class Pipeline:
                  else contextlib.nullcontext())
         with quiet:
             if self._is_last(chunk):
-                out.backward()
+                (out if extra is None else out + extra).backward()
             else:
                 grad = self._channels.recv((self.rank + 1) % self.pp, _tag("grad", chunk))
-                torch.autograd.backward(out, grad)
+                if extra is None:
+                    torch.autograd.backward(out, grad)
+                else:  # the blocks' own loss joins the gradient from the stages after
+                    torch.autograd.backward([out, extra], [grad, torch.ones_like(extra)])
         if not self._is_first(chunk):
             self._channels.send(inp.grad, (self.rank - 1) % self.pp,
                                 _tag("grad", chunk - (self.rank == 0)))
