@@ -1,8 +1,9 @@
 """The planners on mixture-of-experts models: shapes, parameter counts, expert memory over
 ep, the all-to-all's volume, and two published MoE training runs on H100s.
 
-Everything here is arithmetic (and one small trace), so it runs in make test. The
-published figures are data (benchmarks/RESULTS.md, "Mixture-of-experts runs"):
+Everything here is arithmetic (and small traces of moe-tiny, one `dtrain plan` of it), so it
+runs in make test. The published figures are data (benchmarks/RESULTS.md,
+"Mixture-of-experts runs"):
 
 - Megatron-Core's Mixtral 8x7B, 468 TFLOP/s per GPU in bf16 (MCore v0.9), with its
   reference mapping: 64 H100s, tp 1, ep 8, pp 4, 8 virtual stages, micro-batch 1, global
@@ -183,3 +184,124 @@ def test_traced_planner_plans_a_moe_model() -> None:
     profile = profile_model(cfg, 1, ("none",))
     assert profile.params.total == parameter_count(llama_config(cfg))
     assert estimates and all(e.params > 0 for e in estimates)
+
+
+MOE_TINY = resolve(ModelConfig(arch="llama", preset="moe-tiny"), 256)
+"""moe-tiny (4 MoE blocks of 8 experts, top 2, width 128, 128 positions) on a vocabulary
+of 256: what the traced planner's expert-parallel tests plan."""
+
+
+@pytest.fixture(scope="module")
+def moe_profile():
+    from dtrain.planner import profile_model
+
+    return profile_model(MOE_TINY, 2, ("none", "full"))
+
+
+def _expert_bytes(cfg: ModelConfig) -> int:
+    """fp32 bytes of every routed expert of the model: what ep divides."""
+    return 4 * ModelShape.of(llama_config(cfg)).expert_layer_params()
+
+
+def test_traced_layouts_take_each_expert_degree(moe_profile) -> None:
+    from dtrain.planner import layouts
+
+    found = layouts(moe_profile, 4, batch=16)
+    by_dp: dict[int, set[int]] = {}
+    for layout in found:
+        by_dp.setdefault(layout.dp, set()).add(layout.ep)
+    assert by_dp[4] == {1, 2, 4} and by_dp[2] == {1, 2} and by_dp[1] == {1}
+    labels = {str(layout) for layout in found}
+    assert {"dp4", "dp4 ep2", "dp4 ep4 zero3", "dp2 x tp2 ep2"} <= labels
+    # the profile marks exactly the routed experts' stacked tensors, and no more
+    experts = sum(t.numel for t in moe_profile.tensors if t.expert) * MOE_TINY.n_layer
+    assert 4 * experts == _expert_bytes(MOE_TINY) == 4 * moe_profile.params.experts
+    assert not moe_profile.sequence_parallel(2)  # refused with experts by the config
+
+
+def test_traced_ep_divides_the_experts_memory_and_zero_shards_them_over_dp(moe_profile) -> None:
+    from dtrain.planner import Layout, Links, estimate
+
+    free = Links.given(1e9, 0)
+    experts = _expert_bytes(MOE_TINY)
+    whole = 4 * moe_profile.params.total
+    plain = {ep: estimate(moe_profile, Layout(4, ep=ep), 1e12, 1e12, free) for ep in (1, 2, 4)}
+    assert plain[1].params == whole
+    for ep in (2, 4):
+        assert plain[ep].params == pytest.approx(whole - experts + experts / ep)
+        assert plain[ep].optimizer == pytest.approx(2 * (whole - experts + experts / ep))
+    # ZeRO shards a rank's E / ep experts over the dp / ep ranks holding them: every
+    # expert's state divided by dp, as at ep = 1
+    for zero in (1, 2, 3):
+        sharded = [estimate(moe_profile, Layout(4, zero=zero, ep=ep), 1e12, 1e12, free)
+                   for ep in (1, 2, 4)]
+        assert all(e.optimizer == pytest.approx(2 * whole / 4) for e in sharded)
+    zero2 = estimate(moe_profile, Layout(4, zero=2, ep=2), 1e12, 1e12, free)
+    assert zero2.grads == pytest.approx(whole / 4)
+    assert zero2.params == plain[2].params
+
+
+def test_traced_ep_traffic_all_to_all_and_expert_gradients(moe_profile) -> None:
+    from dtrain.planner import Layout, Links, estimate
+
+    free = Links.given(1e9, 0)
+    experts = _expert_bytes(MOE_TINY)
+    dense = 4 * moe_profile.params.total - experts
+    tokens, k, hidden = 2 * 128, 2, 128  # a micro-batch of 2 sequences
+    # dispatch and combine forward, the same two backward, in each of the 4 MoE blocks
+    exchanges = tokens * k * hidden * 4 * 2 * 2 * 4
+    ep1 = estimate(moe_profile, Layout(4), 1e12, 1e12, free)
+    assert ep1.traffic == {"dp all_reduce": 4 * moe_profile.params.total}
+    ep2 = estimate(moe_profile, Layout(4, ep=2), 1e12, 1e12, free)
+    assert ep2.traffic == pytest.approx({"dp all_reduce": dense,
+                                         "edp all_reduce": experts / 2,
+                                         "ep all_to_all": exchanges})
+    # ep = dp: each rank's experts are its own, their gradients go nowhere
+    ep4 = estimate(moe_profile, Layout(4, ep=4), 1e12, 1e12, free)
+    assert "edp all_reduce" not in ep4.traffic and ep4.traffic["ep all_to_all"] == exchanges
+    zero = estimate(moe_profile, Layout(4, zero=1, ep=2), 1e12, 1e12, free).traffic
+    assert zero["edp reduce_scatter"] == zero["edp all_gather"] == pytest.approx(experts / 2)
+    again = estimate(moe_profile, Layout(4, ep=2), 1e12, 1e12, free, recompute="full")
+    assert again.traffic["ep all_to_all"] == pytest.approx(exchanges * 6 / 4)
+    # a pipeline stage exchanges its own blocks' tokens, for each of its micro-batches
+    stage = estimate(moe_profile, Layout(2, pp=2, microbatches=4, ep=2), 1e12, 1e12, free)
+    assert stage.traffic["ep all_to_all"] == pytest.approx(exchanges / 2 * 4)
+    # half the blocks with experts: half the exchanges
+    half = dataclasses.replace(moe_profile, shape=dataclasses.replace(moe_profile.shape,
+                                                                      moe_layers=2))
+    assert estimate(half, Layout(4, ep=2), 1e12, 1e12, free).traffic["ep all_to_all"] == \
+        pytest.approx(exchanges / 2)
+
+
+def test_traced_all_to_all_is_exposed(moe_profile) -> None:
+    """The gradients' collectives hide behind a slow backward; the all-to-all does not:
+    (ep - 1) / ep of its bytes, at 1 GB/s."""
+    from dtrain.planner import Layout, Links, estimate
+
+    bandwidth = Links.given(1, 0)
+    slow = 1e6  # FLOP/s: a backward long enough to hide every gradient collective
+    for ep in (2, 4):
+        e = estimate(moe_profile, Layout(4, ep=ep), 1e12, slow, bandwidth)
+        assert e.comm_s == pytest.approx(e.traffic["ep all_to_all"] * (ep - 1) / ep / 1e9)
+    assert estimate(moe_profile, Layout(4), 1e12, slow, bandwidth).comm_s == 0
+
+
+@pytest.mark.timeout(120)
+def test_plan_command_lists_ep_layouts(tmp_path) -> None:
+    import json
+
+    from tests.cli import dtrain, one_error_line
+
+    out = tmp_path / "plan.json"
+    moe = ("--set", "model.arch=llama", "--set", "model.preset=moe-tiny")
+    result = dtrain("plan", *moe, "--set", "parallel.ep=2", "-n", "4", "--batch", "8",
+                    "--tflops", "1", "--bandwidth", "10", "--recompute", "none",
+                    "--sequence-parallel", "off", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = {row["layout"]: row for row in json.loads(out.read_text())["layouts"]}
+    assert {"dp4 ep2", "dp4 ep4", "dp2 x tp2 ep2"} <= set(rows)
+    assert rows["dp4 ep4"]["ep"] == 4 and "ep all_to_all" in rows["dp4 ep2"]["traffic_bytes"]
+    assert rows["dp4 ep2"]["memory_bytes"]["params"] < rows["dp4"]["memory_bytes"]["params"]
+    assert "dp4 ep2" in result.stdout
+    own = dtrain("plan", *moe, "--set", "parallel.ep=2", "--model", "tests.cli:nothing")
+    assert own.returncode != 0 and "--model" in one_error_line(own)

@@ -40,6 +40,7 @@ weight, 4·l·h·s), `selective` the attention core (4·l·h·s).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from dtrain.errors import ConfigError
@@ -213,6 +214,12 @@ class ModelShape:
     def expert_layer_params(self) -> int:
         """The routed experts' weights of all MoE blocks: what expert parallelism splits."""
         return self.moe_layers * self.experts * self.expert_params()
+
+    def expert_degrees(self, dp: int) -> list[int]:
+        """The expert-parallel degrees a layout of `dp` data-parallel ranks may take: those
+        dividing both dp and the experts (1 alone for a model without experts)."""
+        common = math.gcd(dp, self.experts) if self.experts else 1
+        return [d for d in range(1, common + 1) if common % d == 0]
 
     def embedding_params(self) -> int:
         """Token (and learned position) embeddings, the final norm and an untied head."""

@@ -7,6 +7,7 @@
     dtrain plan my.toml -n 4 --json plan.json     # a training config's model and batch
     dtrain plan --model mypkg.models:build -n 4   # a model of your own (dp and ZeRO only)
     dtrain plan -n 4 --memory 2GB --recompute full --sequence-parallel on
+    dtrain plan --set model.arch=llama --set model.preset=moe-tiny -n 4   # with ep layouts
     dtrain plan --hardware a100-80gb --nodes 192 --model-shape layers=80,hidden=12288,\
         heads=96,seq=2048,vocab=51200 --batch 2304   # a GPU cluster (dtrain.tools.plan_cluster)
 
@@ -156,11 +157,9 @@ def plan_command(args: argparse.Namespace) -> None:
         dc = config.data
         shape = resolve(config.model, vocab_of(dc.path, dc.format, dc.tokenizer))
         trace = functools.cache(lambda b: profile_model(shape, b))
-    if config.parallel.ep > 1:
-        raise ConfigError(f"parallel.ep = {config.parallel.ep}: dtrain plan counts this "
-                          "machine's layouts with every expert on every rank; plan expert "
-                          "parallelism with --hardware (a cluster file describes any "
-                          "machine), or leave parallel.ep = 1")
+    if args.model and config.parallel.ep > 1:
+        raise ConfigError(f"parallel.ep = {config.parallel.ep} with --model: a model of your "
+                          "own is planned with dp and ZeRO only; leave parallel.ep = 1")
     if config.memory.checkpoint_modules:
         raise ConfigError("memory.checkpoint_modules is not planned: dtrain plan counts the "
                           "activation_checkpointing modes (none, selective, full); leave "
@@ -173,7 +172,7 @@ def plan_command(args: argparse.Namespace) -> None:
                           "--batch a multiple of the device count")
     best, why = recommend(estimates)
     profile = trace(max(1, batch // devices))
-    replicated = next((e for e in estimates if e.fits and e.layout.dp > 1
+    replicated = next((e for e in estimates if e.fits and e.layout.dp > 1 and e.layout.ep == 1
                        and not e.layout.zero and e.layout.mode == "collective"), None)
     options = [] if replicated is None else \
         sync_options(trace(batch // (replicated.layout.dp * replicated.layout.microbatches)),

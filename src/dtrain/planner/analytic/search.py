@@ -85,12 +85,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def expert_degrees(shape: ModelShape, dp: int) -> list[int]:
-    """The ep degrees a layout of `dp` data-parallel GPUs may take: those dividing dp and
-    the experts (only 1 for a dense model)."""
-    return _divisors(math.gcd(dp, shape.experts)) if shape.experts else [1]
-
-
 def layouts(shape: ModelShape, cluster: Cluster, batch: int) -> list[PlannedLayout]:
     """Every layout the search considers, before recomputation and sequence parallelism."""
     found = []
@@ -111,7 +105,7 @@ def layouts(shape: ModelShape, cluster: Cluster, batch: int) -> list[PlannedLayo
                 for v in chunks:
                     for zero in range(4 if pp == 1 else 3) if dp > 1 else (0,):
                         found += [planned_layout(batch, tp, pp, dp, zero, b, v, ep=ep)
-                                  for ep in expert_degrees(shape, dp)]
+                                  for ep in shape.expert_degrees(dp)]
     return found
 
 

@@ -12,7 +12,10 @@ follow dtrain's own strategies (`estimate`), with sequence parallelism where ask
 peak while the layout builds its share (`construction`); collectives cost what
 dtrain.comm measured (`links`), on this machine's figures unless told (`machine`).
 `slow_links` weighs ways to synchronize a data-parallel layout over slow links, and
-`measure` runs a layout for real to check the figures.
+`measure` runs a layout for real to check the figures. A mixture-of-experts model's
+layouts also take each expert-parallel degree `ep` dividing dp and the experts (the
+table's `dp4 ep2`): its routed experts split over ep of the dp ranks, as dtrain's ep
+splits them.
 
 Recomputation and sequence parallelism are choices per layout: `plan(...,
 recompute=("none", "selective", "full"), sequence_parallel=(False, True))` plans each
@@ -25,6 +28,7 @@ the attention cores, then whole blocks.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
 
@@ -38,23 +42,25 @@ MICROBATCHES = (1, 2, 4)  # pipelines try m = pp times these
 
 def layouts(profile: Profile, devices: int, batch: int, accum: int = 1,
             schedules: tuple[str, ...] = ("1f1b",)) -> list[Layout]:
-    """Every layout of `devices` ranks the model and a global batch of `batch` allow."""
+    """Every layout of `devices` ranks the model and a global batch of `batch` allow: a
+    mixture of experts' with each expert-parallel degree dividing dp and the experts."""
     found = []
     for tp in profile.tp_degrees(devices):
         for pp in range(1, devices // tp + 1):
             if (devices // tp) % pp or (pp > 1 and pp > profile.n_layer):
                 continue
             dp = devices // (tp * pp)
-            for zero in range(4) if dp > 1 else (0,):
+            for zero, ep in itertools.product(range(4) if dp > 1 else (0,),
+                                              profile.expert_degrees(dp)):
                 if pp == 1:
                     if batch % (dp * accum) == 0:
-                        found.append(Layout(dp, tp, 1, zero))
+                        found.append(Layout(dp, tp, 1, zero, ep=ep))
                     continue
                 for m in (pp * k for k in MICROBATCHES):
                     if batch % (dp * m):
                         continue
                     for schedule in schedules:
-                        found.append(Layout(dp, tp, pp, zero, m, schedule))
+                        found.append(Layout(dp, tp, pp, zero, m, schedule, ep=ep))
     return found
 
 

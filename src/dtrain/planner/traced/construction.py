@@ -7,7 +7,8 @@ blocks, its pipeline pieces, or its ZeRO shards) and fills it from the initial v
 a few rows at a time (about as many elements), so that one tensor's filling needs one
 group and the rows read from it (twice: the pieces and the rows joined), on top of what
 the rank holds (fp32, 4 bytes each; Ψ is what the rank holds after tp and pp split the
-model, N = dp):
+model and ep its experts, N = dp; ZeRO 3's shards hold a rank's experts over the dp / ep
+ranks holding the same ones, every expert's over N):
 
     dp (DataParallel)   parameters 4Ψ + gradient buckets 4Ψ (none at dp = 1), then each
                         tensor in turn
@@ -37,10 +38,11 @@ def group_elements(t: ParamTensor, chunk: int) -> int:
 
 
 def piece(t: ParamTensor, layout: Layout, shard: float) -> float:
-    """Elements of `t` a rank reads at once: a few rows of its tp block (DataParallel,
-    pipelines), or its span of the shard (ZeRO: up to the tensor, or its whole tp block)."""
+    """Elements of `t` a rank reads at once: a few rows of its tp block or its experts
+    (DataParallel, pipelines), or its span of the shard (ZeRO: up to the tensor, or its
+    whole tp block)."""
     divided = t.split and layout.tp > 1
-    block = t.numel / layout.tp if divided else t.numel
+    block = t.per_rank(layout.tp, layout.ep)
     if layout.zero:
         return block if divided else min(block, shard)
     return min(block, max(ROWS_AT_ONCE, t.row))
@@ -53,16 +55,19 @@ def construction_peak(layout: Layout, held: Params, tensors: list[ParamTensor],
     allocates each whole for a moment), and fills them from `tensors` one at a time.
     `chunk`: elements per generator group (default dtrain.models.init.CHUNK)."""
     chunk = init.CHUNK if chunk is None else chunk
-    psi, n = held.per_rank(layout.tp), layout.dp
-    pieces = [piece(t, layout, unit / n) for t in tensors] or [0.0]
+    psi, n = held.per_rank(layout.tp, layout.ep), layout.dp
+    sharded = held.per_rank(layout.tp) / n  # split experts: E / ep over dp / ep ranks
+    # a unit's shard: over dp, or a split expert's over the dp / ep ranks holding it
+    pieces = [piece(t, layout, unit / n * (layout.ep if t.expert else 1))
+              for t in tensors] or [0.0]
     # a group and the piece read from it, joined; ZeRO still holds the span before it
     draw = max(group_elements(t, chunk) + 2 * p for t, p in zip(tensors, pieces, strict=False))
     if not layout.zero:  # gradient buckets only where there is a group to average over
         return PARAM_BYTES * ((2 if n > 1 else 1) * psi + draw)
-    state = {1: 2 * psi, 2: psi, 3: psi / n}[layout.zero]
+    state = {1: 2 * psi, 2: psi, 3: sharded}[layout.zero]
     peak = state + draw + max(pieces)
     if layout.zero == 3:
-        peak = max(peak, psi / n + unit)
+        peak = max(peak, sharded + unit)
     else:  # once the shards are filled, every unit is all-gathered at once
         peak = max(peak, state + psi)
     return PARAM_BYTES * peak

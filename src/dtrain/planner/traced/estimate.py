@@ -1,8 +1,9 @@
 """Per-rank memory, traffic and step time of one layout, from a model's profile.
 
 A layout is dp x tp x pp ranks with a ZeRO stage and, for pipelines, micro-batches and a
-schedule. The figures follow what dtrain's own strategies hold (fp32 parameters, Ψ of them
-on a rank after tp and pp split the model, N = dp, K bytes of optimizer state per
+schedule; a mixture of experts' also an expert-parallel degree ep, carved from dp. The
+figures follow what dtrain's own strategies hold (fp32 parameters, Ψ of them on a rank
+after tp and pp split the model and ep its experts, N = dp, K bytes of optimizer state per
 parameter: 8 for Adam, 4 for SGD with momentum):
 
     zero 0 (DataParallel)  params 4Ψ   grads 4Ψ (the buckets)     optimizer KΨ
@@ -12,6 +13,11 @@ parameter: 8 for Adam, 4 for SGD with momentum):
                                        grads 4Ψ/N                 optimizer KΨ/N
                            (no block is gathered while backward goes through the head: when
                            that is the peak, as with a large vocabulary, the figure is its)
+
+Under expert parallelism a rank holds E / ep of each MoE block's routed experts, whole on
+each tp rank (dtrain.models.moe), and Ψ counts those; ZeRO shards them over the dp / ep
+ranks holding the same experts (the mesh's edp), so that in the rows divided by N the
+experts are every expert's over N, as the dense parts are.
 
 The gradient shards come as backward ends and go when the training loop's `zero_grad`
 releases them, so the peak is the larger of backward's and the optimizer step's (every
@@ -35,12 +41,17 @@ send each other), leaving whole each column-parallel layer's gathered input.
 
 Traffic per step, in bytes of the buffers each collective is given: dp all-reduces the
 gradients once (ZeRO 1-2: reduce-scatter then all-gather the parameters; ZeRO 3 gathers
-each unit for every forward and backward), tp all-reduces a micro-batch's activations
+each unit for every forward and backward; with ep > 1 the split experts' go over edp
+instead, the "edp" keys, and nowhere at ep = dp), tp all-reduces a micro-batch's activations
 twice per block forward and twice backward (sequence parallelism: an all-gather and a
 reduce-scatter each instead, moving the same bus bytes, and an all-reduce per replicated
 parameter's gradient), full recomputation repeats the forward's, pp sends each
 micro-batch's activations forward and their gradients back, and the first and last stage
-sum the tied embedding.
+sum the tied embedding. With ep > 1 every MoE block (the stage's blocks in the model's
+proportion of MoE ones) all-to-alls each micro-batch's tokens over ep: tokens x k x hidden
+fp32 elements out to the experts and as many back (dispatch and combine) in forward, the
+same two in backward, and forward's again under full recomputation ("ep all_to_all"; the
+all-to-all of E token counts before each dispatch is left out, a few bytes).
 
 Step time = compute + recomputation + the communication it does not hide. Compute is 6
 flops per parameter per token (of a mixture of experts', the active ones) plus attention
@@ -49,9 +60,9 @@ flops per parameter per token (of a mixture of experts', the active ones) plus a
 Recomputation is one more forward of what is recomputed: 2 flops per block parameter per
 token plus attention's 2·layers·seq·width ("full"), or attention's alone ("selective").
 Each collective costs its calls times alpha plus its bus bytes times beta
-(dtrain.planner.traced.links); dp's gradient collectives overlap backward (2/3 of compute, and
-the recomputation; only the excess counts), tp's and pp's messages sit on the critical path
-and count whole.
+(dtrain.planner.traced.links; an all-to-all sends (n-1)/n of its buffer); dp's and edp's
+gradient collectives overlap backward (2/3 of compute, and the recomputation; only the
+excess counts), tp's, ep's and pp's messages sit on the critical path and count whole.
 
 The construction peak (dtrain.planner.traced.construction) is each rank's while the layout builds
 it from a skeleton.
@@ -72,6 +83,8 @@ from dtrain.planner.traced.links import Links
 from dtrain.planner.traced.profile import Activation, Params, Profile
 
 STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
+GRADIENT_AXES = ("dp", "edp")
+"""The axes whose collectives carry gradients and parameters, behind backward."""
 
 
 @dataclass
@@ -121,7 +134,7 @@ class Estimate:
         layout = self.layout
         return {
             "layout": self.label, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
-            "zero": layout.zero, "microbatches": layout.microbatches,
+            "ep": layout.ep, "zero": layout.zero, "microbatches": layout.microbatches,
             "schedule": layout.schedule if layout.pp > 1 else None,
             "recompute": self.recompute, "sequence_parallel": self.sequence_parallel,
             "memory_bytes": {"params": int(self.params), "grads": int(self.grads),
@@ -195,13 +208,14 @@ def estimate(profile: Profile, layout: Layout, memory: float, flops: float, link
 def _exposed_comm_s(figures: _RankFigures, layout: Layout, links: Links,
                     backward_s: float) -> float:
     """Communication time not hidden behind arithmetic: the data-parallel gradient
-    collectives run while backward (`backward_s`) goes on; the rest waits."""
+    collectives (dp's, and edp's of split experts) run while backward (`backward_s`) goes
+    on; the rest waits."""
     def cost(keys: list[str]) -> float:
         return links.seconds({k: figures.traffic[k] for k in keys},
                              {k: figures.calls[k] for k in keys}, layout)
 
-    overlapped = [k for k in figures.traffic if k.startswith("dp ")]
-    exposed = [k for k in figures.traffic if not k.startswith("dp ")]
+    overlapped = [k for k in figures.traffic if k.split(" ")[0] in GRADIENT_AXES]
+    exposed = [k for k in figures.traffic if k not in overlapped]
     return max(0.0, cost(overlapped) - backward_s) + cost(exposed)
 
 
@@ -211,7 +225,7 @@ class _RankFigures(Estimate):
 
 
 def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _RankFigures:
-    tp, pp, n = layout.tp, layout.pp, layout.dp
+    tp, pp, n, ep = layout.tp, layout.pp, layout.dp, layout.ep
     sp = options.sequence_parallel
     first, last = rank == 0, rank == pp - 1
     blocks = stage_blocks(profile, pp, layout.virtual_stages)[rank] if profile.n_layer else [0]
@@ -220,15 +234,15 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
         held += profile.params_embed
     if last:
         held += profile.params_head + (Params(0, profile.tied) if pp > 1 else Params())
-    psi = held.per_rank(tp)
+    psi = held.per_rank(tp, ep)
     k = STATE_BYTES[options.optimizer]
     unit = min(PARAM_BYTES * psi, options.bucket_mb * 2**20)
-    block_bytes = PARAM_BYTES * profile.params_block.per_rank(tp)
+    block_bytes = PARAM_BYTES * profile.params_block.per_rank(tp, ep)
     params, grads, state = PARAM_BYTES * psi, PARAM_BYTES * psi, k * psi
     parts = {"embed"} if first else set()
     parts |= ({"block"} if sum(blocks) else set()) | ({"head"} if last else set())
     tensors = [t for t in profile.tensors if t.part in parts and (pp > 1 or not t.tied)]
-    fresh = PARAM_BYTES * max((t.numel / (tp if t.split else 1) for t in tensors), default=0)
+    fresh = PARAM_BYTES * max((t.per_rank(tp, ep) for t in tensors), default=0)
     # DataParallel's buckets, ZeRO 1's unsharded gradients: always there; and the gradient
     # backward has just made, beside them until copied in (at most the largest parameter's)
     backward = grads + fresh
@@ -243,8 +257,11 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
     extra = figures.peak_extra if last else figures.block_extra
     acts = flight + extra.per_rank(tp, sp)
     if layout.zero:
-        state = k * psi / n
-        shard = PARAM_BYTES * psi / n
+        # the dense part over dp; the rank's E / ep experts over the dp / ep ranks holding
+        # them: every expert over dp
+        sharded = held.per_rank(tp) / n
+        state = k * sharded
+        shard = PARAM_BYTES * sharded
         grads = grads + shard if layout.zero == 1 else shard
         if layout.zero == 2:  # the unit under way: its full gradient, till reduce-scattered
             backward = unit
@@ -254,7 +271,7 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
         # the root's from the head's backward on (the embedding's comes last of all).
         gathered = min(2, sum(blocks)) * block_bytes
         under_way = min(1, sum(blocks)) * block_bytes
-        params = PARAM_BYTES * psi / n + root + gathered
+        params = shard + root + gathered
         backward = (root if last else 0.0) + under_way
         head = flight + figures.head_extra.per_rank(tp, sp)
         if last and head > flight + figures.tail_extra.per_rank(tp, sp) + gathered + under_way:
@@ -263,7 +280,7 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
                        sequence_parallel=sp, grads_in_backward=backward)
     largest = max(root, block_bytes) if layout.zero == 3 else unit  # a ZeRO unit, in bytes
     out.construction = construction_peak(layout, held, tensors, largest / PARAM_BYTES)
-    out.traffic, out.calls = _traffic(profile, layout, psi, first, last, blocks, options, unit)
+    out.traffic, out.calls = _traffic(profile, layout, held, first, last, blocks, options, unit)
     return out
 
 
@@ -279,9 +296,10 @@ def _per_micro(profile: Profile, figures, first: bool, last: bool,
     return out
 
 
-def _traffic(profile: Profile, layout: Layout, psi: float, first: bool, last: bool,
+def _traffic(profile: Profile, layout: Layout, held: Params, first: bool, last: bool,
              blocks: list[int], options: Options, unit: float):
-    """(buffer bytes, calls) per "axis collective" (e.g. "dp all_reduce") in one step."""
+    """(buffer bytes, calls) per "axis collective" (e.g. "dp all_reduce") in one step of
+    a rank holding `held` (before tp and ep divide it)."""
     traffic: dict[str, float] = {}
     calls: dict[str, float] = {}
 
@@ -290,18 +308,30 @@ def _traffic(profile: Profile, layout: Layout, psi: float, first: bool, last: bo
             traffic[key] = traffic.get(key, 0.0) + nbytes
             calls[key] = calls.get(key, 0.0) + count
 
-    grads = PARAM_BYTES * psi
     passes = layout.microbatches if layout.pp > 1 else options.accum
-    if layout.dp > 1:
-        buckets = max(1, math.ceil(grads / unit))
+    grads = PARAM_BYTES * held.per_rank(layout.tp, layout.ep)
+    experts = PARAM_BYTES * held.experts / layout.ep if layout.ep > 1 else 0.0
+    # (axis, its ranks, gradient bytes, ZeRO 3's units): split experts average over edp
+    groups = [("dp", layout.dp, grads - experts, sum(blocks) + 1),
+              ("edp", layout.dp // layout.ep, experts, sum(blocks))]
+    for axis, size, nbytes, zero3_units in groups:
+        if size == 1 or not nbytes:
+            continue
+        buckets = max(1, math.ceil(nbytes / unit))
         if layout.zero == 0:
-            add("dp all_reduce", grads, buckets)
+            add(f"{axis} all_reduce", nbytes, buckets)
         else:
-            add("dp reduce_scatter", grads, buckets)
+            add(f"{axis} reduce_scatter", nbytes, buckets)
             gathers = 1 if layout.zero < 3 else 2 * passes
-            units = buckets if layout.zero < 3 else sum(blocks) + 1
-            add("dp all_gather", grads * gathers, units * gathers)
+            units = buckets if layout.zero < 3 else zero3_units
+            add(f"{axis} all_gather", nbytes * gathers, units * gathers)
     activation = profile.micro_batch * profile.width
+    if layout.ep > 1 and profile.shape is not None:
+        shape = profile.shape
+        moe_blocks = sum(blocks) * shape.moe_layers / shape.layers
+        exchanges = 4 + (2 if options.recompute == "full" else 0)  # dispatch and combine
+        count = moe_blocks * exchanges * passes
+        add("ep all_to_all", count * activation * shape.top_k, count)
     if layout.tp > 1:
         count = sum(blocks)
         forwards = 2 if options.recompute == "full" else 1  # recomputed blocks' again

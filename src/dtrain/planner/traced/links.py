@@ -10,8 +10,10 @@ or from assumed defaults, which the planner says it used.
 
 A collective on a group of n ranks then costs `calls * alpha + bus_bytes * beta`, where
 bus bytes are the buffer's bytes times the share each rank sends (2(n-1)/n for an
-all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for a send): the measured figures
-carry over to other group sizes through that share.
+all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for a send): the
+measured figures carry over to other group sizes through that share. The axes are the
+mesh's: dp, tp, pp, ep (the ranks exchanging tokens with their experts) and edp (the
+dp / ep ranks holding the same experts).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from dtrain.comm.collectives import PER_RANK_INPUT
 from dtrain.comm.ops import bus_factor
+from dtrain.job_layout import Layout
 
 DEFAULT_GBPS = 10.0
 DEFAULT_LATENCY_US = 20.0
@@ -61,9 +64,11 @@ class Links:
         default = figures.get("all_reduce", next(iter(figures.values())))
         return cls(default, figures, source=f"measured: {path} ({backend})")
 
-    def seconds(self, traffic: dict[str, float], calls: dict[str, float], layout) -> float:
+    def seconds(self, traffic: dict[str, float], calls: dict[str, float],
+                layout: Layout) -> float:
         """Time of a step's collectives ("axis op" -> bytes, calls) on `layout`."""
-        sizes = {"dp": layout.dp, "tp": layout.tp, "pp": 2}
+        sizes = {"dp": layout.dp, "tp": layout.tp, "pp": 2, "ep": layout.ep,
+                 "edp": layout.dp // layout.ep}
         total = 0.0
         for key, nbytes in traffic.items():
             axis, op = key.split(" ", 1)

@@ -30,12 +30,13 @@ block, of the output part), which say what a rank draws at once while a layout b
 (dtrain.planner.traced.construction).
 
 A mixture-of-experts Llama is traced with every traced block a MoE block: its parameter
-tensors are the real ones (every expert, whole on each tp rank, as dtrain's ep leaves a
-MoE block), its activations those of a dense stand-in whose MLP is as wide as the k
-routed experts and the shared ones a token passes through (the routing's token counts
-depend on the data, which fake tensors do not have). So a model whose MoE blocks are not
-all of them is counted as if they were, and the router's and the dispatch's tensors are
-left out.
+tensors are the real ones (every expert, whole on each tp rank as dtrain keeps them; the
+routed experts' stacked tensors are marked `expert` and counted apart, in
+`Params.experts`, since ep divides them and not the rest), its activations those of a
+dense stand-in whose MLP is as wide as the k routed experts and the shared ones a token
+passes through (the routing's token counts depend on the data, which fake tensors do not
+have). So a model whose MoE blocks are not all of them is counted as if they were, and the
+router's and the dispatch's tensors are left out.
 
 A user's model (`module:factory`) is traced whole: the planner then offers data-parallel
 layouts (dp, ZeRO) only, since tensor and pipeline parallelism need a plan and pieces.
@@ -115,36 +116,47 @@ class Activations:
 
 @dataclass(frozen=True)
 class Params:
-    """Parameter elements, split into what tp divides and what every tp rank keeps."""
+    """Parameter elements: what tp divides (`split`), what every tp rank keeps (`whole`),
+    and the routed experts of MoE blocks (`experts`), whole on every tp rank and divided
+    by ep (dtrain.models.moe.Experts)."""
 
     whole: int = 0
     split: int = 0
+    experts: int = 0
 
     @property
     def total(self) -> int:
-        return self.whole + self.split
+        return self.whole + self.split + self.experts
 
-    def per_rank(self, tp: int) -> float:
-        return self.whole + self.split / tp
+    def per_rank(self, tp: int, ep: int = 1) -> float:
+        """Elements a rank holds at tensor-parallel degree `tp` and expert-parallel `ep`."""
+        return self.whole + self.split / tp + self.experts / ep
 
     def __add__(self, other: Params) -> Params:
-        return Params(self.whole + other.whole, self.split + other.split)
+        return Params(self.whole + other.whole, self.split + other.split,
+                      self.experts + other.experts)
 
     def __mul__(self, k: int) -> Params:
-        return Params(self.whole * k, self.split * k)
+        return Params(self.whole * k, self.split * k, self.experts * k)
 
 
 @dataclass(frozen=True)
 class ParamTensor:
     """One parameter tensor: its part ("embed", "block": one block's, "head"), elements,
-    elements per row (dimension 0), whether tp divides it, and whether it is the input
-    part's, shared with the output part (a tied head)."""
+    elements per row (dimension 0), whether tp divides it, whether it is the input
+    part's, shared with the output part (a tied head), and whether it stacks a MoE
+    layer's routed experts (`expert`: ep divides it along dimension 0)."""
 
     part: str
     numel: int
     row: int
     split: bool
     tied: bool = False
+    expert: bool = False
+
+    def per_rank(self, tp: int, ep: int = 1) -> float:
+        """Elements a rank holds of this tensor at degrees `tp` and `ep`."""
+        return self.numel / (tp if self.split else 1) / (ep if self.expert else 1)
 
 
 @dataclass(frozen=True)
@@ -202,14 +214,22 @@ class Profile:
                 if devices % t == 0 and all(c % t == 0 for c in counts)]
 
     def sequence_parallel(self, tp: int) -> bool:
-        """Whether sequence parallelism can run at `tp` (dtrain's GPT and Llama, with the
-        sequence dividing by tp)."""
-        return tp > 1 and self.shape is not None and self.shape.seq % tp == 0
+        """Whether sequence parallelism can run at `tp` (dtrain's GPT and Llama without
+        experts, with the sequence dividing by tp)."""
+        return tp > 1 and self.shape is not None and not self.shape.experts and \
+            self.shape.seq % tp == 0
+
+    def expert_degrees(self, dp: int) -> list[int]:
+        """Expert-parallel degrees a layout of `dp` data-parallel ranks can take (those
+        dividing dp and the experts; 1 alone for a model without experts)."""
+        return self.shape.expert_degrees(dp) if self.shape is not None else [1]
 
 
 def _param_tensors(model: nn.Module, styles: dict) -> tuple[ParamTensor, ...]:
     """The parameter tensors of a model cut by `Stages` (one block's), by part; tp divides
-    a colwise layer's weight and bias, a rowwise layer's weight, and an embedding's rows."""
+    a colwise layer's weight and bias, a rowwise layer's weight, and an embedding's rows;
+    ep the stacked tensors of a MoE layer's `Experts`."""
+    from dtrain.models.moe import Experts
     from dtrain.tensor_parallel.parallelize import Colwise, Rowwise, Vocab
 
     inputs, blocks, outputs = model.stage_parts()
@@ -223,14 +243,18 @@ def _param_tensors(model: nn.Module, styles: dict) -> tuple[ParamTensor, ...]:
             style = styles.get(owner)
             split = isinstance(style, Colwise) or (isinstance(style, Vocab | Rowwise)
                                                    and kind == "weight")
+            expert = isinstance(model.get_submodule(owner), Experts)
             found.append(ParamTensor(part, p.numel(), p.numel() // max(p.shape[0], 1)
-                                     if p.dim() else 1, split, part == "head" and id(p) in first))
+                                     if p.dim() else 1, split, part == "head" and id(p) in first,
+                                     expert))
     return tuple(found)
 
 
 def _params(tensors: tuple[ParamTensor, ...], part: str) -> Params:
     mine = [t for t in tensors if t.part == part and not t.tied]
-    return Params(sum(t.numel for t in mine if not t.split), sum(t.numel for t in mine if t.split))
+    return Params(sum(t.numel for t in mine if not t.split and not t.expert),
+                  sum(t.numel for t in mine if t.split),
+                  sum(t.numel for t in mine if t.expert))
 
 
 def _trace_stages(cfg: ModelConfig, b: int, mode: str) -> Activations:

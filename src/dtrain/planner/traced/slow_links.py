@@ -72,7 +72,7 @@ def powersgd_elements(profile: Profile, tp: int, rank: int = POWERSGD_RANK) -> f
         if t.tied:
             continue
         count = profile.n_layer if t.part == "block" else 1
-        numel = t.numel / (tp if t.split else 1)
+        numel = t.per_rank(tp)
         rows, cols = numel / t.row, t.row
         small = (rows + cols) * rank
         total += count * (small if cols > 1 and small < numel else numel)
@@ -80,9 +80,10 @@ def powersgd_elements(profile: Profile, tp: int, rank: int = POWERSGD_RANK) -> f
 
 
 def sync_options(profile: Profile, e: Estimate, links: Links) -> list[SyncOption]:
-    """The options for `e`'s dp axis (none when dp = 1), every-step first."""
+    """The options for `e`'s dp axis (none when dp = 1, under ZeRO, or with experts split
+    over ep: dtrain compresses no such gradients), every-step first."""
     layout = e.layout
-    if layout.dp == 1 or layout.zero or layout.mode != "collective":
+    if layout.dp == 1 or layout.zero or layout.mode != "collective" or layout.ep > 1:
         return []
     grads = e.traffic.get("dp all_reduce", 0.0)  # buffer bytes of one step's gradients
     psi, n = grads / PARAM_BYTES, layout.dp
