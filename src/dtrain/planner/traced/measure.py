@@ -8,7 +8,8 @@ pieces and wraps over dp in DataParallel or ZeRO, allocating only what this rank
 and drawing its initial values. It then trains a few steps on random tokens with AdamW
 and returns this rank's peaks of live tensor bytes (dtrain.planner.traced.tracker; on CUDA
 `max_memory_allocated` would read the same): while building, and in the steady state.
-Call it on every rank of an initialized world of `dp * tp * pp` ranks.
+A mixture of experts' layout may split the experts over ep (carved from dp: the mesh's "ep"
+and "edp" groups). Call it on every rank of an initialized world of `dp * tp * pp` ranks.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def run_config(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int,
         "parallel": {"nproc": layout.dp * layout.tp * layout.pp, "dp": layout.dp,
                      "tp": layout.tp, "pp": layout.pp, "zero": layout.zero,
                      "microbatches": layout.microbatches, "schedule": layout.schedule,
-                     "virtual_stages": layout.virtual_stages,
+                     "virtual_stages": layout.virtual_stages, "ep": layout.ep,
                      "sequence_parallel": sequence_parallel},
         "comm": {"bucket_mb": bucket_mb},
         "memory": {"activation_checkpointing": recompute},
@@ -65,7 +66,7 @@ def run_config(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int,
 def calibrate(mesh: Mesh) -> None:
     """Let `algorithm="auto"` time its candidates on every group of `mesh` now (probe
     tensors of up to 16 MiB), so that no measured peak sees them. A collective call."""
-    for axis in ("pp", "dp", "tp"):
+    for axis in ("pp", "dp", "tp", "edp"):
         group = mesh.group(axis)
         if comm.resolve(group).size > 1:
             for op in CALIBRATED_OPS:
@@ -79,7 +80,7 @@ def measured_peaks(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int, ste
     skeleton, and over steps 2..`steps` of a `batch`-sequence global batch (the steady
     state, with optimizer state; the first step builds that state)."""
     config = run_config(cfg, layout, batch, bucket_mb, recompute, sequence_parallel)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep)
     calibrate(mesh)
     shape = config.model
     tracker = LiveBytes()
