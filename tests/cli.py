@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -67,3 +68,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def train_rows(folder: Path, config_text: str, args: list[str], steps: int
+               ) -> tuple[list[dict], Path]:
+    """`dtrain train` of `config_text` (written into `folder`) with `args` for `steps`
+    steps, its output in folder/run: the metrics rows that carry a loss, and the
+    checkpoints folder. Each call in the same folder keeps its own metrics file (a run
+    resumed there adds to the same checkpoints)."""
+    folder.mkdir(exist_ok=True)
+    config = folder / "config.toml"
+    config.write_text(config_text)
+    metrics = folder / f"metrics-{len(list(folder.glob('metrics-*')))}.jsonl"
+    result = dtrain("train", str(config), *args, "--set", f"train.steps={steps}",
+                    "--set", f"train.out_dir='{folder / 'run'}'", "--metrics", str(metrics),
+                    timeout=170)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in rows if "loss" in r], folder / "run" / "checkpoints"

@@ -192,6 +192,18 @@ CONFIGS = [
                  id="negative-capacity"),
     pytest.param(None, ["--set", "parallel.ep=2"], "parallel.ep = 2 splits experts, and this "
                  "model has none", 2, id="ep-without-experts"),
+    pytest.param(None, ["--set", "parallel.cp=2", "--set", "model.block_size=30"],
+                 "parallel.cp = 2 cuts each sequence into 2 x cp = 4 chunks, and "
+                 "model.block_size = 30 does not divide by 4", 2, id="cp-not-dividing-block"),
+    pytest.param(None, ["--set", "parallel.cp=2", "--set", "parallel.mode='ps'"],
+                 "parallel.cp = 2 with parallel.mode = \"ps\"", 2, id="cp-with-ps"),
+    pytest.param(None, ["--set", "parallel.cp=2", "--set", "parallel.cp_method='alltoall'",
+                        "--set", "model.n_head=3", "--set", "model.n_embd=48"],
+                 "parallel.cp_method = \"alltoall\" splits each rank's 3 query and 3 "
+                 "key/value heads over cp = 2", 2, id="alltoall-heads"),
+    pytest.param(None, ["--set", "parallel.cp_method='zigzag'"],
+                 "parallel.cp_method = 'zigzag' must be one of ring, allgather, alltoall", 2,
+                 id="unknown-cp-method"),
     pytest.param("[train\nsteps = 3", [], "not valid TOML", 2, id="malformed-toml"),
     pytest.param("[train]\nsteps = 3\nsteps = 4\n", [], "not valid TOML", 2, id="duplicate-key"),
     pytest.param(b"\xff\xfe[train]\n", [], "cannot read config", 2, id="not-utf8"),

@@ -342,16 +342,7 @@ router = "sigmoid_bias"
 
 
 def moe_run(folder: Path, args: list[str], steps: int) -> tuple[list[dict], Path]:
-    folder.mkdir(exist_ok=True)
-    config = folder / "moe.toml"
-    config.write_text(MOE_TOML)
-    metrics = folder / f"metrics-{len(list(folder.glob('metrics-*')))}.jsonl"
-    result = cli.dtrain("train", str(config), *args, "--set", f"train.steps={steps}",
-                    "--set", f"train.out_dir='{folder / 'run'}'", "--metrics", str(metrics),
-                    timeout=170)
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r for r in rows if "loss" in r], folder / "run" / "checkpoints"
+    return cli.train_rows(folder, MOE_TOML, args, steps)
 
 
 @pytest.mark.slow

@@ -33,7 +33,8 @@ _EXPORTS = {
     "shutdown": "dtrain.world",
 }
 # Every module and subpackage of dtrain, reachable as `dtrain.<name>` on first use.
-_SUBPACKAGES = ("checkpoint", "comm", "config", "data", "errors", "ft", "import_order",
+_SUBPACKAGES = ("checkpoint", "comm", "config", "context_parallel", "data", "errors", "ft",
+                "import_order",
                 "job_layout", "launch", "layouts", "mesh", "models", "parallel", "pipeline",
                 "planner", "ps", "sizes", "tensor_parallel", "testing", "timeline", "tools",
                 "train", "world")

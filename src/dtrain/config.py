@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtrain.context_parallel import METHODS as CP_METHODS
 from dtrain.errors import ConfigError
 from dtrain.job_layout import Layout, resolve_layout
 from dtrain.models import presets as models_presets
@@ -144,6 +145,16 @@ class ParallelConfig:
     """Expert-parallel degree: each mixture-of-experts layer's experts split over this many
     of the data-parallel ranks (carved from dp, which it must divide), tokens sent to their
     experts' ranks and back by all-to-all; the other layers stay data parallel over dp."""
+    cp: int = 1
+    """Context-parallel degree: every sequence cut into 2 x cp chunks, each of cp ranks
+    holding two (chunk i and its mirror 2cp-1-i, balanced for causal attention) through the
+    whole model; attention meets the other chunks by `cp_method`. The model is replicated
+    over cp, as over dp. dtrain's GPT and Llama; model.block_size must divide by 2 x cp."""
+    cp_method: str = "ring"
+    """How attention meets the other ranks' chunks: ring (key/value blocks passed around
+    while the local block computes), allgather (keys and values gathered once per layer:
+    small with grouped-query attention) or alltoall (DeepSpeed-Ulysses: heads split over
+    cp, which must divide each rank's query and key/value heads)."""
     sequence_parallel: bool = False
     """With tp > 1: run the norms, dropouts and residuals between the tensor-parallel
     layers on 1/tp of the sequence each (all-gather in, reduce-scatter out instead of an
@@ -308,6 +319,7 @@ CHOICES = {
     "ps.consistency": CONSISTENCY,
     "memory.activation_checkpointing": ("none", "full", "selective"),
     "model.router": ROUTERS,
+    "parallel.cp_method": CP_METHODS,
 }
 POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
@@ -315,7 +327,8 @@ POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "parallel.microbatches", "parallel.virtual_stages", "comm.bucket_mb",
             "comm.compression_rank", "sync.every", "sync.outer_lr",
             "fault_tolerance.step_timeout", "ps.servers", "checkpoint.keep_last",
-            "optimizer.lr", "logging.log_every", "model.experts_per_token", "parallel.ep"}
+            "optimizer.lr", "logging.log_every", "model.experts_per_token", "parallel.ep",
+            "parallel.cp"}
 NON_NEGATIVE = {"model.dropout", "model.vocab_size", "model.n_kv_head", "model.ffn_hidden",
                 "model.rope_theta", "model.norm_eps", "optimizer.weight_decay",
                 "optimizer.momentum",
@@ -414,6 +427,7 @@ def _validate(config: Config) -> None:
     m = config.model
     check_shape(m, config.parallel.tp)
     _validate_moe(config)
+    _validate_context(config)
     if len(config.optimizer.betas) != 2 or not all(0 <= b < 1 for b in config.optimizer.betas):
         raise ConfigError(f"optimizer.betas = {config.optimizer.betas} must be two numbers in "
                           "[0, 1), e.g. [0.9, 0.95]")
@@ -477,6 +491,44 @@ def _validate_moe(config: Config) -> None:
     if config.comm.compression != "none":
         raise ConfigError("parallel.ep > 1 with comm.compression is not supported yet: leave "
                           "parallel.ep = 1, or comm.compression = \"none\"")
+
+
+def _validate_context(config: Config) -> None:
+    """Context parallelism: the models, sequence lengths and options it works with."""
+    p, m = config.parallel, with_preset(config.model, models_presets())
+    if p.cp == 1:
+        return
+    what = f"parallel.cp = {p.cp}"
+    if m.arch not in ("gpt", "llama"):
+        raise ConfigError(f"{what} runs dtrain's GPT and Llama, not model.arch = {m.arch!r}: "
+                          "use parallel.cp = 1")
+    if p.mode == "ps":
+        raise ConfigError(f"{what} with parallel.mode = \"ps\": parameter servers train "
+                          "whole sequences on each worker; use parallel.mode = \"collective\"")
+    if m.block_size % (2 * p.cp):
+        raise ConfigError(f"{what} cuts each sequence into 2 x cp = {2 * p.cp} chunks, and "
+                          f"model.block_size = {m.block_size} does not divide by "
+                          f"{2 * p.cp}: make it a multiple of {2 * p.cp}")
+    if p.sequence_parallel and (m.block_size // p.cp) % p.tp:
+        raise ConfigError(f"{what} with parallel.sequence_parallel: each rank's "
+                          f"{m.block_size // p.cp} tokens do not divide by parallel.tp = "
+                          f"{p.tp}: make model.block_size a multiple of cp x tp")
+    if m.dropout:
+        raise ConfigError(f"{what} with model.dropout = {m.dropout}: attention dropout is not "
+                          "split over the chunks; set model.dropout = 0")
+    if p.ep > 1:
+        raise ConfigError(f"{what} with parallel.ep = {p.ep} is not supported yet: experts "
+                          "split over data-parallel ranks only; use one of them")
+    if config.fault_tolerance.mode == "live":
+        raise ConfigError(f"{what} with fault_tolerance.mode = \"live\" is not supported yet: "
+                          "use fault_tolerance.mode = \"restart\"")
+    if p.cp_method == "alltoall":
+        heads = m.n_head // p.tp
+        kv = (m.n_kv_head or m.n_head) // p.tp if m.arch == "llama" else heads
+        if heads % p.cp or kv % p.cp:
+            raise ConfigError(f"parallel.cp_method = \"alltoall\" splits each rank's {heads} "
+                              f"query and {kv} key/value heads over cp = {p.cp}, which does not "
+                              "divide them: use cp_method = \"ring\" or \"allgather\"")
 
 
 def _validate_slow_links(config: Config) -> None:
@@ -583,7 +635,7 @@ def layout_of(config: Config, world_size: int) -> Layout:
     replicas = replicas_of(config, world_size)  # each laid out alike
     layout = resolve_layout(world_size // replicas, p.dp or None, p.tp, p.pp, zero=p.zero,
                             microbatches=p.microbatches, schedule=p.schedule,
-                            virtual_stages=p.virtual_stages, mode=p.mode, ep=p.ep)
+                            virtual_stages=p.virtual_stages, mode=p.mode, ep=p.ep, cp=p.cp)
     if layout.dp % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep} does not divide the data-parallel ranks (dp = "
                           f"{layout.dp}): experts split over data-parallel ranks; choose an ep "

@@ -16,6 +16,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("world", ("dtrain.world", "dtrain.agreed_port", "dtrain.ft.heartbeat")),
     ("collectives", ("dtrain.comm",)),
     ("mesh", ("dtrain.mesh", "dtrain.ft.faults")),
+    ("context parallel", ("dtrain.context_parallel",)),
     ("checkpoint", ("dtrain.checkpoint",)),
     ("data", ("dtrain.data",)),
     ("models", ("dtrain.models",)),

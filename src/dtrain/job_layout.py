@@ -22,7 +22,7 @@ MODES = ("collective", "ps")
 
 @dataclass(frozen=True)
 class Layout:
-    """dp x tp x pp ranks, a ZeRO stage, a pipeline schedule, and how replicas agree.
+    """dp x cp x tp x pp ranks, a ZeRO stage, a pipeline schedule, and how replicas agree.
 
     Args:
         dp, tp, pp: the degrees of data, tensor and pipeline parallelism.
@@ -31,6 +31,8 @@ class Layout:
         mode: "collective" (replicas exchange gradients among themselves) or "ps"
             (parameter servers hold the model).
         ep: the expert-parallel degree, carved from dp (it does not add ranks).
+        cp: the context-parallel degree: ranks that split every sequence between them
+            (the model is replicated over them, as over dp).
     """
 
     dp: int
@@ -42,14 +44,17 @@ class Layout:
     virtual_stages: int = 1
     mode: str = "collective"
     ep: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def __str__(self) -> str:
-        """Short form, as the planner's table shows it: `dp2 x tp2 x pp2 (1f1b, m=4) zero1`."""
-        parts = [f"dp{self.dp}"] if self.dp > 1 or (self.tp == self.pp == 1) else []
+        """Short form, as the planner's table shows it: `dp2 x tp2 x pp2 (1f1b, m=4) zero1`
+        (`dp2 x cp2 x tp2` with context parallelism)."""
+        parts = [f"dp{self.dp}"] if self.dp > 1 or (self.tp == self.pp == self.cp == 1) else []
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"tp{self.tp}"] if self.tp > 1 else []
         if self.pp > 1:
             v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
@@ -63,6 +68,8 @@ class Layout:
         how = replicas or (f"ZeRO stage {self.zero}" if self.zero else "data parallel")
         if self.tp > 1:
             how = f"tensor parallel over {self.tp} x {how}"
+        if self.cp > 1:
+            how = f"context parallel over {self.cp} x {how}"
         if self.pp > 1:
             how = (f"pipeline of {self.pp} stages ({self.schedule}, {self.microbatches} "
                    f"micro-batches) x {how}")
@@ -75,7 +82,7 @@ class Layout:
         return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "pp": self.pp,
                 "zero": self.zero, "microbatches": self.microbatches,
                 "schedule": self.schedule, "virtual_stages": self.virtual_stages,
-                "mode": self.mode, "ep": self.ep}
+                "mode": self.mode, "ep": self.ep, "cp": self.cp}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Layout:
@@ -83,16 +90,16 @@ class Layout:
         written before micro-batches and the schedule were recorded).
 
         Raises:
-            ValueError: `world_size` is not dp x tp x pp.
+            ValueError: `world_size` is not dp x cp x tp x pp.
         """
         layout = cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
         if values.get("world_size", layout.world_size) != layout.world_size:
             raise ValueError(f"layout {values} says world_size={values['world_size']}, but "
-                             f"dp x tp x pp = {layout.world_size}")
+                             f"dp x cp x tp x pp = {layout.world_size}")
         return layout
 
 
-def resolve_layout(world_size: int, dp: int | None, tp: int = 1, pp: int = 1,
+def resolve_layout(world_size: int, dp: int | None, tp: int = 1, pp: int = 1, cp: int = 1,
                    **options: Any) -> Layout:
     """Check degrees against the world size and fill in `dp` when it is None; `options`
     are the Layout's other fields.
@@ -100,20 +107,23 @@ def resolve_layout(world_size: int, dp: int | None, tp: int = 1, pp: int = 1,
     Raises:
         ConfigError: a degree is below 1 or the product does not equal the world size.
     """
-    for name, value in (("dp", dp), ("tp", tp), ("pp", pp)):
+    for name, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ConfigError(f"{name}={value!r} must be a positive integer")
+    names = "cp*tp*pp" if cp > 1 else "tp*pp"
+    factors = f"{cp}*{tp}*{pp}" if cp > 1 else f"{tp}*{pp}"
+    others = cp * tp * pp
     if dp is None:
-        if world_size % (tp * pp):
+        if world_size % others:
             raise ConfigError(
-                f"tp*pp = {tp}*{pp} = {tp * pp} does not divide the world size {world_size}: "
-                f"choose tp and pp whose product divides {world_size}")
-        dp = world_size // (tp * pp)
-    if dp * tp * pp != world_size:
+                f"{names} = {factors} = {others} does not divide the world size {world_size}: "
+                f"choose degrees whose product divides {world_size}")
+        dp = world_size // others
+    if dp * others != world_size:
         raise ConfigError(
-            f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} but the world has {world_size} "
+            f"dp*{names} = {dp}*{factors} = {dp * others} but the world has {world_size} "
             f"ranks: make the product equal {world_size} (or leave dp unset to infer it)")
-    return Layout(dp=dp, tp=tp, pp=pp, **options)
+    return Layout(dp=dp, tp=tp, pp=pp, cp=cp, **options)
 
 
 @dataclass(frozen=True)

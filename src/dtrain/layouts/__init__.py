@@ -22,6 +22,7 @@ from torch import nn
 
 from dtrain.checkpoint.universal import Checkpoint
 from dtrain.config import Config
+from dtrain.context_parallel import ContextParallel
 from dtrain.job_layout import Layout
 from dtrain.layouts.data_parallel import Replicated
 from dtrain.layouts.holding import Holding, build_optimizer
@@ -30,7 +31,7 @@ from dtrain.layouts.pipeline import Pipelined
 from dtrain.layouts.synced import Synced
 from dtrain.layouts.zero import Sharded
 from dtrain.mesh import Mesh
-from dtrain.models import init, moe, recompute
+from dtrain.models import context, init, moe, recompute
 from dtrain.models.weights import SlicedWeights
 from dtrain.parallel.averaging import Averaging
 from dtrain.parallel.sync.diloco import DiLoCo
@@ -63,7 +64,9 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
     tp_plan` (dtrain.tensor_parallel.plan_of), with `parallel.sequence_parallel` if set;
     ep > 1 then keeps each rank's share of every MoE layer's experts (whole on each tp
     rank), averaged over the ranks that hold the same experts (mesh group "edp");
-    `[memory]` chooses the modules recomputed in backward (dtrain.models.recompute).
+    `[memory]` chooses the modules recomputed in backward (dtrain.models.recompute). cp > 1
+    runs the model on each rank's chunks of every sequence (dtrain.models.context), its
+    gradients averaged over dp x cp.
 
     A `model` built in split form (its parameters on the meta device, dtrain.models.init)
     is never whole anywhere: each rank allocates only what it holds, on the mesh's device,
@@ -85,6 +88,8 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
     sequence = config.parallel.sequence_parallel and layout.tp > 1
     if sequence:
         check_sequence_parallel(model)
+    if layout.cp > 1:  # each rank runs its chunks of every sequence
+        context.apply(model, ContextParallel(mesh.group("cp"), config.parallel.cp_method))
     if layout.tp > 1:
         split_model(model, mesh.group("tp"), config.model.tp_plan)
     if layout.ep > 1:  # each rank keeps its E / ep experts of every MoE layer

@@ -10,7 +10,7 @@ from dtrain.comm import GroupLike
 from dtrain.config import Config
 from dtrain.job_layout import Layout
 from dtrain.layouts.held import Names, Tensors
-from dtrain.layouts.holding import Holding, build_optimizer, under
+from dtrain.layouts.holding import Holding, build_optimizer, replica_ranks, under
 from dtrain.mesh import Mesh
 from dtrain.parallel.averaging import Averaging
 from dtrain.parallel.clip import GradPart
@@ -57,12 +57,13 @@ class Replicated(Holding):
         self.layout, self.names = layout, Names.of(model, mesh, layout)
         self.notes = notes
         experts = mesh.group("edp") if layout.ep > 1 else None
-        self.module = data_parallel(model, mesh.group("dp"), config, averaging, experts)
+        replicas, place = replica_ranks(mesh)  # dp (x cp)
+        self.module = data_parallel(model, replicas, config, averaging, experts)
         self.optimizers = [build_optimizer(model.parameters(), config.optimizer)]
         self.held = [Tensors(self.names, list(model.parameters()), self.optimizers[0],
-                             dp=(mesh.coords["dp"], layout.dp))]
+                             dp=place)]
         self.groups = {"tp": mesh.group("tp"), **({"ep": mesh.group("ep")} if experts else {})}
-        self.loss_group = mesh.group("dp")
+        self.loss_group = replicas
         self.accum = config.train.grad_accum
 
     def grad_parts(self) -> list[GradPart]:

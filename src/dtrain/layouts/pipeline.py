@@ -13,7 +13,7 @@ from dtrain.config import Config
 from dtrain.job_layout import Layout
 from dtrain.layouts.data_parallel import compression_state, data_parallel, load_compression_state
 from dtrain.layouts.held import Names, Shards, Tensors, untrained
-from dtrain.layouts.holding import Batch, Holding, build_optimizer
+from dtrain.layouts.holding import Batch, Holding, build_optimizer, replica_ranks
 from dtrain.layouts.zero import zero_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
@@ -27,7 +27,7 @@ class Pipelined(Holding):
 
     def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
                  notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
-        group, dp = mesh.group("pp"), mesh.group("dp")
+        group, (dp, place) = mesh.group("pp"), replica_ranks(mesh)  # dp (x cp)
         self.layout, self.notes = layout, notes
         mine = pipeline.pieces_for(pipeline.cut(model, layout.pp * layout.virtual_stages),
                                    group)
@@ -44,13 +44,13 @@ class Pipelined(Holding):
                        for piece in mine]
             self.optimizers = [z.optimizer for z in wrapped]
             self.held = [*(Shards(self.names, z) for z in wrapped),
-                         *untrained(self.names, mine, (mesh.coords["dp"], layout.dp), device)]
+                         *untrained(self.names, mine, place, device)]
         else:
             wrapped = [data_parallel(piece, dp, config, averaging, experts) for piece in mine]
             params = list(nn.ModuleList(mine).parameters())
             self.optimizers = [build_optimizer(params, config.optimizer)]
             self.held = [Tensors(self.names, params, self.optimizers[0],
-                                 dp=(mesh.coords["dp"], layout.dp))]
+                                 dp=place)]
         self.module = nn.ModuleList(wrapped)
         self.pipe = pipeline.Pipeline(wrapped, group, microbatches=layout.microbatches,
                                       schedule=layout.schedule,

@@ -10,7 +10,7 @@ from dtrain.comm import GroupLike
 from dtrain.config import Config
 from dtrain.job_layout import Layout
 from dtrain.layouts.held import Names, Shards, untrained
-from dtrain.layouts.holding import Holding, build_optimizer
+from dtrain.layouts.holding import Holding, build_optimizer, replica_ranks
 from dtrain.mesh import Mesh
 from dtrain.models import init
 from dtrain.parallel.averaging import Averaging
@@ -42,14 +42,14 @@ class Sharded(Holding):
         self.layout, self.names = layout, Names.of(model, mesh, layout)
         self.notes = notes
         experts = mesh.group("edp") if layout.ep > 1 else None
-        self.module = self.zero = zero_of(model, mesh.group("dp"), config, mesh.world.device,
+        replicas, place = replica_ranks(mesh)  # dp (x cp)
+        self.module = self.zero = zero_of(model, replicas, config, mesh.world.device,
                                           averaging, experts)
         self.optimizers = [self.zero.optimizer]
         self.held = [Shards(self.names, self.zero),
-                     *untrained(self.names, [model], (mesh.coords["dp"], layout.dp),
-                                mesh.world.device)]
-        self.groups = {"dp": mesh.group("dp"), "tp": mesh.group("tp")}  # experts: dp too
-        self.loss_group = mesh.group("dp")
+                     *untrained(self.names, [model], place, mesh.world.device)]
+        self.groups = {"dp": replicas, "tp": mesh.group("tp")}  # experts: dp too
+        self.loss_group = replicas
         self.accum = config.train.grad_accum
 
     def grad_parts(self) -> list[GradPart]:

@@ -107,7 +107,7 @@ class GPT(StagedLM):
         return ["wte", "wpe", "drop"], "blocks", ["ln_f", "head"]
 
     def stage_in(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+        pos = self.positions(idx.shape[1], idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def stage_out(self, x: torch.Tensor) -> torch.Tensor:

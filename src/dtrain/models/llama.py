@@ -194,11 +194,14 @@ class RMSNorm(nn.Module):
 
 
 def rotary(t: int, head_dim: int, theta: float, device: torch.device,
-           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of positions 0..t-1, each (t, head_dim): the frequencies repeated across
-    the two halves of a head, as Hugging Face's rotate-half convention pairs them."""
+           dtype: torch.dtype, positions: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of positions 0..t-1 (or the `t` given `positions`), each (t, head_dim):
+    the frequencies repeated across the two halves of a head, as Hugging Face's
+    rotate-half convention pairs them."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    freqs = torch.arange(t, device=device).float()[:, None] * inv_freq
+    at = torch.arange(t, device=device) if positions is None else positions
+    freqs = at.float()[:, None] * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -320,12 +323,12 @@ class Llama(StagedLM):
 
     def _rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary (cos, sin) of the whole sequence's positions (x holds 1 /
-        `sequence_parts` of it), kept for the blocks that follow (every block of a forward
-        shares them)."""
+        `sequence_parts` of it; under context parallelism, of this rank's chunks), kept for
+        the blocks that follow (every block of a forward shares them)."""
         t = x.shape[1] * self.sequence_parts
-        key = (t, x.device, x.dtype, type(x))  # a fake tensor is not a real one
+        key = (t, x.device, x.dtype, type(x), id(self.context))  # fake tensors are not real
         if self._rope_cache[0] != key:
             head_dim = self.cfg.head_size
             self._rope_cache = (key, rotary(t, head_dim, self.cfg.rope_theta, x.device,
-                                            x.dtype))
+                                            x.dtype, self.positions(t, x.device)))
         return self._rope_cache[1]

@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.context_parallel import ContextParallel
+from dtrain.errors import DtrainError
+
 # torch 2.5 and later attend grouped queries to their key/value head without copies.
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -55,6 +58,16 @@ class StagedLM(nn.Module):
     `block_size` (the longest input) and the stage methods."""
 
     block_size: int
+    context: ContextParallel | None = None
+    """Context parallelism (dtrain.models.context.apply): the inputs are this rank's chunks
+    of each sequence, whose positions are the global ones."""
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor:
+        """The positions of the `t` tokens the blocks see: 0..t-1, or under context
+        parallelism those of this rank's chunks in the whole sequence."""
+        if self.context is None:
+            return torch.arange(t, device=device)
+        return self.context.positions(t, device)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
@@ -88,12 +101,21 @@ class AttentionCore(nn.Module):
     dtrain.models.recompute). Fewer key/value heads than query heads are grouped-query
     attention: query head i reads key/value head i // (heads / kv heads)."""
 
+    context: ContextParallel | None = None
+    """Context parallelism: q, k and v are this rank's chunks of the sequence, and the
+    keys and values of the others are met through it (dtrain.context_parallel)."""
+
     def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         drop = self.dropout if self.training else 0.0
+        if self.context is not None:
+            if drop:
+                raise DtrainError("attention dropout under context parallelism: set the "
+                                  "model's dropout to 0")
+            return self.context.attention(q, k, v)
         group = q.shape[1] // k.shape[1]
         if group > 1 and not _SDPA_GQA:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

@@ -40,6 +40,7 @@ from dtrain.config import (
     per_rank_batch,
     replicas_of,
 )
+from dtrain.context_parallel import chunks
 from dtrain.data import Tokenizer, TokenSequences, batches, open_data
 from dtrain.ft import elastic, env, faults
 from dtrain.ft.live.job import open_live
@@ -80,10 +81,17 @@ def evaluate(held: Holding, data: TokenSequences, batch_size: int, n_batches: in
     stream = batches(data, batch_size * dp_size, dp_size, dp_rank, seed=0, shuffle=False)
     total = 0.0
     for _, (x, y) in zip(range(n_batches), stream, strict=False):
-        total += held.evaluate(x.to(device), y.to(device)).item()
+        total += held.evaluate(chunks_of(x, mesh).to(device),
+                               chunks_of(y, mesh).to(device)).item()
     held.module.train()
-    mine = mean_over(total / n_batches, mesh.group("dp"), device)
+    mine = mean_over(total / n_batches, held.loss_group, device)
     return mean_over(mine, mesh.group("dp_replicate"), device)  # and over the replicas
+
+
+def chunks_of(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This rank's chunks of each sequence of `t` (batch, time): all of it, or under
+    context parallelism its two of 2 x cp (dtrain.context_parallel.chunks)."""
+    return chunks.shard(t, mesh.coords["cp"], mesh.size("cp"))
 
 
 def open_checkpoint(path: str, config: Config) -> Checkpoint:
@@ -129,6 +137,7 @@ class Trainer:
         tc, mc = config.train, config.model
         self.layout = layout_of(config, world.world_size)
         mesh = self.mesh = Mesh(dp=self.layout.dp, tp=self.layout.tp, pp=self.layout.pp,
+                                cp=self.layout.cp,
                                 dp_replicate=replicas_of(config, world.world_size),
                                 ep=self.layout.ep)
         replicas, replica = mesh.size("dp_replicate"), mesh.coords["dp_replicate"]
@@ -265,7 +274,8 @@ class Trainer:
         data = []
         for _ in range(held.accum):
             with timeline.span("data", "data"):
-                data.append(tuple(t.to(device) for t in next(self.stream)))
+                data.append(tuple(chunks_of(t, self.mesh).to(device)
+                                  for t in next(self.stream)))
         loss = held.forward_backward(data)
         with timeline.span("optimizer", "optimizer"):
             if self.config.optimizer.grad_clip > 0:

@@ -81,7 +81,7 @@ class ZeRO(nn.Module):
             `group` (each expert's gradient already sums the tokens its expert-parallel
             peers sent it); the rest as always. With `averaging`, each shard is then
             averaged with the same shard of the other replicas, which split their experts
-            alike (live replicas).
+            alike.
 
     Raises:
         DtrainError: a bad stage or option, ranks with different models, or an optimizer

@@ -1,0 +1,255 @@
+"""Attention over a sequence split between the ranks of a context-parallel group.
+
+Each rank holds its two chunks of every sequence (dtrain.context_parallel.chunks): its
+queries, keys and values are (batch, heads, 2c, head dim) for chunks of c tokens. Three
+ways to attend over the whole sequence (`METHODS`):
+
+- "ring": the key/value blocks go around the ring, one step per rank, each sent on while
+  the block in hand is computed; each step's partial result is merged with the others by
+  its log-sum-exp (the online softmax). With the zigzag chunks, a block from an earlier
+  rank meets every local query with its first chunk only, and one from a later rank only
+  the second local chunk, with all its keys: each step is half a block, on every rank.
+  Backward goes round again: each block's key and value gradients travel with it and
+  arrive at its owner at the end. Nothing but the local block and the one in flight is
+  held at once. Each step's computation is a "cp ring step" span on the timeline, beside
+  the sends and receives in flight.
+- "allgather": the keys and values are all-gathered once (small with grouped-query
+  attention: Llama 3's choice) and the local queries attend over them under the causal
+  mask of the global positions; backward reduce-scatters their gradients.
+- "alltoall" (DeepSpeed-Ulysses): an all-to-all turns the sequence shards of q, k and v
+  into head shards of the whole sequence, attention runs as usual on a rank's heads, and
+  another all-to-all turns the output back. The query and key/value heads must divide
+  by the group size.
+
+The ring computes its blocks in float32 (float64 inputs in float64) and returns the input
+dtype; the other two call torch's scaled_dot_product_attention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dtrain import comm, timeline
+from dtrain.context_parallel.chunks import positions
+from dtrain.context_parallel.exchange import all_to_all, gather_sequence
+from dtrain.errors import ConfigError
+
+METHODS = ("ring", "allgather", "alltoall")
+Ctx = torch.autograd.function.FunctionCtx
+KV_TAG, GRAD_TAG = 7101, 7102  # the ring's messages: blocks, and their gradients
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A context-parallel group (any group dtrain.comm takes: `mesh.group("cp")`) and its
+    attention method.
+
+    Raises:
+        ConfigError: an unknown method.
+    """
+
+    group: comm.Group
+    method: str = "ring"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "group", comm.resolve(self.group))  # a torch group too
+        if self.method not in METHODS:
+            raise ConfigError(f"parallel.cp_method = {self.method!r} is unknown: use one of "
+                              f"{', '.join(METHODS)}")
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    def positions(self, local: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The global positions of this rank's `local` tokens."""
+        return positions(local, self.rank, self.size, device)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  causal: bool = True, scale: float | None = None) -> torch.Tensor:
+        """softmax(q k^T * scale) v over the whole sequence for this rank's queries
+        (batch, heads, 2c, dim); k and v may have fewer heads (grouped-query attention).
+
+        Raises:
+            ConfigError: "alltoall" with heads that do not divide by the group size.
+        """
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        if self.size == 1:
+            return _sdpa(q, k, v, causal, scale)
+        if self.method == "ring":
+            return _Ring.apply(q, k, v, self.group, causal, scale)
+        if self.method == "allgather":
+            return self._allgather(q, k, v, causal, scale)
+        return self._alltoall(q, k, v, causal, scale)
+
+    def _allgather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   scale: float) -> torch.Tensor:
+        k, v = gather_sequence(k, self.group), gather_sequence(v, self.group)
+        mask = None
+        if causal:
+            local = q.shape[2]
+            keys = torch.cat([positions(local, j, self.size, q.device)
+                              for j in range(self.size)])
+            mask = keys[None, :] <= self.positions(local, q.device)[:, None]
+        k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+    def _alltoall(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float) -> torch.Tensor:
+        for what, heads in (("query", q.shape[1]), ("key/value", k.shape[1])):
+            if heads % self.size:
+                raise ConfigError(f"parallel.cp_method = \"alltoall\" splits the heads over "
+                                  f"cp = {self.size}, which does not divide the {heads} "
+                                  f"{what} heads this rank holds: use cp_method = \"ring\" "
+                                  "or \"allgather\"")
+        q, k, v = (all_to_all(t, self.group, split=1, cat=2) for t in (q, k, v))
+        local = q.shape[2] // self.size  # the sequence in rank order, each rank's tokens
+        order = torch.cat([positions(local, j, self.size, q.device)
+                           for j in range(self.size)]).argsort()
+        back = order.argsort()
+        q, k, v = (t[:, :, order] for t in (q, k, v))
+        out = _sdpa(q, k, v, causal, scale)[:, :, back]
+        return all_to_all(out, self.group, split=2, cat=1)
+
+
+def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key/value heads repeated for the query heads that share each."""
+    group = heads // kv.shape[1]
+    return kv if group == 1 else kv.repeat_interleave(group, dim=1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of `_expand`: the query heads' gradients summed per key/value head."""
+    b, heads, t, d = grad.shape
+    group = heads // kv_heads
+    return grad if group == 1 else grad.view(b, kv_heads, group, t, d).sum(2)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+          scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, _expand(k, q.shape[1]), _expand(v, q.shape[1]),
+                                          is_causal=causal, scale=scale)
+
+
+def _part(step: int, rank: int, size: int, local: int, causal: bool
+          ) -> tuple[slice, slice, bool]:
+    """(query rows, key columns, masked) that meet at ring step `step` on `rank`: the
+    block in hand is that of rank (rank - step) mod size. Step 0 (its own block) is
+    causal within its chunks; an earlier rank's first chunk is before every local query,
+    its second after them all; a later rank's chunks are all before the second local chunk
+    and after the first."""
+    whole, half = slice(0, local), local // 2
+    if not causal:
+        return whole, whole, False
+    owner = (rank - step) % size
+    if owner == rank:
+        return whole, whole, True
+    if owner < rank:
+        return whole, slice(0, half), False
+    return slice(half, local), whole, False
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None
+            ) -> torch.Tensor:
+    s = q @ k.transpose(-2, -1) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def _meet(q: torch.Tensor, block: torch.Tensor, step: int, group: comm.Group, causal: bool,
+          scale: float, diagonal: torch.Tensor
+          ) -> tuple[slice, slice, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """At ring step `step`, with `block` (keys and values stacked) in hand: the query rows
+    and key columns that meet (`_part`), the block's keys and values there repeated for
+    the query heads, and their scores (under the causal `diagonal` mask on step 0)."""
+    rows, cols, masked = _part(step, group.rank, group.size, q.shape[2], causal)
+    k, v = (_expand(t[:, :, cols], q.shape[1]) for t in block.unbind(0))
+    return rows, cols, k, v, _scores(q[:, :, rows], k, scale, diagonal if masked else None)
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention, forward and backward (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx: Ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                group: comm.Group, causal: bool, scale: float) -> torch.Tensor:
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        size, rank, local = group.size, group.rank, q.shape[2]
+        qw = q.to(work)
+        mine = positions(local, rank, size, q.device)
+        diagonal = mine[None, :] <= mine[:, None]
+        out = torch.zeros_like(qw)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=work, device=q.device)
+        block = torch.stack((k, v)).to(work)
+        for step in range(size):
+            pending = _pass_on(block, group, KV_TAG) if step < size - 1 else None
+            with timeline.span("cp ring step", "cp", step=step, backward=False):
+                rows, cols, kb, vb, s = _meet(qw, block, step, group, causal, scale, diagonal)
+                part_lse = s.logsumexp(-1)
+                part_out = torch.exp(s - part_lse[..., None]) @ vb
+                merged = torch.logaddexp(lse[:, :, rows], part_lse)
+                out[:, :, rows] = (
+                    out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
+                    + part_out * torch.exp(part_lse - merged)[..., None])
+                lse[:, :, rows] = merged
+            if pending is not None:
+                block = pending()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        size, rank, local = group.size, group.rank, q.shape[2]
+        work, kv_heads = out.dtype, k.shape[1]
+        qw, dout = q.to(work), grad.to(work)
+        delta = (dout * out).sum(-1)
+        mine = positions(local, rank, size, q.device)
+        diagonal = mine[None, :] <= mine[:, None]
+        dq = torch.zeros_like(qw)
+        block = torch.stack((k, v)).to(work)
+        arriving = None  # the gradient of the block in hand from the ranks before
+        for step in range(size):
+            pending = _pass_on(block, group, KV_TAG) if step < size - 1 else None
+            with timeline.span("cp ring step", "cp", step=step, backward=True):
+                rows, cols, kb, vb, s = _meet(qw, block, step, group, causal, scale, diagonal)
+                p = torch.exp(s - lse[:, :, rows, None])
+                d_out = dout[:, :, rows]
+                ds = p * (d_out @ vb.transpose(-2, -1) - delta[:, :, rows, None])
+                dq[:, :, rows] += ds @ kb * scale
+                mine_grad = torch.zeros_like(block)
+                mine_grad[0][:, :, cols] = _fold(
+                    ds.transpose(-2, -1) @ qw[:, :, rows] * scale, kv_heads)
+                mine_grad[1][:, :, cols] = _fold(p.transpose(-2, -1) @ d_out, kv_heads)
+            carried = mine_grad if arriving is None else arriving() + mine_grad
+            arriving = _pass_on(carried, group, GRAD_TAG)  # on with the block, then home
+            if pending is not None:
+                block = pending()
+        dk, dv = arriving().unbind(0)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _pass_on(t: torch.Tensor, group: comm.Group, tag: int):  # noqa: ANN202
+    """Send `t` to the next rank of the ring and receive the previous rank's into a new
+    tensor; returns a callable that waits for both and gives what arrived."""
+    size, rank = group.size, group.rank
+    arrived = torch.empty_like(t)
+    sent = comm.send(t, (rank + 1) % size, group=group, async_op=True, tag=tag)
+    got = comm.recv(arrived, (rank - 1) % size, group=group, async_op=True, tag=tag)
+
+    def wait() -> torch.Tensor:
+        got.wait()
+        sent.wait()
+        return arrived
+
+    return wait
