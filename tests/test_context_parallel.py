@@ -17,7 +17,7 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.checkpoint import universal
-from dtrain.context_parallel import ContextParallel, chunks
+from dtrain.context_parallel import ContextParallel, attention, chunks
 from dtrain.errors import ConfigError
 from dtrain.models import context
 from dtrain.models.gpt import GPT, GPTConfig
@@ -58,6 +58,16 @@ def test_attention_equals_sdpa_forward_and_backward(method: str, n: int, causal:
     heads: every rank's output and its q, k and v gradients equal full attention's on its
     chunks, in float64."""
     assert run_threads(attention_rank, n, method, causal, (8, 4)) == [True] * n
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_ring_without_fused_kernels_equals_sdpa(monkeypatch: pytest.MonkeyPatch,
+                                                   causal: bool) -> None:
+    """Where torch's fused CPU attention is missing (another device, an older torch) the
+    ring's blocks use the plain formulas: the same outputs and gradients."""
+    monkeypatch.setattr(attention, "_fused", lambda device, dtype: False)
+    assert run_threads(attention_rank, 4, "ring", causal, (8, 4)) == [True] * 4
 
 
 def test_chunks_are_balanced_and_round_trip() -> None:

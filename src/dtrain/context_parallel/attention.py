@@ -22,11 +22,15 @@ ways to attend over the whole sequence (`METHODS`):
   by the group size.
 
 The ring computes its blocks in float32 (float64 inputs in float64) and returns the input
-dtype; the other two call torch's scaled_dot_product_attention.
+dtype: each block by torch's fused CPU attention, which returns the log-sum-exp the merge
+needs, and whose backward takes the whole attention's output and log-sum-exp (so a block's
+gradients are its share of the whole's); by the plain formulas where that kernel is
+missing (another device). The other two methods call torch's scaled_dot_product_attention.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -141,11 +145,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 def _part(step: int, rank: int, size: int, local: int, causal: bool
           ) -> tuple[slice, slice, bool]:
-    """(query rows, key columns, masked) that meet at ring step `step` on `rank`: the
-    block in hand is that of rank (rank - step) mod size. Step 0 (its own block) is
-    causal within its chunks; an earlier rank's first chunk is before every local query,
-    its second after them all; a later rank's chunks are all before the second local chunk
-    and after the first."""
+    """(query rows, key columns, causal) that meet at ring step `step` on `rank`: the block
+    in hand is that of rank (rank - step) mod size. Step 0 (its own block) is causal: the
+    local tokens' positions increase, so the mask is the lower triangle. An earlier rank's
+    first chunk is before every local query, its second after them all; a later rank's
+    chunks are all before the second local chunk and after the first."""
     whole, half = slice(0, local), local // 2
     if not causal:
         return whole, whole, False
@@ -157,21 +161,58 @@ def _part(step: int, rank: int, size: int, local: int, causal: bool
     return slice(half, local), whole, False
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None
-            ) -> torch.Tensor:
+@functools.cache
+def _fused(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch's fused CPU attention (which returns the log-sum-exp) computes ring
+    blocks here, forward and backward, as the plain formulas do: tried once on a small
+    block; otherwise the blocks use the plain formulas."""
+    kernels = ("_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_flash_attention_for_cpu_backward")
+    if device_type != "cpu" or not all(hasattr(torch.ops.aten, k) for k in kernels):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 8, 4, generator=gen).to(dtype) for _ in range(4))
+    try:
+        got = (*_forward(q, k, v, True, 0.5, True),)
+        got += _backward(dout, q, k, v, *got, True, 0.5, True)
+    except RuntimeError:
+        return False
+    want = (*_forward(q, k, v, True, 0.5, False),)
+    want += _backward(dout, q, k, v, *want, True, 0.5, False)
+    return all(torch.allclose(a, b, rtol=1e-3, atol=1e-4) for a, b in zip(got, want, strict=True))
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+             fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and log-sum-exp per query (k and v have q's heads)."""
+    if fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)
+        return out, lse.to(q.dtype)
     s = q @ k.transpose(-2, -1) * scale
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
+                          float("-inf"))
+    lse = s.logsumexp(-1)
+    return torch.exp(s - lse[..., None]) @ v, lse
 
 
-def _meet(q: torch.Tensor, block: torch.Tensor, step: int, group: comm.Group, causal: bool,
-          scale: float, diagonal: torch.Tensor
-          ) -> tuple[slice, slice, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """At ring step `step`, with `block` (keys and values stacked) in hand: the query rows
-    and key columns that meet (`_part`), the block's keys and values there repeated for
-    the query heads, and their scores (under the causal `diagonal` mask on step 0)."""
-    rows, cols, masked = _part(step, group.rank, group.size, q.shape[2], causal)
-    k, v = (_expand(t[:, :, cols], q.shape[1]) for t in block.unbind(0))
-    return rows, cols, k, v, _scores(q[:, :, rows], k, scale, diagonal if masked else None)
+def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, fused: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's share of the q, k and v gradients, given the whole attention's output
+    and log-sum-exp for these queries (so each block's probabilities are final ones)."""
+    if fused:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.float() if q.dtype != torch.float64 else lse, 0.0, causal,
+            scale=scale)
+    s = q @ k.transpose(-2, -1) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
+                          float("-inf"))
+    p = torch.exp(s - lse[..., None])
+    ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
 
 
 class _Ring(torch.autograd.Function):
@@ -181,19 +222,18 @@ class _Ring(torch.autograd.Function):
     def forward(ctx: Ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 group: comm.Group, causal: bool, scale: float) -> torch.Tensor:
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        size, rank, local = group.size, group.rank, q.shape[2]
+        fused = _fused(q.device.type, work)
+        size, rank, local, heads = group.size, group.rank, q.shape[2], q.shape[1]
         qw = q.to(work)
-        mine = positions(local, rank, size, q.device)
-        diagonal = mine[None, :] <= mine[:, None]
         out = torch.zeros_like(qw)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=work, device=q.device)
         block = torch.stack((k, v)).to(work)
         for step in range(size):
             pending = _pass_on(block, group, KV_TAG) if step < size - 1 else None
+            rows, cols, masked = _part(step, rank, size, local, causal)
             with timeline.span("cp ring step", "cp", step=step, backward=False):
-                rows, cols, kb, vb, s = _meet(qw, block, step, group, causal, scale, diagonal)
-                part_lse = s.logsumexp(-1)
-                part_out = torch.exp(s - part_lse[..., None]) @ vb
+                kb, vb = (_expand(t[:, :, cols], heads) for t in block.unbind(0))
+                part_out, part_lse = _forward(qw[:, :, rows], kb, vb, masked, scale, fused)
                 merged = torch.logaddexp(lse[:, :, rows], part_lse)
                 out[:, :, rows] = (
                     out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
@@ -210,27 +250,25 @@ class _Ring(torch.autograd.Function):
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
-        size, rank, local = group.size, group.rank, q.shape[2]
+        size, rank, local, heads = group.size, group.rank, q.shape[2], q.shape[1]
         work, kv_heads = out.dtype, k.shape[1]
-        qw, dout = q.to(work), grad.to(work)
-        delta = (dout * out).sum(-1)
-        mine = positions(local, rank, size, q.device)
-        diagonal = mine[None, :] <= mine[:, None]
+        fused = _fused(q.device.type, work)
+        qw, dout = q.to(work), grad.to(work).contiguous()
         dq = torch.zeros_like(qw)
         block = torch.stack((k, v)).to(work)
         arriving = None  # the gradient of the block in hand from the ranks before
         for step in range(size):
             pending = _pass_on(block, group, KV_TAG) if step < size - 1 else None
+            rows, cols, masked = _part(step, rank, size, local, causal)
             with timeline.span("cp ring step", "cp", step=step, backward=True):
-                rows, cols, kb, vb, s = _meet(qw, block, step, group, causal, scale, diagonal)
-                p = torch.exp(s - lse[:, :, rows, None])
-                d_out = dout[:, :, rows]
-                ds = p * (d_out @ vb.transpose(-2, -1) - delta[:, :, rows, None])
-                dq[:, :, rows] += ds @ kb * scale
+                kb, vb = (_expand(t[:, :, cols], heads) for t in block.unbind(0))
+                dq_part, dk, dv = _backward(dout[:, :, rows], qw[:, :, rows], kb, vb,
+                                            out[:, :, rows], lse[:, :, rows], masked, scale,
+                                            fused)
+                dq[:, :, rows] += dq_part
                 mine_grad = torch.zeros_like(block)
-                mine_grad[0][:, :, cols] = _fold(
-                    ds.transpose(-2, -1) @ qw[:, :, rows] * scale, kv_heads)
-                mine_grad[1][:, :, cols] = _fold(p.transpose(-2, -1) @ d_out, kv_heads)
+                mine_grad[0][:, :, cols] = _fold(dk, kv_heads)
+                mine_grad[1][:, :, cols] = _fold(dv, kv_heads)
             carried = mine_grad if arriving is None else arriving() + mine_grad
             arriving = _pass_on(carried, group, GRAD_TAG)  # on with the block, then home
             if pending is not None:
