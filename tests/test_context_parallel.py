@@ -102,10 +102,22 @@ def test_an_unknown_method_is_one_line() -> None:
         ContextParallel(None, "zigzag")
 
 
+def hf_llama() -> nn.Module:
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    from dtrain.models.hf import HFCausalLM
+
+    return HFCausalLM(LlamaForCausalLM(HFLlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)), 32)
+
+
 MODELS = {
     "gpt": lambda: GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32)),
     "llama": lambda: Llama(LlamaConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4,
                                        n_kv_head=2, n_embd=32, ffn_hidden=48)),
+    "hf-llama": hf_llama,
 }
 
 
@@ -121,12 +133,13 @@ def model_rank(rank: int, base: nn.Module, method: str, x: torch.Tensor, y: torc
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("arch", list(MODELS))
 @pytest.mark.parametrize("method", ["ring", "allgather", "alltoall"])
 def test_models_give_one_process_loss_and_gradients(arch: str, method: str) -> None:
-    """dtrain's GPT (learned positions) and Llama (rotary, grouped-query) on 2 ranks' chunks:
-    the mean of their losses and of their gradients equal one process's on whole
-    sequences (global positions, attention over every chunk)."""
+    """dtrain's GPT (learned positions) and Llama (rotary, grouped-query), and transformers'
+    Llama (through its attention interface) on 2 ranks' chunks: the mean of their losses
+    and of their gradients equal one process's on whole sequences (global positions,
+    attention over every chunk)."""
     torch.manual_seed(0)
     base = MODELS[arch]()
     gen = torch.Generator().manual_seed(1)
@@ -141,7 +154,7 @@ def test_models_give_one_process_loss_and_gradients(arch: str, method: str) -> N
 
 
 def test_apply_refuses_other_models() -> None:
-    with pytest.raises(ConfigError, match="context parallelism runs dtrain's GPT and Llama"):
+    with pytest.raises(ConfigError, match="context parallelism runs dtrain's GPT and Llama and"):
         context.apply(nn.Linear(2, 2), ContextParallel(None))
 
 
@@ -207,3 +220,23 @@ def test_runs_in_context_parallel_layouts_equal_one_process(tmp_path: Path) -> N
     for losses, ckpt in runs:
         torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(exported(ckpt), weights, rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_hugging_face_llama_at_cp_2_equals_one_process(tmp_path: Path) -> None:
+    """`dtrain train` of transformers' Llama (`arch = "hf"`) at cp = 2, its attention layers
+    calling dtrain's ring through transformers' attention interface: every step's loss and
+    the final weights equal one process's."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    HFLlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                  bos_token_id=None, eos_token_id=None).save_pretrained(tmp_path / "llama")
+    text = f'[model]\narch = "hf"\nhf_config = "{tmp_path / "llama"}"\nblock_size = 32\n' + BASE
+    one, one_ckpt = cli.train_rows(tmp_path / "one", text, ["-n", "1"], 3)
+    split, split_ckpt = cli.train_rows(tmp_path / "cp", text, ["-n", "2", "--set",
+                                                               "parallel.cp=2"], 3)
+    torch.testing.assert_close([r["loss"] for r in split], [r["loss"] for r in one],
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(exported(split_ckpt), exported(one_ckpt), rtol=1e-4, atol=5e-5)

@@ -46,7 +46,7 @@ from dtrain.errors import ConfigError
 from dtrain.job_layout import Layout, resolve_layout
 from dtrain.models import presets as models_presets
 from dtrain.models.config import ARCHS, ModelConfig, check_moe, check_shape, with_preset
-from dtrain.models.hf import hf_experts
+from dtrain.models.hf import ROTARY_FAMILY, hf_config_dict, hf_experts
 from dtrain.models.llama import moe_config
 from dtrain.models.moe.router import ROUTERS
 from dtrain.ps.settings import CONSISTENCY
@@ -149,7 +149,8 @@ class ParallelConfig:
     """Context-parallel degree: every sequence cut into 2 x cp chunks, each of cp ranks
     holding two (chunk i and its mirror 2cp-1-i, balanced for causal attention) through the
     whole model; attention meets the other chunks by `cp_method`. The model is replicated
-    over cp, as over dp. dtrain's GPT and Llama; model.block_size must divide by 2 x cp."""
+    over cp, as over dp. dtrain's GPT and Llama, and Hugging Face models of the Llama
+    family; model.block_size must divide by 2 x cp."""
     cp_method: str = "ring"
     """How attention meets the other ranks' chunks: ring (key/value blocks passed around
     while the local block computes), allgather (keys and values gathered once per layer:
@@ -499,9 +500,11 @@ def _validate_context(config: Config) -> None:
     if p.cp == 1:
         return
     what = f"parallel.cp = {p.cp}"
-    if m.arch not in ("gpt", "llama"):
-        raise ConfigError(f"{what} runs dtrain's GPT and Llama, not model.arch = {m.arch!r}: "
-                          "use parallel.cp = 1")
+    if m.arch not in ("gpt", "llama", "hf") or (
+            m.arch == "hf" and hf_config_dict(m).get("model_type") not in ROTARY_FAMILY):
+        raise ConfigError(f"{what} runs dtrain's GPT and Llama and Hugging Face models of the "
+                          f"Llama family ({', '.join(ROTARY_FAMILY)}), not this model: use "
+                          "parallel.cp = 1")
     if p.mode == "ps":
         raise ConfigError(f"{what} with parallel.mode = \"ps\": parameter servers train "
                           "whole sequences on each worker; use parallel.mode = \"collective\"")

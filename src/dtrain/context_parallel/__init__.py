@@ -19,6 +19,6 @@ and positions are set by dtrain.models.context.
 """
 
 from dtrain.context_parallel import chunks
-from dtrain.context_parallel.attention import METHODS, ContextParallel
+from dtrain.context_parallel.attention import METHODS, ContextParallel, positions_of
 
-__all__ = ["METHODS", "ContextParallel", "chunks"]
+__all__ = ["METHODS", "ContextParallel", "chunks", "positions_of"]

@@ -124,6 +124,13 @@ class ContextParallel:
         return all_to_all(out, self.group, split=2, cat=1)
 
 
+def positions_of(cp: ContextParallel | None, t: int,
+                 device: torch.device | str | None = None) -> torch.Tensor:
+    """The positions of the `t` tokens a model's blocks see: 0..t-1, or under context
+    parallelism (`cp` given) those of this rank's chunks in the whole sequence."""
+    return torch.arange(t, device=device) if cp is None else cp.positions(t, device)
+
+
 def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
     """Key/value heads repeated for the query heads that share each."""
     group = heads // kv.shape[1]

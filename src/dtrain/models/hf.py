@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
 from dtrain.models.hf_places import HFName, expert_places
@@ -53,6 +54,9 @@ class Family(enum.Enum):
 FAMILIES = {"llama": Family.ROTARY, "mistral": Family.ROTARY, "qwen2": Family.ROTARY,
             "mixtral": Family.ROTARY, "qwen3_moe": Family.ROTARY, "gpt2": Family.GPT2}
 """Hugging Face model_type -> the family whose pipeline stages dtrain knows."""
+
+ROTARY_FAMILY = tuple(t for t, family in FAMILIES.items() if family is Family.ROTARY)
+"""The model types of the Llama family (rotary positions, the attention interface)."""
 
 SPARSE_BLOCKS = {"mixtral": "MixtralSparseMoeBlock", "qwen3_moe": "Qwen3MoeSparseMoeBlock"}
 """Hugging Face model_type -> the class of its sparse MoE blocks, which dtrain swaps for its
@@ -186,6 +190,17 @@ def moe_config_of(config: PretrainedConfig) -> MoEConfig:
                      norm_topk_prob=getattr(config, "norm_topk_prob", True))
 
 
+def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json of the Hugging Face model `cfg` names, as a dict (empty when it is
+    not a JSON object).
+
+    Raises:
+        ConfigError: no config named, or the file missing or not JSON.
+    """
+    data = _read_json(*_config_file(cfg))
+    return data if isinstance(data, dict) else {}
+
+
 def hf_experts(cfg: ModelConfig) -> int:
     """The routed experts per MoE layer of the Hugging Face model `cfg` names (0: a dense
     model, or one whose MoE blocks dtrain does not know), read from its config.json.
@@ -193,9 +208,8 @@ def hf_experts(cfg: ModelConfig) -> int:
     Raises:
         ConfigError: no config named, or the file missing or not JSON.
     """
-    key, file = _config_file(cfg)
-    data = _read_json(key, file)
-    if not isinstance(data, dict) or data.get("model_type") not in SPARSE_BLOCKS:
+    data = hf_config_dict(cfg)
+    if data.get("model_type") not in SPARSE_BLOCKS:
         return 0
     return int(data.get("num_local_experts") or data.get("num_experts") or 0)
 
@@ -268,6 +282,7 @@ class HFCausalLM(nn.Module):
         _swap_moe(hf)
         self.family: Family | None = FAMILIES.get(hf.config.model_type)
         self.loss_fn = nn.CrossEntropyLoss()  # a module, so tensor parallelism can swap it
+        self.context: ContextParallel | None = None  # dtrain.models.context.apply sets it
         self.train()
 
     def forward(
@@ -275,7 +290,9 @@ class HFCausalLM(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # No labels: transformers would shift them, and dtrain's targets are already the
         # next tokens.
-        logits = self.hf(input_ids=idx, use_cache=False).logits
+        where = {} if self.context is None else {  # this rank's chunks' global positions
+            "position_ids": self.context.positions(idx.shape[1], idx.device)[None]}
+        logits = self.hf(input_ids=idx, use_cache=False, **where).logits
         if targets is None:
             return logits
         return logits, self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
@@ -318,12 +335,12 @@ class HFCausalLM(nn.Module):
         if self.family is Family.ROTARY:
             return self.hf.model.embed_tokens(idx)
         body = self.hf.transformer
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        positions = positions_of(self.context, idx.shape[1], idx.device)
         return body.drop(body.wte(idx) + body.wpe(positions))
 
     def stage_block(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
         if self.family is Family.ROTARY:
-            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            positions = positions_of(self.context, h.shape[1], h.device)[None]
             rotary = self.hf.model.rotary_emb(h, positions)
             out = block(h, attention_mask=None, position_ids=positions,
                         position_embeddings=rotary)

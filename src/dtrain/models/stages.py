@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.context_parallel import ContextParallel
+from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import DtrainError
 
 # torch 2.5 and later attend grouped queries to their key/value head without copies.
@@ -63,11 +63,9 @@ class StagedLM(nn.Module):
     of each sequence, whose positions are the global ones."""
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
-        """The positions of the `t` tokens the blocks see: 0..t-1, or under context
-        parallelism those of this rank's chunks in the whole sequence."""
-        if self.context is None:
-            return torch.arange(t, device=device)
-        return self.context.positions(t, device)
+        """The positions of the `t` tokens the blocks see (dtrain.context_parallel.
+        positions_of)."""
+        return positions_of(self.context, t, device)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
