@@ -188,7 +188,7 @@ def test_runs_in_context_parallel_layouts_equal_one_process(tmp_path: Path) -> N
     (allgather) on two, then for one on one process; cp = 2 x tp = 2 with sequence
     parallelism; cp = 2 x pp = 2; cp = 2 x ZeRO-3 over dp = 2; cp = 2 (alltoall) with
     every block recomputed. Every step's loss and the final weights equal the one-process
-    run's."""
+    run's; DiLoCo over two replicas of cp = 2 equals DiLoCo over two replicas of one rank."""
     want, one = cp_run(tmp_path / "one", ["-n", "1"], 4)
     trace = tmp_path / "ring.json"
     first, _ = cp_run(tmp_path / "chain", ["-n", "4", "--set", "parallel.cp=4",
@@ -216,6 +216,14 @@ def test_runs_in_context_parallel_layouts_equal_one_process(tmp_path: Path) -> N
         # x 2 layers x (4 ring steps, 3 blocks sent)
         assert names.count("cp ring step") == 2 * 2 * 8 + 2 * 2 * 4
         assert names.count("send") == names.count("recv") == 2 * 2 * 10 + 2 * 2 * 3
+    diloco = ["--set", "sync.method='diloco'", "--set", "sync.replicas=2", "--set",
+              "sync.every=2"]
+    plain, plain_ckpt = cp_run(tmp_path / "diloco", ["-n", "2", *diloco], 4)
+    split, split_ckpt = cp_run(tmp_path / "diloco-cp", ["-n", "4", "--set", "parallel.cp=2",
+                                                        *diloco], 4)
+    torch.testing.assert_close(split, plain, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(exported(split_ckpt), exported(plain_ckpt), rtol=1e-4,
+                               atol=5e-5)
     weights = exported(one)
     for losses, ckpt in runs:
         torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
