@@ -2,8 +2,9 @@
 
 Everything here is arithmetic (seconds), so it runs in make test. The published figures
 are data: Megatron-LM's Table 1 (Narayanan et al., 2021, "Efficient Large-Scale Language
-Model Training on GPU Clusters Using Megatron-LM") and the 530B runs of Korthikanti et al.
-(2022, "Reducing Activation Recomputation in Large Transformer Models").
+Model Training on GPU Clusters Using Megatron-LM"), the 530B runs of Korthikanti et al.
+(2022, "Reducing Activation Recomputation in Large Transformer Models") and Llama 3 405B's
+Table 4 (Dubey et al., 2024, "The Llama 3 Herd of Models").
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from dtrain.errors import ConfigError
-from dtrain.planner.analytic.cluster import Software, evaluate, planned_layout
+from dtrain.planner.analytic.cluster import CHUNKS, Software, evaluate, planned_layout
 from dtrain.planner.analytic.hardware import Cluster, hardware
 from dtrain.planner.analytic.search import best_layout, rank
 from dtrain.planner.shape import ModelShape, parse_shape
@@ -44,7 +45,15 @@ FITTED_ON = (0, 9)  # the rows hardware.gemm_efficiency was fitted on (the first
 # parallelism + selective recomputation (no flash attention then).
 KORTHIKANTI_530B = [("full", False, 0.421), ("selective", True, 0.542)]
 TOLERANCE = 0.15
-MEGATRON_2021 = Software(flash_attention=False)
+MEGATRON_2021 = Software(flash_attention=False, lean_norms=False)
+# Llama 3 405B, Table 4 (H100 80GB, 8 per node, bf16; global batch 16M tokens): GPUs, tp,
+# cp, pp, dp, sequence, global batch in sequences, TFLOP/s per GPU and MFU as Meta counts
+# them (model FLOPs, recomputation not counted; attention's causal half, our reading)
+LLAMA_3_TABLE_4 = [
+    (8192, 8, 1, 16, 64, 8192, 2048, 430, 0.43),
+    (16384, 8, 1, 16, 128, 8192, 2048, 400, 0.41),
+    (16384, 8, 16, 16, 8, 131072, 128, 380, 0.38),
+]
 
 
 def _row(row):
@@ -72,6 +81,33 @@ def test_megatron_table_1(row) -> None:
     assert abs(predicted.tflops_per_gpu / tflops - 1) <= TOLERANCE, predicted.tflops_per_gpu
     best = rank(shape, cluster, batch, soft=MEGATRON_2021)[0]
     assert best.fits and best.step_s <= predicted.step_s * (1 + 1e-9)
+
+
+def llama_3_405b(seq: int) -> ModelShape:
+    return ModelShape(126, 16384, 128, seq, 128256, "llama", kv_heads=8, ffn=53248)
+
+
+def llama_row(row):
+    """(the published layout planned as Meta ran it, its TFLOP/s per GPU as Meta counts
+    them): ZeRO 1 (FSDP keeping the weights gathered, fp32 gradients accumulated whole),
+    sequence parallelism, keys and values all-gathered over cp, the fastest micro-batch,
+    virtual stages and recomputation that fit."""
+    gpus, tp, cp, pp, dp, seq, batch = row[:7]
+    shape = llama_3_405b(seq)
+    cluster = Cluster(hardware("h100-80gb"), gpus // 8, 8)
+    best = best_layout(shape, cluster, batch, tp, pp, dp, (1, 2), CHUNKS, (1,),
+                       sequence_parallel=(True,), cp=cp, cp_methods=("allgather",))
+    assert best is not None and best.fits, "the published layout is predicted not to fit"
+    return best, best.tokens_per_s * shape.model_flops_per_token(causal=True) / gpus / 1e12
+
+
+@pytest.mark.parametrize("row", LLAMA_3_TABLE_4, ids=lambda r: f"{r[0]}-gpus-seq-{r[5]}")
+def test_llama_3_405b_table_4(row) -> None:
+    """Meta's three Llama 3 405B layouts within 15%, recomputing nothing (Meta pre-trained
+    at 8K tokens without activation checkpointing)."""
+    best, tflops = llama_row(row)
+    assert abs(tflops / row[7] - 1) <= TOLERANCE, (best.label, tflops)
+    assert best.planned.recompute == "none", best.label
 
 
 def test_megatron_flops_formula() -> None:
@@ -183,7 +219,7 @@ def test_cli_ranks_layouts_and_writes_json(tmp_path: Path) -> None:
             "tokens_per_s", "tflops_per_gpu", "mfu", "fits"}
     for layout in info["layouts"]:
         assert keys <= set(layout)
-        assert layout["tp"] * layout["pp"] * layout["dp"] == 1536
+        assert layout["tp"] * layout["cp"] * layout["pp"] * layout["dp"] == 1536
     steps = [e["step_time_s"] for e in info["layouts"] if e["fits"]]
     assert steps == sorted(steps) and info["recommended"]["step_time_s"] == steps[0]
     # one given layout, and a built-in preset by name
@@ -247,3 +283,121 @@ def test_fitted_rows_are_the_documented_ones() -> None:
         cluster = dataclasses.replace(cluster, hardware=hw)
         predicted = _published_layout(shape, cluster, batch, tp, pp)
         assert abs(predicted.tflops_per_gpu / tflops - 1) <= 0.05
+
+
+LONG = "arch=llama,layers=8,hidden=4096,heads=32,kv_heads=8,seq=131072,vocab=32000"
+
+
+def test_context_parallelism_divides_activations_and_is_searched() -> None:
+    """cp: every tensor of a layer holds seq / cp tokens; the search offers cp (and its
+    methods) where 2 x cp divides the sequence; the labels say it."""
+    from dtrain.planner.analytic.cluster import layer_activations
+
+    shape = parse_shape(LONG)
+    assert shape.seq == 131072  # a long seq= parses as any other
+    for recompute in ("none", "full"):
+        whole = layer_activations(shape, 1, 8, True, recompute, True)
+        assert layer_activations(shape, 1, 8, True, recompute, True, cp=4) == whole / 4
+    cluster = Cluster(hardware("h100-80gb"), 4, 8)
+    one, four = (evaluate(shape, cluster, 8, planned_layout(8, 8, 1, 4 // cp, 1, 1, 1, "none",
+                                                             True, cp=cp)).memory
+                 for cp in (1, 4))
+    assert four["activations"] < one["activations"] / 3
+    # parameters are replicated over cp: ZeRO shards their state over dp x cp
+    assert four["optimizer"] == pytest.approx(one["optimizer"])
+    estimates = rank(shape, cluster, 8, recompute=("none", "full"))
+    cps = {e.planned.layout.cp for e in estimates}
+    assert {1, 2, 4, 8, 16, 32} <= cps and all(shape.seq % (2 * cp) == 0 for cp in cps)
+    assert {e.planned.cp_method for e in estimates if e.planned.layout.cp > 1} >= \
+        {"ring", "allgather"}
+    best = next(e for e in estimates if e.planned.layout.cp == 4)
+    assert " x cp4 x " in best.label and best.label.endswith(best.planned.cp_method)
+    assert best.to_dict()["cp"] == 4 and best.to_dict()["cp_method"] == best.planned.cp_method
+
+
+def test_context_parallel_traffic() -> None:
+    """Per layer and micro-batch: a ring sends its key/value block (seq / cp tokens x
+    kv_heads / tp x head_dim x 2 bytes, K and V) cp - 1 times, behind the attention of
+    the block in hand; an all-gather moves the same bytes at once, again in backward with
+    the gradients' reduce-scatter; NVLink while cp x tp GPUs fit in a node."""
+    from dtrain.planner.analytic.cluster import (
+        attention_seconds,
+        context_bytes,
+        context_seconds,
+    )
+
+    shape = parse_shape(LONG)
+    h100 = hardware("h100-80gb")
+    cluster = Cluster(h100, 8, 8)
+    b, tp, cp = 2, 2, 4
+    block = (shape.seq // cp) * b * (shape.kv_heads // tp) * shape.head_dim * 2 * 2
+    assert context_bytes(shape, b, tp, cp, "ring") == (cp - 1) * block
+    assert context_bytes(shape, b, tp, cp, "allgather") == (cp - 1) * block
+    q = (shape.seq // cp) * b * shape.attention_width // tp * 2
+    assert context_bytes(shape, b, tp, cp, "alltoall") == pytest.approx(
+        (cp - 1) / cp * (2 * q + block))
+    assert context_bytes(shape, b, tp, 1, "ring") == 0.0
+    for tp, cp, link, latency in ((2, 4, h100.intra_gbps, h100.intra_latency_us),
+                                  (8, 4, h100.inter_gbps, h100.inter_latency_us)):
+        ring = planned_layout(8, tp, 1, 8 // cp, 0, b, 1, "none", cp=cp, cp_method="ring")
+        attention = attention_seconds(shape, ring, h100, Software())
+        assert attention == pytest.approx(  # the causal half of s x s, a cp-th of it here
+            2 * 2 * shape.seq ** 2 * shape.head_dim * b * shape.heads / tp / 2 / cp
+            / (h100.peak_flops * h100.gemm_efficiency))
+        block = (shape.seq // cp) * b * (shape.kv_heads // tp) * shape.head_dim * 4
+        step = latency * 1e-6 + block / (link * 1e9 * h100.link_efficiency)
+        exposed = (cp - 1) * max(0.0, step - attention / cp)
+        assert context_seconds(shape, ring, attention, cluster) == pytest.approx(3 * exposed)
+        again = dataclasses.replace(ring, recompute="full")
+        assert context_seconds(shape, again, attention, cluster) == pytest.approx(4 * exposed)
+    # at 131,072 tokens each step's attention hides its send; at 4,096 it does not
+    assert context_seconds(shape, ring, attention, cluster) == 0.0
+    short = dataclasses.replace(shape, seq=4096)
+    assert context_seconds(short, ring, attention_seconds(short, ring, h100, Software()),
+                           cluster) > 0
+    gather = dataclasses.replace(ring, cp_method="allgather")
+    one = latency * 1e-6 + (cp - 1) * block / (link * 1e9 * h100.link_efficiency)
+    assert context_seconds(shape, gather, attention, cluster) == pytest.approx(3 * one)
+    step = evaluate(shape, cluster, 8, gather)
+    assert step.parts["cp"] > 0 and step.to_dict()["time_s"]["cp"] == step.parts["cp"]
+
+
+def test_pipeline_stages_as_llama_3_ran_them() -> None:
+    """Layers that do not divide over the stages leave the first and the last one short
+    (Llama 3 405B: 126 over 16 is 7, 8 x 14, 7; with a layer per chunk the first chunk
+    holds only the embedding, the last only the head); each stage keeps the activations
+    its own schedule holds of its own layers (1F1B: p - rank micro-batches)."""
+    from dtrain.planner.analytic.cluster import layers_in_flight, stage_layers
+
+    assert [sum(s) for s in stage_layers(126, 16)] == [7] + [8] * 14 + [7]
+    split = stage_layers(126, 16, 8)
+    assert split[0] == (0,) + (1,) * 7 and split[-1] == (1,) * 7 + (0,)
+    assert [sum(s) for s in stage_layers(96, 16, 6)] == [6] * 16
+    assert layers_in_flight(16, 0, 32, (7,)) == 16 * 7
+    assert layers_in_flight(16, 1, 32, (8,)) == 15 * 8
+    assert layers_in_flight(16, 15, 32, (7,)) == 7
+    # interleaved with as many micro-batches as stages: every forward before a backward
+    assert layers_in_flight(16, 1, 16, (1,) * 8) == 16 * 8
+    assert layers_in_flight(16, 0, 16, split[0]) == 16 * 7
+
+
+BAD_CP = [
+    ("tp=8,cp=3,pp=1,dp=1", "ring", "uses 24 GPUs"),
+    ("tp=1,cp=64,pp=1,dp=1", "ring", "do not divide seq=64"),
+    ("tp=1,cp=16,pp=1,dp=4", "alltoall", "splits the heads over tp x cp = 16"),
+]
+
+
+@pytest.mark.parametrize(("layout", "method", "message"), BAD_CP, ids=[m for *_, m in BAD_CP])
+def test_bad_context_layouts_are_one_line(layout: str, method: str, message: str,
+                                          capsys: pytest.CaptureFixture) -> None:
+    from dtrain.cli import main
+
+    shape = "arch=llama,layers=8,hidden=512,heads=8,kv_heads=8,seq=64,vocab=1000"
+    try:
+        code = main(["plan", "--hardware", "h100", "--nodes", "8", "--model-shape", shape,
+                     "--batch", "8", "--layout", layout, "--cp-method", method])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

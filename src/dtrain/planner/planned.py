@@ -24,6 +24,9 @@ from dtrain.job_layout import Layout
 
 RECOMPUTE = ("none", "selective", "full")
 """The recomputation modes, from the least memory saved (and time spent) to the most."""
+CP_METHODS = ("ring", "allgather", "alltoall")
+"""How context parallelism's ranks attend over the whole sequence (`[parallel] cp_method`):
+a ring of key/value blocks, one all-gather of keys and values, or Ulysses' all-to-all."""
 
 
 @dataclass(frozen=True)
@@ -36,33 +39,42 @@ class PlannedLayout:
         sequence_parallel: sequence parallelism over tp (needs tp > 1).
         micro_batch: sequences per micro-batch; 0 when the global batch decides (the
             traced planner's layouts).
+        cp_method: how the layout's cp ranks attend over the whole sequence, one of
+            CP_METHODS (what it says when layout.cp is 1 does not matter).
 
     Raises:
-        ConfigError: an unknown recomputation mode.
+        ConfigError: an unknown recomputation mode or context-parallel method.
     """
 
     layout: Layout
     recompute: str = "none"
     sequence_parallel: bool = False
     micro_batch: int = 0
+    cp_method: str = "ring"
 
     def __post_init__(self) -> None:
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"recompute {self.recompute!r}: use none, selective or full")
+        if self.cp_method not in CP_METHODS:
+            raise ConfigError(f"cp_method {self.cp_method!r}: use {', '.join(CP_METHODS)}")
 
     def __str__(self) -> str:
-        """The layout's short form, with ` mbB` for B sequences per micro-batch and ` sp`
-        under sequence parallelism: `dp24 x tp8 x pp8 (1f1b, m=12) zero1 mb8 sp`."""
+        """The layout's short form, with ` mbB` for B sequences per micro-batch, ` sp`
+        under sequence parallelism and the cp method where cp > 1:
+        `dp24 x tp8 x pp8 (1f1b, m=12) zero1 mb8 sp`."""
         batch = f" mb{self.micro_batch}" if self.micro_batch else ""
-        return f"{self.layout}{batch}{' sp' if self.sequence_parallel else ''}"
+        method = f" {self.cp_method}" if self.layout.cp > 1 else ""
+        return f"{self.layout}{batch}{' sp' if self.sequence_parallel else ''}{method}"
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON values: the layout's `Layout.to_dict()` and the options."""
         return {"layout": self.layout.to_dict(), "recompute": self.recompute,
-                "sequence_parallel": self.sequence_parallel, "micro_batch": self.micro_batch}
+                "sequence_parallel": self.sequence_parallel, "micro_batch": self.micro_batch,
+                "cp_method": self.cp_method}
 
     @classmethod
     def from_dict(cls, values: dict) -> PlannedLayout:
-        """The inverse of `to_dict`."""
+        """The inverse of `to_dict` (one written before cp_method: the default)."""
         return cls(Layout.from_dict(values["layout"]), str(values["recompute"]),
-                   bool(values["sequence_parallel"]), int(values["micro_batch"]))
+                   bool(values["sequence_parallel"]), int(values["micro_batch"]),
+                   str(values.get("cp_method", "ring")))

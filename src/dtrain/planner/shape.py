@@ -250,11 +250,13 @@ class ModelShape:
         return self.dense_layers * self.block_matmul_params() + \
             self.moe_layers * self.block_matmul_params(moe=True, active=True)
 
-    def model_flops_per_token(self) -> float:
+    def model_flops_per_token(self, causal: bool = False) -> float:
         """Training FLOPs per token without recomputation (MFU's numerator): 6N + 12·l·h·s,
-        N the weights that multiply a token (the active ones), the head's included."""
+        N the weights that multiply a token (the active ones), the head's included;
+        `causal`: attention's causal half only, 6·l·h·s (the products a causal kernel
+        computes, as some runs count them: Llama 3's, benchmarks/RESULTS.md)."""
         weights = self.active_block_matmul_params() + self.vocab * self.hidden
-        return 6.0 * weights + 3 * self.attention_flops_per_token()
+        return 6.0 * weights + (1.5 if causal else 3) * self.attention_flops_per_token()
 
     def recompute_flops_per_token(self, recompute: str) -> float:
         """What recomputation adds per token: one more forward of what it recomputes."""

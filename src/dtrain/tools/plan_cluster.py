@@ -6,6 +6,9 @@
     dtrain plan --hardware h100-80gb --nodes 8 --set model.arch=llama \\
         --set model.preset=mixtral-8x7b --set model.block_size=4096 --batch 256 \\
         --layout tp=1,pp=4,dp=16,ep=8      # a mixture of experts, its experts over 8 GPUs
+    dtrain plan --hardware h100-80gb --nodes 2048 --batch 128 --model-shape \
+        arch=llama,layers=126,hidden=16384,heads=128,kv_heads=8,ffn=53248,seq=131072,vocab=128256 \
+        --layout tp=8,cp=16,pp=16,dp=8 --cp-method allgather   # each sequence over 16 GPUs
     dtrain plan --hardware a100-80gb --nodes 64 --model-shape ... --batch 1536 \\
         --layout tp=8,pp=8,dp=8 --microbatch 1 --recompute full --virtual-stages 2
     dtrain plan --hardware cluster.toml --nodes 16 --set hardware.inter_gbps=12.5 ...
@@ -37,15 +40,16 @@ from dtrain.planner.analytic.hardware import Cluster, hardware
 from dtrain.planner.analytic.search import (
     best_layout,
     check_layout,
+    context_methods,
     rank,
     recommend,
     training_time,
 )
-from dtrain.planner.planned import RECOMPUTE
+from dtrain.planner.planned import CP_METHODS, RECOMPUTE
 from dtrain.planner.shape import ModelShape, parse_shape
 from dtrain.tools import check_output, write_json
 
-LAYOUT_KEYS = ("tp", "pp", "dp", "ep")
+LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "ep")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,18 +66,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "kv_heads, ffn, tied, dropout, head_dim, qk_norm; a mixture of "
                        "experts (arch=llama): experts, top_k, and optionally moe_ffn, "
                        "shared_experts, moe_layers (default: the config's model)")
-    group.add_argument("--layout", metavar="tp=T,pp=P,dp=D[,ep=E]", help="evaluate this "
-                       "layout only (its best micro-batch, virtual stages, ZeRO stage and "
-                       "recomputation unless given); ep splits a MoE model's experts over "
-                       "E of the dp GPUs (default 1)")
+    group.add_argument("--layout", metavar="tp=T,pp=P,dp=D[,cp=C][,ep=E]", help="evaluate "
+                       "this layout only (its best micro-batch, virtual stages, ZeRO stage, "
+                       "recomputation and cp method unless given); cp splits every sequence "
+                       "over C GPUs (context parallelism, default 1); ep splits a MoE "
+                       "model's experts over E of the dp GPUs (default 1)")
+    group.add_argument("--cp-method", choices=CP_METHODS, help="how the cp GPUs attend over "
+                       "the whole sequence: ring (key/value blocks passed around, behind "
+                       "the attention), allgather (keys and values gathered: Llama 3's) or "
+                       "alltoall (Ulysses: heads split over cp); default: the fastest")
     group.add_argument("--microbatch", type=int, help="sequences per micro-batch (with "
                        "--layout)")
     group.add_argument("--virtual-stages", type=int, help="pipeline chunks per GPU, the "
                        "interleaved schedule (with --layout)")
     group.add_argument("--zero", type=int, help="ZeRO stage 0-3 (with --layout)")
     group.add_argument("--attention", choices=("flash", "plain"), default="flash",
-                       help="attention kernels: flash (no s x s scores kept; default) or "
-                       "plain (scores kept, as Megatron-LM in 2021)")
+                       help="kernels: flash (no s x s scores kept, norms keep one tensor; "
+                       "default) or plain (scores and each norm's input kept, as "
+                       "Megatron-LM in 2021)")
     group.add_argument("--tokens", type=float, help="training tokens: adds days and "
                        "GPU-hours to train")
     group.add_argument("--top", type=int, default=15, help="rows of the table (default 15; "
@@ -94,7 +104,7 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
 
 def _layout(args: argparse.Namespace) -> dict[str, int] | None:
     if args.layout is None:
-        for flag in ("microbatch", "virtual_stages", "zero"):
+        for flag in ("microbatch", "virtual_stages", "zero", "cp_method"):
             if getattr(args, flag) is not None:
                 raise ConfigError(f"--{flag.replace('_', '-')} goes with --layout "
                                   "tp=..,pp=..,dp=..")
@@ -104,13 +114,13 @@ def _layout(args: argparse.Namespace) -> dict[str, int] | None:
         key, _, value = item.partition("=")
         if key.strip() not in LAYOUT_KEYS or not value.strip().isdigit():
             raise ConfigError(f"--layout {args.layout!r}: give tp=T,pp=P,dp=D and "
-                              "optionally ep=E (whole numbers)")
+                              "optionally cp=C and ep=E (whole numbers)")
         degrees[key.strip()] = int(value)
     return {k: degrees.get(k, 1) for k in LAYOUT_KEYS}
 
 
 CLUSTER_ONLY = ("nodes", "gpus_per_node", "model_shape", "layout", "microbatch",
-                "virtual_stages", "zero", "tokens")
+                "virtual_stages", "zero", "cp_method", "tokens")
 
 
 def check_cluster_flags(args: argparse.Namespace, hw_overrides: dict[str, str]) -> None:
@@ -148,7 +158,8 @@ def cluster_plan(args: argparse.Namespace, config, hw_overrides: dict[str, str])
     if args.tokens is not None and not 0 < args.tokens < math.inf:
         raise ConfigError(f"--tokens {args.tokens:g} must be a positive number")
     check_output("--json", args.json)
-    soft = Software(flash_attention=args.attention == "flash")
+    flash = args.attention == "flash"
+    soft = Software(flash_attention=flash, lean_norms=flash)
     modes = RECOMPUTE if args.recompute == "auto" else (args.recompute,)
     seq = (False, True) if args.sequence_parallel == "auto" else \
         (args.sequence_parallel == "on",)
@@ -188,15 +199,17 @@ def _resolved_model(config):
 def _given(shape, cluster: Cluster, batch: int, layout: dict[str, int],
            args: argparse.Namespace, modes, seq, soft: Software) -> ClusterEstimate:
     """The given layout with its best options (those not fixed by the flags)."""
-    tp, pp, dp, ep = layout["tp"], layout["pp"], layout["dp"], layout["ep"]
+    tp, pp, dp, ep, cp = (layout[k] for k in ("tp", "pp", "dp", "ep", "cp"))
     micro = (args.microbatch,) if args.microbatch is not None else MICRO_SIZES
     chunks = (args.virtual_stages,) if args.virtual_stages is not None else CHUNKS
     zeros = (args.zero,) if args.zero is not None else ZERO_STAGES
+    methods = (args.cp_method,) if args.cp_method else context_methods(shape, tp, cp)
     # the degrees, heads and layers; and, when the flags fix everything, the one choice
     check_layout(shape, cluster, batch, planned_layout(batch, tp, pp, dp, zeros[0], micro[0],
-                                                       chunks[0], modes[0], ep=ep))
+                                                       chunks[0], modes[0], ep=ep, cp=cp,
+                                                       cp_method=methods[0]))
     best = best_layout(shape, cluster, batch, tp, pp, dp, micro, chunks, zeros, modes, seq,
-                       soft, ep)
+                       soft, ep, cp, methods)
     if best is None:
         raise ConfigError(f"--layout {args.layout}: no micro-batch size splits a batch of "
                           f"{batch} over dp={dp}")
@@ -221,13 +234,14 @@ def _print(info: dict, shown: list[ClusterEstimate], count: int, hw, out=sys.std
               "same ones); FLOPs from the active parameters; a2a: the step's all-to-all time",
               file=out)
     a2a = f" {'a2a':>8}" if moe else ""
-    header = (f"{'layout':34} {'recompute':>9} {'memory':>9} {'fits':>4} {'bubble':>6}{a2a} "
+    width = max([34] + [len(e.label) for e in shown])
+    header = (f"{'layout':{width}} {'recompute':>9} {'memory':>9} {'fits':>4} {'bubble':>6}{a2a} "
               f"{'step':>9} {'tokens/s':>10} {'TFLOP/s':>7} {'MFU':>6}")
     print(header, file=out)
     print("-" * len(header), file=out)
     for e in shown:
         a2a = f" {e.parts['ep']:>7.2f}s" if moe else ""
-        print(f"{e.label:34} {e.planned.recompute:>9} "
+        print(f"{e.label:{width}} {e.planned.recompute:>9} "
               f"{e.memory['total'] / gib:>5.1f} GiB {'yes' if e.fits else 'NO':>4} "
               f"{e.bubble:>6.1%}{a2a} {e.step_s:>8.2f}s {e.tokens_per_s:>10.0f} "
               f"{e.tflops_per_gpu:>7.1f} {e.mfu:>6.1%}", file=out)

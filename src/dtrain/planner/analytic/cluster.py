@@ -4,6 +4,7 @@
     shape = parse_shape("layers=80,hidden=12288,heads=96,seq=2048,vocab=51200")
     best = search.rank(shape, cluster, batch=2304)[0]  # every layout, fastest first
     one = evaluate(shape, cluster, 2304, planned_layout(2304, tp=8, pp=8, dp=24))
+    long = planned_layout(128, tp=8, pp=16, dp=8, cp=16, cp_method="allgather")
 
 Unlike the traced planner (dtrain.planner.traced, this machine's ranks), everything here
 is arithmetic on the shape (dtrain.planner.shape) and the hardware's figures
@@ -11,18 +12,23 @@ is arithmetic on the shape (dtrain.planner.shape) and the hardware's figures
 FSDP): bf16 weights and activations, fp32 gradients, an fp32 master copy and Adam's two
 moments.
 
-Memory of the busiest GPU (the first pipeline stage, or the last with the logits):
+Memory of the busiest GPU (of the pipeline stages that differ: the first, the last with
+the logits, and the first of the others holding each split of layers):
 
     weights 2Ψ, gradients 4Ψ, optimizer 12Ψ (Ψ the stage's parameters / tp); ZeRO 1
-    divides the optimizer by dp, ZeRO 2 the gradients too, ZeRO 3 the weights (plus two
-    layers gathered); activations per layer and micro-batch as Korthikanti et al. (2022)
-    count them (34·s·b·h + 5·a·s²·b bytes for GPT, divided by tp where tensor parallelism
-    splits them, and where sequence parallelism does; generalized to grouped-query
-    attention and SwiGLU; no s² terms with flash attention; 2·s·b·h with full
-    recomputation, plus one layer's working set), times the micro-batch chunks the
-    pipeline schedule keeps in flight on the first stage (dtrain.pipeline.schedules,
-    the lists dtrain's runtime executes); fp32 logits and their gradient on the last
-    stage; and the hardware's `reserved` bytes.
+    divides the optimizer by dp x cp (the model is replicated over cp), ZeRO 2 the
+    gradients too, ZeRO 3 the weights (plus two layers gathered); activations per layer
+    and micro-batch as Korthikanti et al. (2022) count them (34·s·b·h + 5·a·s²·b bytes
+    for GPT, divided by tp where tensor parallelism splits them, and where sequence
+    parallelism does; generalized to grouped-query attention and SwiGLU; no s² terms
+    with flash attention, whose kernels' norms keep one tensor (`Software.lean_norms`:
+    30·s·b·h); 2·s·b·h with full recomputation, plus one layer's working set; s / cp
+    tokens of each sequence with context parallelism), times the layers and
+    micro-batches the stage's own schedule keeps in flight (`layers_in_flight`, over
+    dtrain.pipeline.schedules, the lists dtrain's runtime executes; the layers split as
+    `stage_layers` does, one short at the model's ends where they do not divide, as
+    Llama 3 ran); fp32 logits and their gradient on the last stage; and the hardware's
+    `reserved` bytes.
 
 Time of one micro-batch through a stage: each matrix multiply (m x k by k x n, bf16)
 takes the longer of its FLOPs at `gemm_efficiency` of the peak rate and its operands'
@@ -30,12 +36,16 @@ bytes at the memory bandwidth (a roofline: a tensor-parallel shard's thin multip
 without flash attention, attention's per-head products with their small head size fall
 below the peak; flash attention's core runs at that rate, the causally masked half of its
 products skipped); backward
-twice forward; element-wise work (norms, softmax, dropout, activations) as twice the
-activation bytes moved at the memory bandwidth; recomputation one more forward of what it
-recomputes; tp's two all-reduces per layer each way (two more when recomputing whole
-layers; sequence parallelism's all-gathers and reduce-scatters move the same bytes) on
-NVLink inside a node, exposed; pp's sends of one micro-batch's activations (split over
-the tp GPUs, each on its own network port) at each stage boundary.
+twice forward (flash attention's core 2.5 times: it computes the scores again);
+element-wise work (norms, softmax, dropout, activations) as twice the activation bytes
+moved at the memory bandwidth; recomputation one more forward of what it recomputes;
+tp's two all-reduces per layer each way (two more when recomputing whole layers;
+sequence parallelism's all-gathers and reduce-scatters move the same bytes) on NVLink
+inside a node, exposed; cp's exchanges of keys and values per layer (`context_seconds`:
+a ring's steps behind the attention of the block in hand, an all-gather and a
+reduce-scatter exposed, or Ulysses' all-to-alls exposed; a micro-batch's work is a
+cp-th of the sequence's); pp's sends of one micro-batch's activations (split over the
+tp GPUs, each on its own network port) at each stage boundary.
 
 Mixture-of-experts blocks (a shape with `experts`): each MoE layer's routed experts are
 split over `ep` data-parallel GPUs (ep divides dp and the experts) and over tp (the
@@ -56,18 +66,19 @@ reduced over the dp / ep GPUs holding the same experts, tp x ep apart.
 
 The step is `m · slowest stage + the other stages / v` for m micro-batches and v virtual
 stages (dtrain.planner.costs.pipeline_seconds; the bubble: (p-1)/(v·m) of the ideal for
-equal stages), plus what data
-parallelism does not hide: the gradient all-reduce (ZeRO 1: reduce-scatter and
-all-gather), hierarchical (reduce-scatter on NVLink among a node's GPUs of the dp group,
-across nodes on the network, back on NVLink), overlapped with the last micro-batch's
-backward; ZeRO 2 reduce-scatters each micro-batch's gradients behind its backward; ZeRO 3
-gathers the weights for each micro-batch behind its compute; and the optimizer step at
-memory bandwidth (30 bytes per parameter held).
+equal stages), plus what data parallelism (over dp x cp GPUs) does not hide: the
+gradient all-reduce (ZeRO 1: the fp32 gradients reduce-scattered and the updated bf16
+weights all-gathered), hierarchical (reduce-scatter on NVLink among a node's GPUs of the
+group, across nodes on the network, back on NVLink), overlapped with the last
+micro-batch's backward; ZeRO 2 reduce-scatters each micro-batch's gradients behind its
+backward; ZeRO 3 gathers the weights for each micro-batch behind its compute; and the
+optimizer step at memory bandwidth (30 bytes per parameter held).
 
 Reported: `tflops_per_gpu` counts the FLOPs the GPUs execute, recomputation included
 (Megatron-LM's "achieved TFLOP/s"); `mfu` counts the model's alone (6N + 12·l·h·s per
 token, N the weights that multiply a token: a MoE block's active ones; PaLM's model FLOPs
-utilization).
+utilization, attention's whole s x s products counted, twice what a causal kernel
+computes: at 128K tokens that is 1.4 times the work).
 """
 
 from __future__ import annotations
@@ -88,43 +99,60 @@ OPTIMIZER_BYTES = 30  # read master, m, v, grad; write master, m, v, bf16 weight
 MICRO_SIZES = (1, 2, 4, 8, 16)
 CHUNKS = (1, 2, 3, 4, 6, 8)
 ZERO_STAGES = (0, 1, 2, 3)
+DEFAULT_CP_METHOD = "allgather"  # Llama 3's, where a plan does not choose one
 
 
 def planned_layout(batch: int, tp: int, pp: int, dp: int, zero: int = 0, micro_batch: int = 1,
                    virtual: int = 1, recompute: str = "full",
-                   sequence_parallel: bool = False, ep: int = 1) -> PlannedLayout:
-    """tp x pp x dp GPUs with a ZeRO stage, `micro_batch` sequences per micro-batch of a
-    global batch of `batch`, `virtual` stages per pipeline GPU (the interleaved schedule),
-    recomputation, sequence parallelism and the experts split over `ep` of the dp GPUs:
-    one layout as this planner plans it. A pipeline's micro-batches are those the batch
-    leaves (without one, they are gradient accumulation, as in dtrain's config).
-    `check_layout` says whether it can run."""
+                   sequence_parallel: bool = False, ep: int = 1, cp: int = 1,
+                   cp_method: str = DEFAULT_CP_METHOD) -> PlannedLayout:
+    """tp x cp x pp x dp GPUs with a ZeRO stage, `micro_batch` sequences per micro-batch
+    of a global batch of `batch`, `virtual` stages per pipeline GPU (the interleaved
+    schedule), recomputation, sequence parallelism, the experts split over `ep` of the dp
+    GPUs and each sequence over `cp` GPUs meeting by `cp_method`: one layout as this
+    planner plans it. A pipeline's micro-batches are those the batch leaves (without one,
+    they are gradient accumulation, as in dtrain's config). `check_layout` says whether
+    it can run."""
     m = max(1, batch // max(1, dp * micro_batch)) if pp > 1 else 1
     layout = Layout(dp, tp, pp, zero, m, "interleaved" if virtual > 1 else "1f1b", virtual,
-                    ep=ep)
-    return PlannedLayout(layout, recompute, sequence_parallel, micro_batch)
+                    ep=ep, cp=cp)
+    return PlannedLayout(layout, recompute, sequence_parallel, micro_batch, cp_method)
 
 
 def cluster_label(planned: PlannedLayout) -> str:
     """A layout as this planner's tables show it, in Megatron-LM's order (tp innermost,
-    first): `tp8 x pp8 x dp24 ep8 x v2 mb1 zero1 sp` (ep: the dp GPUs the experts are
-    split over, v: virtual stages, mb: sequences per micro-batch)."""
+    first): `tp8 x cp16 x pp16 x dp8 x v8 mb1 zero1 sp allgather` (cp: the GPUs a
+    sequence is split over, and after the options how they attend; ep: the dp GPUs the
+    experts are split over, as in `tp1 x pp4 x dp16 ep8`; v: virtual stages; mb:
+    sequences per micro-batch)."""
     layout = planned.layout
     experts = f" ep{layout.ep}" if layout.ep > 1 else ""
     parts = [f"tp{layout.tp}", f"pp{layout.pp}", f"dp{layout.dp}{experts}"]
+    if layout.cp > 1:
+        parts.insert(1, f"cp{layout.cp}")
     if layout.virtual_stages > 1:
         parts.append(f"v{layout.virtual_stages}")
     text = " x ".join(parts) + f" mb{planned.micro_batch}"
     return text + (f" zero{layout.zero}" if layout.zero else "") + \
-        (" sp" if planned.sequence_parallel else "")
+        (" sp" if planned.sequence_parallel else "") + \
+        (f" {planned.cp_method}" if layout.cp > 1 else "")
 
 
 @dataclass(frozen=True)
 class Software:
-    """What the training code does, beyond the layout."""
+    """What the training code does, beyond the layout.
+
+    flash_attention: attention's core in on-chip tiles (no s x s scores kept), its masked
+        half skipped; without it, scores on the roofline and kept (Megatron-LM in 2021).
+    overlap_dp: the gradient reduction behind the last micro-batch's backward.
+    lean_norms: each LayerNorm/RMSNorm keeps one tensor for backward, its output (which
+        the next matrix multiply keeps anyway; the normalized input is (y - β) / γ), not
+        also its input (`layer_activations`).
+    """
 
     flash_attention: bool = True
     overlap_dp: bool = True
+    lean_norms: bool = True
 
 
 @dataclass
@@ -133,7 +161,7 @@ class ClusterEstimate:
     memory: dict[str, float]
     fits: bool
     step_s: float
-    parts: dict[str, float]  # seconds: compute, tp, ep, pp, bubble, dp, optimizer
+    parts: dict[str, float]  # seconds: compute, tp, cp, ep, pp, bubble, dp, optimizer
     bubble: float
     tokens_per_s: float
     tflops_per_gpu: float
@@ -146,8 +174,9 @@ class ClusterEstimate:
 
     def to_dict(self) -> dict:
         c, layout = self.planned, self.planned.layout
-        return {"layout": self.label, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
-                "ep": layout.ep, "zero": layout.zero, "microbatch": c.micro_batch,
+        return {"layout": self.label, "tp": layout.tp, "cp": layout.cp, "pp": layout.pp,
+                "dp": layout.dp, "ep": layout.ep, "cp_method": c.cp_method,
+                "zero": layout.zero, "microbatch": c.micro_batch,
                 "virtual": layout.virtual_stages, "recompute": c.recompute,
                 "sequence_parallel": c.sequence_parallel,
                 "memory_per_gpu_bytes": int(self.memory["total"]),
@@ -170,22 +199,30 @@ def _bandwidth(hw: Hardware) -> float:
 
 
 def layer_activations(shape: ModelShape, b: int, tp: int, sp: bool, recompute: str,
-                      flash: bool, moe: bool = False) -> float:
+                      flash: bool, moe: bool = False, cp: int = 1,
+                      lean_norms: bool = False) -> float:
     """Bytes one layer (a MoE layer with `moe`) keeps for backward per micro-batch of `b`
-    sequences on a tp GPU."""
-    s, h = shape.seq, shape.hidden
+    sequences on a tp GPU of a cp group (its seq / cp tokens of each sequence).
+
+    Korthikanti et al. count each norm's input and output (the next matrix multiply's
+    input); with `lean_norms` a norm keeps only its output, from which its backward
+    recovers the normalized input ((y - β) / γ): Apex's memory-efficient LayerNorm and
+    RMSNorm (Megatron-LM's --memory-efficient-layer-norm), and Meta's Llama 3 stack, which
+    frees each pipeline stage's input (a layer's first norm's input, a layer per chunk).
+    """
+    s, h = shape.seq // cp, shape.hidden
     shared = 1 / tp if sp else 1.0  # tensors between the row- and the column-parallel layers
     if recompute == "full":
         return 2 * s * b * h * shared  # the layer's input
     drop = 1 if shape.dropout else 0
     q, kv = shape.attention_width, shape.kv_heads * shape.head_dim
-    # norms' inputs and outputs feeding the column layers, dropout masks
-    replicated = s * b * h * (2 + 2 + 2 + 2 + 2 * drop)
+    # two norms' outputs feeding the column layers (and their inputs), dropout masks
+    replicated = s * b * h * (2 + 2 + (0 if lean_norms else 2 + 2) + 2 * drop)
     # q, k, v, the attention output, the MLP's intermediate tensors
     split = 2 * s * b * (q + 2 * kv) + 2 * s * b * q + _mlp_activations(shape, s * b, moe)
     scores = 0.0
     if not flash and recompute == "none":  # softmax output (+ its dropout mask and output)
-        scores = shape.heads * s * s * b * (2 + 3 * drop)
+        scores = shape.heads * s * shape.seq * b * (2 + 3 * drop)  # its queries, every key
     return replicated * shared + (split + scores) / tp
 
 
@@ -202,14 +239,64 @@ def _mlp_activations(shape: ModelShape, tokens: int, moe: bool) -> float:
 
 
 @functools.cache
-def chunks_in_flight(pp: int, microbatches: int, virtual: int) -> int:
-    """The most (micro-batch, chunk) forwards the first stage holds before their backward."""
-    if pp == 1:
-        return 1
-    name = "interleaved" if virtual > 1 else "1f1b"
+def stage_layers(layers: int, pp: int, virtual: int = 1) -> tuple[tuple[int, ...], ...]:
+    """The layers of each pipeline GPU's chunks (GPU i's chunk j is virtual stage
+    j·pp + i, as dtrain's interleaved schedule and Megatron-LM number them):
+    ceil(layers / (pp·v)) each, one fewer in the chunks at the model's two ends (the
+    first and the last, then the second and the second-to-last, ...) where they do not
+    divide, since the first GPU also runs the embedding and the last the head and the
+    loss; Llama 3 405B's 126 layers over 16 stages: 7, 8 (x 14), 7, as Meta ran them
+    (Dubey et al. 2024, section 3.3.2; Megatron-LM's --decoder-first-pipeline-num-layers
+    and --decoder-last-pipeline-num-layers). So pp·v may exceed the layers by 2: the first
+    chunk holds only the embedding, the last only the head."""
+    chunks = pp * virtual
+    each = math.ceil(layers / chunks)
+    sizes = [each] * chunks
+    ends = dict.fromkeys(k for pair in zip(range(chunks), reversed(range(chunks)), strict=True)
+                         for k in pair)
+    for k in list(ends)[:chunks * each - layers]:
+        sizes[k] -= 1
+    return tuple(tuple(sizes[j * pp + i] for j in range(virtual)) for i in range(pp))
+
+
+@functools.cache
+def _stage_counts(layers: int, pp: int, virtual: int) -> tuple[tuple[int, bool, bool, int], ...]:
+    """The pipeline GPUs' (layers, first, last) and how many GPUs have each
+    (`stage_layers`)."""
+    counts: dict[tuple[int, bool, bool], int] = {}
+    for rank, chunks in enumerate(stage_layers(layers, pp, virtual)):
+        key = (sum(chunks), rank == 0, rank == pp - 1)
+        counts[key] = counts.get(key, 0) + 1
+    return tuple((*key, count) for key, count in counts.items())
+
+
+@functools.cache
+def _stage_kinds(layers: int, pp: int, virtual: int) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """The pipeline GPUs that differ (`stage_layers`), each as (its chunks' layers, its
+    rank): the first (the embedding's), the last (the head's), and the first of the others
+    holding each split of layers (with the same layers, a later GPU keeps fewer
+    activations in flight)."""
+    ranks: dict[tuple, int] = {}
+    for rank, chunks in enumerate(stage_layers(layers, pp, virtual)):
+        ranks.setdefault((chunks, rank == 0, rank == pp - 1), rank)
+    return tuple((chunks, rank) for (chunks, _, _), rank in ranks.items())
+
+
+@functools.cache
+def layers_in_flight(pp: int, rank: int, microbatches: int, chunks: tuple[int, ...]) -> int:
+    """The most activations, in layers x micro-batches, pipeline GPU `rank` of `pp` keeps
+    between forwards and their backwards (dtrain.pipeline.schedules: 1F1B, or interleaved
+    over several chunks), its chunks holding `chunks` layers: a chunk without a layer
+    (the embedding's alone) keeps nothing."""
+    if pp == 1:  # one micro-batch at a time (gradient accumulation)
+        return sum(chunks)
+    if len(chunks) == 1:  # 1F1B: p - rank - 1 warm-up forwards, then one more each backward
+        return min(pp - rank, microbatches) * chunks[0]
+    # interleaved: the warm-up forwards, then a forward and a backward at a time, whose
+    # chunks repeat every pp x v of them: 3 x pp micro-batches reach the most there is
     live = most = 0
-    for action in build(name, pp, 0, microbatches, virtual):
-        live += 1 if action.kind == "F" else -1
+    for action in build("interleaved", pp, rank, min(microbatches, 3 * pp), len(chunks)):
+        live += chunks[action.chunk] if action.kind == "F" else -chunks[action.chunk]
         most = max(most, live)
     return most
 
@@ -222,12 +309,18 @@ def _collective(nbytes: float, n: int, share: float, link_gbps: float, latency_u
     return calls * latency_us * 1e-6 + nbytes * share / (link_gbps * 1e9 * hw.link_efficiency)
 
 
+def _link(inside: bool, hw: Hardware) -> tuple[float, float]:
+    """(GB/s, latency in µs) of NVLink inside a node, or of the network."""
+    return (hw.intra_gbps, hw.intra_latency_us) if inside else \
+        (hw.inter_gbps, hw.inter_latency_us)
+
+
 def _layer_forward(shape: ModelShape, c: PlannedLayout, moe: bool, hw: Hardware,
                    soft: Software) -> tuple[float, float]:
-    """(all of one layer's forward, its attention core's) in seconds on a tp GPU for one
-    micro-batch: a dense layer, or with `moe` a MoE layer."""
-    s, h, t, b = shape.seq, shape.hidden, c.layout.tp, c.micro_batch
-    tokens = b * s
+    """(all of one layer's forward, its attention core's) in seconds on a tp GPU of a cp
+    group for one micro-batch: a dense layer, or with `moe` a MoE layer."""
+    s, h, t, b, cp = shape.seq, shape.hidden, c.layout.tp, c.micro_batch, c.layout.cp
+    tokens = b * s // cp
     q, kv = shape.attention_width, shape.kv_heads * shape.head_dim
     linear_s = gemm_seconds(tokens, (q + 2 * kv) / t, h, hw) + gemm_seconds(tokens, h, q / t, hw)
     width = 2 if shape.gated else 1  # gate and up side by side
@@ -244,55 +337,139 @@ def _layer_forward(shape: ModelShape, c: PlannedLayout, moe: bool, hw: Hardware,
         if shared:
             linear_s += (gemm_seconds(tokens, width * shared / t, h, hw)
                          + gemm_seconds(tokens, h, shared / t, hw))
-    heads = b * shape.heads / t  # scores (s x d by d x s) and weighted sum (s x s by s x d)
-    if soft.flash_attention:  # tiles in on-chip memory, the masked half skipped
-        attention_s = 2 * 2 * s * s * shape.head_dim * heads / 2 / \
-            (hw.peak_flops * hw.gemm_efficiency)
-    else:
-        attention_s = (gemm_seconds(s, s, shape.head_dim, hw, heads)
-                       + gemm_seconds(s, shape.head_dim, s, hw, heads))
+    attention_s = attention_seconds(shape, c, hw, soft)
     elementwise = 2 * layer_activations(shape, b, t, c.sequence_parallel, "none",
-                                        soft.flash_attention, moe)
+                                        soft.flash_attention, moe, cp)
     return linear_s + attention_s + elementwise / _bandwidth(hw), attention_s
 
 
+def _per_micro_batch(c: PlannedLayout) -> PlannedLayout:
+    """What a micro-batch's time and a layer's activations depend on: `c` without its
+    data and pipeline degrees, ZeRO stage and schedule (the key of the caches below)."""
+    layout = c.layout
+    return _micro_key(layout.tp, layout.ep, layout.cp, c.recompute, c.sequence_parallel,
+                      c.micro_batch, c.cp_method)
+
+
+@functools.cache
+def _micro_key(tp: int, ep: int, cp: int, recompute: str, sp: bool, micro_batch: int,
+               cp_method: str) -> PlannedLayout:
+    return PlannedLayout(Layout(1, tp, ep=ep, cp=cp), recompute, sp, micro_batch, cp_method)
+
+
+@functools.cache
+def attention_seconds(shape: ModelShape, c: PlannedLayout, hw: Hardware,
+                      soft: Software) -> float:
+    """One layer's attention core forward on a tp GPU of a cp group for one micro-batch:
+    the scores (s x d by d x s) and the weighted sum (s x s by s x d) of its s / cp
+    queries (the causal work balanced over cp: two mirrored chunks each)."""
+    s, cp = shape.seq, c.layout.cp
+    heads = c.micro_batch * shape.heads / c.layout.tp
+    if soft.flash_attention:  # tiles in on-chip memory, the masked half skipped
+        return 2 * 2 * s * s * shape.head_dim * heads / 2 / cp / \
+            (hw.peak_flops * hw.gemm_efficiency)
+    return (gemm_seconds(s // cp, s, shape.head_dim, hw, heads)
+            + gemm_seconds(s // cp, shape.head_dim, s, hw, heads))
+
+
 def _stage_seconds(shape: ModelShape, c: PlannedLayout, layers: int, last: bool,
-                   cluster: Cluster, soft: Software) -> tuple[float, float, float, float]:
-    """(compute, tp communication, ep all-to-all, backward compute) of one micro-batch on
-    one stage of `layers` layers, the MoE layers among them in the model's proportion."""
+                   cluster: Cluster, soft: Software) -> tuple[float, float, float, float, float]:
+    """(compute, tp communication, cp exchanges, ep all-to-all, backward compute) of one
+    micro-batch on one stage of `layers` layers, the MoE layers among them in the model's
+    proportion (`c` as `_per_micro_batch` gives it)."""
     hw = cluster.hardware
-    h, t = shape.hidden, c.layout.tp
-    tokens = c.micro_batch * shape.seq
+    h, t, cp = shape.hidden, c.layout.tp, c.layout.cp
+    tokens = c.micro_batch * shape.seq // cp
     share = shape.moe_layers / shape.layers
-    compute = backward = 0.0
+    compute = backward = cp_s = 0.0
     for moe, count in ((False, layers * (1 - share)), (True, layers * share)):
         if not count:
             continue
         forward, attention_s = _layer_forward(shape, c, moe, hw, soft)
         again = {"full": forward, "selective": attention_s, "none": 0.0}[c.recompute]
+        # flash attention's backward computes the scores q k^T again (5 products against
+        # forward's 2: 2.5x its forward, not 2x)
+        again += attention_s / 2 if soft.flash_attention else 0.0
         compute += count * (3 * forward + again)
         backward += count * (2 * forward + again)
+        cp_s += count * context_seconds(shape, c, attention_s, cluster)
     if last:  # the output head: logits forward and backward, and the loss
         compute += 3 * gemm_seconds(tokens, shape.vocab / t, h, hw)
         compute += 12 * tokens * shape.vocab / t / _bandwidth(hw)
-    inside = t <= cluster.gpus_per_node
-    link = hw.intra_gbps if inside else hw.inter_gbps
-    latency = hw.intra_latency_us if inside else hw.inter_latency_us
+    link, latency = _link(t <= cluster.gpus_per_node, hw)
     reductions = 4 + (2 if c.recompute == "full" else 0)
     calls = 2 if c.sequence_parallel else 1
     tp_s = layers * reductions * _collective(2 * tokens * h, t, 2 * (t - 1) / t, link,
                                              latency, hw, calls)
     exchanges = 4 + (2 if c.recompute == "full" else 0)  # dispatch and combine each way
     ep_s = layers * share * exchanges * all_to_all_seconds(
-        all_to_all_bytes(shape, c.micro_batch, t), c.layout.ep, t, cluster)
-    return compute, tp_s, ep_s, backward
+        all_to_all_bytes(shape, c.micro_batch, t, cp), c.layout.ep, t * cp, cluster)
+    return compute, tp_s, cp_s, ep_s, backward
 
 
-def all_to_all_bytes(shape: ModelShape, micro_batch: int, tp: int) -> float:
+def kv_block_bytes(shape: ModelShape, micro_batch: int, tp: int, cp: int) -> float:
+    """One GPU's keys and values of one layer and micro-batch, bf16: its seq / cp tokens
+    x kv_heads / tp heads x head_dim x 2 bytes x 2 (K and V): the block a ring step sends."""
+    return 2 * 2 * micro_batch * shape.seq // cp * shape.kv_heads * shape.head_dim / tp
+
+
+def context_bytes(shape: ModelShape, micro_batch: int, tp: int, cp: int,
+                  method: str) -> float:
+    """Bytes one GPU of a cp group sends per layer and micro-batch in forward: "ring" and
+    "allgather" the other cp - 1 GPUs' worth of its key/value block (a step at a time, or
+    at once); "alltoall" (cp - 1) / cp of its q, k, v and attention output. Backward sends
+    twice as much (the blocks again and their gradients; the gradients of the four)."""
+    if cp == 1:
+        return 0.0
+    block = kv_block_bytes(shape, micro_batch, tp, cp)
+    if method != "alltoall":
+        return (cp - 1) * block
+    q = 2 * micro_batch * shape.seq // cp * shape.attention_width / tp
+    return (cp - 1) / cp * (2 * q + block)
+
+
+def context_seconds(shape: ModelShape, c: PlannedLayout, attention_s: float,
+                    cluster: Cluster) -> float:
+    """Exposed seconds of one layer's cp exchanges for one micro-batch: forward, backward
+    and a recomputed forward. The cp GPUs are tp apart (the mesh puts cp inside dp, tp
+    innermost): NVLink when cp x tp GPUs fit in a node, the network otherwise.
+
+    - "ring": each of cp - 1 steps sends a key/value block while the GPU computes its
+      queries against the block in hand (`attention_s` / cp), so a step exposes what its
+      send takes beyond that; backward passes the blocks and their gradients (twice the
+      bytes against about twice the work); a fully recomputed forward runs the ring again.
+    - "allgather": keys and values all-gathered before attention (they come out of the
+      projection just before it needs them, so nothing hides it), again in backward (or
+      in the recomputed forward), and their gradients reduce-scattered: three collectives,
+      exposed, hierarchical where a node holds several of the group.
+    - "alltoall": q, k, v turned from sequence shards into head shards and the output
+      back (4 all-to-alls), their gradients in backward (4), 4 more recomputing; exposed.
+    """
+    layout = c.layout
+    cp, tp = layout.cp, layout.tp
+    if cp == 1:
+        return 0.0
+    hw = cluster.hardware
+    again = 1 if c.recompute == "full" else 0
+    block = kv_block_bytes(shape, c.micro_batch, tp, cp)
+    if c.cp_method == "ring":
+        link, latency = _link(cp * tp <= cluster.gpus_per_node, hw)
+        step = _collective(block, 2, 1.0, link, latency, hw)
+        return (1 + 2 + again) * (cp - 1) * max(0.0, step - attention_s / cp)
+    if c.cp_method == "allgather":
+        return 3 * _dp_seconds(cp * block, 1, cp, tp, cluster)
+    tokens = c.micro_batch * shape.seq // cp
+    q = 2 * tokens * shape.attention_width / tp
+    one = sum(all_to_all_seconds(nbytes, cp, tp, cluster) for nbytes in (q, q, block / 2,
+                                                                         block / 2))
+    return (2 + again) * one
+
+
+def all_to_all_bytes(shape: ModelShape, micro_batch: int, tp: int, cp: int = 1) -> float:
     """Bytes one GPU hands one all-to-all of a MoE layer (a dispatch or a combine) per
     micro-batch: its tokens' k assignments of `hidden` bf16 elements, the tokens divided
-    over tp; a layer sends two (dispatch, combine) forward and two in backward."""
-    return 2.0 * micro_batch * shape.seq * shape.top_k * shape.hidden / tp
+    over tp (and cp); a layer sends two (dispatch, combine) forward and two in backward."""
+    return 2.0 * micro_batch * shape.seq * shape.top_k * shape.hidden / (tp * cp)
 
 
 def all_to_all_seconds(nbytes: float, ep: int, tp: int, cluster: Cluster) -> float:
@@ -308,6 +485,7 @@ def all_to_all_seconds(nbytes: float, ep: int, tp: int, cluster: Cluster) -> flo
     return max(inside, across)
 
 
+@functools.cache
 def _stage_params(shape: ModelShape, layers: int, first: bool, last: bool,
                   pp: int) -> tuple[float, float]:
     """(dense parameters, routed experts' parameters) of a stage of `layers` layers."""
@@ -322,62 +500,80 @@ def _stage_params(shape: ModelShape, layers: int, first: bool, last: bool,
     return params - experts, experts
 
 
+def memory_of(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
+              soft: Software | None = None) -> dict[str, float]:
+    """The memory figures of one layout (`evaluate`'s, without its time): bytes of
+    weights, grads, optimizer, activations, reserved and their total on the GPU needing
+    the most."""
+    soft = soft or Software()
+    m = batch // (c.layout.dp * c.micro_batch)
+    return _memory(shape, c, m, cluster.hardware, _activations(shape, _per_micro_batch(c), soft))
+
+
 def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
-             soft: Software | None = None) -> ClusterEstimate:
+             soft: Software | None = None,
+             memory: dict[str, float] | None = None) -> ClusterEstimate:
     """The figures of one layout for a global batch of `batch` sequences (the caller has
-    checked it: `check_layout`)."""
+    checked it: `check_layout`; `memory`: its `memory_of`, if the caller has it)."""
     soft = soft or Software()
     hw = cluster.hardware
     layout = c.layout
-    v = layout.virtual_stages
+    pp, v = layout.pp, layout.virtual_stages
     m = batch // (layout.dp * c.micro_batch)
-    layers = v * math.ceil(shape.layers / (layout.pp * v))  # the busiest rank's
-    last_compute, last_tp, last_ep, backward = _stage_seconds(shape, c, layers, True, cluster,
-                                                              soft)
-    mid_compute, mid_tp, mid_ep = (last_compute, last_tp, last_ep) if layout.pp == 1 else \
-        _stage_seconds(shape, c, layers, False, cluster, soft)[:3]
+    kinds = _stage_counts(shape.layers, pp, v)
+    micro = _per_micro_batch(c)
+    stages = [_stage_seconds(shape, micro, layers, last, cluster, soft)
+              for layers, _, last, _ in kinds]
     # pipeline sends: activations forward, gradients back, split over the tp GPUs' ports
-    tokens = c.micro_batch * shape.seq
-    beyond = layout.tp * layout.dp >= cluster.gpus_per_node
+    tokens = c.micro_batch * shape.seq // layout.cp
+    beyond = layout.tp * layout.cp * layout.dp >= cluster.gpus_per_node
     p2p = 0.0
-    if layout.pp > 1:
+    if pp > 1:
         p2p = 2 * v * _collective(2 * tokens * shape.hidden / layout.tp, 2, 1.0,
-                                  hw.inter_gbps if beyond else hw.intra_gbps,
-                                  hw.inter_latency_us if beyond else hw.intra_latency_us, hw)
-    mid = mid_compute + mid_tp + mid_ep + p2p
-    last = last_compute + last_tp + last_ep + p2p
-    stages = [(mid_compute, mid_tp, mid_ep)] * (layout.pp - 1) + \
-        [(last_compute, last_tp, last_ep)]
-    slow_compute, slow_tp, slow_ep = max(stages, key=sum)
-    slowest = slow_compute + slow_tp + slow_ep + p2p
-    pipeline = pipeline_seconds([mid] * (layout.pp - 1) + [last], m, v)
-    first_held = _held(shape, layers, True, layout.pp == 1, layout)
-    last_held = _held(shape, layers, layout.pp == 1, True, layout)
-    dense, experts = max(first_held, last_held, key=sum)
+                                  *_link(not beyond, hw), hw)
+    totals = [sum(stage[:4]) + p2p for stage in stages]
+    slowest = max(totals)
+    slow_compute, slow_tp, slow_cp, slow_ep, backward = stages[totals.index(slowest)]
+    # every GPU's per micro-batch, the differing ones standing for those like them
+    pipeline = pipeline_seconds([total for total, (*_, count) in zip(totals, kinds, strict=True)
+                                 for _ in range(count)], m, v)
+    dense, experts = max((_held(shape, layers, first, last, layout)
+                          for layers, first, last, _ in kinds), key=sum)
     window = backward / v if soft.overlap_dp else 0.0  # one micro-batch's backward
-    if layout.zero <= 1:  # one gradient all-reduce (ZeRO 1: reduce-scatter and all-gather)
+    if layout.zero == 0:  # one gradient all-reduce
         exposed = max(0.0, _grad_seconds(GRAD, dense, experts, 2, c, cluster) - window)
+    elif layout.zero == 1:  # the gradients reduce-scattered, the updated bf16 weights gathered
+        exposed = max(0.0, _grad_seconds(GRAD, dense, experts, 1, c, cluster)
+                      + _grad_seconds(WEIGHT, dense, experts, 1, c, cluster) - window)
     elif layout.zero == 2:  # each micro-batch's gradients reduce-scattered, the weights gathered
         exposed = m * max(0.0, _grad_seconds(GRAD, dense, experts, 1, c, cluster) - window) + \
             _grad_seconds(WEIGHT, dense, experts, 1, c, cluster)
     else:  # ZeRO 3 gathers the weights for forward and backward of every micro-batch
         per_micro = _grad_seconds(GRAD + 2 * WEIGHT, dense, experts, 1, c, cluster)
         exposed = m * max(0.0, per_micro - slowest)
-    held = dense / layout.dp + experts / _expert_dp(layout) if layout.zero else \
+    held = dense / _replicas(layout) + experts / _expert_dp(layout) if layout.zero else \
         dense + experts
     optimizer_s = OPTIMIZER_BYTES * held / _bandwidth(hw)
     step = pipeline + exposed + optimizer_s
-    memory = _memory(shape, c, m, layers, first_held, last_held, hw, soft)
+    memory = memory or memory_of(shape, cluster, batch, c, soft)
     tokens_step = batch * shape.seq
-    gpus = layout.tp * layout.pp * layout.dp
-    parts = {"compute": m * slow_compute, "tp": m * slow_tp, "ep": m * slow_ep, "pp": m * p2p,
-             "bubble": pipeline - m * slowest, "dp": exposed, "optimizer": optimizer_s}
+    gpus = layout.world_size
+    parts = {"compute": m * slow_compute, "tp": m * slow_tp, "cp": m * slow_cp,
+             "ep": m * slow_ep, "pp": m * p2p, "bubble": pipeline - m * slowest,
+             "dp": exposed, "optimizer": optimizer_s}
     return ClusterEstimate(
         c, memory, memory["total"] <= hw.memory, step, parts,
         bubble=parts["bubble"] / step,
         tokens_per_s=tokens_step / step,
-        tflops_per_gpu=tokens_step * shape.flops_per_token(c.recompute) / step / gpus / 1e12,
-        mfu=tokens_step * shape.model_flops_per_token() / step / gpus / hw.peak_flops)
+        tflops_per_gpu=tokens_step * _flops(shape, c.recompute) / step / gpus / 1e12,
+        mfu=tokens_step * _flops(shape) / step / gpus / hw.peak_flops)
+
+
+@functools.cache
+def _flops(shape: ModelShape, recompute: str | None = None) -> float:
+    """Training FLOPs per token: the hardware's with `recompute`, else the model's."""
+    return shape.model_flops_per_token() if recompute is None else \
+        shape.flops_per_token(recompute)
 
 
 def _held(shape: ModelShape, layers: int, first: bool, last: bool,
@@ -388,27 +584,33 @@ def _held(shape: ModelShape, layers: int, first: bool, last: bool,
     return dense / layout.tp, experts / (layout.tp * layout.ep)
 
 
+def _replicas(layout: Layout) -> int:
+    """GPUs holding the same dense parameters: dp x cp (cp GPUs hold the whole model)."""
+    return layout.dp * layout.cp
+
+
 def _expert_dp(layout: Layout) -> int:
-    """GPUs holding the same experts: dp / ep."""
-    return layout.dp // layout.ep
+    """GPUs holding the same experts: dp x cp / ep."""
+    return layout.dp * layout.cp // layout.ep
 
 
 def _grad_seconds(per_param: float, dense: float, experts: float, passes: int,
                   c: PlannedLayout, cluster: Cluster) -> float:
     """A reduce-scatter (`passes` 1) or all-reduce (2) of `per_param` bytes of each
-    parameter held: the dense ones over dp, the experts' over the dp / ep GPUs holding
-    them (tp x ep apart)."""
+    parameter held: the dense ones over dp x cp (tp apart), the experts' over the
+    dp x cp / ep GPUs holding them (tp x ep apart; with cp, counted as if all were as
+    near as the cp GPUs, tp apart)."""
     layout = c.layout
-    return _dp_seconds(per_param * dense, passes, layout.dp, layout.tp, cluster) + \
-        _dp_seconds(per_param * experts, passes, _expert_dp(layout), layout.tp * layout.ep,
-                    cluster)
+    apart = layout.tp * (layout.ep if layout.cp == 1 else 1)
+    return _dp_seconds(per_param * dense, passes, _replicas(layout), layout.tp, cluster) + \
+        _dp_seconds(per_param * experts, passes, _expert_dp(layout), apart, cluster)
 
 
 def _dp_seconds(nbytes: float, passes: int, n: int, apart: int, cluster: Cluster) -> float:
-    """Reduce-scatter (`passes` 1) or all-reduce (2) of `nbytes` over n GPUs `apart` GPUs
-    apart, hierarchical: a node holds several of them when the gap leaves room; they
-    reduce-scatter on NVLink, the parts cross the network, and (all-reduce) come back the
-    same way."""
+    """Reduce-scatter (`passes` 1; an all-gather moves the same bytes) or all-reduce (2)
+    of `nbytes` over n GPUs `apart` GPUs apart, hierarchical: a node holds several of
+    them when the gap leaves room; they reduce-scatter on NVLink, the parts cross the
+    network, and (all-reduce) come back the same way."""
     if n == 1:
         return 0.0
     hw = cluster.hardware
@@ -421,38 +623,56 @@ def _dp_seconds(nbytes: float, passes: int, n: int, apart: int, cluster: Cluster
     return inside + across
 
 
-def _memory(shape: ModelShape, c: PlannedLayout, m: int, layers: int,
-            first_held: tuple[float, float], last_held: tuple[float, float], hw: Hardware,
-            soft: Software) -> dict[str, float]:
-    sp, flash = c.sequence_parallel, soft.flash_attention
+@functools.cache
+def _activations(shape: ModelShape, c: PlannedLayout, soft: Software) -> tuple[float, float,
+                                                                               float, float]:
+    """(bytes a layer keeps per micro-batch, on average over dense and MoE layers; one
+    layer's working set in backward; the last stage's logits; the parameters of the
+    largest block, which ZeRO 3 gathers) on a GPU (`c` as `_per_micro_batch` gives it)."""
     layout = c.layout
+    sp, cp, flash, lean = c.sequence_parallel, layout.cp, soft.flash_attention, soft.lean_norms
     share = shape.moe_layers / shape.layers
     kinds = [(moe, weight) for moe, weight in ((False, 1 - share), (True, share)) if weight]
     per_layer = sum(weight * layer_activations(shape, c.micro_batch, layout.tp, sp,
-                                               c.recompute, flash, moe)
+                                               c.recompute, flash, moe, cp, lean)
                     for moe, weight in kinds)
-    # one layer's working set in backward: all of its tensors when recomputed
+    # one layer's working set in backward: all of its tensors when recomputed; with cp, the
+    # keys and values attention meets (all of them gathered, or a ring's two blocks)
     working = max(layer_activations(shape, c.micro_batch, layout.tp, sp,
                                     "none" if c.recompute == "full" else c.recompute, flash,
-                                    moe) for moe, _ in kinds)
-    v = layout.virtual_stages
-    held = chunks_in_flight(layout.pp, m, v) * (layers / v) * per_layer
-    tokens = c.micro_batch * shape.seq
+                                    moe, cp, lean) for moe, _ in kinds)
+    if cp > 1 and c.cp_method != "alltoall":
+        working += (cp if c.cp_method == "allgather" else 2) * \
+            kv_block_bytes(shape, c.micro_batch, layout.tp, cp)
+    tokens = c.micro_batch * shape.seq // cp
     logits = 2 * 4 * tokens * shape.vocab / layout.tp  # fp32 logits and their gradient
-    # the largest block a ZeRO 3 GPU gathers, twice (the one computing, the next)
     block = max(shape.block_params(moe) - (shape.experts * shape.expert_params() if moe else 0)
                 for moe, _ in kinds) / layout.tp
+    return per_layer, working, logits, block
+
+
+def _memory(shape: ModelShape, c: PlannedLayout, m: int, hw: Hardware,
+            activations: tuple[float, float, float, float]) -> dict[str, float]:
+    """The figures of the pipeline GPU that needs the most memory: each stage's weights,
+    gradients and optimizer state, and the activations its schedule keeps in flight for
+    its own layers (`layers_in_flight`: the first GPU, the last with the logits, and the
+    first of the others holding each split of layers, which keeps the most of them)."""
+    layout = c.layout
+    pp = layout.pp
+    per_layer, working, logits, block = activations
+    # the largest block a ZeRO 3 GPU gathers, twice (the one computing, the next)
     if _expert_dp(layout) > 1:  # experts not already whole on the GPU
         block += shape.experts * shape.expert_params() / (layout.tp * layout.ep)
-    out = {}
-    for name, (dense, experts), acts in (
-            ("first", first_held, held + working),
-            ("last", last_held, (layers * per_layer if layout.pp > 1 else held)
-             + working + logits)):
+    out = []
+    for chunks, rank in _stage_kinds(shape.layers, pp, layout.virtual_stages):
+        last = rank == pp - 1
+        dense, experts = _held(shape, sum(chunks), rank == 0, last, layout)
+        acts = layers_in_flight(pp, rank, m, chunks) * per_layer + working + \
+            (logits if last else 0.0)
         weights = WEIGHT * (dense + experts)
         grads = GRAD * (dense + experts)
         state = STATE * (dense + experts)
-        sharded = dense / layout.dp + experts / _expert_dp(layout)
+        sharded = dense / _replicas(layout) + experts / _expert_dp(layout)
         if layout.zero >= 1:
             state = STATE * sharded
         if layout.zero >= 2:
@@ -462,5 +682,5 @@ def _memory(shape: ModelShape, c: PlannedLayout, m: int, layers: int,
         figures = {"weights": weights, "grads": grads, "optimizer": state,
                    "activations": acts, "reserved": hw.reserved}
         figures["total"] = sum(figures.values())
-        out[name] = figures
-    return max(out.values(), key=lambda f: f["total"])
+        out.append(figures)
+    return max(out, key=lambda f: f["total"])

@@ -4,52 +4,62 @@
     best, why = recommend(estimates)
     one = best_of(shape, cluster, 2304, planned_layout(2304, tp=8, pp=8, dp=24))  # its options
 
-A layout is tp x pp x dp = the cluster's GPUs with tp dividing the heads and the key/value
-heads and staying inside a node, pp at most the layers, and dp x micro-batch dividing the
+A layout is tp x cp x pp x dp = the cluster's GPUs with tp dividing the heads and the
+key/value heads and staying inside a node, cp cutting each sequence into 2 x cp chunks
+(the sequence divides by 2 x cp), pp at most the layers, and dp x micro-batch dividing the
 global batch; a mixture-of-experts model's experts are split over ep of the dp GPUs (ep
 dividing dp and the experts: every such ep is a layout of its own); it may take a ZeRO
-stage (3 only without pipelining),
-virtual stages (the interleaved schedule: pp > 1, the layers dividing pp x v and the
-micro-batches pp). Each layout is planned with the fastest recomputation mode and sequence
-parallelism setting that fit (cluster.evaluate); a layout nothing makes fit keeps its
-smallest.
+stage (3 only without pipelining), virtual stages (the interleaved schedule: pp > 1, at
+least pp x v - 2 layers, the two end chunks may hold only the embedding and the head,
+and the micro-batches in groups of pp). Each layout is planned with the fastest
+recomputation mode, sequence parallelism setting and (cp > 1) context-parallel method
+that fit (cluster.evaluate; "alltoall" only where tp x cp divides the query and the
+key/value heads); a layout nothing makes fit keeps its smallest.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from dtrain.errors import ConfigError
 from dtrain.planner.analytic.cluster import (
     CHUNKS,
+    DEFAULT_CP_METHOD,
     MICRO_SIZES,
     ZERO_STAGES,
     ClusterEstimate,
     Software,
+    attention_seconds,
     cluster_label,
+    context_seconds,
     evaluate,
+    memory_of,
     planned_layout,
 )
 from dtrain.planner.analytic.hardware import Cluster
-from dtrain.planner.planned import RECOMPUTE, PlannedLayout
+from dtrain.planner.planned import CP_METHODS, RECOMPUTE, PlannedLayout
 from dtrain.planner.shape import ModelShape
 
 DEFAULT = Software()
+MIN_CHUNK = 128  # tokens: the shortest of a sequence's 2 x cp chunks the search considers
 
 
 def check_layout(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout) -> None:
     """Raise a one-line ConfigError if `c` cannot run `shape` on `cluster` at `batch`."""
     layout = c.layout
     tp, pp, dp, v, ep = layout.tp, layout.pp, layout.dp, layout.virtual_stages, layout.ep
-    if min(tp, pp, dp, c.micro_batch, v, ep) < 1:
+    cp = layout.cp
+    if min(tp, pp, dp, c.micro_batch, v, ep, cp) < 1:
         raise ConfigError(f"--layout {cluster_label(c)}: degrees, micro-batch and virtual "
                           "stages must be positive")
-    if tp * pp * dp != cluster.gpus:
-        raise ConfigError(f"--layout tp={tp},pp={pp},dp={dp} uses "
-                          f"{tp * pp * dp} GPUs, but the cluster has {cluster.gpus} "
-                          f"({cluster.nodes} nodes x {cluster.gpus_per_node}): make "
-                          "tp x pp x dp equal it")
+    if layout.world_size != cluster.gpus:
+        given = f"tp={tp},cp={cp},pp={pp},dp={dp}" if cp > 1 else f"tp={tp},pp={pp},dp={dp}"
+        raise ConfigError(f"--layout {given} uses {layout.world_size} GPUs, but the cluster "
+                          f"has {cluster.gpus} ({cluster.nodes} nodes x "
+                          f"{cluster.gpus_per_node}): make "
+                          f"{'tp x cp x pp x dp' if cp > 1 else 'tp x pp x dp'} equal it")
     if shape.heads % tp or shape.kv_heads % tp:
         which = "heads" if shape.heads % tp else "kv_heads"
         raise ConfigError(f"--layout tp={tp} does not divide the model's {which} "
@@ -66,10 +76,11 @@ def check_layout(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayo
                           "parallelism)")
     if v > 1:
         m = batch // (dp * c.micro_batch)
-        if pp == 1 or shape.layers < pp * v or m % pp:
-            raise ConfigError(f"--virtual-stages {v} needs pp > 1, at least pp x v "
-                              f"= {pp * v} layers (the model has {shape.layers}) "
+        if not _interleaves(shape, pp, v, m):
+            raise ConfigError(f"--virtual-stages {v} needs pp > 1, at least pp x v - 2 "
+                              f"= {pp * v - 2} layers (the model has {shape.layers}) "
                               f"and the micro-batches ({m}) in groups of pp")
+    _check_context(shape, c)
     if c.sequence_parallel and tp == 1:
         raise ConfigError("sequence parallelism needs tp > 1")
     if ep > 1 and not shape.experts:
@@ -79,6 +90,49 @@ def check_layout(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayo
         which = f"dp={dp}" if dp % ep else f"the model's {shape.experts} experts"
         raise ConfigError(f"--layout ep={ep} does not divide {which}: pick an ep that "
                           "divides both dp and the experts")
+
+
+def _check_context(shape: ModelShape, c: PlannedLayout) -> None:
+    """cp cuts every sequence into 2 x cp chunks; Ulysses splits the heads over it too."""
+    cp, tp = c.layout.cp, c.layout.tp
+    if cp == 1:
+        return
+    if c.cp_method not in CP_METHODS:
+        raise ConfigError(f"--cp-method {c.cp_method}: use {', '.join(CP_METHODS)}")
+    if shape.seq % (2 * cp):
+        raise ConfigError(f"--layout cp={cp} cuts each sequence into 2 x cp = {2 * cp} "
+                          f"chunks, which do not divide seq={shape.seq}: pick a cp with "
+                          "2 x cp dividing the sequence")
+    if c.cp_method == "alltoall" and (shape.heads % (tp * cp) or shape.kv_heads % (tp * cp)):
+        raise ConfigError(f"--cp-method alltoall splits the heads over tp x cp = {tp * cp}, "
+                          f"which does not divide the model's {shape.heads} heads and "
+                          f"{shape.kv_heads} key/value heads: use ring or allgather")
+
+
+def _interleaves(shape: ModelShape, pp: int, v: int, m: int) -> bool:
+    """Whether v virtual stages per pipeline GPU can run: pp > 1, a layer for every chunk
+    but the two ends (the embedding's and the head's, `stage_layers`), and the
+    micro-batches in groups of pp."""
+    return pp > 1 and shape.layers + 2 >= pp * v and m % pp == 0
+
+
+def context_methods(shape: ModelShape, tp: int, cp: int) -> tuple[str, ...]:
+    """The context-parallel methods a plan compares for tp x cp: ring and all-gather, and
+    Ulysses' all-to-all where tp x cp divides the query and key/value heads (none but the
+    default without cp)."""
+    if cp == 1:
+        return (DEFAULT_CP_METHOD,)
+    heads = not (shape.heads % (tp * cp) or shape.kv_heads % (tp * cp))
+    return tuple(m for m in CP_METHODS if m != "alltoall" or heads)
+
+
+def context_degrees(shape: ModelShape, gpus: int) -> list[int]:
+    """The cp degrees the search gives a layout of `gpus` GPUs (after tp): those dividing
+    them whose 2 x cp chunks divide the sequence, each chunk at least MIN_CHUNK tokens
+    (flash attention's tile of queries: on thinner shards neither it nor the matrix
+    multiplies reach the rate this planner counts; `--layout` may still give any)."""
+    return [cp for cp in _divisors(gpus) if cp == 1 or (
+        shape.seq % (2 * cp) == 0 and shape.seq // (2 * cp) >= MIN_CHUNK)]
 
 
 def _divisors(n: int) -> list[int]:
@@ -92,33 +146,73 @@ def layouts(shape: ModelShape, cluster: Cluster, batch: int) -> list[PlannedLayo
     for tp in _divisors(min(gpus, cluster.gpus_per_node)):
         if gpus % tp or shape.heads % tp or shape.kv_heads % tp:
             continue
-        for pp in _divisors(gpus // tp):
+        for cp, pp in ((c, p) for c in context_degrees(shape, gpus // tp)
+                       for p in _divisors(gpus // (tp * c))):
             if pp > shape.layers:
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * cp * pp)
             for b in MICRO_SIZES:
                 if batch % (dp * b):
                     continue
                 m = batch // (dp * b)
-                chunks = [v for v in CHUNKS if v == 1 or (
-                    pp > 1 and shape.layers >= pp * v and m % pp == 0)]
+                chunks = [v for v in CHUNKS if v == 1 or _interleaves(shape, pp, v, m)]
                 for v in chunks:
-                    for zero in range(4 if pp == 1 else 3) if dp > 1 else (0,):
-                        found += [planned_layout(batch, tp, pp, dp, zero, b, v, ep=ep)
+                    for zero in range(4 if pp == 1 else 3) if dp * cp > 1 else (0,):
+                        found += [planned_layout(batch, tp, pp, dp, zero, b, v, ep=ep, cp=cp)
                                   for ep in shape.expert_degrees(dp)]
     return found
 
 
 def best_of(shape: ModelShape, cluster: Cluster, batch: int, planned: PlannedLayout,
             recompute: tuple[str, ...] = RECOMPUTE, sequence_parallel: tuple[bool, ...] =
-            (False, True), soft: Software = DEFAULT) -> ClusterEstimate:
-    """`planned` with the fastest of the recomputation modes and sequence-parallel settings
-    asked for that fits, or the one needing the least memory if none fits."""
+            (False, True), soft: Software = DEFAULT,
+            cp_methods: tuple[str, ...] | None = None) -> ClusterEstimate:
+    """`planned` with the fastest of the recomputation modes, sequence-parallel settings
+    and context-parallel methods asked for (by default every one `context_methods`
+    allows) that fits, or the one needing the least memory if none fits."""
+    layout = planned.layout
+    methods = tuple(dict.fromkeys(cp_methods or context_methods(shape, layout.tp, layout.cp)))
+    if soft.flash_attention and "none" in recompute:  # selective keeps as much then, slower
+        recompute = tuple(r for r in recompute if r != "selective")
     options = [dataclasses.replace(planned, recompute=r, sequence_parallel=s)
                for r in recompute for s in dict.fromkeys(sequence_parallel)
-               if not s or planned.layout.tp > 1] or \
-        [dataclasses.replace(planned, recompute=recompute[0])]
-    return fastest([evaluate(shape, cluster, batch, c, soft) for c in options])
+               if not s or layout.tp > 1] or [dataclasses.replace(planned,
+                                                                   recompute=recompute[0])]
+    # memory first (it is cheap): only what fits needs its time, or if nothing fits the
+    # smallest; the cp method changes only the exchanges' time and a few key/value blocks
+    # of memory, so an option's fastest method that fits is its first in order of time
+    fitting, smallest = [], None
+    for option in options:
+        for method in _by_speed(shape, option, methods, cluster, soft):
+            choice = dataclasses.replace(option, cp_method=method)
+            memory = memory_of(shape, cluster, batch, choice, soft)
+            if memory["total"] <= cluster.hardware.memory:
+                fitting.append((choice, memory))
+                break
+            if smallest is None or memory["total"] < smallest[1]["total"]:
+                smallest = (choice, memory)
+    return fastest([evaluate(shape, cluster, batch, c, soft, memory)
+                    for c, memory in fitting or [smallest]])
+
+
+def _by_speed(shape: ModelShape, planned: PlannedLayout, methods: tuple[str, ...],
+              cluster: Cluster, soft: Software) -> tuple[str, ...]:
+    """`methods` in order of the seconds their exchanges expose per layer (stable: ring
+    before all-gather on a tie, needing less memory)."""
+    if len(methods) == 1:
+        return methods
+    layout = planned.layout
+    return _ordered(shape, layout.tp, layout.cp, planned.micro_batch, planned.recompute,
+                    methods, cluster, soft)
+
+
+@functools.cache
+def _ordered(shape: ModelShape, tp: int, cp: int, micro_batch: int, recompute: str,
+             methods: tuple[str, ...], cluster: Cluster, soft: Software) -> tuple[str, ...]:
+    one = planned_layout(micro_batch, tp, 1, 1, 0, micro_batch, 1, recompute, cp=cp)
+    attention = attention_seconds(shape, one, cluster.hardware, soft)
+    return tuple(sorted(methods, key=lambda k: context_seconds(
+        shape, dataclasses.replace(one, cp_method=k), attention, cluster)))
 
 
 def fastest(estimates: list[ClusterEstimate]) -> ClusterEstimate:
@@ -134,22 +228,25 @@ def best_layout(shape: ModelShape, cluster: Cluster, batch: int, tp: int, pp: in
                 microbatches: tuple[int, ...] = MICRO_SIZES, chunks: tuple[int, ...] = CHUNKS,
                 zeros: tuple[int, ...] = ZERO_STAGES, recompute: tuple[str, ...] = RECOMPUTE,
                 sequence_parallel: tuple[bool, ...] = (False, True),
-                soft: Software = DEFAULT, ep: int = 1) -> ClusterEstimate | None:
-    """tp x pp x dp (the experts over `ep` of the dp GPUs) with the fastest of the
-    micro-batch sizes, virtual stages, ZeRO stages, recomputation modes and
-    sequence-parallel settings asked for (`fastest` of the valid combinations,
-    `check_layout`); None if no combination is valid."""
+                soft: Software = DEFAULT, ep: int = 1, cp: int = 1,
+                cp_methods: tuple[str, ...] | None = None) -> ClusterEstimate | None:
+    """tp x cp x pp x dp (the experts over `ep` of the dp GPUs) with the fastest of the
+    micro-batch sizes, virtual stages, ZeRO stages, recomputation modes,
+    sequence-parallel settings and context-parallel methods asked for (`fastest` of the
+    valid combinations, `check_layout`); None if no combination is valid."""
     found = []
+    methods = cp_methods or context_methods(shape, tp, cp)
     for b in microbatches:
         for v in chunks:
             for zero in zeros:
-                choice = planned_layout(batch, tp, pp, dp, zero, b, v, recompute[0], ep=ep)
+                choice = planned_layout(batch, tp, pp, dp, zero, b, v, recompute[0], ep=ep,
+                                        cp=cp, cp_method=methods[0])
                 try:
                     check_layout(shape, cluster, batch, choice)
                 except ConfigError:
                     continue
                 found.append(best_of(shape, cluster, batch, choice, recompute,
-                                     sequence_parallel, soft))
+                                     sequence_parallel, soft, methods))
     return fastest(found) if found else None
 
 
