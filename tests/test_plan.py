@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from dtrain.cli import main
-from dtrain.comm.ops import AVAILABLE
 from dtrain.config import Config
 from dtrain.models import ModelConfig, build, init, resolve
 from dtrain.models.gpt import GPT, GPTConfig
@@ -46,16 +45,18 @@ LLAMA = ModelConfig(arch="llama", vocab_size=256, block_size=64, n_layer=4, n_he
 _PROFILES: dict = {}
 
 
-def traced(cfg: GPTConfig | ModelConfig, micro_batch: int, modes: tuple[str, ...] = RECOMPUTE):
+def traced(cfg: GPTConfig | ModelConfig, micro_batch: int, modes: tuple[str, ...] = RECOMPUTE,
+           cp: int = 1, method: str = "ring"):
     """The profile of `cfg` with (at least) the recomputation `modes` traced, each traced
-    once for the whole module: it takes a while."""
-    key = (repr(cfg), micro_batch)
+    once for the whole module: it takes a while. With `cp` > 1, a context-parallel rank's,
+    attending by `method`."""
+    key = (repr(cfg), micro_batch, cp, method)
     have = _PROFILES.get(key)
     if have is None or not set(modes) <= set(have.modes):
         profile_of = profile_gpt if isinstance(cfg, GPTConfig) else profile_model
         wanted = set(modes) | set(have.modes if have else ())
-        _PROFILES[key] = profile_of(cfg, micro_batch, modes=tuple(m for m in RECOMPUTE
-                                                                  if m in wanted))
+        _PROFILES[key] = profile_of(cfg, micro_batch, tuple(m for m in RECOMPUTE if m in wanted),
+                                    cp, method)
     return _PROFILES[key]
 
 
@@ -132,20 +133,6 @@ def test_layouts_and_recommendation(profile):
 STRATEGIES = [Layout(2), Layout(2, zero=1), Layout(2, zero=2), Layout(2, zero=3),
               Layout(1, tp=2), Layout(1, pp=2, microbatches=4)]
 Case = tuple  # (model config, layout, global batch, recompute mode, sequence parallel)
-
-
-@pytest.fixture(scope="module")
-def native(tmp_path_factory) -> dict[str, str]:
-    """The environment of ranks whose collectives take their native algorithm at once: a
-    calibration file (dtrain.comm.cost) where it is the fastest, so that `auto` spends no
-    seconds timing candidates on probe tensors."""
-    path = tmp_path_factory.mktemp("calibration") / "calibration.json"
-    curves = {f"gloo/size{n}/{op}": {a: [[4096, 1e-5 if a == "native" else 1e-3],
-                                         [16 << 20, 1e-2 if a == "native" else 1.0]]
-                                     for a in algorithms}
-              for n in (2, 4) for op, algorithms in AVAILABLE.items() if len(algorithms) > 1}
-    path.write_text(json.dumps(curves))
-    return {"DTRAIN_CALIBRATION": str(path)}
 
 
 def _measure(cases: list[Case], steps: int = 2, chunk: int = 0) -> list:

@@ -179,11 +179,12 @@ def test_traced_planner_plans_a_moe_model() -> None:
     from dtrain.planner.traced.links import Links
 
     cfg = resolve(ModelConfig(arch="llama", preset="moe-tiny"), 256)
-    estimates = plan(lambda b: profile_model(cfg, b, ("none",)), 2, 2**30, 2, 1e12,
-                     Links.given(10, 20))
+    estimates = plan(lambda b, cp=1, method="ring": profile_model(cfg, b, ("none",), cp, method),
+                     2, 2**30, 2, 1e12, Links.given(10, 20), cp_method="ring")
     profile = profile_model(cfg, 1, ("none",))
     assert profile.params.total == parameter_count(llama_config(cfg))
     assert estimates and all(e.params > 0 for e in estimates)
+    assert any(e.layout.cp == 2 for e in estimates)  # its dense stand-in's tokens halved
 
 
 MOE_TINY = resolve(ModelConfig(arch="llama", preset="moe-tiny"), 256)

@@ -11,8 +11,9 @@ The axes, outermost first (AXES), as torchtitan's `ParallelDims` names them:
     dp_shard      the data-parallel ranks inside a replica: each reads its own slice of
                   the replica's batch, and they average gradients every step (DataParallel)
                   or share out the model's state as well (ZeRO).
-    cp            context parallel: ranks that split each sequence between them (laid
-                  out already; no strategy uses it yet).
+    cp            context parallel: ranks that split each sequence between them, two of
+                  its 2 x cp chunks each (dtrain.context_parallel); the model is replicated
+                  over them, so gradients average over group("dp", "cp").
     tp            tensor parallel, innermost: its ranks are consecutive, so they share a
                   machine and its fast links, as in Megatron-LM.
 

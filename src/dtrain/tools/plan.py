@@ -8,6 +8,8 @@
     dtrain plan --model mypkg.models:build -n 4   # a model of your own (dp and ZeRO only)
     dtrain plan -n 4 --memory 2GB --recompute full --sequence-parallel on
     dtrain plan --set model.arch=llama --set model.preset=moe-tiny -n 4   # with ep layouts
+    dtrain plan --set model.arch=llama --set model.block_size=4096 --set \
+        parallel.cp_method=allgather -n 8          # cp layouts attending by all-gather
     dtrain plan --hardware a100-80gb --nodes 192 --model-shape layers=80,hidden=12288,\
         heads=96,seq=2048,vocab=51200 --batch 2304   # a GPU cluster (dtrain.tools.plan_cluster)
 
@@ -19,7 +21,8 @@ Activation recomputation and sequence parallelism start from the config's (`[mem
 activation_checkpointing`, `[parallel] sequence_parallel`); by default (`auto`) a layout
 that does not fit so takes sequence parallelism, then recomputes more (selective, then
 full), whichever fits at the least time. `--recompute MODE` and `--sequence-parallel
-on|off` fix them instead.
+on|off` fix them instead. Context-parallel layouts (`cp2`: dtrain's GPT and Llama without
+dropout) attend by the config's `[parallel] cp_method`.
 """
 
 from __future__ import annotations
@@ -156,7 +159,8 @@ def plan_command(args: argparse.Namespace) -> None:
     else:
         dc = config.data
         shape = resolve(config.model, vocab_of(dc.path, dc.format, dc.tokenizer))
-        trace = functools.cache(lambda b: profile_model(shape, b))
+        trace = functools.cache(lambda b, cp=1, method="ring":
+                                profile_model(shape, b, cp=cp, cp_method=method))
     if args.model and config.parallel.ep > 1:
         raise ConfigError(f"parallel.ep = {config.parallel.ep} with --model: a model of your "
                           "own is planned with dp and ZeRO only; leave parallel.ep = 1")
@@ -166,14 +170,16 @@ def plan_command(args: argparse.Namespace) -> None:
                           "checkpoint_modules out, or plan with --recompute MODE")
     modes, seq = plan_choices(args, config)
     estimates = plan(trace, devices, memory, batch, flops, links, config.optimizer.name,
-                     config.train.grad_accum, config.comm.bucket_mb, schedules, modes, seq)
+                     config.train.grad_accum, config.comm.bucket_mb, schedules, modes, seq,
+                     config.parallel.cp_method)
     if not estimates:
         raise ConfigError(f"no layout of {devices} devices splits a batch of {batch}: make "
                           "--batch a multiple of the device count")
     best, why = recommend(estimates)
     profile = trace(max(1, batch // devices))
     replicated = next((e for e in estimates if e.fits and e.layout.dp > 1 and e.layout.ep == 1
-                       and not e.layout.zero and e.layout.mode == "collective"), None)
+                       and e.layout.cp == 1 and not e.layout.zero
+                       and e.layout.mode == "collective"), None)
     options = [] if replicated is None else \
         sync_options(trace(batch // (replicated.layout.dp * replicated.layout.microbatches)),
                      replicated, links)
@@ -185,6 +191,7 @@ def plan_command(args: argparse.Namespace) -> None:
         "flops_per_device": flops, "flops_from": "given" if args.tflops else "timed here",
         "links": links.source, "whole_model_bytes": int(whole_model(profile.params)),
         "recompute_choices": list(modes), "sequence_parallel_choices": list(seq),
+        "cp_method": config.parallel.cp_method,
         "recommended": best.to_dict() if best else None, "why": why,
         "layouts": [e.to_dict() for e in estimates],
         "sync": {"layout": replicated.label if replicated else None,
@@ -207,7 +214,7 @@ def _print_table(info: dict, estimates, why: str, out=sys.stdout) -> None:
           f"({info['flops_from']}); links: {info['links']}", file=out)
     print(f"recompute: {' or '.join(info['recompute_choices'])}; sequence parallel: "
           f"{' or '.join('on' if s else 'off' for s in info['sequence_parallel_choices'])} "
-          "(sp: on, for tp layouts)", file=out)
+          f"(sp: on, for tp layouts); cp layouts attend by {info['cp_method']}", file=out)
     print("memory per rank (busiest rank); build: the peak while the layout builds it from a "
           f"skeleton (the whole model is {_size(info['whole_model_bytes'])}, what every rank "
           "held before split-form construction); comm: bytes handed to collectives per step",

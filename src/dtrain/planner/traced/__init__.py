@@ -15,14 +15,18 @@ dtrain.comm measured (`links`), on this machine's figures unless told (`machine`
 `measure` runs a layout for real to check the figures. A mixture-of-experts model's
 layouts also take each expert-parallel degree `ep` dividing dp and the experts (the
 table's `dp4 ep2`): its routed experts split over ep of the dp ranks, as dtrain's ep
-splits them.
+splits them. dtrain's GPT and Llama without dropout also take each context-parallel degree
+`cp` dividing the devices whose 2 x cp chunks cut the sequence (ep = 1 there; the table's
+`dp2 x cp2 ring`): dp = devices / (cp x tp x pp), each rank traced on its block_size / cp
+tokens of every sequence, attending by the cp method planned.
 
-Recomputation and sequence parallelism are choices per layout: `plan(...,
-recompute=("none", "selective", "full"), sequence_parallel=(False, True))` plans each
-layout with the fastest of them that fits (recomputation costs a forward of what it
-recomputes; sequence parallelism a few more calls), so a layout that fits as it is keeps
-everything, and one that does not falls back to sequence parallelism, then to recomputing
-the attention cores, then whole blocks.
+Recomputation, sequence parallelism and the cp method are choices per layout: `plan(...,
+recompute=("none", "selective", "full"), sequence_parallel=(False, True),
+cp_method="ring")` plans each layout with the fastest of them that fits (recomputation
+costs a forward of what it recomputes; sequence parallelism a few more calls), so a layout
+that fits as it is keeps everything, and one that does not falls back to sequence
+parallelism, then to recomputing the attention cores, then whole blocks. cp layouts are
+planned where `cp_method` names a method or more (none by default).
 """
 
 from __future__ import annotations
@@ -43,34 +47,44 @@ MICROBATCHES = (1, 2, 4)  # pipelines try m = pp times these
 def layouts(profile: Profile, devices: int, batch: int, accum: int = 1,
             schedules: tuple[str, ...] = ("1f1b",)) -> list[Layout]:
     """Every layout of `devices` ranks the model and a global batch of `batch` allow: a
-    mixture of experts' with each expert-parallel degree dividing dp and the experts."""
+    mixture of experts' with each expert-parallel degree dividing dp and the experts, and
+    each context-parallel degree the model and the sequence allow (not with ep > 1)."""
     found = []
-    for tp in profile.tp_degrees(devices):
-        for pp in range(1, devices // tp + 1):
-            if (devices // tp) % pp or (pp > 1 and pp > profile.n_layer):
-                continue
-            dp = devices // (tp * pp)
-            for zero, ep in itertools.product(range(4) if dp > 1 else (0,),
-                                              profile.expert_degrees(dp)):
-                if pp == 1:
-                    if batch % (dp * accum) == 0:
-                        found.append(Layout(dp, tp, 1, zero, ep=ep))
+    for cp in profile.context_degrees(devices):
+        for tp in profile.tp_degrees(devices // cp):
+            for pp in range(1, devices // (cp * tp) + 1):
+                if (devices // (cp * tp)) % pp or (pp > 1 and pp > profile.n_layer):
                     continue
-                for m in (pp * k for k in MICROBATCHES):
-                    if batch % (dp * m):
+                dp = devices // (cp * tp * pp)
+                # ZeRO shards over dp x cp; experts split over dp alone, and not under cp
+                for zero, ep in itertools.product(range(4) if dp * cp > 1 else (0,),
+                                                  profile.expert_degrees(dp) if cp == 1
+                                                  else [1]):
+                    if pp == 1:
+                        if batch % (dp * accum) == 0:
+                            found.append(Layout(dp, tp, 1, zero, ep=ep, cp=cp))
                         continue
-                    for schedule in schedules:
-                        found.append(Layout(dp, tp, pp, zero, m, schedule, ep=ep))
+                    for m in (pp * k for k in MICROBATCHES):
+                        if batch % (dp * m):
+                            continue
+                        for schedule in schedules:
+                            found.append(Layout(dp, tp, pp, zero, m, schedule, ep=ep, cp=cp))
     return found
 
 
 def choices(profile: Profile, layout: Layout, recompute: tuple[str, ...],
-            sequence_parallel: tuple[bool, ...]) -> list[tuple[str, bool]]:
-    """The (recomputation mode, sequence parallelism) pairs `layout` can take of those
-    asked, in the order asked: modes the model has, sequence parallelism where tp allows."""
+            sequence_parallel: tuple[bool, ...], cp_method: tuple[str, ...] = ()
+            ) -> list[tuple[str, bool, str]]:
+    """The (recomputation mode, sequence parallelism, cp method) triples `layout` can
+    take of those asked, in the order asked: modes the model has, sequence parallelism
+    where tp allows, cp methods the heads allow at the layout's cp (a cp layout none of
+    them runs has no choice; at cp = 1 the method is "ring", and means nothing)."""
     modes = [m for m in recompute if m in profile.modes] or ["none"]
-    seq = [s for s in sequence_parallel if not s or profile.sequence_parallel(layout.tp)]
-    return [(m, s) for m in modes for s in dict.fromkeys(seq or [False])]
+    seq = [s for s in sequence_parallel
+           if not s or profile.sequence_parallel(layout.tp, layout.cp)]
+    methods = profile.context_methods(layout.tp, layout.cp, cp_method) if layout.cp > 1 \
+        else ["ring"]
+    return [(m, s, c) for m in modes for s in dict.fromkeys(seq or [False]) for c in methods]
 
 
 def _speed(e: Estimate) -> int:
@@ -78,30 +92,38 @@ def _speed(e: Estimate) -> int:
     return round(math.log(max(e.step_s, 1e-12)) * 100)
 
 
-def plan(trace: Callable[[int], Profile], devices: int, memory: float, batch: int,
+def plan(trace: Callable[..., Profile], devices: int, memory: float, batch: int,
          flops: float, links: Links, optimizer: str = "adamw", accum: int = 1,
          bucket_mb: float = 25.0, schedules: tuple[str, ...] = ("1f1b",),
          recompute: str | tuple[str, ...] = "none",
-         sequence_parallel: bool | tuple[bool, ...] = False) -> list[Estimate]:
+         sequence_parallel: bool | tuple[bool, ...] = False,
+         cp_method: str | tuple[str, ...] = ()) -> list[Estimate]:
     """The estimate of every layout (see `layouts`), fastest first. `trace(b)` profiles
     the model on a micro-batch of b sequences (activations are not quite linear in b:
-    kernels differ by size, so each size is traced).
+    kernels differ by size, so each size is traced), `trace(b, cp, method)` on a
+    context-parallel rank's share of each, attending by `method` (for cp layouts only:
+    `profile_model(cfg, b, cp=cp, cp_method=method)`).
 
-    `recompute` (modes of RECOMPUTE) and `sequence_parallel` are the choices each layout
-    may take, preferred first: a layout gets the fastest pair that fits (the first of
-    those within 1%), or, if none fits, the pair needing the least memory.
+    `recompute` (modes of RECOMPUTE), `sequence_parallel` and `cp_method`
+    (dtrain.context_parallel.METHODS; none, the default: no cp layouts) are the choices
+    each layout may take, preferred first: a layout gets the fastest that fits (the first
+    of those within 1%), or, if none fits, the one needing the least memory.
     """
     modes = (recompute,) if isinstance(recompute, str) else tuple(recompute)
     seq = (sequence_parallel,) if isinstance(sequence_parallel, bool) else \
         tuple(sequence_parallel)
+    methods = (cp_method,) if isinstance(cp_method, str) else tuple(cp_method)
     profile = functools.cache(trace)  # layouts share micro-batch sizes
+    first = profile(max(1, batch // devices))  # the model's modes and shape
     out = []
-    for layout in layouts(profile(max(1, batch // devices)), devices, batch, accum, schedules):
+    for layout in layouts(first, devices, batch, accum, schedules):
         per_micro = batch // (layout.dp * (accum if layout.pp == 1 else layout.microbatches))
-        traced = profile(per_micro)
-        candidates = [estimate(traced, layout, memory, flops, links, optimizer,
-                               accum if layout.pp == 1 else 1, bucket_mb, mode, sp)
-                      for mode, sp in choices(traced, layout, modes, seq)]
+        candidates = [estimate(profile(per_micro, layout.cp, method) if layout.cp > 1
+                               else profile(per_micro), layout, memory, flops, links,
+                               optimizer, accum if layout.pp == 1 else 1, bucket_mb, mode, sp)
+                      for mode, sp, method in choices(first, layout, modes, seq, methods)]
+        if not candidates:
+            continue  # a cp layout none of the methods asked for runs
         fitting = [e for e in candidates if e.fits]
         out.append(min(fitting, key=_speed) if fitting
                    else min(candidates, key=lambda e: e.total))

@@ -7,10 +7,11 @@ blocks, its pipeline pieces, or its ZeRO shards) and fills it from the initial v
 a few rows at a time (about as many elements), so that one tensor's filling needs one
 group and the rows read from it (twice: the pieces and the rows joined), on top of what
 the rank holds (fp32, 4 bytes each; Ψ is what the rank holds after tp and pp split the
-model and ep its experts, N = dp; ZeRO 3's shards hold a rank's experts over the dp / ep
-ranks holding the same ones, every expert's over N):
+model and ep its experts, N = dp x cp, the ranks holding the same parameters; ZeRO 3's
+shards hold a rank's experts over the dp / ep ranks holding the same ones, every expert's
+over N):
 
-    dp (DataParallel)   parameters 4Ψ + gradient buckets 4Ψ (none at dp = 1), then each
+    dp (DataParallel)   parameters 4Ψ + gradient buckets 4Ψ (none at N = 1), then each
                         tensor in turn
     ZeRO 1              the unit buffers 4Ψ + stage 1's unsharded gradients 4Ψ
     ZeRO 2              the unit buffers 4Ψ
@@ -55,7 +56,7 @@ def construction_peak(layout: Layout, held: Params, tensors: list[ParamTensor],
     allocates each whole for a moment), and fills them from `tensors` one at a time.
     `chunk`: elements per generator group (default dtrain.models.init.CHUNK)."""
     chunk = init.CHUNK if chunk is None else chunk
-    psi, n = held.per_rank(layout.tp, layout.ep), layout.dp
+    psi, n = held.per_rank(layout.tp, layout.ep), layout.dp * layout.cp
     sharded = held.per_rank(layout.tp) / n  # split experts: E / ep over dp / ep ranks
     # a unit's shard: over dp, or a split expert's over the dp / ep ranks holding it
     pieces = [piece(t, layout, unit / n * (layout.ep if t.expert else 1))

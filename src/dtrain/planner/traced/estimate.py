@@ -1,10 +1,11 @@
 """Per-rank memory, traffic and step time of one layout, from a model's profile.
 
-A layout is dp x tp x pp ranks with a ZeRO stage and, for pipelines, micro-batches and a
-schedule; a mixture of experts' also an expert-parallel degree ep, carved from dp. The
-figures follow what dtrain's own strategies hold (fp32 parameters, Ψ of them on a rank
-after tp and pp split the model and ep its experts, N = dp, K bytes of optimizer state per
-parameter: 8 for Adam, 4 for SGD with momentum):
+A layout is dp x cp x tp x pp ranks with a ZeRO stage and, for pipelines, micro-batches
+and a schedule; a mixture of experts' also an expert-parallel degree ep, carved from dp.
+The figures follow what dtrain's own strategies hold (fp32 parameters, Ψ of them on a rank
+after tp and pp split the model and ep its experts, N = dp x cp, the ranks holding the
+same parameters, K bytes of optimizer state per parameter: 8 for Adam, 4 for SGD with
+momentum):
 
     zero 0 (DataParallel)  params 4Ψ   grads 4Ψ (the buckets)     optimizer KΨ
     zero 1                 params 4Ψ   grads 4Ψ + 4Ψ/N (shard)    optimizer KΨ/N
@@ -17,7 +18,9 @@ parameter: 8 for Adam, 4 for SGD with momentum):
 Under expert parallelism a rank holds E / ep of each MoE block's routed experts, whole on
 each tp rank (dtrain.models.moe), and Ψ counts those; ZeRO shards them over the dp / ep
 ranks holding the same experts (the mesh's edp), so that in the rows divided by N the
-experts are every expert's over N, as the dense parts are.
+experts are every expert's over N, as the dense parts are. Context parallelism (cp ranks
+splitting every sequence, dtrain.context_parallel) splits no parameter: the model is
+replicated over cp as over dp, hence N = dp x cp.
 
 The gradient shards come as backward ends and go when the training loop's `zero_grad`
 releases them, so the peak is the larger of backward's and the optimizer step's (every
@@ -37,7 +40,11 @@ stage holds at once: the most that the schedule (dtrain.pipeline.schedules, the 
 the runtime executes) leaves between a forward and its backward, plus what backward adds at
 its peak. Tensor parallelism divides the split part by tp; sequence parallelism also
 divides the part between its regions (norms, dropouts, residuals, and what pipeline stages
-send each other), leaving whole each column-parallel layer's gathered input.
+send each other), leaving whole each column-parallel layer's gathered input. Under context
+parallelism the profile is a cp rank's, traced on its 1/cp of every sequence with the cp
+method's own attention (dtrain.planner.traced.profile): every activation is 1/cp of one
+process's, plus what the method holds of the other ranks' keys and values and, for the
+ring, its scores, block by block.
 
 Traffic per step, in bytes of the buffers each collective is given: dp all-reduces the
 gradients once (ZeRO 1-2: reduce-scatter then all-gather the parameters; ZeRO 3 gathers
@@ -51,18 +58,31 @@ sum the tied embedding. With ep > 1 every MoE block (the stage's blocks in the m
 proportion of MoE ones) all-to-alls each micro-batch's tokens over ep: tokens x k x hidden
 fp32 elements out to the experts and as many back (dispatch and combine) in forward, the
 same two in backward, and forward's again under full recomputation ("ep all_to_all"; the
-all-to-all of E token counts before each dispatch is left out, a few bytes).
+all-to-all of E token counts before each dispatch is left out, a few bytes). With cp > 1
+the gradients' "dp" collectives span dp x cp, and each attention layer exchanges, per
+micro-batch, a rank's key/value block of 2 x tokens/cp x kv heads/tp x head dim fp32
+elements: the ring sends it n - 1 times forward, and backward n - 1 times with n sends of
+its gradients ("cp send"); "allgather" all-gathers keys and values forward (two calls,
+the whole gathered buffer cp times the block) and reduce-scatters their gradients
+backward ("cp all_gather", "cp reduce_scatter"); "alltoall" all-to-alls q, k, v and the
+output forward, tokens/cp x heads/tp (kv heads for k and v) x head dim each, and their
+gradients backward ("cp all_to_all"). Selective and full recomputation both run
+attention's forward again, and its exchanges.
 
 Step time = compute + recomputation + the communication it does not hide. Compute is 6
 flops per parameter per token (of a mixture of experts', the active ones) plus attention
 (6·layers·seq·width per token), at the given rate, stretched by the pipeline bubble
-(p-1)/(m+p-1), (p-1)/(v·m+p-1) interleaved.
+(p-1)/(m+p-1), (p-1)/(v·m+p-1) interleaved; every rank of a cp group does 1/cp of it.
 Recomputation is one more forward of what is recomputed: 2 flops per block parameter per
 token plus attention's 2·layers·seq·width ("full"), or attention's alone ("selective").
 Each collective costs its calls times alpha plus its bus bytes times beta
 (dtrain.planner.traced.links; an all-to-all sends (n-1)/n of its buffer); dp's and edp's
 gradient collectives overlap backward (2/3 of compute, and the recomputation; only the
-excess counts), tp's, ep's and pp's messages sit on the critical path and count whole.
+excess counts); the ring's sends overlap its steps, each a 1/cp share of a layer's
+attention (forward 2·seq·width per token, backward twice that), so per step only
+max(0, send - step) counts (backward: a key/value send and a gradient send beside each
+step, and the last gradients' send home alone); tp's, ep's, pp's and cp's all-gathers,
+reduce-scatters and all-to-alls sit on the critical path and count whole.
 
 The construction peak (dtrain.planner.traced.construction) is each rank's while the layout builds
 it from a skeleton.
@@ -73,6 +93,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from dtrain.errors import ConfigError
 from dtrain.job_layout import Layout
 from dtrain.pipeline.partition import balanced_sizes
 from dtrain.pipeline.schedules import build
@@ -83,6 +104,8 @@ from dtrain.planner.traced.links import Links
 from dtrain.planner.traced.profile import Activation, Params, Profile
 
 STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
+RING = "cp send"
+"""The ring's key/value blocks and their gradients, rank to rank."""
 GRADIENT_AXES = ("dp", "edp")
 """The axes whose collectives carry gradients and parameters, behind backward."""
 
@@ -90,8 +113,8 @@ GRADIENT_AXES = ("dp", "edp")
 @dataclass
 class Estimate:
     """One layout's figures for its busiest rank (bytes, seconds), with the recomputation
-    mode and sequence parallelism they assume; `construction`: the most any of its ranks
-    holds while the layout builds it."""
+    mode, sequence parallelism and cp method they assume; `construction`: the most any of
+    its ranks holds while the layout builds it."""
 
     layout: Layout
     params: float
@@ -105,6 +128,7 @@ class Estimate:
     comm_s: float = 0.0
     recompute: str = "none"
     sequence_parallel: bool = False
+    cp_method: str = "ring"
     recompute_s: float = 0.0
     construction: float = 0.0
     grads_in_backward: float | None = None  # of `grads`, what backward's peak holds
@@ -122,21 +146,26 @@ class Estimate:
 
     @property
     def planned(self) -> PlannedLayout:
-        """The layout with the recomputation and sequence parallelism it is planned with."""
-        return PlannedLayout(self.layout, self.recompute, self.sequence_parallel)
+        """The layout with the recomputation, sequence parallelism and cp method it is
+        planned with."""
+        return PlannedLayout(self.layout, self.recompute, self.sequence_parallel,
+                             cp_method=self.cp_method)
 
     @property
     def label(self) -> str:
-        """The layout, with " sp" under sequence parallelism (`str(self.planned)`)."""
+        """The layout, with its cp method where cp > 1 and " sp" under sequence
+        parallelism (`str(self.planned)`)."""
         return str(self.planned)
 
     def to_dict(self) -> dict:
         layout = self.layout
         return {
             "layout": self.label, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
-            "ep": layout.ep, "zero": layout.zero, "microbatches": layout.microbatches,
+            "ep": layout.ep, "cp": layout.cp, "zero": layout.zero,
+            "microbatches": layout.microbatches,
             "schedule": layout.schedule if layout.pp > 1 else None,
             "recompute": self.recompute, "sequence_parallel": self.sequence_parallel,
+            "cp_method": self.cp_method if layout.cp > 1 else None,
             "memory_bytes": {"params": int(self.params), "grads": int(self.grads),
                              "grads_in_backward": int(self.grads if self.grads_in_backward
                                                       is None else self.grads_in_backward),
@@ -177,6 +206,7 @@ class Options:
     bucket_mb: float = 25.0
     recompute: str = "none"  # [memory] activation_checkpointing
     sequence_parallel: bool = False
+    cp_method: str = "ring"  # [parallel] cp_method, where cp > 1
 
 
 def estimate(profile: Profile, layout: Layout, memory: float, flops: float, links: Links,
@@ -184,13 +214,20 @@ def estimate(profile: Profile, layout: Layout, memory: float, flops: float, link
              recompute: str = "none", sequence_parallel: bool = False) -> Estimate:
     """The figures of `layout` for a global batch of
     `profile.micro_batch * dp * accum * microbatches` sequences, recomputing as
-    `recompute` says, with sequence parallelism if `sequence_parallel` (see the module doc).
+    `recompute` says, with sequence parallelism if `sequence_parallel` (see the module
+    doc). The profile is traced at the layout's cp, attending by the cp method planned
+    (`profile_model(..., cp=layout.cp, cp_method=...)`).
 
     Raises:
-        ConfigError: the profile has no figures for `recompute`.
+        ConfigError: the profile has no figures for `recompute`, or was traced at another
+            cp.
     """
+    if profile.cp != layout.cp:
+        raise ConfigError(f"{layout}: the profile is traced for cp = {profile.cp}; trace it "
+                          f"with cp = {layout.cp} (profile_model(..., cp={layout.cp}))")
     options = Options(optimizer, accum, bucket_mb, recompute,
-                      sequence_parallel and profile.sequence_parallel(layout.tp))
+                      sequence_parallel and profile.sequence_parallel(layout.tp, layout.cp),
+                      profile.cp_method)
     ranks = [_rank(profile, layout, r, options) for r in range(layout.pp)]
     worst = max(ranks, key=lambda e: e.total)
     worst.fits = worst.total <= memory
@@ -198,25 +235,43 @@ def estimate(profile: Profile, layout: Layout, memory: float, flops: float, link
     busiest = max(ranks, key=lambda e: sum(e.traffic.values()))
     worst.traffic = busiest.traffic
     worst.compute_s, worst.recompute_s = _compute_s(profile, layout, accum, flops, recompute)
+    step_s = _attention_s(profile, layout, flops) / layout.cp  # a ring step's, forward
     worst.comm_s = max(_exposed_comm_s(e, layout, links,
-                                       worst.compute_s * 2 / 3 + worst.recompute_s)
+                                       worst.compute_s * 2 / 3 + worst.recompute_s, step_s)
                        for e in ranks)
     worst.construction = max(e.construction for e in ranks)
     return worst
 
 
 def _exposed_comm_s(figures: _RankFigures, layout: Layout, links: Links,
-                    backward_s: float) -> float:
+                    backward_s: float, ring_step_s: float) -> float:
     """Communication time not hidden behind arithmetic: the data-parallel gradient
     collectives (dp's, and edp's of split experts) run while backward (`backward_s`) goes
-    on; the rest waits."""
+    on; the ring's sends beside its steps (`_ring_exposed_s`); the rest waits."""
     def cost(keys: list[str]) -> float:
         return links.seconds({k: figures.traffic[k] for k in keys},
                              {k: figures.calls[k] for k in keys}, layout)
 
     overlapped = [k for k in figures.traffic if k.split(" ")[0] in GRADIENT_AXES]
-    exposed = [k for k in figures.traffic if k not in overlapped]
-    return max(0.0, cost(overlapped) - backward_s) + cost(exposed)
+    exposed = [k for k in figures.traffic if k not in overlapped and k != RING]
+    ring = _ring_exposed_s(figures, layout, links, ring_step_s) if RING in figures.traffic \
+        else 0.0
+    return max(0.0, cost(overlapped) - backward_s) + cost(exposed) + ring
+
+
+def _ring_exposed_s(figures: _RankFigures, layout: Layout, links: Links,
+                    step_s: float) -> float:
+    """The ring's sends not hidden behind its steps' attention (`step_s`: one forward
+    step's; backward's are twice as long). Per attention layer and micro-batch: forward's
+    n - 1 steps each beside one key/value send (and again when recomputed), backward's
+    n - 1 each beside a key/value send and a gradient send, and the last gradients'
+    send home, alone."""
+    n, forwards = layout.cp, _forwards(figures.recompute)
+    sends = _ring_sends(n, figures.recompute)
+    one = links.seconds({RING: figures.traffic[RING] / figures.calls[RING]}, {RING: 1}, layout)
+    per_layer = forwards * (n - 1) * max(0.0, one - step_s) + \
+        (n - 1) * max(0.0, 2 * one - 2 * step_s) + one
+    return figures.calls[RING] / sends * per_layer
 
 
 @dataclass
@@ -225,7 +280,8 @@ class _RankFigures(Estimate):
 
 
 def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _RankFigures:
-    tp, pp, n, ep = layout.tp, layout.pp, layout.dp, layout.ep
+    # the ranks holding the same parameters: dp x cp (cp splits only the sequences)
+    tp, pp, n, ep = layout.tp, layout.pp, layout.dp * layout.cp, layout.ep
     sp = options.sequence_parallel
     first, last = rank == 0, rank == pp - 1
     blocks = stage_blocks(profile, pp, layout.virtual_stages)[rank] if profile.n_layer else [0]
@@ -257,8 +313,8 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
     extra = figures.peak_extra if last else figures.block_extra
     acts = flight + extra.per_rank(tp, sp)
     if layout.zero:
-        # the dense part over dp; the rank's E / ep experts over the dp / ep ranks holding
-        # them: every expert over dp
+        # the dense part over dp x cp; the rank's E / ep experts over the dp / ep ranks
+        # holding them: every expert over dp
         sharded = held.per_rank(tp) / n
         state = k * sharded
         shard = PARAM_BYTES * sharded
@@ -277,7 +333,8 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
         if last and head > flight + figures.tail_extra.per_rank(tp, sp) + gathered + under_way:
             params, backward, acts = params - gathered, root, head  # the logits' gradients
     out = _RankFigures(layout, params, grads, state, acts, recompute=options.recompute,
-                       sequence_parallel=sp, grads_in_backward=backward)
+                       sequence_parallel=sp, cp_method=options.cp_method,
+                       grads_in_backward=backward)
     largest = max(root, block_bytes) if layout.zero == 3 else unit  # a ZeRO unit, in bytes
     out.construction = construction_peak(layout, held, tensors, largest / PARAM_BYTES)
     out.traffic, out.calls = _traffic(profile, layout, held, first, last, blocks, options, unit)
@@ -312,7 +369,7 @@ def _traffic(profile: Profile, layout: Layout, held: Params, first: bool, last: 
     grads = PARAM_BYTES * held.per_rank(layout.tp, layout.ep)
     experts = PARAM_BYTES * held.experts / layout.ep if layout.ep > 1 else 0.0
     # (axis, its ranks, gradient bytes, ZeRO 3's units): split experts average over edp
-    groups = [("dp", layout.dp, grads - experts, sum(blocks) + 1),
+    groups = [("dp", layout.dp * layout.cp, grads - experts, sum(blocks) + 1),
               ("edp", layout.dp // layout.ep, experts, sum(blocks))]
     for axis, size, nbytes, zero3_units in groups:
         if size == 1 or not nbytes:
@@ -332,6 +389,9 @@ def _traffic(profile: Profile, layout: Layout, held: Params, first: bool, last: 
         exchanges = 4 + (2 if options.recompute == "full" else 0)  # dispatch and combine
         count = moe_blocks * exchanges * passes
         add("ep all_to_all", count * activation * shape.top_k, count)
+    if layout.cp > 1:
+        for key, nbytes, count in _context_exchanges(profile, layout, options):
+            add(key, nbytes * sum(blocks) * passes, count * sum(blocks) * passes)
     if layout.tp > 1:
         count = sum(blocks)
         forwards = 2 if options.recompute == "full" else 1  # recomputed blocks' again
@@ -357,11 +417,52 @@ def _traffic(profile: Profile, layout: Layout, held: Params, first: bool, last: 
     return traffic, calls
 
 
+def _forwards(recompute: str) -> int:
+    """Forwards of each attention core per micro-batch: "selective" and "full" recompute
+    it in backward."""
+    return 1 if recompute == "none" else 2
+
+
+def _ring_sends(n: int, recompute: str) -> int:
+    """The ring's sends per attention layer and micro-batch: n - 1 key/value blocks each
+    forward, and backward's n - 1 blocks and n gradients."""
+    return _forwards(recompute) * (n - 1) + 2 * n - 1
+
+
+def _context_exchanges(profile: Profile, layout: Layout, options: Options
+                       ) -> list[tuple[str, float, float]]:
+    """(key, buffer bytes, calls) of one attention layer's context-parallel exchanges for
+    one micro-batch, forward (again when recomputed) and backward (the module doc)."""
+    shape, n = profile.shape, layout.cp
+    assert shape is not None  # cp layouts are dtrain's GPT and Llama's
+    # one head's fp32 elements of a rank's tokens, in bytes (tp divides the heads)
+    head = profile.micro_batch * shape.seq // n * shape.head_dim * 4 / layout.tp
+    kv = 2 * shape.kv_heads * head  # a rank's key/value block
+    forwards = _forwards(options.recompute)
+    if options.cp_method == "ring":
+        sends = _ring_sends(n, options.recompute)
+        return [(RING, sends * kv, sends)]
+    if options.cp_method == "allgather":  # keys and values apart, each whole gathered
+        return [("cp all_gather", forwards * n * kv, 2 * forwards),
+                ("cp reduce_scatter", n * kv, 2)]
+    exchanged = 2 * (shape.heads + shape.kv_heads) * head  # q, k, v and the output
+    return [("cp all_to_all", (forwards + 1) * exchanged, 4 * (forwards + 1))]
+
+
+def _attention_s(profile: Profile, layout: Layout, flops: float) -> float:
+    """Seconds of one attention layer's forward on one micro-batch on a rank (its tokens,
+    its heads): 2·seq·width per token (see `_compute_s`)."""
+    if profile.shape is None:
+        return 0.0
+    tokens = profile.micro_batch * profile.seq_len / layout.cp
+    return 2 * profile.shape.seq * profile.shape.hidden * tokens / layout.tp / flops
+
+
 def _compute_s(profile: Profile, layout: Layout, accum: int, flops: float,
                recompute: str = "none") -> tuple[float, float]:
     """Seconds of arithmetic per step on one rank, the pipeline's idle share included:
     (training's, recomputation's)."""
-    devices = layout.dp * layout.tp * layout.pp
+    devices = layout.world_size
     sequences = profile.micro_batch * layout.dp * accum * layout.microbatches
     tokens = sequences * max(profile.seq_len, 1)
     if profile.shape is None:

@@ -12,8 +12,10 @@ A collective on a group of n ranks then costs `calls * alpha + bus_bytes * beta`
 bus bytes are the buffer's bytes times the share each rank sends (2(n-1)/n for an
 all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for a send): the
 measured figures carry over to other group sizes through that share. The axes are the
-mesh's: dp, tp, pp, ep (the ranks exchanging tokens with their experts) and edp (the
-dp / ep ranks holding the same experts).
+mesh's: dp (the ranks averaging gradients: dp x cp under context parallelism), tp, pp, cp
+(the ranks splitting each sequence: the ring's sends, its methods' collectives), ep (the
+ranks exchanging tokens with their experts) and edp (the dp / ep ranks holding the same
+experts).
 """
 
 from __future__ import annotations
@@ -67,8 +69,8 @@ class Links:
     def seconds(self, traffic: dict[str, float], calls: dict[str, float],
                 layout: Layout) -> float:
         """Time of a step's collectives ("axis op" -> bytes, calls) on `layout`."""
-        sizes = {"dp": layout.dp, "tp": layout.tp, "pp": 2, "ep": layout.ep,
-                 "edp": layout.dp // layout.ep}
+        sizes = {"dp": layout.dp * layout.cp, "tp": layout.tp, "pp": 2, "cp": layout.cp,
+                 "ep": layout.ep, "edp": layout.dp // layout.ep}
         total = 0.0
         for key, nbytes in traffic.items():
             axis, op = key.split(" ", 1)

@@ -9,7 +9,9 @@ and drawing its initial values. It then trains a few steps on random tokens with
 and returns this rank's peaks of live tensor bytes (dtrain.planner.traced.tracker; on CUDA
 `max_memory_allocated` would read the same): while building, and in the steady state.
 A mixture of experts' layout may split the experts over ep (carved from dp: the mesh's "ep"
-and "edp" groups). Call it on every rank of an initialized world of `dp * tp * pp` ranks.
+and "edp" groups); a context-parallel one feeds each rank its chunks of every sequence, as
+the trainer does, and attends by the given cp method. Call it on every rank of an
+initialized world of `dp * cp * tp * pp` ranks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from dtrain import comm, layouts, models
 from dtrain.config import Config, config_from_dict
+from dtrain.context_parallel import chunks
 from dtrain.job_layout import Layout
 from dtrain.mesh import Mesh
 from dtrain.models import init
@@ -42,7 +45,7 @@ class Peaks:
 
 def run_config(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int,
                bucket_mb: float = 25.0, recompute: str = "none",
-               sequence_parallel: bool = False) -> Config:
+               sequence_parallel: bool = False, cp_method: str = "ring") -> Config:
     """The `dtrain train` config of `cfg` in `layout` with a global batch of `batch`
     sequences, AdamW, `[memory] activation_checkpointing = recompute`.
 
@@ -53,7 +56,8 @@ def run_config(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int,
         "model": dataclasses.asdict(model_config(cfg)),
         "optimizer": {"name": "adamw"},
         "train": {"batch_size": batch, "seed": 0},
-        "parallel": {"nproc": layout.dp * layout.tp * layout.pp, "dp": layout.dp,
+        "parallel": {"nproc": layout.world_size, "dp": layout.dp, "cp": layout.cp,
+                     "cp_method": cp_method,
                      "tp": layout.tp, "pp": layout.pp, "zero": layout.zero,
                      "microbatches": layout.microbatches, "schedule": layout.schedule,
                      "virtual_stages": layout.virtual_stages, "ep": layout.ep,
@@ -66,7 +70,7 @@ def run_config(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int,
 def calibrate(mesh: Mesh) -> None:
     """Let `algorithm="auto"` time its candidates on every group of `mesh` now (probe
     tensors of up to 16 MiB), so that no measured peak sees them. A collective call."""
-    for axis in ("pp", "dp", "tp", "edp"):
+    for axis in ("pp", "dp", "tp", "edp", "cp"):
         group = mesh.group(axis)
         if comm.resolve(group).size > 1:
             for op in CALIBRATED_OPS:
@@ -75,12 +79,13 @@ def calibrate(mesh: Mesh) -> None:
 
 def measured_peaks(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int, steps: int = 3,
                    bucket_mb: float = 25.0, recompute: str = "none",
-                   sequence_parallel: bool = False) -> Peaks:
+                   sequence_parallel: bool = False, cp_method: str = "ring") -> Peaks:
     """This rank's peak live tensor bytes while building `cfg`'s model in `layout` from a
     skeleton, and over steps 2..`steps` of a `batch`-sequence global batch (the steady
     state, with optimizer state; the first step builds that state)."""
-    config = run_config(cfg, layout, batch, bucket_mb, recompute, sequence_parallel)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep)
+    config = run_config(cfg, layout, batch, bucket_mb, recompute, sequence_parallel,
+                        cp_method)
+    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, cp=layout.cp)
     calibrate(mesh)
     shape = config.model
     tracker = LiveBytes()
@@ -95,6 +100,7 @@ def measured_peaks(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int, ste
                 tracker.reset_peak()
             x = torch.randint(0, shape.vocab_size, (per_rank, shape.block_size),
                               generator=generator)
+            x = chunks.shard(x, mesh.coords["cp"], mesh.size("cp"))  # as the trainer feeds
             held.forward_backward([(x, x)])
             held.step()
             held.zero_grad()
@@ -103,7 +109,7 @@ def measured_peaks(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int, ste
 
 def measured_peak(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int, steps: int = 3,
                   bucket_mb: float = 25.0, recompute: str = "none",
-                  sequence_parallel: bool = False) -> int:
+                  sequence_parallel: bool = False, cp_method: str = "ring") -> int:
     """This rank's steady-state peak live tensor bytes (`measured_peaks(...).train`)."""
     return measured_peaks(cfg, layout, batch, steps, bucket_mb, recompute,
-                          sequence_parallel).train
+                          sequence_parallel, cp_method).train

@@ -38,6 +38,14 @@ passes through (the routing's token counts depend on the data, which fake tensor
 have). So a model whose MoE blocks are not all of them is counted as if they were, and the
 router's and the dispatch's tensors are left out.
 
+Under context parallelism (cp ranks splitting every sequence, dtrain.context_parallel)
+every rank runs the whole model on its 2 of the sequence's 2 x cp chunks, so the profile
+of a cp layout is traced on a rank's `block_size / cp` tokens of each sequence, with the
+method's attention (`Profile.cp`, `Profile.cp_method`) over a group whose messages move
+nothing (dtrain.planner.traced.context): every activation, from the embedding to the
+logits, is a rank's own, and so are the other ranks' keys and values the method holds and
+the ring's scores, block by block.
+
 A user's model (`module:factory`) is traced whole: the planner then offers data-parallel
 layouts (dp, ZeRO) only, since tensor and pipeline parallelism need a plan and pieces.
 """
@@ -50,6 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dtrain.context_parallel.chunks import check_length
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
 from dtrain.models.custom import load_factory
@@ -57,6 +66,7 @@ from dtrain.models.gpt import GPTConfig
 from dtrain.models.llama import llama_ffn_hidden
 from dtrain.planner.planned import RECOMPUTE
 from dtrain.planner.shape import ModelShape
+from dtrain.planner.traced.context import traced_context
 from dtrain.planner.traced.trace import SEQ, Marks, watch
 
 TRACED_BLOCKS = 2
@@ -165,7 +175,9 @@ class Profile:
     (see the module doc).
 
     `shape` is the model's (dtrain.planner.shape), `tied` the elements of the weights the
-    first and last pipeline stage share (a tied head).
+    first and last pipeline stage share (a tied head). `cp` is the context-parallel degree
+    traced, attending by `cp_method`: each sequence's `seq_len / cp` tokens a rank holds
+    (`width` is theirs).
 
     For a user's model (`shape` None) the whole model counts as its embedding:
     `params_embed` and each mode's `embed` hold everything, the block and head figures are
@@ -175,7 +187,7 @@ class Profile:
     name: str
     micro_batch: int
     seq_len: int
-    width: int  # bytes of one stage-to-stage activation of one sequence position
+    width: int  # bytes of one stage-to-stage activation of one sequence (a rank's tokens)
     params_embed: Params  # the first stage's input part (token, position embeddings)
     params_block: Params
     params_head: Params  # the last stage's output part, less what it shares with the first
@@ -184,6 +196,8 @@ class Profile:
     shape: ModelShape | None = None
     tied: int = 0
     replicated_block: int = 0  # parameter tensors per block that tp keeps whole
+    cp: int = 1
+    cp_method: str = "ring"
 
     @property
     def n_layer(self) -> int:
@@ -213,11 +227,29 @@ class Profile:
         return [t for t in range(1, devices + 1)
                 if devices % t == 0 and all(c % t == 0 for c in counts)]
 
-    def sequence_parallel(self, tp: int) -> bool:
-        """Whether sequence parallelism can run at `tp` (dtrain's GPT and Llama without
-        experts, with the sequence dividing by tp)."""
+    def sequence_parallel(self, tp: int, cp: int = 1) -> bool:
+        """Whether sequence parallelism can run at `tp` and context-parallel degree `cp`
+        (dtrain's GPT and Llama without experts, a rank's tokens of each sequence dividing
+        by tp)."""
         return tp > 1 and self.shape is not None and not self.shape.experts and \
-            self.shape.seq % tp == 0
+            (self.shape.seq // cp) % tp == 0
+
+    def context_degrees(self, devices: int) -> list[int]:
+        """Context-parallel degrees for `devices` ranks: 1, and each cp > 1 dividing them
+        with the sequence cutting into 2 x cp chunks (dtrain's GPT and Llama without
+        dropout, as the config allows)."""
+        if self.shape is None or self.shape.dropout:
+            return [1]
+        return [c for c in range(1, devices + 1)
+                if devices % c == 0 and (c == 1 or self.shape.seq % (2 * c) == 0)]
+
+    def context_methods(self, tp: int, cp: int, methods: tuple[str, ...]) -> list[str]:
+        """Those of `methods` (dtrain.context_parallel.METHODS) a layout of degrees `tp`
+        and `cp` > 1 can run: "alltoall" splits each rank's query and key/value heads over
+        cp."""
+        shape = self.shape
+        heads = (shape.heads // tp, shape.kv_heads // tp) if shape is not None else (0,)
+        return [m for m in methods if m != "alltoall" or all(h % cp == 0 for h in heads)]
 
     def expert_degrees(self, dp: int) -> list[int]:
         """Expert-parallel degrees a layout of `dp` data-parallel ranks can take (those
@@ -257,15 +289,19 @@ def _params(tensors: tuple[ParamTensor, ...], part: str) -> Params:
                   sum(t.numel for t in mine if t.expert))
 
 
-def _trace_stages(cfg: ModelConfig, b: int, mode: str) -> Activations:
+def _trace_stages(cfg: ModelConfig, b: int, mode: str, cp: int = 1,
+                  cp_method: str = "ring") -> Activations:
     """One micro-batch of `cfg`'s model (2 blocks) forward and backward, with `mode`'s
-    recomputation; then one block alone. Call it under FakeTensorMode."""
+    recomputation; then one block alone. With `cp` > 1, a context-parallel rank's: its
+    tokens of each sequence, attending by `cp_method`. Call it under FakeTensorMode."""
     from dtrain import models
-    from dtrain.models import recompute
+    from dtrain.models import context, recompute
     from dtrain.tensor_parallel.parallelize import matches
     from dtrain.tensor_parallel.plan_of import plan_of
 
     model = models.build(cfg)
+    if cp > 1:
+        context.apply(model, traced_context(cp, cp_method))
     inputs, blocks_name, _ = model.stage_parts()
     blocks = model.get_submodule(blocks_name)
     for p in model.parameters():  # gradients are model state, counted by the layout
@@ -279,7 +315,7 @@ def _trace_stages(cfg: ModelConfig, b: int, mode: str) -> Activations:
         block.register_forward_hook(lambda *_, i=i: marks.mark(f"block{i}"))
     tail: list[int] = []  # where backward reaches the last block
     blocks[-1].register_full_backward_pre_hook(lambda *_: tail.append(len(marks.tracker.series)))
-    s = cfg.block_size
+    s = cfg.block_size // cp
     x = torch.randint(0, cfg.vocab_size, (b, s))
     with marks.tracker:
         loss = model(x, x)[1]  # the logits go, as in training
@@ -318,20 +354,24 @@ def model_config(cfg: GPTConfig | ModelConfig) -> ModelConfig:
                        dropout=cfg.dropout)
 
 
-def profile_gpt(cfg: GPTConfig, micro_batch: int,
-                modes: tuple[str, ...] = RECOMPUTE) -> Profile:
-    """Trace dtrain's GPT (2 blocks stand for all) on one micro-batch of full sequences."""
-    return profile_model(model_config(cfg), micro_batch, modes)
+def profile_gpt(cfg: GPTConfig, micro_batch: int, modes: tuple[str, ...] = RECOMPUTE,
+                cp: int = 1, cp_method: str = "ring") -> Profile:
+    """Trace dtrain's GPT (2 blocks stand for all) on one micro-batch of full sequences
+    (a cp rank's share of them: `profile_model`)."""
+    return profile_model(model_config(cfg), micro_batch, modes, cp, cp_method)
 
 
-def profile_model(cfg: ModelConfig, micro_batch: int,
-                  modes: tuple[str, ...] = RECOMPUTE) -> Profile:
+def profile_model(cfg: ModelConfig, micro_batch: int, modes: tuple[str, ...] = RECOMPUTE,
+                  cp: int = 1, cp_method: str = "ring") -> Profile:
     """Trace the built-in model of a resolved `[model]` section (arch gpt or llama; 2
     blocks stand for all) on one micro-batch of full sequences, once per recomputation
-    mode in `modes`.
+    mode in `modes`; with `cp` > 1, of a context-parallel rank's `block_size / cp` tokens
+    of each, attending by `cp_method` (see the module doc).
 
     Raises:
-        ConfigError: another arch (trace it with `profile_factory`).
+        ConfigError: another arch (trace it with `profile_factory`); a sequence that does
+            not cut into 2 x cp chunks, a model with dropout under cp, heads "alltoall"
+            cannot split over cp.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -342,22 +382,28 @@ def profile_model(cfg: ModelConfig, micro_batch: int,
     if cfg.arch not in ("gpt", "llama"):
         raise ConfigError(f"the planner traces dtrain's GPT and Llama, not model.arch = "
                           f"{cfg.arch!r}: plan another model with --model MODULE:FACTORY")
+    check_length(cfg.block_size, cp, "model.block_size")
+    if cp > 1 and cfg.dropout:
+        raise ConfigError(f"cp = {cp} with model.dropout = {cfg.dropout}: attention dropout "
+                          "is not split over the chunks; set model.dropout = 0")
     traced = dataclasses.replace(cfg, n_layer=TRACED_BLOCKS,
                                  moe_layers="all" if cfg.n_experts else cfg.moe_layers)
     with FakeTensorMode():
         model = models.build(traced)
         tensors = _param_tensors(model, dict(matches(model, plan_of(model))))
-        figures = {mode: _trace_stages(_dense_stand_in(traced), micro_batch, mode)
-                   for mode in modes}
+        figures = {mode: _trace_stages(_dense_stand_in(traced), micro_batch, mode, cp,
+                                       cp_method) for mode in modes}
     kv = f", {cfg.n_kv_head} kv" if cfg.arch == "llama" and cfg.n_kv_head else ""
     return Profile(
         name=f"{'GPT' if cfg.arch == 'gpt' else 'Llama'} {cfg.n_layer}x{cfg.n_embd} "
              f"({cfg.n_head} heads{kv}, vocab {cfg.vocab_size})",
-        micro_batch=micro_batch, seq_len=cfg.block_size, width=cfg.block_size * cfg.n_embd * 4,
+        micro_batch=micro_batch, seq_len=cfg.block_size,
+        width=cfg.block_size // cp * cfg.n_embd * 4,
         params_embed=_params(tensors, "embed"), params_block=_params(tensors, "block"),
         params_head=_params(tensors, "head"), modes=figures, tensors=tensors,
         shape=ModelShape.of(cfg), tied=sum(t.numel for t in tensors if t.tied),
-        replicated_block=sum(1 for t in tensors if t.part == "block" and not t.split),
+        replicated_block=sum(1 for t in tensors if t.part == "block" and not t.split), cp=cp,
+        cp_method=cp_method,
     )
 
 
