@@ -37,7 +37,9 @@ import platform
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from results_md import replace_section
@@ -231,18 +233,14 @@ def trains(setup: str, n_layer: int, batch: int, cap: int | None, log: list[dict
     with `contents`, print what the busiest rank held at its peak."""
     world_size = 1 if setup == "one_process" else 4
     start = time.perf_counter()
-    try:
-        results = run_ranks(probe, world_size, setup, n_layer, batch, cap, contents,
-                            timeout=1800, collective_timeout=120)
-        ok, peak = True, max(p for p, _, _ in results)
+    results = under_cap(probe, world_size, setup, n_layer, batch, cap, contents)
+    ok, peak = results is not None, None
+    if ok:
+        peak = max(p for p, _, _ in results)
         if contents:
             op, sizes = max(results, key=lambda r: r[0])[2]
             print(f"at the peak ({op}), storages of at least 0.125 MiB: "
                   + ", ".join(f"{n} x {size} MiB" for size, n in sizes))
-    except AssertionError as exc:
-        if "MemoryError" not in str(exc):
-            raise
-        ok, peak = False, None
     seconds = time.perf_counter() - start
     log.append({"setup": setup, "n_layer": n_layer, "trains": ok, "peak": peak,
                 "seconds": round(seconds, 1)})
@@ -252,20 +250,40 @@ def trains(setup: str, n_layer: int, batch: int, cap: int | None, log: list[dict
     return ok
 
 
+def under_cap(fn: Callable[..., Any], world_size: int, *args: Any) -> list | None:
+    """Each rank's result of `fn(*args)` on `world_size` spawned ranks (run_ranks), or None
+    where a rank went over its cap (a MemoryError of LiveBytes)."""
+    try:
+        return run_ranks(fn, world_size, *args, timeout=1800, collective_timeout=120)
+    except AssertionError as exc:
+        if "MemoryError" not in str(exc):
+            raise
+        return None
+
+
 def largest(setup: str, start: int, growth: float, batch: int, cap: int,
             log: list[dict]) -> int:
-    """The largest n_layer that trains: from `start`, multiply by `growth` until a probe
-    fails (or divide until one trains), then bisect.
+    """The largest n_layer that trains (see `search`).
 
     Raises:
         RuntimeError: not even one block trains under the cap.
     """
+    return search(lambda n: trains(setup, n, batch, cap, log), start, growth, setup)
+
+
+def search(fits: Callable[[int], bool], start: int, growth: float, what: str) -> int:
+    """The largest n >= 1 that `fits`: from `start`, multiply by `growth` until it does
+    not (or divide until it does), then bisect.
+
+    Raises:
+        RuntimeError: not even n = 1 fits.
+    """
     n = start
-    if trains(setup, n, batch, cap, log):
+    if fits(n):
         lo = n
         while True:
             n = max(lo + 1, round(lo * growth))
-            if not trains(setup, n, batch, cap, log):
+            if not fits(n):
                 hi = n
                 break
             lo = n
@@ -274,14 +292,14 @@ def largest(setup: str, start: int, growth: float, batch: int, cap: int,
         while True:
             n = min(hi - 1, round(hi / growth))
             if n < 1:
-                raise RuntimeError(f"{setup}: one block does not train under the cap")
-            if trains(setup, n, batch, cap, log):
+                raise RuntimeError(f"{what}: the smallest size does not fit under the cap")
+            if fits(n):
                 lo = n
                 break
             hi = n
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if trains(setup, mid, batch, cap, log):
+        if fits(mid):
             lo = mid
         else:
             hi = mid
@@ -341,6 +359,28 @@ NAMES = {
 }
 
 
+def found_table(rows: dict[str, dict], names: dict[str, str], columns: list[str], size: str,
+                cells: Callable[[dict], list[str]]) -> list[str]:
+    """A search's answers as a Markdown table: per setup its name, `cells(row)` under
+    `columns`, its `size` as a multiple of one process's (bold), and its peak per rank."""
+    base = rows.get("one_process", {}).get(size)
+    lines = ["| setup | " + " | ".join(columns) + " | x (a) | peak per rank (MiB) |",
+             "|---|" + "---|" * (len(columns) + 2)]
+    for setup, row in rows.items():
+        ratio = f"**{row[size] / base:.2f}x**" if base else "-"
+        lines.append(f"| {names[setup]} | " + " | ".join(cells(row))
+                     + f" | {ratio} | {row['peak'] / MiB:.1f} |")
+    return lines
+
+
+def probe_list(rows: dict[str, dict], probes: list[dict], size: str) -> list[str]:
+    """Every probe of each setup, a line each: its `size` and the busiest rank's peak in
+    MiB, or "over" the cap."""
+    return [f"- {setup}: " + ", ".join(
+        f"{p[size]}: {p['peak'] / MiB:.1f}" if p["trains"] else f"{p[size]}: over"
+        for p in probes if p["setup"] == setup) for setup in rows]
+
+
 def section(summary: dict) -> list[str]:
     rows, cap = summary["rows"], summary["cap_mib"]
     base = rows.get("one_process", {}).get("params")
@@ -361,19 +401,13 @@ def section(summary: dict) -> list[str]:
         "calibrate (`algorithm = \"auto\"`, probes up to 16 MiB) in a warm-up step of a "
         "1-block GPT on the same mesh before the cap applies; FSDP2's are torch's own.",
         "",
-        "| setup | largest n_layer | parameters | x (a) | peak per rank (MiB) |",
-        "|---|---|---|---|---|",
+        *found_table(rows, NAMES, ["largest n_layer", "parameters"], "params",
+                     lambda row: [str(row["n_layer"]), f"{row['params'] / 1e6:.2f}M"]),
+        "",
+        "Every probe (n_layer: peak MiB of the busiest rank, or over the cap):",
+        "",
+        *probe_list(rows, summary["probes"], "n_layer"),
     ]
-    for setup, row in rows.items():
-        ratio = f"**{row['params'] / base:.2f}x**" if base else "-"
-        lines.append(f"| {NAMES[setup]} | {row['n_layer']} | {row['params'] / 1e6:.2f}M | "
-                     f"{ratio} | {row['peak'] / MiB:.1f} |")
-    lines += ["", "Every probe (n_layer: peak MiB of the busiest rank, or over the cap):", ""]
-    for setup in rows:
-        probes = [p for p in summary["probes"] if p["setup"] == setup]
-        lines.append(f"- {setup}: " + ", ".join(
-            f"{p['n_layer']}: {p['peak'] / MiB:.1f}" if p["trains"] else f"{p['n_layer']}: over"
-            for p in probes))
     if {"one_process", "zero3", "fsdp2"} <= set(rows):
         b, c = rows["zero3"], rows["fsdp2"]
         times = b["params"] / base
