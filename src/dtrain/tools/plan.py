@@ -153,14 +153,16 @@ def plan_command(args: argparse.Namespace) -> None:
                            else machine.device_memory(devices))
     flops = args.tflops * 1e12 if args.tflops else machine.measured_flops()
     links = _links(args)
-    # cached: plan() and the header below trace the same micro-batch sizes
+    modes, seq = plan_choices(args, config)
+    # cached: plan() and the header below trace the same micro-batch sizes, in the
+    # recomputation modes planned only
     if args.model:
-        trace = functools.cache(lambda b: profile_factory(args.model, b))
+        trace = functools.cache(lambda b: profile_factory(args.model, b, modes))
     else:
         dc = config.data
         shape = resolve(config.model, vocab_of(dc.path, dc.format, dc.tokenizer))
         trace = functools.cache(lambda b, cp=1, method="ring":
-                                profile_model(shape, b, cp=cp, cp_method=method))
+                                profile_model(shape, b, modes, cp=cp, cp_method=method))
     if args.model and config.parallel.ep > 1:
         raise ConfigError(f"parallel.ep = {config.parallel.ep} with --model: a model of your "
                           "own is planned with dp and ZeRO only; leave parallel.ep = 1")
@@ -168,7 +170,6 @@ def plan_command(args: argparse.Namespace) -> None:
         raise ConfigError("memory.checkpoint_modules is not planned: dtrain plan counts the "
                           "activation_checkpointing modes (none, selective, full); leave "
                           "checkpoint_modules out, or plan with --recompute MODE")
-    modes, seq = plan_choices(args, config)
     estimates = plan(trace, devices, memory, batch, flops, links, config.optimizer.name,
                      config.train.grad_accum, config.comm.bucket_mb, schedules, modes, seq,
                      config.parallel.cp_method)
