@@ -201,6 +201,9 @@ CONFIGS = [
                         "--set", "model.n_head=3", "--set", "model.n_embd=48"],
                  "parallel.cp_method = \"alltoall\" splits each rank's 3 query and 3 "
                  "key/value heads over cp = 2", 2, id="alltoall-heads"),
+    pytest.param(None, [*MOE, "--set", "parallel.cp=2", "--set", "model.capacity_factor=1.0"],
+                 "parallel.cp = 2 with model.capacity_factor or model.aux_loss_weight: both "
+                 "are per whole sequence", 2, id="cp-with-moe-capacity"),
     pytest.param(None, ["--set", "parallel.cp_method='zigzag'"],
                  "parallel.cp_method = 'zigzag' must be one of ring, allgather, alltoall", 2,
                  id="unknown-cp-method"),

@@ -419,6 +419,28 @@ def test_live_replicas_with_expert_parallelism_equal_them_without(tmp_path: Path
     torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_expert_parallelism_with_context_parallelism_equals_one_process(tmp_path: Path
+                                                                        ) -> None:
+    """moe-tiny, dropless, balanced by the sigmoid_bias router, at cp = 2 x ep = 2 with
+    ZeRO-2 on four ranks: a rank's tokens (its two chunks of each sequence) go to the
+    experts of the ranks holding the same chunks, the experts average over edp x cp, and
+    the routers' biases move by the load summed over dp x cp: every step's loss and the
+    final weights (biases too) equal one process's."""
+    dropless = ["--set", "model.capacity_factor=0.0"]
+    one, one_ckpt = moe_run(tmp_path / "one", ["-n", "1", *dropless], 4)
+    split, split_ckpt = moe_run(tmp_path / "cp", ["-n", "4", *dropless, "--set",
+                                                  "parallel.cp=2", "--set", "parallel.ep=2",
+                                                  "--set", "parallel.zero=2"], 4)
+    torch.testing.assert_close([r["loss"] for r in split], [r["loss"] for r in one],
+                               rtol=1e-5, atol=1e-6)
+    want = load_file(universal.export(one_ckpt, one_ckpt.parent / "model.safetensors"))
+    got = load_file(universal.export(split_ckpt, split_ckpt.parent / "model.safetensors"))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)
+    assert want["blocks.1.mlp.gate.expert_bias"].abs().max() > 0  # it moved
+
+
 # ------------------------------------------------------------------ Hugging Face
 def hf_mixtral() -> tuple[nn.Module, ModelConfig]:
     from transformers import MixtralConfig, MixtralForCausalLM

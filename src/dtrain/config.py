@@ -519,9 +519,11 @@ def _validate_context(config: Config) -> None:
     if m.dropout:
         raise ConfigError(f"{what} with model.dropout = {m.dropout}: attention dropout is not "
                           "split over the chunks; set model.dropout = 0")
-    if p.ep > 1:
-        raise ConfigError(f"{what} with parallel.ep = {p.ep} is not supported yet: experts "
-                          "split over data-parallel ranks only; use one of them")
+    if m.arch == "llama" and m.n_experts and (m.capacity_factor or m.aux_loss_weight):
+        raise ConfigError(f"{what} with model.capacity_factor or model.aux_loss_weight: both "
+                          "are per whole sequence, and a cp rank holds two chunks of each; "
+                          "use a dropless MoE (capacity_factor = 0) balanced by model.router = "
+                          "\"sigmoid_bias\" (aux_loss_weight = 0)")
     if config.fault_tolerance.mode == "live":
         raise ConfigError(f"{what} with fault_tolerance.mode = \"live\" is not supported yet: "
                           "use fault_tolerance.mode = \"restart\"")

@@ -41,8 +41,10 @@ dp_shard's place holds those two axes, so no rank moves:
     edp           expert data parallel: the ranks that hold the same experts and average
                   their gradients (dp_shard / ep of them).
 
-Dense parameters still average over all of dp_shard. (With cp, torchtitan lets ep span
-dp_shard x cp; dtrain's ep spans dp_shard only, and needs cp = 1 for now.)
+Dense parameters still average over all of dp_shard. With cp, ep spans dp_shard at each cp
+coordinate (torchtitan's spans dp_shard x cp): a rank's tokens go to the experts of the
+ranks holding its own chunks, and the ranks holding the same experts are group("edp",
+"cp").
 """
 
 from __future__ import annotations
@@ -202,9 +204,6 @@ class Mesh:
             raise ConfigError(f"ep={ep!r} must be a positive integer that divides "
                               f"dp_shard={shape['dp_shard']} (experts split over data-parallel "
                               "ranks)")
-        if ep > 1 and shape["cp"] > 1:
-            raise ConfigError(f"ep={ep} with cp={shape['cp']}: expert parallelism spans "
-                              "dp_shard only for now; use cp=1")
         self.expert_grid = Grid({"dp_replicate": shape["dp_replicate"], "pp": shape["pp"],
                                  "edp": shape["dp_shard"] // ep, "ep": ep, "cp": shape["cp"],
                                  "tp": shape["tp"]})

@@ -9,8 +9,8 @@ from torch import nn
 from dtrain.comm import GroupLike
 from dtrain.config import Config
 from dtrain.job_layout import Layout
-from dtrain.layouts.held import Names, Tensors
-from dtrain.layouts.holding import Holding, build_optimizer, replica_ranks, under
+from dtrain.layouts.held import Names, Tensors, expert_ranks, replica_ranks
+from dtrain.layouts.holding import Holding, build_optimizer, under
 from dtrain.mesh import Mesh
 from dtrain.parallel.averaging import Averaging
 from dtrain.parallel.clip import GradPart
@@ -56,7 +56,7 @@ class Replicated(Holding):
                  notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
         self.layout, self.names = layout, Names.of(model, mesh, layout)
         self.notes = notes
-        experts = mesh.group("edp") if layout.ep > 1 else None
+        experts, _ = expert_ranks(mesh)  # edp (x cp)
         replicas, place = replica_ranks(mesh)  # dp (x cp)
         self.module = data_parallel(model, replicas, config, averaging, experts)
         self.optimizers = [build_optimizer(model.parameters(), config.optimizer)]

@@ -29,6 +29,7 @@ from torch import nn
 
 from dtrain import tensor_parallel
 from dtrain.checkpoint.universal import MODEL, OPTIM, Checkpoint, Piece, pieces_of
+from dtrain.comm import GroupLike
 from dtrain.errors import DtrainError
 from dtrain.job_layout import Layout, Split
 from dtrain.mesh import Mesh
@@ -46,6 +47,30 @@ def _scalar(value: torch.Tensor | float) -> float:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
+def replica_ranks(mesh: Mesh) -> tuple[GroupLike, tuple[int, int]]:
+    """The ranks that hold the same parameters and average their gradients: dp, and with
+    context parallelism dp x cp (the model is replicated over cp too); the group, and this
+    rank's (index, count) among them (which share of a replicated tensor it writes)."""
+    cp = mesh.size("cp")
+    if cp == 1:
+        return mesh.group("dp"), (mesh.coords["dp"], mesh.size("dp"))
+    return (mesh.group("dp", "cp"),
+            (mesh.coords["dp"] * cp + mesh.coords["cp"], mesh.size("dp") * cp))
+
+
+def expert_ranks(mesh: Mesh) -> tuple[GroupLike, tuple[int, int]]:
+    """Under expert parallelism, the ranks holding the same experts as this one (over which
+    their gradients average): edp, and with context parallelism edp x cp; the group, and
+    this rank's (index, count) among them (None, and (0, 1), without ep)."""
+    if mesh.size("ep") == 1:
+        return None, (0, 1)
+    cp = mesh.size("cp")
+    if cp == 1:
+        return mesh.group("edp"), (mesh.coords["edp"], mesh.size("edp"))
+    return (mesh.group("edp", "cp"),
+            (mesh.coords["edp"] * cp + mesh.coords["cp"], mesh.size("edp") * cp))
+
+
 @dataclass
 class Names:
     """How this rank's parameters map to the logical tensors of the whole model.
@@ -57,7 +82,8 @@ class Names:
             later pipeline stage).
         ep: (ep rank, ep size): which E / ep of every MoE layer's experts this rank holds
             (dtrain.models.moe.split_experts), by global index.
-        edp: (rank, size) among the ranks holding the same experts.
+        edp: (rank, size) among the ranks holding the same experts (edp, x cp under
+            context parallelism).
     """
 
     whole: nn.Module
@@ -81,7 +107,7 @@ class Names:
         as the constructor's)."""
         return cls(whole, tp=(mesh.coords["tp"], layout.tp), skip=skip or set(),
                    ep=(mesh.coords["ep"], layout.ep),
-                   edp=(mesh.coords["edp"], layout.dp // layout.ep))
+                   edp=expert_ranks(mesh)[1])
 
     def aliases(self) -> dict[str, str]:
         """Other names of tied parameters -> their canonical name."""

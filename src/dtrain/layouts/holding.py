@@ -32,22 +32,10 @@ from dtrain.comm import GroupLike
 from dtrain.config import OptimizerConfig
 from dtrain.job_layout import Layout
 from dtrain.layouts.held import Held, Names, collect
-from dtrain.mesh import Mesh
 from dtrain.models import loss_of_output
 from dtrain.parallel.clip import GradPart, clip_grad_norm_
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def replica_ranks(mesh: Mesh) -> tuple[GroupLike, tuple[int, int]]:
-    """The ranks that hold the same parameters and average their gradients: dp, and with
-    context parallelism dp x cp (the model is replicated over cp too); the group, and this
-    rank's (index, count) among them (which share of a replicated tensor it writes)."""
-    cp = mesh.size("cp")
-    if cp == 1:
-        return mesh.group("dp"), (mesh.coords["dp"], mesh.size("dp"))
-    return (mesh.group("dp", "cp"),
-            (mesh.coords["dp"] * cp + mesh.coords["cp"], mesh.size("dp") * cp))
 
 
 def model_loss(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ from dtrain import pipeline
 from dtrain.config import Config
 from dtrain.job_layout import Layout
 from dtrain.layouts.data_parallel import compression_state, data_parallel, load_compression_state
-from dtrain.layouts.held import Names, Shards, Tensors, untrained
-from dtrain.layouts.holding import Batch, Holding, build_optimizer, replica_ranks
+from dtrain.layouts.held import Names, Shards, Tensors, expert_ranks, replica_ranks, untrained
+from dtrain.layouts.holding import Batch, Holding, build_optimizer
 from dtrain.layouts.zero import zero_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
@@ -38,7 +38,7 @@ class Pipelined(Holding):
         tied = pipeline.tied_weights(model, mine, group)
         self.names = Names.of(model, mesh, layout,
                               skip={id(p) for p, peer in tied if peer < group.rank()})
-        experts = mesh.group("edp") if layout.ep > 1 else None
+        experts, _ = expert_ranks(mesh)  # edp (x cp)
         if layout.zero:
             wrapped = [zero_of(piece, dp, config, device, averaging, experts)
                        for piece in mine]

@@ -9,8 +9,8 @@ from torch import nn
 from dtrain.comm import GroupLike
 from dtrain.config import Config
 from dtrain.job_layout import Layout
-from dtrain.layouts.held import Names, Shards, untrained
-from dtrain.layouts.holding import Holding, build_optimizer, replica_ranks
+from dtrain.layouts.held import Names, Shards, expert_ranks, replica_ranks, untrained
+from dtrain.layouts.holding import Holding, build_optimizer
 from dtrain.mesh import Mesh
 from dtrain.models import init
 from dtrain.parallel.averaging import Averaging
@@ -41,7 +41,7 @@ class Sharded(Holding):
                  notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
         self.layout, self.names = layout, Names.of(model, mesh, layout)
         self.notes = notes
-        experts = mesh.group("edp") if layout.ep > 1 else None
+        experts, _ = expert_ranks(mesh)  # edp (x cp)
         replicas, place = replica_ranks(mesh)  # dp (x cp)
         self.module = self.zero = zero_of(model, replicas, config, mesh.world.device,
                                           averaging, experts)

@@ -46,6 +46,7 @@ from dtrain.ft import elastic, env, faults
 from dtrain.ft.live.job import open_live
 from dtrain.ft.membership import Fixed, Membership, RunOver
 from dtrain.layouts import Holding
+from dtrain.layouts.held import replica_ranks
 from dtrain.mesh import Mesh
 from dtrain.models import init, moe
 from dtrain.models.config import ModelConfig
@@ -285,8 +286,8 @@ class Trainer:
                 for scheduler in self.schedulers:
                     scheduler.step()
             held.zero_grad()
-            if self.moe:  # the step's load over the data-parallel ranks: routers' biases
-                moe.after_step(self.model, self.mesh.group("dp"))
+            if self.moe:  # the step's load over the data-parallel (and cp) ranks: biases
+                moe.after_step(self.model, replica_ranks(self.mesh)[0])
         return mean_over(mean_over(loss.item(), held.loss_group, device),
                          self.mesh.group("dp_replicate"), device)
 
