@@ -193,8 +193,9 @@ def test_runs_in_context_parallel_layouts_equal_one_process(tmp_path: Path) -> N
     steps' compute and messages on the timeline) on four ranks resumed for one at cp = 2
     (allgather) on two, then for one on one process; cp = 2 x tp = 2 with sequence
     parallelism; cp = 2 x pp = 2; cp = 2 x ZeRO-3 over dp = 2; cp = 2 (alltoall) with
-    every block recomputed. Every step's loss and the final weights equal the one-process
-    run's; DiLoCo over two replicas of cp = 2 equals DiLoCo over two replicas of one rank."""
+    every block recomputed; cp = 4 (allgather). Every step's loss and the final weights
+    equal the one-process run's; DiLoCo over two replicas of cp = 2 equals DiLoCo over two
+    replicas of one rank."""
     want, one = cp_run(tmp_path / "one", ["-n", "1"], 4)
     trace = tmp_path / "ring.json"
     first, _ = cp_run(tmp_path / "chain", ["-n", "4", "--set", "parallel.cp=4",
@@ -211,7 +212,9 @@ def test_runs_in_context_parallel_layouts_equal_one_process(tmp_path: Path) -> N
             ("zero", ["-n", "4", "--set", "parallel.cp=2", "--set", "parallel.zero=3"]),
             ("recompute", ["-n", "2", "--set", "parallel.cp=2", "--set",
                            "parallel.cp_method='alltoall'", "--set",
-                           "memory.activation_checkpointing='full'"])):
+                           "memory.activation_checkpointing='full'"]),
+            ("allgather", ["-n", "4", "--set", "parallel.cp=4", "--set",
+                           "parallel.cp_method='allgather'"])):
         runs.append(cp_run(tmp_path / name, args, 4))
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
