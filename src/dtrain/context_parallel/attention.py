@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from dtrain import comm, timeline
-from dtrain.context_parallel.chunks import positions
+from dtrain.context_parallel.chunks import every_position, positions
 from dtrain.context_parallel.exchange import all_to_all, gather_sequence
 from dtrain.errors import ConfigError
 
@@ -99,8 +99,7 @@ class ContextParallel:
         mask = None
         if causal:
             local = q.shape[2]
-            keys = torch.cat([positions(local, j, self.size, q.device)
-                              for j in range(self.size)])
+            keys = every_position(local, self.size, q.device)
             mask = keys[None, :] <= self.positions(local, q.device)[:, None]
         k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -115,8 +114,7 @@ class ContextParallel:
                                   "or \"allgather\"")
         q, k, v = (all_to_all(t, self.group, split=1, cat=2) for t in (q, k, v))
         local = q.shape[2] // self.size  # the sequence in rank order, each rank's tokens
-        order = torch.cat([positions(local, j, self.size, q.device)
-                           for j in range(self.size)]).argsort()
+        order = every_position(local, self.size, q.device).argsort()
         back = order.argsort()
         q, k, v = (t[:, :, order] for t in (q, k, v))
         out = _sdpa(q, k, v, causal, scale)[:, :, back]

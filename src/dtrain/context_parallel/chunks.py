@@ -57,3 +57,10 @@ def positions(local: int, rank: int, size: int,
     first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     mirror = 2 * size - 1 - rank
     return torch.cat((first, torch.arange(mirror * chunk, (mirror + 1) * chunk, device=device)))
+
+
+def every_position(local: int, size: int,
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """The global positions of every rank's `local` tokens, in rank order (the sequence as
+    an all-gather over the group lays it out)."""
+    return torch.cat([positions(local, rank, size, device) for rank in range(size)])

@@ -51,24 +51,24 @@ def replica_ranks(mesh: Mesh) -> tuple[GroupLike, tuple[int, int]]:
     """The ranks that hold the same parameters and average their gradients: dp, and with
     context parallelism dp x cp (the model is replicated over cp too); the group, and this
     rank's (index, count) among them (which share of a replicated tensor it writes)."""
-    cp = mesh.size("cp")
-    if cp == 1:
-        return mesh.group("dp"), (mesh.coords["dp"], mesh.size("dp"))
-    return (mesh.group("dp", "cp"),
-            (mesh.coords["dp"] * cp + mesh.coords["cp"], mesh.size("dp") * cp))
+    return _with_cp(mesh, "dp")
 
 
 def expert_ranks(mesh: Mesh) -> tuple[GroupLike, tuple[int, int]]:
     """Under expert parallelism, the ranks holding the same experts as this one (over which
     their gradients average): edp, and with context parallelism edp x cp; the group, and
     this rank's (index, count) among them (None, and (0, 1), without ep)."""
-    if mesh.size("ep") == 1:
-        return None, (0, 1)
+    return (None, (0, 1)) if mesh.size("ep") == 1 else _with_cp(mesh, "edp")
+
+
+def _with_cp(mesh: Mesh, axis: str) -> tuple[GroupLike, tuple[int, int]]:
+    """The ranks along `axis` and, under context parallelism, cp: their group and this
+    rank's (index, count) among them."""
     cp = mesh.size("cp")
     if cp == 1:
-        return mesh.group("edp"), (mesh.coords["edp"], mesh.size("edp"))
-    return (mesh.group("edp", "cp"),
-            (mesh.coords["edp"] * cp + mesh.coords["cp"], mesh.size("edp") * cp))
+        return mesh.group(axis), (mesh.coords[axis], mesh.size(axis))
+    return (mesh.group(axis, "cp"),
+            (mesh.coords[axis] * cp + mesh.coords["cp"], mesh.size(axis) * cp))
 
 
 @dataclass
