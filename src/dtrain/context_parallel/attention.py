@@ -176,17 +176,23 @@ def _fused(device_type: str, dtype: torch.dtype) -> bool:
             and all(hasattr(torch.ops.aten, k) for k in kernels))
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """q k^T * scale, the upper triangle -inf when `causal` (the plain formulas)."""
+    s = q @ k.transpose(-2, -1) * scale
+    if not causal:
+        return s
+    return s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
+                         float("-inf"))
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
              fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention output and log-sum-exp per query (k and v have q's heads)."""
     if fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
-        return out, lse.to(q.dtype)
-    s = q @ k.transpose(-2, -1) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
-                          float("-inf"))
+        return out, lse
+    s = _scores(q, k, causal, scale)
     lse = s.logsumexp(-1)
     return torch.exp(s - lse[..., None]) @ v, lse
 
@@ -198,13 +204,8 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     and log-sum-exp for these queries (so each block's probabilities are final ones)."""
     if fused:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.float() if q.dtype != torch.float64 else lse, 0.0, causal,
-            scale=scale)
-    s = q @ k.transpose(-2, -1) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
-                          float("-inf"))
-    p = torch.exp(s - lse[..., None])
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
     ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
 
