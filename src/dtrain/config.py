@@ -108,6 +108,13 @@ class TrainConfig:
     """Held-out batches per evaluation."""
     out_dir: str = "runs/default"
     """Where the resolved config, checkpoints and (by default) nothing else are written."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (regional compilation: the
+    layouts' collectives and hooks stay outside the compiled regions), in every layout;
+    compiled code is cached under out_dir/compile_cache, so a restart does not pay again."""
+    float8: str = "none"
+    """Train the blocks' Linear layers in FP8 with torchao (tensorwise or rowwise scaling)
+    on GPUs that have it (compute capability 8.9 and later); refused elsewhere."""
 
 
 @dataclass
@@ -279,6 +286,18 @@ class LoggingConfig:
     timeline: str = ""
     """Path of a Chrome-trace JSON timeline of every rank's steps, data loading, forward,
     backward, optimizer and collectives (dtrain.timeline; open it in ui.perfetto.dev)."""
+    tensorboard: bool = False
+    """Write TensorBoard event files under out_dir/tensorboard (loss, held-out loss, lr,
+    gradient norm, tokens/s, MFU, memory, MoE load); needs dtrain[tensorboard]."""
+    wandb: str = "off"
+    """Log the same to Weights & Biases: off, offline (a run folder under out_dir/wandb to
+    sync later) or online (needs a key; without one the run falls back to offline with one
+    line); needs dtrain[wandb]."""
+    wandb_project: str = "dtrain"
+    """The Weights & Biases project the run is logged to."""
+    peak_tflops: float = 0.0
+    """The peak dense TFLOP/s per rank that MFU divides by; 0: the GPU's datasheet figure,
+    or on a CPU a short calibration matmul at start (cached)."""
 
 
 @dataclass
@@ -321,6 +340,8 @@ CHOICES = {
     "memory.activation_checkpointing": ("none", "full", "selective"),
     "model.router": ROUTERS,
     "parallel.cp_method": CP_METHODS,
+    "train.float8": ("none", "tensorwise", "rowwise"),
+    "logging.wandb": ("off", "offline", "online"),
 }
 POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "data.max_bytes", "train.steps", "train.batch_size", "train.grad_accum",
@@ -337,7 +358,7 @@ NON_NEGATIVE = {"model.dropout", "model.vocab_size", "model.n_kv_head", "model.f
                 "train.eval_every", "parallel.dp", "checkpoint.every", "logging.sample_tokens",
                 "ps.staleness", "ps.snapshot_every", "sync.replicas", "model.head_dim",
                 "model.n_experts", "model.n_shared_experts", "model.moe_inter_size",
-                "model.aux_loss_weight", "model.capacity_factor"}
+                "model.aux_loss_weight", "model.capacity_factor", "logging.peak_tflops"}
 MOVED = {
     "parallel.backend": "comm.backend",
     "parallel.bucket_mb": "comm.bucket_mb",

@@ -76,6 +76,7 @@ class ContextParallel:
         """The global positions of this rank's `local` tokens."""
         return positions(local, self.rank, self.size, device)
 
+    @torch.compiler.disable
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   causal: bool = True, scale: float | None = None) -> torch.Tensor:
         """softmax(q k^T * scale) v over the whole sequence for this rank's queries

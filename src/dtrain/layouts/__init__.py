@@ -18,6 +18,8 @@ dp wraps the model or each piece in DataParallel or ZeRO over the remaining axis
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torch import nn
 
 from dtrain.checkpoint.universal import Checkpoint
@@ -31,7 +33,7 @@ from dtrain.layouts.pipeline import Pipelined
 from dtrain.layouts.synced import Synced
 from dtrain.layouts.zero import Sharded
 from dtrain.mesh import Mesh
-from dtrain.models import context, init, moe, recompute
+from dtrain.models import compiled, context, init, moe, recompute
 from dtrain.models.weights import SlicedWeights
 from dtrain.parallel.averaging import Averaging
 from dtrain.parallel.sync.diloco import DiLoCo
@@ -94,6 +96,8 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
         split_model(model, mesh.group("tp"), config.model.tp_plan)
     if layout.ep > 1:  # each rank keeps its E / ep experts of every MoE layer
         moe.expert_parallel(model, mesh.group("ep"), mesh.coords["ep"], layout.ep)
+    if config.train.compile:  # each block on its own; recomputation then wraps it
+        compiled.compile_blocks(model, cache_dir=Path(config.train.out_dir) / "compile_cache")
     recomputed = recompute.apply(model, config.memory)  # split layers, before pp cuts blocks
     kind = kind_of(layout)
     if skeleton and kind in ("dp", "ps"):  # these hold their (tp blocks of the) model whole

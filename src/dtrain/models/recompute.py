@@ -34,13 +34,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dtrain.errors import ConfigError
-from dtrain.models.stages import AttentionCore, Stages
+from dtrain.models.stages import AttentionCore, block_lists
 
 HF_ATTENTION = "dtrain_recomputed_sdpa"
 """The name under which transformers' SDPA attention, recomputed, is registered."""
 
 _ORIGINAL = "_recompute_original_forward"  # the instance attribute holding the forward
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called: their elements are
+_FULL_FIX = ("memory.activation_checkpointing = \"full\"", "list the modules to recompute in "
+             "[memory] checkpoint_modules")
 
 
 class Mode(enum.Enum):
@@ -99,7 +101,8 @@ def activation_checkpointing(model: nn.Module, mode: str | Mode) -> list[str]:
     if mode is Mode.NONE:
         return []
     if mode is Mode.FULL:
-        return checkpoint_modules(model, [f"{name}.*" for name in _block_lists(model)])
+        return checkpoint_modules(model, [f"{name}.*" for name in
+                                          block_lists(model, _FULL_FIX)])
     cores = [name for name, m in model.named_modules() if isinstance(m, AttentionCore)]
     if cores:
         return checkpoint_modules(model, cores)
@@ -223,22 +226,6 @@ def _no_match(pattern: str, matched: list[str], modules: dict[str, nn.Module]) -
 
 
 # ----------------------------------------------------------------------- modes
-def _block_lists(model: nn.Module) -> list[str]:
-    """The names of the nn.ModuleLists holding `model`'s transformer blocks."""
-    if isinstance(model, Stages):
-        try:
-            return [model.stage_parts()[1]]
-        except ConfigError:  # a model the pipeline cannot cut: its lists, as any model's
-            pass
-    lists = [name for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) and name]
-    if not lists:
-        raise ConfigError(f"memory.activation_checkpointing = \"full\": "
-                          f"{type(model).__name__} keeps no blocks in an nn.ModuleList: list "
-                          "the modules to recompute in [memory] checkpoint_modules")
-    return lists
-
-
 def _recomputed_sdpa(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
     """transformers' SDPA attention function (`sdpa_attention_forward`, called as every
     model's attention calls it: module, query, key, value, mask, keywords) with its

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.context_parallel import ContextParallel, positions_of
-from dtrain.errors import DtrainError
+from dtrain.errors import ConfigError, DtrainError
 
 # torch 2.5 and later attend grouped queries to their key/value head without copies.
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -119,3 +119,25 @@ class AttentionCore(nn.Module):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         gqa = {"enable_gqa": True} if group > 1 and _SDPA_GQA else {}
         return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True, **gqa)
+
+
+def block_lists(model: nn.Module, asked: tuple[str, str]) -> list[str]:
+    """The names of the nn.ModuleLists holding `model`'s transformer blocks: the one
+    `model.stage_parts()` names for a `Stages` model, else every non-empty nn.ModuleList.
+    `asked` is (what needs the blocks, what to do instead) for the error.
+
+    Raises:
+        ConfigError: the model keeps no blocks in an nn.ModuleList.
+    """
+    if isinstance(model, Stages):
+        try:
+            return [model.stage_parts()[1]]
+        except ConfigError:  # a model the pipeline cannot cut: its lists, as any model's
+            pass
+    lists = [name for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) and name]
+    if not lists:
+        what, instead = asked
+        raise ConfigError(f"{what}: {type(model).__name__} keeps no blocks in an "
+                          f"nn.ModuleList: {instead}")
+    return lists

@@ -24,7 +24,9 @@ An all-gather and a reduce-scatter move what one all-reduce moves, so the commun
 is the same; the norms, dropouts and residuals in between hold 1/tp of the activations.
 
 Every function takes the tensor-parallel `group` (a dtrain Group) and an `algorithm` for
-dtrain.comm; a group of one is the identity.
+dtrain.comm; a group of one is the identity. Each is a graph break for torch.compile
+(`torch.compiler.disable`): a compiled block (dtrain.models.compiled) runs its collectives
+eagerly between compiled regions, which every block of the model shares.
 """
 
 from __future__ import annotations
@@ -168,22 +170,26 @@ def _divides(x: torch.Tensor, dim: int, group: comm.Group, what: str) -> None:
         raise ValueError(f"{what} {x.shape[dim]} does not divide into {group.size} ranks")
 
 
+@torch.compiler.disable
 def copy_to_group(x: torch.Tensor, group: comm.Group, algorithm: str = "auto") -> torch.Tensor:
     """`f`: identity forward, gradient summed across `group` backward."""
     return x if group.size == 1 else CopyToGroup.apply(x, group, algorithm)
 
 
+@torch.compiler.disable
 def reduce_from_group(x: torch.Tensor, group: comm.Group,
                       algorithm: str = "auto") -> torch.Tensor:
     """`g`: summed across `group` forward, gradient passed through backward."""
     return x if group.size == 1 else ReduceFromGroup.apply(x, group, algorithm)
 
 
+@torch.compiler.disable
 def gather_last(x: torch.Tensor, group: comm.Group, algorithm: str = "auto") -> torch.Tensor:
     """The whole tensor from every rank's block of the last dimension (differentiable)."""
     return x if group.size == 1 else Gather.apply(x, -1, group, algorithm)
 
 
+@torch.compiler.disable
 def scatter_last(x: torch.Tensor, group: comm.Group, algorithm: str = "auto") -> torch.Tensor:
     """This rank's block of the last dimension, which must divide by the group size
     (differentiable)."""
@@ -193,12 +199,14 @@ def scatter_last(x: torch.Tensor, group: comm.Group, algorithm: str = "auto") ->
     return Scatter.apply(x, -1, group, algorithm)
 
 
+@torch.compiler.disable
 def gather_sequence(x: torch.Tensor, group: comm.Group, algorithm: str = "auto") -> torch.Tensor:
     """The whole sequence from every rank's part of dimension 1; the gradient is summed
     over `group` and cut back to this rank's part (differentiable)."""
     return x if group.size == 1 else GatherSequence.apply(x, group, algorithm)
 
 
+@torch.compiler.disable
 def reduce_scatter_sequence(x: torch.Tensor, group: comm.Group,
                             algorithm: str = "auto") -> torch.Tensor:
     """This rank's part of dimension 1 of the sum of `x` over `group`; the gradient is
@@ -206,6 +214,7 @@ def reduce_scatter_sequence(x: torch.Tensor, group: comm.Group,
     return x if group.size == 1 else ReduceScatterSequence.apply(x, group, algorithm)
 
 
+@torch.compiler.disable
 def scatter_sequence(x: torch.Tensor, group: comm.Group, algorithm: str = "auto") -> torch.Tensor:
     """This rank's part of dimension 1, which must divide by the group size; the gradient
     is gathered whole (differentiable)."""
@@ -231,6 +240,7 @@ class SequenceGather:
         self.group, self.algorithm = group, algorithm
         self._last: tuple[weakref.ref, tuple[int, bool], torch.Tensor] | None = None
 
+    @torch.compiler.disable
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_inference():  # no version counter to tell a change by
             return gather_sequence(x, self.group, self.algorithm)

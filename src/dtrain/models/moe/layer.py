@@ -153,6 +153,7 @@ class MoE(nn.Module):
             setattr(self.experts, name, nn.Parameter(part, requires_grad=whole.requires_grad))
         self.ep_group, self.ep_rank, self.ep_size = group, rank, size
 
+    @torch.compiler.disable  # data-dependent shapes: eager between a block's compiled parts
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, dim = x.shape
         flat = x.reshape(-1, dim)

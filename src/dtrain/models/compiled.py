@@ -1,0 +1,98 @@
+"""Regional compilation: each transformer block compiled on its own with torch.compile.
+
+    compile_blocks(model)                 # every block of dtrain's GPT, Llama, an HF model
+    compile_blocks(model, backend="aot_eager")   # traced, not code-generated (debugging)
+
+The blocks of a language model are the same code with different weights, so the compiler
+traces one block, generates its kernels once, and every other block reuses them: the cost
+of compiling is one block's, not the whole model's (torchtitan compiles the same way). The
+block's forward is replaced on the instance, as recomputation does (dtrain.models.recompute),
+and never the module's call: the hooks that layouts put on a block stay outside the
+compiled region and run eagerly. ZeRO-3 gathers a block's parameters in a forward pre-hook
+and frees them after; DataParallel's and ZeRO's gradient hooks fire when the compiled
+backward has produced the block's gradients, so their communication still overlaps the
+backward of the blocks before. Module names, and so checkpoints and plans, are unchanged.
+
+What the compiler cannot trace (a collective inside tensor or context parallelism's
+autograd functions, a MoE layer's data-dependent routing) is a graph break: that call runs
+eagerly between two compiled regions, with the same result. Recomputation wraps a compiled
+block's forward (compile first, then `dtrain.models.recompute`): backward runs the compiled
+forward again.
+
+Compiled kernels are cached on disk (`cache_dir`), so a restart of the same job loads them
+instead of generating them again.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.models.stages import block_lists
+
+_COMPILED = "_dtrain_compiled_forward"  # instance attribute: the forward before compiling
+_BLOCKS_FIX = ("train.compile", "compile its blocks with torch.compile yourself, or keep "
+               "them in an nn.ModuleList")
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+"""Where inductor keeps its compiled kernels (and the FX graph cache under it)."""
+
+
+def compile_blocks(model: nn.Module, backend: str = "inductor",
+                   cache_dir: str | Path | None = None) -> list[str]:
+    """Compile each transformer block of `model` on its own (the blocks `model.stage_parts()`
+    names for a `Stages` model, else every element of every nn.ModuleList): its forward is
+    replaced on the instance by the compiled one. Applying it again changes nothing.
+
+    `cache_dir`, if given and no cache is chosen already (env TORCHINDUCTOR_CACHE_DIR),
+    is where compiled kernels are kept between runs. Returns the names of the blocks.
+
+    Raises:
+        ConfigError: the model keeps no blocks in an nn.ModuleList.
+    """
+    if cache_dir is not None and CACHE_ENV not in os.environ:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        os.environ[CACHE_ENV] = str(Path(cache_dir).resolve())
+    names = []
+    for list_name in block_lists(model, _BLOCKS_FIX):
+        for index, block in enumerate(model.get_submodule(list_name)):
+            names.append(f"{list_name}.{index}")
+            if not is_compiled(block):
+                forward = block.forward.__func__  # the function, taking the block first
+                setattr(block, _COMPILED, forward)
+                block.forward = types.MethodType(_compiled(forward, backend), block)
+    return names
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether `compile_blocks` compiled `module`'s forward."""
+    return _COMPILED in vars(module)
+
+
+_SHARED: dict[tuple[Callable[..., Any], str], Callable[..., Any]] = {}
+
+
+def _compiled(forward: Callable[..., Any], backend: str) -> Callable[..., Any]:
+    """`forward` (a function taking the block first) compiled: one compiled function for
+    every block of a kind, so that they share its traced graphs and kernels. A deep copy of
+    the model binds it to the copy, as it binds the class's forward."""
+    key = (forward, backend)
+    if key not in _SHARED:
+        _SHARED[key] = torch.compile(forward, backend=backend)
+    return _SHARED[key]
+
+
+def compile_stats() -> dict[str, float]:
+    """What dynamo did in this process so far: frames compiled (`frames`; a recompilation
+    counts again), graph breaks (`breaks`) and seconds spent compiling (`seconds`). A
+    steady run compiles nothing more after its first step."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {"frames": counters["frames"].get("ok", 0),
+            "breaks": sum(counters["graph_break"].values()),
+            "seconds": sum(compilation_time_metrics.get("_compile.compile_inner", ()))}
