@@ -25,6 +25,7 @@ from dtrain.comm.collectives import (
     scatter,
     send,
     traffic,
+    waited,
 )
 from dtrain.comm.debug import CollectiveMismatch
 from dtrain.comm.group import CollectiveTimeout, Group
@@ -36,5 +37,5 @@ __all__ = [
     "AVAILABLE", "CollectiveMismatch", "CollectiveTimeout", "Group", "GroupLike", "ReduceOp",
     "all_gather",
     "all_reduce", "all_to_all", "barrier", "broadcast", "explain", "gather", "recv", "reduce",
-    "reduce_scatter", "resolve", "scatter", "send", "shard_sizes", "traffic", "wrap",
+    "reduce_scatter", "resolve", "scatter", "send", "shard_sizes", "traffic", "waited", "wrap",
 ]

@@ -14,6 +14,8 @@ longer (`dtrain.comm.shard_sizes`), so any length works.
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +33,16 @@ _TIMED = sys.modules[__name__]  # the calls auto's first choice times: these (dt
 
 
 PER_RANK_INPUT = ("all_gather", "gather")  # the whole buffer is size x the input
+
+_waits = threading.local()  # per thread: the in-process backend runs one rank per thread
+
+
+def waited() -> float:
+    """Seconds the calling thread (a rank) has spent blocked in collectives' `wait()`, all
+    groups together, since it started: the time it spent waiting for its peers, which a
+    step's time less this leaves out (dtrain.train.speed finds the slow rank by it). A
+    GPU's collectives block the device, not the host, so there it is what the host waited."""
+    return getattr(_waits, "seconds", 0.0)
 
 
 def traffic(group: GroupLike = None, reset: bool = False) -> dict[str, int]:
@@ -54,7 +66,9 @@ class Result:
         self._span = span  # its timeline span (dtrain.timeline), ended when it completes
 
     def wait(self) -> torch.Tensor | None:
+        begin = time.perf_counter()
         debug.wait_or_diagnose(self._handle, self._g, self._what, self._seq)
+        _waits.seconds = waited() + time.perf_counter() - begin
         if self._span is not None:
             self._span.end()
             self._span = None

@@ -49,13 +49,14 @@ def compile_blocks(model: nn.Module, backend: str = "inductor",
     names for a `Stages` model, else every element of every nn.ModuleList): its forward is
     replaced on the instance by the compiled one. Applying it again changes nothing.
 
-    `cache_dir`, if given and no cache is chosen already (env TORCHINDUCTOR_CACHE_DIR),
-    is where compiled kernels are kept between runs. Returns the names of the blocks.
+    `cache_dir`, if given and no cache is chosen already (env TORCHINDUCTOR_CACHE_DIR
+    naming another folder than inductor's default), is where compiled kernels are kept
+    between runs. Returns the names of the blocks.
 
     Raises:
         ConfigError: the model keeps no blocks in an nn.ModuleList.
     """
-    if cache_dir is not None and CACHE_ENV not in os.environ:
+    if cache_dir is not None and not _cache_chosen():
         Path(cache_dir).mkdir(parents=True, exist_ok=True)
         os.environ[CACHE_ENV] = str(Path(cache_dir).resolve())
     names = []
@@ -67,6 +68,16 @@ def compile_blocks(model: nn.Module, backend: str = "inductor",
                 setattr(block, _COMPILED, forward)
                 block.forward = types.MethodType(_compiled(forward, backend), block)
     return names
+
+
+def _cache_chosen() -> bool:
+    """Whether someone chose inductor's cache: the environment names one other than the
+    default, which inductor writes into the environment itself when it first looks."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get(CACHE_ENV)
+    return chosen is not None and os.path.abspath(chosen) != os.path.abspath(
+        default_cache_dir())
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -89,10 +100,22 @@ def _compiled(forward: Callable[..., Any], backend: str) -> Callable[..., Any]:
 
 def compile_stats() -> dict[str, float]:
     """What dynamo did in this process so far: frames compiled (`frames`; a recompilation
-    counts again), graph breaks (`breaks`) and seconds spent compiling (`seconds`). A
-    steady run compiles nothing more after its first step."""
+    counts again), graph breaks (`breaks`), seconds spent compiling (`seconds`), and graphs
+    whose kernels came from the on-disk cache instead of code generation (`cached`:
+    inductor's FX graph cache hits). A steady run compiles nothing more after its first
+    step."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     return {"frames": counters["frames"].get("ok", 0),
             "breaks": sum(counters["graph_break"].values()),
-            "seconds": sum(compilation_time_metrics.get("_compile.compile_inner", ()))}
+            "seconds": sum(compilation_time_metrics.get("_compile.compile_inner", ())),
+            "cached": counters["inductor"].get("fxgraph_cache_hit", 0)}
+
+
+def report(stats: dict[str, float]) -> str:
+    """The progress line for `compile_stats()` after a run's first step."""
+    graphs = int(stats["frames"])
+    cached = f" ({int(stats['cached'])} from the cache)" if stats["cached"] else ""
+    return (f"compile: {stats['seconds']:.1f} s in the first step; {graphs} "
+            f"graph{'s' if graphs != 1 else ''}{cached}, {int(stats['breaks'])} graph breaks; "
+            f"kernels cached in {os.environ.get(CACHE_ENV, 'the default cache')}")

@@ -9,6 +9,7 @@ from dtrain.data import open_data, vocab_of
 from dtrain.models import init, recompute
 from dtrain.tensor_parallel.parallelize import matches
 from dtrain.tensor_parallel.plan_of import check_sequence_parallel, plan_of
+from dtrain.train.sinks import check_dependencies
 
 
 def check_job(config: Config) -> None:
@@ -18,8 +19,10 @@ def check_job(config: Config) -> None:
     Raises:
         ConfigError: the data, the tokenizer, the model's arch, preset, Hugging Face
             config or factory, their vocabularies, the tensor-parallel plan, sequence
-            parallelism or the modules to recompute do not fit.
+            parallelism or the modules to recompute do not fit; TensorBoard or W&B asked
+            for and not installed.
     """
+    check_dependencies(config.logging)
     dc = config.data
     if dc.path:  # the stdlib default is known good; a user's corpus is read once here
         vocab = open_data(dc.path, dc.format, dc.tokenizer, dc.max_bytes, dc.val_fraction,

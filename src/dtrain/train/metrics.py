@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -14,6 +15,18 @@ from tqdm import tqdm
 def _clock(seconds: float) -> str:
     minutes, seconds = divmod(int(seconds), 60)
     return f"{minutes}:{seconds:02d}"
+
+
+def _speed(figures: Mapping[str, float | int]) -> str:
+    """`  0.41 TFLOP/s  MFU 12.3%  mem 1.21 GiB` of the figures there are."""
+    text = ""
+    if "tflops" in figures:
+        text += f"  {figures['tflops']:.3g} TFLOP/s"
+    if "mfu" in figures:
+        text += f"  MFU {figures['mfu']:.1%}"
+    if "peak_memory_gib" in figures:
+        text += f"  mem {figures['peak_memory_gib']:.2f} GiB"
+    return text
 
 
 class Progress:
@@ -34,17 +47,25 @@ class Progress:
         if enabled and self.stream.isatty():
             self.bar = tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=True)
 
-    def step(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def step(self, step: int, loss: float, tokens_per_s: float,
+             speed: Mapping[str, float | int] | None = None) -> None:
+        """Show `step`'s loss and speed: tokens/s and, from dtrain.train.speed's figures,
+        TFLOP/s per rank, MFU and peak memory."""
         if not self.enabled:
             return
+        speed = speed or {}
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+            shown = {"loss": f"{loss:.4f}", "tok_s": f"{tokens_per_s:,.0f}"}
+            if "mfu" in speed:
+                shown["mfu"] = f"{speed['mfu']:.1%}"
+            self.bar.set_postfix(shown)
         elif step % self.log_every == 0 or step == self.total:
             elapsed = time.perf_counter() - self.start
             eta = elapsed / step * (self.total - step)
             self.write(f"step {step:>5}/{self.total}  loss {loss:.4f}  "
-                       f"{tokens_per_s:,.0f} tok/s  elapsed {_clock(elapsed)}  eta {_clock(eta)}")
+                       f"{tokens_per_s:,.0f} tok/s{_speed(speed)}  "
+                       f"elapsed {_clock(elapsed)}  eta {_clock(eta)}")
 
     def write(self, line: str) -> None:
         """Print a line without breaking the bar."""

@@ -48,11 +48,14 @@ from dtrain.ft.membership import Fixed, Membership, RunOver
 from dtrain.layouts import Holding
 from dtrain.layouts.held import replica_ranks
 from dtrain.mesh import Mesh
-from dtrain.models import init, moe
+from dtrain.models import compiled, init, moe
 from dtrain.models.config import ModelConfig
 from dtrain.models.generate import generate
 from dtrain.models.weights import weights_of
-from dtrain.train.metrics import MetricsLog, Progress
+from dtrain.train import hardware
+from dtrain.train.metrics import Progress
+from dtrain.train.sinks import open_sinks
+from dtrain.train.speed import StepSpeed, flops_per_token
 
 
 def lr_factor(step: int, total: int, cfg: OptimizerConfig) -> float:
@@ -179,10 +182,18 @@ class Trainer:
 
         self.main = world.is_main and members.first
         self.progress = Progress(tc.steps, config.logging.log_every, enabled=self.main)
-        self.metrics = MetricsLog(
-            metrics_path or config.logging.metrics, enabled=world.is_main,
+        self.metrics = open_sinks(  # the JSON-lines file, TensorBoard, W&B (dtrain.train.sinks)
+            config, metrics_path, enabled=world.is_main,
             resumed=(self.resume is not None and not config.checkpoint.resume)
-            or members.joined_late)
+            or members.joined_late, say=self.progress.write)
+        peak = hardware.peak_of(config.logging.peak_tflops, world.device) if world.is_main \
+            else hardware.Peak(0.0, "rank 0 reports")
+        self.speed = StepSpeed(flops_per_token(self.shape, self.n_params), peak,
+                               ranks=world.world_size * (members.replicas if live else 1),
+                               device=world.device, group=None,
+                               gather=self.layout.mode != "ps",  # asynchronous workers
+                               every=config.logging.log_every)
+        self.grad_norm: float | None = None  # the last step's, when clipping is on
         tokenizer_file = self.data.tokenizer.path and str(Path(self.data.tokenizer.path).resolve())
         self.described = {"model": dataclasses.asdict(self.shape), "tokenizer": tokenizer_file,
                           **model_meta(self.model)}
@@ -207,6 +218,7 @@ class Trainer:
             self.progress.write(f"dtrain: {world.describe()}")
         if self.note:
             self.progress.write(self.note)
+        self.progress.write(self.speed.describe())
         if self.resume is not None:
             self.progress.write(f"resumed from {self.resume.path} (step {self.start})")
         elif self.weights is not None:
@@ -232,17 +244,26 @@ class Trainer:
             step = at
             faults.at("step", step)
             begin = time.perf_counter()
+            self.speed.begin()
             with timeline.span("step", "step", step=step):
                 step_loss = self.step()
             elapsed = time.perf_counter() - begin
+            if step == self.start + 1 and config.train.compile:  # once, what compiling took
+                self.progress.write(compiled.report(compiled.compile_stats()))
             self.losses.append(step_loss)
-            self.progress.step(step, step_loss, tokens_per_step / elapsed)
+            figures, straggler = self.speed.measure(step, elapsed, tokens_per_step / elapsed)
+            self.progress.step(step, step_loss, tokens_per_step / elapsed, figures)
+            if straggler:
+                self.progress.write(straggler)
             if self.membership.writes():
-                self.metrics.write({"step": step, "time": time.time(), "loss": step_loss,
-                                    "lr": self.schedulers[0].get_last_lr()[0],
-                                    "step_time_s": elapsed,
-                                    "tokens_per_s": tokens_per_step / elapsed,
-                                    **self.membership.step_metrics(), **self._moe_metrics()})
+                clipped = {} if self.grad_norm is None else {"grad_norm": self.grad_norm}
+                self.metrics.record(step, {"time": time.time(), "loss": step_loss,
+                                           "lr": self.schedulers[0].get_last_lr()[0],
+                                           "step_time_s": elapsed,
+                                           "tokens_per_s": tokens_per_step / elapsed,
+                                           **figures, **clipped,
+                                           **self.membership.step_metrics(),
+                                           **self._moe_metrics()})
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                 self.evaluate(step)
             every = config.checkpoint.every
@@ -280,7 +301,7 @@ class Trainer:
         loss = held.forward_backward(data)
         with timeline.span("optimizer", "optimizer"):
             if self.config.optimizer.grad_clip > 0:
-                held.clip_grad_norm_(self.config.optimizer.grad_clip)
+                self.grad_norm = held.clip_grad_norm_(self.config.optimizer.grad_clip)
             if self.membership.applies_step():  # a dropped replica is sent the state anew
                 held.step()
                 for scheduler in self.schedulers:
@@ -308,7 +329,7 @@ class Trainer:
         self.eval_losses.append((step, loss))
         self.progress.write(f"step {step:>5}: held-out loss {loss:.4f}")
         if self.membership.writes():
-            self.metrics.write({"step": step, "eval_loss": loss})
+            self.metrics.record(step, {"eval_loss": loss})
 
     def save(self, step: int, background: bool = False) -> Path | PendingSave:
         """The checkpoint of `step`: its folder, or in the background (training goes on
