@@ -46,6 +46,8 @@ from dtrain.errors import ConfigError
 from dtrain.job_layout import Layout, resolve_layout
 from dtrain.models import presets as models_presets
 from dtrain.models.config import ARCHS, ModelConfig, check_moe, check_shape, with_preset
+from dtrain.models.float8 import RECIPES as FLOAT8_RECIPES
+from dtrain.models.float8 import check_tensor_parallel as check_float8_tp
 from dtrain.models.hf import ROTARY_FAMILY, hf_config_dict, hf_experts
 from dtrain.models.llama import moe_config
 from dtrain.models.moe.router import ROUTERS
@@ -340,7 +342,7 @@ CHOICES = {
     "memory.activation_checkpointing": ("none", "full", "selective"),
     "model.router": ROUTERS,
     "parallel.cp_method": CP_METHODS,
-    "train.float8": ("none", "tensorwise", "rowwise"),
+    "train.float8": ("none", *FLOAT8_RECIPES),
     "logging.wandb": ("off", "offline", "online"),
 }
 POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
@@ -467,6 +469,8 @@ def _validate(config: Config) -> None:
                           "not supported (its loss scaling is per ZeRO group): use \"bf16\"")
     if p.pp > 1:
         _validate_pipeline(config)
+    if config.train.float8 != "none":
+        check_float8_tp(p.tp)
     if p.mode == "ps" and (p.tp > 1 or p.pp > 1 or p.zero or p.dp):
         raise ConfigError("parallel.mode = \"ps\" trains whole replicas on the workers: "
                           "leave parallel.tp, pp, zero and dp at their defaults")

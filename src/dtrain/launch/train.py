@@ -14,7 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from dtrain.config import layout_of, load_config, per_rank_batch
+import torch
+
+from dtrain.config import Config, layout_of, load_config, per_rank_batch
 from dtrain.errors import ConfigError
 from dtrain.ft import env as contract
 
@@ -29,6 +31,10 @@ def train_command(args: argparse.Namespace) -> None:
     if args.resume is not None:
         overrides.append(f"checkpoint.resume={json.dumps(args.resume)}")
     config = load_config(args.config, overrides)
+    if config.train.float8 != "none":  # a machine without FP8 costs no start-up either
+        from dtrain.models.float8 import check_float8
+
+        check_float8(_rank_device(config))
     if args.metrics:
         config.logging.metrics = args.metrics
     if args.timeline:
@@ -105,3 +111,13 @@ def train_command(args: argparse.Namespace) -> None:
         join_timeout=args.join_timeout, raw_local_rank0=True, env=env,
         timeline=config.logging.timeline,
     ))
+
+
+def _rank_device(config: Config) -> torch.device:
+    """The device this machine's ranks will compute on, as dtrain.world.init chooses it: a
+    GPU when their backend is NCCL (`comm.backend`, or env DTRAIN_BACKEND, or NCCL
+    wherever CUDA is available), else the CPU."""
+    backend = config.comm.backend if config.comm.backend != "auto" else contract.BACKEND.get()
+    if backend == "nccl" or (not backend and torch.cuda.is_available()):
+        return torch.device("cuda", 0)
+    return torch.device("cpu")

@@ -33,7 +33,7 @@ from dtrain.layouts.pipeline import Pipelined
 from dtrain.layouts.synced import Synced
 from dtrain.layouts.zero import Sharded
 from dtrain.mesh import Mesh
-from dtrain.models import compiled, context, init, moe, recompute
+from dtrain.models import compiled, context, float8, init, moe, recompute
 from dtrain.models.weights import SlicedWeights
 from dtrain.parallel.averaging import Averaging
 from dtrain.parallel.sync.diloco import DiLoCo
@@ -66,6 +66,8 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
     tp_plan` (dtrain.tensor_parallel.plan_of), with `parallel.sequence_parallel` if set;
     ep > 1 then keeps each rank's share of every MoE layer's experts (whole on each tp
     rank), averaged over the ranks that hold the same experts (mesh group "edp");
+    `train.float8` swaps the blocks' linear layers for FP8 ones (dtrain.models.float8),
+    before `train.compile` compiles the blocks;
     `[memory]` chooses the modules recomputed in backward (dtrain.models.recompute). cp > 1
     runs the model on each rank's chunks of every sequence (dtrain.models.context), its
     gradients averaged over dp x cp.
@@ -83,7 +85,14 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
     synchronized with the others' over `mesh.group("dp_replicate")` every `sync.every` steps
     (dtrain.layouts.synced.Synced around its Holding, dtrain.parallel.sync.diloco), and its own
     checkpoints.
+
+    Raises:
+        ConfigError: `train.float8` where this rank's device has no FP8 (a CPU, a GPU
+            below compute capability 8.9), without torchao, or with tp > 1.
     """
+    if config.train.float8 != "none":  # refused before anything is split or allocated
+        float8.check_tensor_parallel(layout.tp)
+        float8.check_float8(mesh.world.device)
     skeleton = init.is_skeleton(model)
     if skeleton and weights is None:
         weights = init.Initial(model, config.train.seed)  # the whole model's names and rules
@@ -96,13 +105,19 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
         split_model(model, mesh.group("tp"), config.model.tp_plan)
     if layout.ep > 1:  # each rank keeps its E / ep experts of every MoE layer
         moe.expert_parallel(model, mesh.group("ep"), mesh.coords["ep"], layout.ep)
+    fp8_note = ""
+    if config.train.float8 != "none":  # before compiling, as torchao recommends
+        converted = float8.convert_to_float8(model, config.train.float8)
+        fp8_note = float8.describe(converted, float8.float8_layers(model)[1],
+                                   config.train.float8)
     if config.train.compile:  # each block on its own; recomputation then wraps it
         compiled.compile_blocks(model, cache_dir=Path(config.train.out_dir) / "compile_cache")
     recomputed = recompute.apply(model, config.memory)  # split layers, before pp cuts blocks
     kind = kind_of(layout)
     if skeleton and kind in ("dp", "ps"):  # these hold their (tp blocks of the) model whole
         init.allocate(model, mesh.world.device)
-    held = HOLDINGS[kind](model, mesh, layout, config, notes=_notes(config, recomputed),
+    notes = _notes(config, recomputed, fp8_note)
+    held = HOLDINGS[kind](model, mesh, layout, config, notes=notes,
                           **({"averaging": averaging} if averaging else {}))
     if skeleton:
         held.restore(weights)
@@ -123,9 +138,12 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
     return held
 
 
-def _notes(config: Config, recomputed: list[str]) -> tuple[str, ...]:
-    """The banner's words for sequence parallelism and what is recomputed."""
+def _notes(config: Config, recomputed: list[str], fp8: str) -> tuple[str, ...]:
+    """The banner's words for sequence parallelism, FP8 (`fp8`, if on) and what is
+    recomputed."""
     notes = ["sequence parallel"] if config.parallel.sequence_parallel else []
+    if fp8:
+        notes.append(fp8)
     if recomputed:
         mode = config.memory.activation_checkpointing
         what = "modules" if config.memory.checkpoint_modules else \

@@ -13,6 +13,8 @@
         --layout tp=8,pp=8,dp=8 --microbatch 1 --recompute full --virtual-stages 2
     dtrain plan --hardware cluster.toml --nodes 16 --set hardware.inter_gbps=12.5 ...
     dtrain plan ... --tokens 300e9          # days and GPU-hours to train on 300B tokens
+    dtrain plan --hardware h100-80gb --nodes 1 --set model.preset=llama-3-8b \
+        --set model.block_size=8192 --batch 8 --precision fp8   # the linears in FP8
 
 Everything is arithmetic on the model's shape and the hardware's figures
 (dtrain.planner.analytic), so it runs in seconds for any size. docs/choosing-a-layout.md
@@ -34,6 +36,7 @@ from dtrain.planner.analytic.cluster import (
     ZERO_STAGES,
     ClusterEstimate,
     Software,
+    check_precision,
     planned_layout,
 )
 from dtrain.planner.analytic.hardware import Cluster, hardware
@@ -84,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="kernels: flash (no s x s scores kept, norms keep one tensor; "
                        "default) or plain (scores and each norm's input kept, as "
                        "Megatron-LM in 2021)")
+    group.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                       help="the blocks' linear layers: bf16 (default) or fp8 (at the "
+                       "hardware's FP8 rate, scaled from bf16 as torchao's float8 training "
+                       "does: dtrain's [train] float8; attention's core, the head and the "
+                       "rest stay bf16; MFU stays against the bf16 peak)")
     group.add_argument("--tokens", type=float, help="training tokens: adds days and "
                        "GPU-hours to train")
     group.add_argument("--top", type=int, default=15, help="rows of the table (default 15; "
@@ -130,6 +138,8 @@ def check_cluster_flags(args: argparse.Namespace, hw_overrides: dict[str, str]) 
     given += [f"--set hardware.{key}" for key in hw_overrides]
     if args.attention != "flash":
         given.append("--attention")
+    if args.precision != "bf16":
+        given.append("--precision")
     if given:
         raise ConfigError(f"{', '.join(given)} plan a GPU cluster: add --hardware NAME "
                           "(a100-40gb, a100-80gb, h100-80gb, h200 or a TOML file)")
@@ -159,7 +169,8 @@ def cluster_plan(args: argparse.Namespace, config, hw_overrides: dict[str, str])
         raise ConfigError(f"--tokens {args.tokens:g} must be a positive number")
     check_output("--json", args.json)
     flash = args.attention == "flash"
-    soft = Software(flash_attention=flash, lean_norms=flash)
+    soft = Software(flash_attention=flash, lean_norms=flash, float8=args.precision == "fp8")
+    check_precision(hw, soft)
     modes = RECOMPUTE if args.recompute == "auto" else (args.recompute,)
     seq = (False, True) if args.sequence_parallel == "auto" else \
         (args.sequence_parallel == "on",)
@@ -179,6 +190,7 @@ def cluster_plan(args: argparse.Namespace, config, hw_overrides: dict[str, str])
             "hardware": dataclasses.asdict(hw), "nodes": cluster.nodes,
             "gpus_per_node": cluster.gpus_per_node, "gpus": cluster.gpus,
             "global_batch": batch, "seq_len": shape.seq, "attention": args.attention,
+            "precision": args.precision,
             "recommended": best.to_dict() if best else None, "why": why,
             "layouts": [e.to_dict() for e in estimates]}
     if args.tokens is not None and best is not None:
@@ -224,7 +236,8 @@ def _print(info: dict, shown: list[ClusterEstimate], count: int, hw, out=sys.std
           f"{active_text}; "
           f"{info['gpus']} GPUs ({info['nodes']} nodes x {info['gpus_per_node']}); global "
           f"batch {info['global_batch']} x {info['seq_len']} tokens", file=out)
-    print(f"hardware: {hw.describe()}; {info['attention']} attention", file=out)
+    fp8 = "; the blocks' linear layers in fp8" if info["precision"] == "fp8" else ""
+    print(f"hardware: {hw.describe()}; {info['attention']} attention{fp8}", file=out)
     print("memory per GPU: bf16 weights, fp32 gradients and Adam state (ZeRO divides them), "
           "activations of the busiest stage; TFLOP/s counts recomputation, MFU does not",
           file=out)

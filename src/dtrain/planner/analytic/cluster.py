@@ -74,11 +74,26 @@ micro-batch's backward; ZeRO 2 reduce-scatters each micro-batch's gradients behi
 backward; ZeRO 3 gathers the weights for each micro-batch behind its compute; and the
 optimizer step at memory bandwidth (30 bytes per parameter held).
 
+FP8 (`Software.float8`, `dtrain plan --precision fp8`; torchao's float8 training, dtrain's
+`[train] float8`): the blocks' linear layers (attention's projections, the MLP, a MoE
+layer's shared experts) multiply at the hardware's dense FP8 rate (`fp8_tflops`) at the
+same `gemm_efficiency`, their operands one byte each on the roofline, and each operand
+is scaled from bf16 first: read twice (its absolute maximum, then the cast) and written
+in one byte, 5 bytes per element at memory bandwidth (`linear_seconds`; backward, as
+everywhere here, twice forward). Attention's core (the scores and their weighted sum),
+the router and the routed experts (grouped products torchao's float8 linear does not
+convert), the output head, element-wise work and communication stay as in bf16.
+Memory does not change: torchao keeps bf16 weights (and fp32 masters, gradients and
+Adam state) and saves each linear's input for backward in its high precision, casting
+it again in backward (`matmul_with_hp_or_float8_args` saves `input_hp, weight_hp_t`).
+
 Reported: `tflops_per_gpu` counts the FLOPs the GPUs execute, recomputation included
 (Megatron-LM's "achieved TFLOP/s"); `mfu` counts the model's alone (6N + 12·l·h·s per
 token, N the weights that multiply a token: a MoE block's active ones; PaLM's model FLOPs
 utilization, attention's whole s x s products counted, twice what a causal kernel
-computes: at 128K tokens that is 1.4 times the work).
+computes: at 128K tokens that is 1.4 times the work), against the bf16 peak with FP8 too
+(as torchtitan and Megatron-LM report FP8 runs: the same model FLOPs in less time, so an
+FP8 run's MFU may pass what bf16 could reach).
 """
 
 from __future__ import annotations
@@ -87,6 +102,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from dtrain.errors import ConfigError
 from dtrain.job_layout import Layout
 from dtrain.pipeline.schedules import build
 from dtrain.planner.analytic.hardware import Cluster, Hardware
@@ -148,11 +164,26 @@ class Software:
     lean_norms: each LayerNorm/RMSNorm keeps one tensor for backward, its output (which
         the next matrix multiply keeps anyway; the normalized input is (y - β) / γ), not
         also its input (`layer_activations`).
+    float8: the blocks' linear layers multiply in FP8 (`linear_seconds`; the hardware
+        needs an FP8 rate: `check_precision`).
     """
 
     flash_attention: bool = True
     overlap_dp: bool = True
     lean_norms: bool = True
+    float8: bool = False
+
+
+def check_precision(hw: Hardware, soft: Software) -> None:
+    """Refuse to plan FP8 on hardware without an FP8 rate.
+
+    Raises:
+        ConfigError: `soft.float8` and `hw.fp8_tflops` is 0 (an A100).
+    """
+    if soft.float8 and not hw.fp8_tflops:
+        raise ConfigError(f"--precision fp8: {hw.name} has no FP8 tensor cores (they came "
+                          "with compute capability 8.9: H100, H200, L4): use --precision "
+                          "bf16, or give its rate with --set hardware.fp8_tflops=N")
 
 
 @dataclass
@@ -192,6 +223,26 @@ def gemm_seconds(m: float, n: float, k: float, hw: Hardware, count: float = 1) -
     flops = 2 * m * n * k * count
     traffic = 2 * (m * k + k * n + m * n) * count
     return max(flops / (hw.peak_flops * hw.gemm_efficiency), traffic / _bandwidth(hw))
+
+
+FP8_CAST_BYTES = 5
+"""Bytes moved per element to scale a bf16 operand to FP8 dynamically: read for its
+absolute maximum, read again and written in one byte."""
+
+
+def linear_seconds(m: float, n: float, k: float, hw: Hardware, count: float = 1,
+                   float8: bool = False) -> float:
+    """`count` linear layers' forward multiply of (m x k) inputs by (k x n) weights: in
+    bf16 `gemm_seconds`; in FP8 the multiply at the FP8 rate on its roofline (one-byte
+    operands, a bf16 result) plus the scaling of both operands (FP8_CAST_BYTES per
+    element at memory bandwidth)."""
+    if not float8:
+        return gemm_seconds(m, n, k, hw, count)
+    flops = 2 * m * n * k * count
+    traffic = (m * k + k * n + 2 * m * n) * count
+    cast = FP8_CAST_BYTES * (m * k + k * n) * count
+    return max(flops / (hw.fp8_flops * hw.gemm_efficiency), traffic / _bandwidth(hw)) + \
+        cast / _bandwidth(hw)
 
 
 def _bandwidth(hw: Hardware) -> float:
@@ -322,11 +373,13 @@ def _layer_forward(shape: ModelShape, c: PlannedLayout, moe: bool, hw: Hardware,
     s, h, t, b, cp = shape.seq, shape.hidden, c.layout.tp, c.micro_batch, c.layout.cp
     tokens = b * s // cp
     q, kv = shape.attention_width, shape.kv_heads * shape.head_dim
-    linear_s = gemm_seconds(tokens, (q + 2 * kv) / t, h, hw) + gemm_seconds(tokens, h, q / t, hw)
+    fp8 = soft.float8  # the blocks' nn.Linear layers; not the router nor routed experts
+    linear_s = linear_seconds(tokens, (q + 2 * kv) / t, h, hw, float8=fp8) + \
+        linear_seconds(tokens, h, q / t, hw, float8=fp8)
     width = 2 if shape.gated else 1  # gate and up side by side
     if not moe:
-        linear_s += (gemm_seconds(tokens, width * shape.ffn / t, h, hw)
-                     + gemm_seconds(tokens, h, shape.ffn / t, hw))
+        linear_s += (linear_seconds(tokens, width * shape.ffn / t, h, hw, float8=fp8)
+                     + linear_seconds(tokens, h, shape.ffn / t, hw, float8=fp8))
     else:  # the router; E / ep local experts of tokens x k x ep / E rows; the shared ones
         local = shape.experts // c.layout.ep
         rows = tokens * shape.top_k / local
@@ -335,8 +388,8 @@ def _layer_forward(shape: ModelShape, c: PlannedLayout, moe: bool, hw: Hardware,
         linear_s += (gemm_seconds(rows, width * f / t, h, hw, local)
                      + gemm_seconds(rows, h, f / t, hw, local))
         if shared:
-            linear_s += (gemm_seconds(tokens, width * shared / t, h, hw)
-                         + gemm_seconds(tokens, h, shared / t, hw))
+            linear_s += (linear_seconds(tokens, width * shared / t, h, hw, float8=fp8)
+                         + linear_seconds(tokens, h, shared / t, hw, float8=fp8))
     attention_s = attention_seconds(shape, c, hw, soft)
     elementwise = 2 * layer_activations(shape, b, t, c.sequence_parallel, "none",
                                         soft.flash_attention, moe, cp)
@@ -517,6 +570,7 @@ def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
     checked it: `check_layout`; `memory`: its `memory_of`, if the caller has it)."""
     soft = soft or Software()
     hw = cluster.hardware
+    check_precision(hw, soft)
     layout = c.layout
     pp, v = layout.pp, layout.virtual_stages
     m = batch // (layout.dp * c.micro_batch)

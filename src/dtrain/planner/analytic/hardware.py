@@ -7,7 +7,8 @@
 
 A preset's figures are the vendor's datasheet numbers (dense bf16/fp16 tensor-core rate,
 memory, memory bandwidth, NVLink bandwidth per direction; one InfiniBand/RoCE port per
-GPU between nodes, as in DGX and HGX systems) and a few constants that say how much of
+GPU between nodes, as in DGX and HGX systems; the dense FP8 rate where the GPU has FP8
+tensor cores, which `--precision fp8` plans with) and a few constants that say how much of
 them software reaches. Those constants are documented in docs/choosing-a-layout.md:
 
 - `gemm_efficiency`: the share of the peak rate a large bf16 matrix multiply reaches (the
@@ -59,25 +60,34 @@ class Hardware:
     memory_efficiency: float = 0.8
     gemm_efficiency: float = 0.69  # fitted: see the module doc
     reserved: float = 2 * GiB
+    fp8_tflops: float = 0.0  # dense FP8 tensor-core rate; 0: the GPU has no FP8
 
     @property
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
 
+    @property
+    def fp8_flops(self) -> float:
+        return self.fp8_tflops * 1e12
+
     def describe(self) -> str:
-        return (f"{self.name}: {self.peak_tflops:g} TFLOP/s bf16, {self.memory / GiB:.0f} GiB "
+        fp8 = f" ({self.fp8_tflops:g} fp8)" if self.fp8_tflops else ""
+        return (f"{self.name}: {self.peak_tflops:g} TFLOP/s bf16{fp8}, "
+                f"{self.memory / GiB:.0f} GiB "
                 f"at {self.memory_gbps / 1000:.2f} TB/s; NVLink {self.intra_gbps:g} GB/s, "
                 f"network {self.inter_gbps:g} GB/s per GPU")
 
 
 PRESETS: dict[str, Hardware] = {
-    # A100 SXM: 312 TFLOP/s bf16, NVLink 3 (600 GB/s both ways), HDR InfiniBand 200 Gbit/s
+    # A100 SXM: 312 TFLOP/s bf16 (no FP8), NVLink 3 (600 GB/s both ways), HDR InfiniBand
+    # 200 Gbit/s
     "a100-40gb": Hardware("a100-40gb", 312, 40 * GiB, 1555, 300, 25),
     "a100-80gb": Hardware("a100-80gb", 312, 80 * GiB, 2039, 300, 25),
-    # H100 SXM5: 989 TFLOP/s bf16, NVLink 4 (900 GB/s both ways), NDR 400 Gbit/s
-    "h100-80gb": Hardware("h100-80gb", 989, 80 * GiB, 3350, 450, 50),
+    # H100 SXM5: 989 TFLOP/s bf16, 1979 fp8 (dense: the datasheet's 3958 is with sparsity),
+    # NVLink 4 (900 GB/s both ways), NDR 400 Gbit/s
+    "h100-80gb": Hardware("h100-80gb", 989, 80 * GiB, 3350, 450, 50, fp8_tflops=1979),
     # H200 SXM: an H100 with 141 GB of HBM3e at 4.8 TB/s
-    "h200": Hardware("h200", 989, 141 * GiB, 4800, 450, 50),
+    "h200": Hardware("h200", 989, 141 * GiB, 4800, 450, 50, fp8_tflops=1979),
 }
 ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb",
            "h200-141gb": "h200"}
@@ -135,7 +145,8 @@ def _value(key: str, text: str) -> float | int:
             raise ConfigError(f"hardware.gpus_per_node = {text} must be a positive whole "
                               "number")
         return int(value)
-    lowest = 0.0 if key in ("reserved", "intra_latency_us", "inter_latency_us") else 1e-12
+    lowest = 0.0 if key in ("reserved", "intra_latency_us", "inter_latency_us",
+                            "fp8_tflops") else 1e-12
     if not lowest <= value < math.inf or (key.endswith("efficiency") and value > 1):
         raise ConfigError(f"hardware.{key} = {text} is out of range")
     return value
