@@ -210,6 +210,10 @@ CONFIGS = [
     pytest.param(None, ["--set", "train.float8='rowwise'", "--set", "comm.backend='gloo'"],
                  "train.float8 needs a GPU with FP8 tensor cores (compute capability >= 8.9",
                  2, id="float8-on-a-cpu"),
+    pytest.param(None, ["--set", "train.float8='rowwise'", "--set", "comm.backend='gloo'",
+                        "--set", "parallel.nproc=1"],
+                 "train.float8 needs a GPU with FP8 tensor cores (compute capability >= 8.9",
+                 2, id="float8-on-a-cpu-one-process"),
     pytest.param(None, ["--set", "train.float8='tensorwise'", "--set", "parallel.tp=2"],
                  "train.float8 with parallel.tp = 2 is not supported", 2, id="float8-with-tp"),
     pytest.param(None, ["--set", "train.float8='e4m3'"],
@@ -230,8 +234,10 @@ def test_bad_config(cli, tmp_path: Path, toml: str | bytes | None, args: list[st
         config = tmp_path / "c.toml"
         config.write_bytes(toml if isinstance(toml, bytes) else toml.encode())
         args = [str(config), *args]
+    before = set(tmp_path.iterdir())
     returned, line = cli("train", *args)
     assert returned == code and message in line
+    assert set(tmp_path.iterdir()) == before, "a refused run wrote something"
 
 
 # ---------------------------------------------------------------------------------- flags
