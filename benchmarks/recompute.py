@@ -29,9 +29,11 @@ them.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import os
 import platform
+import re
 import statistics
 import time
 
@@ -76,6 +78,35 @@ def memory(model, optimizer, data) -> dict[str, int]:
     return {"kept": kept, "peak": tracker.peak}
 
 
+def saved_by_module(model, data) -> dict[str, int]:
+    """What a forward keeps for backward, by the innermost module that keeps it (block
+    numbers as `*`: "blocks.*.mlp.act"; a tensor kept by several, such as a norm's output
+    read by q, k and v, counts once, for the first): bytes of each storage, parameters
+    left out."""
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    out: dict[str, int] = collections.Counter()
+    inside: list[str] = []
+    handles = []
+    for name, module in model.named_modules():
+        label = re.sub(r"\.\d+(\.|$)", r".*\1", name) or "(the model: logits, loss)"
+        handles.append(module.register_forward_pre_hook(
+            lambda m, a, label=label: inside.append(label)))
+        handles.append(module.register_forward_hook(lambda m, a, o: inside.pop() and None))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            out[inside[-1] if inside else "(the loss)"] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*data)
+    for handle in handles:
+        handle.remove()
+    return dict(out)
+
+
 def time_steps(step, n: int) -> float:
     start = time.perf_counter()
     for _ in range(n):
@@ -99,10 +130,12 @@ def compare(dropout: float, args: argparse.Namespace) -> dict:
     data = batch(args.batch, 128)
     built = {mode: build(dropout, mode) for mode in MODES}
     mem = {mode: memory(*built[mode], data) for mode in MODES}
+    by_module = saved_by_module(built["none"][0], data)
     steps = {mode: step_fn(*built[mode], data) for mode in MODES}
     runs = [alternate(steps, args.rounds, args.steps) for _ in range(args.repeats)]
     runs.sort(key=lambda r: r["full"] / r["none"])
-    return {"dropout": dropout, "memory": mem, "runs": runs, "median": runs[len(runs) // 2]}
+    return {"dropout": dropout, "memory": mem, "runs": runs, "median": runs[len(runs) // 2],
+            "by_module": by_module}
 
 
 def main() -> None:
@@ -177,27 +210,48 @@ def section(results: list[dict], summary: dict, args: argparse.Namespace) -> lis
             lines.append(f"| {mode}: saves at least {saving:.0%} for at most "
                          f"{slowdown - 1:.0%} more | {r['dropout']} | {saved:.0%} | "
                          f"{slower:.2f} | {met} |")
-    plain, dropped = results[0]["memory"], results[-1]["memory"]
-    share = 1 - plain["none"]["kept"] / dropped["none"]["kept"]
-    peak_saved = " and ".join(f"{1 - r['memory']['full']['peak'] / r['memory']['none']['peak']:.0%}"
-                              for r in results)
+    lines += ["", "Where the bytes are: what a forward without recomputation keeps for "
+              "backward, by the module that keeps it (summed over the blocks; a tensor read "
+              "by several modules counts for the first), and what selective recomputes:", "",
+              "| kept by | " + " | ".join(f"dropout {r['dropout']} (MiB)" for r in results)
+              + " | share | recomputed by selective? |",
+              "|---|" + "---|" * len(results) + "---|---|"]
+    labels = sorted({k for r in results for k in r["by_module"]},
+                    key=lambda k: -max(r["by_module"].get(k, 0) for r in results))
+    totals = [sum(r["by_module"].values()) for r in results]
+    for label in labels:
+        sizes = [r["by_module"].get(label, 0) for r in results]
+        share = " / ".join(f"{size / total:.0%}" for size, total in zip(sizes, totals, strict=True))
+        recomputed = {"blocks.*.attn.core": "yes: keeps q, k, v",
+                      "blocks.*.mlp.act": "yes: keeps gate and up"}.get(label, "")
+        lines.append(f"| `{label}` | " + " | ".join(f"{size / MiB:.2f}" for size in sizes)
+                     + f" | {share} | {recomputed} |")
+    lines.append("| all | " + " | ".join(f"{t / MiB:.2f}" for t in totals) + " | | |")
+    plain, dropped = results[0], results[-1]
     lines += [
         "",
-        "Selective misses both of its targets at this shape. Without dropout it keeps what "
-        "no recomputation keeps (PyTorch's fused CPU attention keeps its inputs q, k, v, its "
-        "output, which the output projection keeps anyway, and a small log-sum-exp; the "
-        "recomputed core keeps the same inputs) and costs the attention's forward once "
-        "more. With dropout it drops exactly what dropout added, "
-        f"the T x T attention probabilities: {dropped['none']['kept'] / MiB:.1f} -> "
-        f"{dropped['selective']['kept'] / MiB:.1f} MiB, the dropout-free figure. They are "
-        f"{share:.0%} of what forward keeps here (T = 128 against width 128 and a 352-wide "
-        "SwiGLU MLP, whose activations are most of the rest), so recomputing the attention "
-        "core alone cannot save 40%; their share grows with T (T^2 against T). Its time is "
-        "the math kernel's softmax and dropout over T x T again, memory-bound on the CPU and a "
-        "large part of this small model's step. Full recomputation keeps only each block's "
-        "input (plus logits and loss) and meets its targets, narrowly on time with dropout; "
-        f"its peak saves less ({peak_saved}) because the peak adds the gradients and one "
-        "block's recomputed activations.",
+        "Selective recomputes the two things above that are large and cheap: the attention "
+        "core (with dropout PyTorch's CPU attention takes the math path, which keeps the T x "
+        "T probabilities before and after dropout and the mask; without dropout the fused "
+        "kernel keeps only q, k, v, its output and a log-sum-exp, which the recomputed core "
+        "keeps as well) and SwiGLU's product (it keeps gate, up and silu(gate); recomputed, "
+        "gate and up). With dropout that is "
+        f"{1 - dropped['memory']['selective']['kept'] / dropped['memory']['none']['kept']:.0%}"
+        " of what forward keeps. Without dropout only silu(gate) goes, "
+        f"{1 - plain['memory']['selective']['kept'] / plain['memory']['none']['kept']:.0%}:"
+        " the rest is inputs that any recomputation short of the whole block must keep "
+        "(the norms' and the linears' inputs, the core's q, k, v), so 40% cannot be reached "
+        "on this kernel without recomputing matrix products. On a GPU with flash attention "
+        "the picture is the dropout-free one at any dropout (flash attention draws the "
+        "mask inside the kernel and keeps no T x T tensor), so selective's gain there is "
+        "SwiGLU's silu(gate), about one eighth of a Llama block's activations, for one "
+        "elementwise kernel; the attention core's recomputation buys nothing there and "
+        "costs a flash forward (torchtitan's selective mode chooses by operator instead: it "
+        "keeps some matrix products' outputs and recomputes the rest). Selective's time is "
+        "the math kernel's softmax and dropout over T x T again, memory-bound on the CPU. "
+        "Full recomputation keeps only "
+        "each block's input (plus logits and loss); its peak saves less than its kept "
+        "bytes because the peak adds the gradients and one block's recomputed activations.",
     ]
     return lines
 

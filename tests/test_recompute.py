@@ -71,6 +71,11 @@ def assert_same_training(plain: nn.Module, recomputed: nn.Module, *inputs: torch
     ("full", ["blocks.0", "blocks.1"]),
     ("selective", ["blocks.0.attn.core", "blocks.1.attn.core"])])
 def test_modes_equal_no_recomputation_with_dropout(arch: str, mode: str, names: list) -> None:
+    """Each mode recomputes its modules (selective: Llama's SwiGLU products too) and
+    trains as without recomputation, keeping less."""
+    if mode == "selective" and arch == "llama":
+        names = ["blocks.0.attn.core", "blocks.0.mlp.act", "blocks.1.attn.core",
+                 "blocks.1.mlp.act"]
     plain, recomputed = model_of(arch), model_of(arch)
     assert activation_checkpointing(recomputed, mode) == names
     assert activation_checkpointing(recomputed, mode) == names  # again: nothing nests

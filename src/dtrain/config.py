@@ -268,8 +268,8 @@ class CheckpointConfig:
 class MemoryConfig:
     activation_checkpointing: str = "none"
     """Recompute activations in backward instead of keeping them: none; full (each
-    transformer block's, keeping only its input); selective (only the attention core's:
-    large activations, cheap to recompute)."""
+    transformer block's, keeping only its input); selective (the attention core's and
+    SwiGLU's: large activations, cheap to recompute)."""
     checkpoint_modules: list[str] = field(default_factory=list)
     """Instead of activation_checkpointing's choice, recompute exactly these modules:
     dotted names, `*` standing for one name component (e.g. "blocks.*.mlp")."""

@@ -20,7 +20,7 @@ from torch import nn
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig, moe_layer_indices
 from dtrain.models.moe import Experts, MoE, MoEConfig, Router, aux_loss
-from dtrain.models.stages import AttentionCore, StagedLM
+from dtrain.models.stages import Activation, AttentionCore, StagedLM
 
 _LLAMA_3 = {"vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5}
 _QWEN3 = {"vocab_size": 151936, "rope_theta": 1000000.0, "norm_eps": 1e-6, "head_dim": 128,
@@ -247,6 +247,14 @@ class Attention(nn.Module):
         return self.o_proj(self.core(q, k, v).transpose(1, 2).reshape(b, t, -1))
 
 
+class SwiGLU(Activation):
+    """silu(gate) * up. Autograd keeps gate, up and silu(gate) for its backward (the
+    product, down's input, is kept by down); recomputed, it keeps gate and up only."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -254,10 +262,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
         self.up = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
+        self.act = SwiGLU()
         self.down = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.gate(x), self.up(x)))
 
 
 class Block(nn.Module):

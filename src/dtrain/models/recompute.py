@@ -8,7 +8,7 @@ run restored, so dropout draws the same mask and the gradients are exactly those
 recomputation) and then its backward. The price is one more forward of what is recomputed.
 
     activation_checkpointing(model, "full")        # every transformer block
-    activation_checkpointing(model, "selective")   # only attention's softmax(q k^T) v
+    activation_checkpointing(model, "selective")   # attention's softmax(q k^T) v, SwiGLU
     checkpoint_modules(model, ["blocks.*.mlp"])    # exactly these modules
 
 A module is recomputed by replacing its forward on the instance, not by wrapping it in a
@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dtrain.errors import ConfigError
-from dtrain.models.stages import AttentionCore, block_lists
+from dtrain.models.stages import Activation, AttentionCore, block_lists
 
 HF_ATTENTION = "dtrain_recomputed_sdpa"
 """The name under which transformers' SDPA attention, recomputed, is registered."""
@@ -50,7 +50,7 @@ class Mode(enum.Enum):
 
     NONE = "none"  # nothing
     FULL = "full"  # every transformer block: only each block's input is kept
-    SELECTIVE = "selective"  # only the attention core: its activations, not its inputs
+    SELECTIVE = "selective"  # the attention cores and activations: their insides, not inputs
 
 
 class MemorySettings(Protocol):
@@ -83,7 +83,8 @@ def activation_checkpointing(model: nn.Module, mode: str | Mode) -> list[str]:
     - "none": nothing.
     - "full": every transformer block (the blocks `model.stage_parts()` names for a
       `Stages` model, else every element of every nn.ModuleList).
-    - "selective": every `AttentionCore` (dtrain's GPT and Llama); for a Hugging Face model
+    - "selective": every `AttentionCore` (dtrain's GPT and Llama) and `Activation`
+      (Llama's SwiGLU product: silu(gate) is dropped, gate and up kept); for a Hugging Face model
       (dtrain.models.hf) its attention function, transformers' SDPA.
 
     Returns the names of the modules recomputed (for a Hugging Face model, its attention
@@ -103,7 +104,8 @@ def activation_checkpointing(model: nn.Module, mode: str | Mode) -> list[str]:
     if mode is Mode.FULL:
         return checkpoint_modules(model, [f"{name}.*" for name in
                                           block_lists(model, _FULL_FIX)])
-    cores = [name for name, m in model.named_modules() if isinstance(m, AttentionCore)]
+    cores = [name for name, m in model.named_modules()
+             if isinstance(m, (AttentionCore, Activation))]
     if cores:
         return checkpoint_modules(model, cores)
     from dtrain.models.hf import HFCausalLM

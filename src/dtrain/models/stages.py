@@ -92,6 +92,12 @@ class StagedLM(nn.Module):
         return None
 
 
+class Activation(nn.Module):
+    """An activation function worth recomputing: elementwise (cheap to run again) on the
+    MLP's widest tensors (large to keep). Selective recomputation
+    (dtrain.models.recompute) recomputes every one, as it does every AttentionCore."""
+
+
 class AttentionCore(nn.Module):
     """Causal attention of (batch, heads, time, head size) queries, keys and values:
     softmax(q k^T / sqrt(d)) v with dropout on the probabilities while training. A module of
