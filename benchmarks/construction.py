@@ -5,25 +5,32 @@ rank, then laid out).
 
     python benchmarks/construction.py [--write]
 
-Two layouts of one GPT, each in its own spawned world (tests/distributed.py's `run_ranks`,
-gloo): tp=2 on 2 ranks, and ZeRO-3 over 4 ranks. On every rank the peak of live tensor
-bytes (dtrain.planner.LiveBytes, the CPU's max_memory_allocated) from the first
-line of construction to the end of `layouts.build`, restore included; the figure is the
-busiest rank's. The collectives' one-time calibration (`algorithm="auto"`, probes up to
-16 MiB) is done before, on the same mesh (dtrain.planner.traced.measure.calibrate, then a 1-block
-model built the same way), so it is not counted.
+Five layouts of one GPT, each in its own spawned world (tests/distributed.py's `run_ranks`,
+gloo): tp=2 on 2 ranks; ZeRO-1, ZeRO-2 and ZeRO-3 over 4 ranks; tp2 x pp2 on 4. On every
+rank the peak of live tensor bytes (dtrain.planner.LiveBytes, the CPU's
+max_memory_allocated) from the first line of construction to the end of `layouts.build`,
+restore included; the figure is the busiest rank's. The collectives' one-time calibration
+(`algorithm="auto"`, probes up to 16 MiB) is done before, on the same mesh
+(dtrain.planner.traced.measure.calibrate, then a model of one block per stage built the
+same way), so it is not counted.
 
 Target: split form peaks at no more than 1/N of the whole model plus one generator chunk
-(dtrain.models.init.CHUNK elements of 4 bytes), N the ranks the layout shares it over.
+(dtrain.models.init.CHUNK elements of 4 bytes), N the ranks the layout divides the
+parameters over (tp x pp; ZeRO-3 x dp too; ZeRO-1 and 2 keep every parameter on every rank,
+so theirs is the whole model plus one chunk). Where a rank peaks above what it holds once
+built, the largest tensors alive at that moment are listed with the line of dtrain that made
+each (`Busiest`), which names the excess.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import os
 import platform
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -42,7 +49,46 @@ from tests.distributed import run_ranks  # noqa: E402
 
 MiB = 2**20
 SHAPE = {"arch": "gpt", "n_layer": 8, "n_head": 8, "n_embd": 512, "block_size": 128}
-LAYOUTS = {"tp=2": (2, {"tp": 2}), "ZeRO-3": (4, {"zero": 3})}
+LAYOUTS = {"tp=2": (2, {"tp": 2}), "ZeRO-1 x 4": (4, {"zero": 1}),
+           "ZeRO-2 x 4": (4, {"zero": 2}), "ZeRO-3 x 4": (4, {"zero": 3}),
+           "tp2 x pp2": (4, {"tp": 2, "pp": 2, "microbatches": 2})}
+NOTED = MiB
+"""Storages of at least this many bytes get the line that made them noted (`Busiest`)."""
+SRC = str(Path(dtrain.__file__).resolve().parent)
+TRACKER = inspect.getsourcefile(LiveBytes)
+
+
+class Busiest(LiveBytes):
+    """LiveBytes that also keeps, at its peak, the largest storages then alive, each with
+    the line of dtrain whose operation made it: what a peak above the target is made of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made: dict[int, str] = {}
+        self.at_peak: list[tuple[int, str]] = []
+
+    def _note(self, t: torch.Tensor) -> None:
+        if not t.is_meta and t.untyped_storage().nbytes() >= NOTED:
+            known = self._storages.get(id(t.untyped_storage()))
+            if known is None or known[0]() is None:
+                self._made[id(t.untyped_storage())] = made_where()
+        super()._note(t)
+
+    def _update(self) -> None:
+        before = self.peak
+        super()._update()
+        if self.peak > before:
+            alive = [(ref().nbytes(), self._made.get(key, "")) for key, (ref, _)
+                     in self._storages.items() if ref() is not None]
+            self.at_peak = sorted(alive, reverse=True)[:6]
+
+
+def made_where() -> str:
+    """The innermost line of dtrain (below this benchmark) on the stack, as file:line."""
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename.startswith(SRC) and frame.filename != TRACKER:
+            return f"{Path(frame.filename).relative_to(SRC)}:{frame.lineno} ({frame.name})"
+    return "?"
 
 
 def config_of(shape: dict, parallel: dict, world_size: int):
@@ -79,15 +125,16 @@ def rank_peaks(parallel: dict) -> dict[str, int]:
     layout = layout_of(config_of(SHAPE, parallel, world.world_size), world.world_size)
     mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
     calibrate(mesh)
-    build({**SHAPE, "n_layer": 1}, parallel, mesh, split_form=True)
-    peaks = {}
+    build({**SHAPE, "n_layer": layout.pp}, parallel, mesh, split_form=True)
+    peaks: dict = {}
     for name, split_form in (("split", True), ("old", False)):
-        tracker = LiveBytes()
+        tracker = Busiest()
         with tracker:
             held = build(SHAPE, parallel, mesh, split_form)
             peaks[f"{name} held"] = tracker.live
             peaks[f"{name} params"] = parameter_bytes(held)
         peaks[name] = tracker.peak
+        peaks[f"{name} at peak"] = tracker.at_peak
         del held
     return peaks
 
@@ -106,10 +153,16 @@ def main() -> None:
     rows = []
     for name, (world_size, parallel) in LAYOUTS.items():
         results = run_ranks(rank_peaks, world_size, parallel, timeout=900)
-        rows.append({"layout": name, "ranks": world_size,
-                     **{k: max(r[k] for r in results) for k in results[0]}})
+        busiest = max(results, key=lambda r: r["split"])
+        rows.append({"layout": name, "ranks": world_size, "divided": divided(parallel,
+                                                                          world_size),
+                     "at peak": busiest["split at peak"],
+                     **{k: max(r[k] for r in results) for k in results[0]
+                        if not k.endswith("at peak")}})
         print(name, {k: f"{v / MiB:.1f} MiB" for k, v in rows[-1].items()
-                     if k.startswith(("split", "old"))}, flush=True)
+                     if k.startswith(("split", "old")) and isinstance(v, int)},
+              [(f"{b / MiB:.1f} MiB", where) for b, where in busiest["split at peak"]],
+              flush=True)
     lines = [
         "## Construction: a rank's peak while its share of the model is built",
         "",
@@ -119,48 +172,66 @@ def main() -> None:
         f"average {load:.1f} before, {os.getloadavg()[0]:.1f} after (shared with other work; "
         "bytes, not times).  ",
         f"Model: GPT n_layer={SHAPE['n_layer']}, n_embd={SHAPE['n_embd']}, vocabulary 256 "
-        f"({params / 1e6:.2f}M parameters: {whole / MiB:.1f} MiB whole in fp32). Peak: "
+        f"({params / 1e6:.2f}M parameters: {whole / MiB:.1f} MiB whole in fp32; a block "
+        f"{unit / MiB:.1f} MiB). Peak: "
         "live tensor bytes from the first line of construction to the end of "
         "`layouts.build` (restore included), the busiest rank's; collectives calibrated "
         "before, unmeasured (`dtrain.planner.traced.measure.calibrate` on the same mesh, then a "
-        f"1-block GPT built). Chunk: {init.CHUNK} elements x 4 bytes = "
-        f"{4 * init.CHUNK / MiB:.0f} MiB.",
+        f"GPT of one block per stage built). Chunk: {init.CHUNK} elements x 4 bytes = "
+        f"{4 * init.CHUNK / MiB:.0f} MiB. Target: whole / N + one chunk, N the ranks the "
+        "layout divides the parameters over (tp x pp, and dp too at ZeRO-3; ZeRO-1 and 2 "
+        "keep every parameter on every rank, N = 1).",
         "",
-        "| layout | ranks N | split form: peak (MiB) | / whole | held once built: parameters "
-        "+ other (MiB) | peak - held (MiB) | target: whole / N + chunk (MiB) | met? | peak "
-        "less other held (MiB) | met? | whole, then laid out: peak (MiB) | / whole |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| layout | ranks | N | split form: peak (MiB) | / whole | held once built: "
+        "parameters + other (MiB) | peak - held (MiB) | target: whole / N + chunk (MiB) | "
+        "met? | whole, then laid out: peak (MiB) | / whole |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        target = whole / r["ranks"] + 4 * init.CHUNK
+        target = whole / r["divided"] + 4 * init.CHUNK
         split, held, params = r["split"], r["split held"], r["split params"]
-        other = held - params
-
-        def met(x: float, target: float = target) -> str:
-            return "yes" if x <= target else "no"
-
         lines.append(
-            f"| {r['layout']} | {r['ranks']} | {split / MiB:.1f} | **{split / whole:.2f}** | "
-            f"{params / MiB:.1f} + {other / MiB:.1f} | {(split - held) / MiB:.1f} | "
-            f"{target / MiB:.1f} | {met(split)} | {(split - other) / MiB:.1f} | "
-            f"{met(split - other)} | {r['old'] / MiB:.1f} | {r['old'] / whole:.2f} |")
-    lines += [
-        "",
-        "Held once built, other than parameters: under tp=2 alone the Holding is a "
-        "DataParallel over a dp group of 1, which allocates its gradient buckets (as large as "
-        "the parameters) when it wraps the model; they are the gradients' memory, made before "
-        "the first backward rather than during it. The \"peak less other held\" column takes "
-        "them out. What remains above the target is the draw: under tp=2 a tensor's values "
-        "need a generator group, its slice's pieces and the joined slice at once (about two "
-        f"chunks); under ZeRO-3 each unit (a block: {unit / MiB:.1f} MiB here) is allocated "
-        "whole for a moment when its shards are made (dtrain.parallel.zero.units "
-        "`_empty_unit`: torch.empty of the whole flat unit, released at once), which "
-        "`LiveBytes`, like CUDA's max_memory_allocated, counts although the memory is never "
-        "touched. The old way peaks above the whole model on every rank.",
-    ]
+            f"| {r['layout']} | {r['ranks']} | {r['divided']} | {split / MiB:.1f} | "
+            f"**{split / whole:.2f}** | {params / MiB:.1f} + {(held - params) / MiB:.1f} | "
+            f"{(split - held) / MiB:.1f} | {target / MiB:.1f} | "
+            f"{'yes' if split <= target else 'no'} | {r['old'] / MiB:.1f} | "
+            f"{r['old'] / whole:.2f} |")
+    lines += ["", "The largest tensors alive at the busiest rank's peak, and the line that "
+              "made each:", ""]
+    for r in rows:
+        alive = "; ".join(f"{b / MiB:.1f} MiB {where or '(under 1 MiB when made)'}"
+                          for b, where in r["at peak"][:4])
+        lines.append(f"- {r['layout']}: {alive}")
+    lines += ["", *EXPLAINED]
     print("\n".join(lines))
     if args.write:
         replace_section("construction", lines)
+
+
+def divided(parallel: dict, world_size: int) -> int:
+    """The ranks a layout divides the parameters over: tp x pp, and dp too at ZeRO-3."""
+    if parallel.get("zero") == 3:
+        return world_size
+    return parallel.get("tp", 1) * parallel.get("pp", 1)
+
+
+EXPLAINED = [
+    "What a rank no longer allocates while it is built: ZeRO-3 a whole unit (a unit's "
+    "memory comes at its first gather; the parameters until then are views of "
+    "`dtrain.parallel.zero.units.unallocated`), ZeRO-1 its unsharded gradient buffers and "
+    "DataParallel its buckets (both at the first backward; DDP allocates its buckets in "
+    "its constructor), ZeRO-1 and 2 a second copy of the parameters (the units are "
+    "all-gathered straight into their buffers, two in flight). What remains above the "
+    "target is named by the list above. tp and tp x pp: the draw of one tensor, a "
+    "generator group of one chunk (dtrain.models.init `_group`) with the rows read from "
+    "it cloned (`_read`'s pieces) and joined (`_read`'s `torch.cat`), about two chunks; "
+    "and tp keeps some tensors whole on every rank (layer norms, row-split biases), so "
+    "its parameters are a little over whole / N. ZeRO-3: the same draw (the group and a "
+    "shard's span read from it) over the shards. ZeRO-1 and 2: the copies of the shards "
+    "being all-gathered (`ZeRO.refresh_parameters`, a unit's shard each: the unit of "
+    "bucket_mb = 25 over 4 ranks), which an all-gather from inside the output would "
+    "save; the draw comes before them, while the buffers are filled.",
+]
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dtrain import layouts, models
 from dtrain.checkpoint import universal
@@ -20,7 +22,10 @@ from dtrain.job_layout import Split
 from dtrain.mesh import Mesh
 from dtrain.models import init, weights
 from dtrain.models.config import ModelConfig
+from dtrain.parallel.data_parallel import DataParallel
+from dtrain.parallel.zero import ZeRO
 from dtrain.planner import LiveBytes
+from dtrain.testing import run_threads
 from tests.cli import dtrain
 from tests.distributed import run_ranks
 
@@ -190,3 +195,69 @@ def test_the_worked_example_trains_under_a_third_of_one_process() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if "peaked at" in line]
     assert len(lines) == 4 and all("under a cap of" in line for line in lines)
+
+
+class _Blocks(nn.Module):
+    """Four ZeRO-3 units of 64 x 64 + 64 elements each, and a root unit of none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+UNIT = 4 * (64 * 64 + 64)
+"""Bytes of one whole unit of `_Blocks` in fp32."""
+
+
+class _Largest(TorchDispatchMode):
+    """The bytes of the largest storage any operation returns while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def _build_peaks(rank: int) -> dict:
+    """What a rank allocates while ZeRO-3 builds `_Blocks` from a skeleton, and while
+    DataParallel wraps it whole; then one backward through each."""
+    def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1)
+
+    live, largest = LiveBytes(), _Largest()
+    with live, largest:
+        zero = ZeRO(init.skeleton(_Blocks), sgd, stage=3)
+    out = {"zero peak": live.peak, "zero largest": largest.largest}
+    zero(torch.ones(2, 64)).sum().backward()
+    out["zero shapes"] = [tuple(p.shape) for p in zero.module.parameters()]
+    largest, model = _Largest(), _Blocks()
+    with largest:  # (LiveBytes would count the parameters too, which the wrap broadcasts)
+        dp = DataParallel(model)
+    out["dp largest"] = largest.largest
+    out["dp allocated"] = [b.allocated for b in dp._buckets]
+    dp(torch.ones(2, 64)).sum().backward()
+    out["dp allocated after"] = [b.allocated for b in dp._buckets]
+    return out
+
+
+def test_zero3_and_data_parallel_allocate_no_whole_unit_or_bucket_when_built() -> None:
+    """ZeRO-3 over 2 ranks builds a skeleton holding only each rank's shards (no tensor of
+    a whole unit, which the first gather allocates); DataParallel allocates its gradient
+    buckets at the first backward, not when it wraps."""
+    for r in run_threads(_build_peaks, 2):
+        assert r["zero largest"] < UNIT
+        assert r["zero peak"] <= 4 * UNIT // 2 + 1024  # the 4 units' shards, a little more
+        assert r["zero shapes"] == [(64, 64), (64,)] * 4
+        assert r["dp largest"] < UNIT and not any(r["dp allocated"])  # one bucket: 4 units
+        assert r["dp allocated after"] and all(r["dp allocated after"])

@@ -180,11 +180,25 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOp | str = "sum",
 
 
 def all_gather(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = False,
-               algorithm: str = "auto") -> torch.Tensor | Result:
-    """Concatenate every rank's `tensor` (same shape everywhere) along dim 0, in rank order."""
+               algorithm: str = "auto", out: torch.Tensor | None = None
+               ) -> torch.Tensor | Result:
+    """Concatenate every rank's `tensor` (same shape everywhere) along dim 0, in rank order.
+
+    `out`: write the result into this tensor (returned) rather than a new one: contiguous,
+    of the result's shape and dtype, and apart from `tensor` (ZeRO refills its parameters
+    in place so, without a second copy of a unit).
+
+    Raises:
+        ValueError: `out` of another shape or dtype, or not contiguous.
+    """
     g = resolve(group)
     shape = _stacked_shape(tensor, g.size)
-    out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    if out is None:
+        out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    elif tuple(out.shape) != shape or out.dtype != tensor.dtype or not out.is_contiguous():
+        raise ValueError(f"all_gather(out=): a contiguous {tensor.dtype} tensor of shape "
+                         f"{list(shape)} is needed, got {out.dtype} {list(out.shape)}"
+                         f"{'' if out.is_contiguous() else ', not contiguous'}")
     if g.size == 1:
         out.copy_(tensor.reshape(shape))
         return _trivial(out, async_op)

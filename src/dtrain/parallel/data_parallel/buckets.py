@@ -9,6 +9,12 @@ Parameters are assigned in reverse registration order, which approximates the or
 which backward produces their gradients. Each bucket's buffer ends with one *presence
 flag* per parameter (1 where this rank produced that gradient), reduced together with the
 gradients: after a sum, a flag of 0 means no rank used the parameter this step.
+
+A bucket's buffer is allocated the first time it is used (the first backward's first
+gradient for it), not when the buckets are packed: the gradients' memory is made during
+backward, as one process makes it, so a model being built holds only its parameters.
+(DDP allocates its buckets in its constructor, torch/csrc/distributed/c10d/reducer.cpp
+`initialize_buckets`.)
 """
 
 from __future__ import annotations
@@ -23,23 +29,49 @@ from torch import nn
 
 @dataclass
 class Bucket:
-    """A group of parameters whose gradients travel in one flat buffer."""
+    """A group of parameters whose gradients travel in one flat buffer of `dtype`
+    (allocated on first use, see `buffer`)."""
 
     index: int
     params: list[nn.Parameter]
     offsets: list[int]
     numel: int
-    buffer: torch.Tensor  # numel gradient elements, then len(params) presence flags
+    dtype: torch.dtype
     ready: list[bool] = field(default_factory=list)
     pending: int = 0
     present: list[int] = field(default_factory=list)  # flags, written into the buffer at once
 
     def __post_init__(self) -> None:
-        # each parameter's view of the buffer (shaped like it), made once: backward's hooks
-        # write into them
-        self.slots = [self.buffer[o : o + p.numel()].view_as(p)
-                      for p, o in zip(self.params, self.offsets, strict=True)]
+        self._buffer: torch.Tensor | None = None
+        self._slots: list[torch.Tensor] = []
         self.reset()
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the buffer exists yet (it does from the first backward on)."""
+        return self._buffer is not None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """`numel` gradient elements, then one presence flag per parameter (allocated as
+        zeros on the parameters' device the first time it is asked for)."""
+        if self._buffer is None:
+            self._allocate()
+        return self._buffer
+
+    @property
+    def slots(self) -> list[torch.Tensor]:
+        """Each parameter's view of the buffer, shaped like it (allocates the buffer)."""
+        if self._buffer is None:
+            self._allocate()
+        return self._slots
+
+    def _allocate(self) -> None:
+        self._buffer = torch.zeros(self.numel + len(self.params), dtype=self.dtype,
+                                   device=self.params[0].device)
+        # each parameter's view of the buffer, made once: backward's hooks write into them
+        self._slots = [self._buffer[o : o + p.numel()].view_as(p)
+                       for p, o in zip(self.params, self.offsets, strict=True)]
 
     def reset(self) -> None:
         """Forget which gradients arrived; called after every synchronized backward."""
@@ -66,7 +98,8 @@ def build_buckets(
     params: list[nn.Parameter], bucket_bytes: int, grad_dtype: torch.dtype | None,
     first_bytes: int | None = None, apart: Callable[[nn.Parameter], bool] | None = None,
 ) -> list[Bucket]:
-    """Pack `params` (in the given order) into buckets of about `bucket_bytes` each.
+    """Pack `params` (in the given order) into buckets of about `bucket_bytes` each (their
+    buffers are allocated when first used).
 
     A bucket never mixes devices or parameter dtypes, and a parameter larger than the cap
     gets a bucket of its own.
@@ -104,9 +137,7 @@ def build_buckets(
         for p in group:
             offsets.append(total)
             total += p.numel()
-        dtype = grad_dtype or group[0].dtype
-        buffer = torch.zeros(total + len(group), dtype=dtype, device=group[0].device)
-        buckets.append(Bucket(index, group, offsets, total, buffer))
+        buckets.append(Bucket(index, group, offsets, total, grad_dtype or group[0].dtype))
     return buckets
 
 

@@ -33,11 +33,13 @@ class Unit:
         scale: what the gradient averaged over `group` is multiplied by (split experts:
             1 / ep, as their gradients sum the tokens of every data-parallel rank).
         full: the whole unit in the compute dtype, padded; the module's parameters are
-            views of it (stage 3: its storage is released between uses).
+            views of it (stage 3: its storage is released between uses; built in split
+            form, it is `unallocated` until the first gather).
         master: this rank's shard in the parameters' dtype (the optimizer updates it; a
             view of `full` when no copy is needed).
         module: stage 3: the submodule whose forward gathers the unit (None otherwise).
-        grad: the unsharded gradient being accumulated (compute dtype), or None.
+        grad: the unsharded gradient being accumulated (compute dtype), or None; made at
+            the first backward (`grad_buffer`), and stage 1 keeps it from then on.
         pending: parameters whose gradient the current backward has not produced yet.
         gathering: stage 3: the all-gather in flight, if any.
         gathered: whether `full` holds the parameters now.
@@ -100,9 +102,20 @@ class Unit:
         self.start_gather(algorithm)
         gathered = self.gathering.wait()
         self.gathering = None
-        self.full.untyped_storage().resize_(self.flat.padded * self.full.element_size())
+        if self.full.stride(0) == 0:  # built in split form and never gathered: no memory yet
+            self._allocate_full()
+        else:
+            self.full.untyped_storage().resize_(self.flat.padded * self.full.element_size())
         self.full.copy_(gathered)
         self.gathered = True
+
+    def _allocate_full(self) -> None:
+        """`full` in memory of its own, the parameters views of it from now on (until now
+        they saw `unallocated`'s one element)."""
+        self.full = torch.empty(self.flat.padded, dtype=self.full.dtype,
+                                device=self.full.device)
+        for p, offset in zip(self.flat.params, self.flat.offsets, strict=True):
+            p.data = self.full[offset : offset + p.numel()].view(p.shape)
 
     def free(self) -> None:
         """Stage 3: release `full`'s memory until the next gather."""
@@ -117,14 +130,20 @@ class Unit:
         for span in self.flat.spans(*self.flat.shard(self.rank)):
             yield span, params[span.name]
 
+    def grad_buffer(self) -> torch.Tensor:
+        """`grad`, created as zeros (the whole unit, padded, in the compute dtype) if it
+        does not exist yet: at the first backward, not when the unit is built."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.flat.padded, dtype=self.full.dtype,
+                                    device=self.full.device)
+        return self.grad
+
     def param_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """The view of `grad` (created as zeros if needed) that holds `param`'s gradient;
         None when `param` is not one of the unit's parameters."""
         for p, offset in zip(self.flat.params, self.flat.offsets, strict=True):
             if p is param:
-                if self.grad is None:
-                    self.grad = torch.zeros_like(self.full)
-                return self.grad[offset : offset + p.numel()].view(p.shape)
+                return self.grad_buffer()[offset : offset + p.numel()].view(p.shape)
         return None
 
 
@@ -224,7 +243,8 @@ def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage
 
     Parameters on the meta device (a model built in split form, dtrain.models.init) get
     uninitialized memory on `device` instead of copies: at stage 3 only this rank's shard
-    (`full` is released from the start), the values to be restored into the shards."""
+    (`full` has no memory until its first gather), the values to be restored into the
+    shards."""
     def make(run: Named, group: comm.Group, scale: float, unit_module: nn.Module | None
              ) -> Unit:
         run = sorted(run, key=lambda item: group_of[id(item[1])])
@@ -281,18 +301,20 @@ def _make_unit(flat: FlatUnit, group: comm.Group, scale: float, module: nn.Modul
     master = values[lo:hi] if not mixed and stage < 3 else values[lo:hi].clone()
     for p, offset in zip(flat.params, flat.offsets, strict=True):
         p.data = full[offset : offset + p.numel()].view(p.shape)
-    unit = Unit(flat, group, full, master, module, scale)
-    if stage == 1:
-        unit.grad = torch.zeros_like(full)
-    return unit
+    return Unit(flat, group, full, master, module, scale)
 
 
 def _empty_unit(flat: FlatUnit, group: comm.Group, scale: float, module: nn.Module | None,
                 stage: int, lo: int, hi: int, param_dtype: torch.dtype,
                 compute_dtype: torch.dtype, device: torch.device) -> Unit:
-    """A unit of meta parameters: memory for what this rank holds, values to come (the
-    parameters become views of `full`, which stage 3 releases right away)."""
-    full = torch.empty(flat.padded, dtype=compute_dtype, device=device)  # never touched
+    """A unit of meta parameters: memory for what this rank holds, values to come. Stages
+    1 and 2 hold every parameter, views of `full`; stage 3 only its shard: `full` and the
+    parameters are `unallocated` until the unit is first gathered, so that no rank ever
+    holds a whole unit while the model is built."""
+    if stage == 3:
+        full = unallocated(flat.padded, compute_dtype, device)
+    else:
+        full = torch.empty(flat.padded, dtype=compute_dtype, device=device)
     if stage == 3 or compute_dtype != param_dtype:
         master = torch.zeros(hi - lo, dtype=param_dtype, device=device)
     else:
@@ -302,9 +324,15 @@ def _empty_unit(flat: FlatUnit, group: comm.Group, scale: float, module: nn.Modu
         torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=p.dtype, device=device),
                                                  requires_grad=p.requires_grad))
         p.data = full[offset : offset + shape.numel()].view(shape)
-    if stage == 3:
+    if stage == 3:  # the views made, `full` holds nothing until its first gather
         full.untyped_storage().resize_(0)
-    unit = Unit(flat, group, full, master, module, scale, gathered=stage != 3)
-    if stage == 1:
-        unit.grad = torch.zeros_like(full)
-    return unit
+    return Unit(flat, group, full, master, module, scale, gathered=stage != 3)
+
+
+def unallocated(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `numel` elements over the memory of one: that element seen at every
+    index (stride 0). torch makes a tensor, or a view, only over storage at least as large
+    as it, and a shape is all the parameters need before their first gather; so the views
+    are taken of this, its storage then released, and `Unit.gather` allocates the unit
+    the first time."""
+    return torch.empty(1, dtype=dtype, device=device).expand(numel)

@@ -36,6 +36,7 @@ from dtrain.parallel.zero import state_io as zero_state
 from dtrain.parallel.zero.optimizer import OptimizerFactory, group_index, shard_optimizer
 from dtrain.parallel.zero.optimizer import state_bytes as optimizer_bytes
 from dtrain.parallel.zero.units import (
+    IN_FLIGHT,
     Sharding,
     Unit,
     build_units,
@@ -256,9 +257,8 @@ class ZeRO(nn.Module):
     def _grad_hook(self, unit: Unit, offset: int):
         def hook(param: torch.Tensor) -> None:
             with torch.no_grad():
-                if unit.grad is None:
-                    unit.grad = torch.zeros_like(unit.full)
-                unit.grad[offset : offset + param.numel()].add_(param.grad.reshape(-1))
+                unit.grad_buffer()[offset : offset + param.numel()].add_(
+                    param.grad.reshape(-1))
                 param.grad = None
             if not self._finalize_queued:
                 self._finalize_queued = True
@@ -300,8 +300,7 @@ class ZeRO(nn.Module):
         does at its end. For callers that adjust accumulated gradients first (a pipeline
         summing a tied weight's gradient across stages, via `accumulated_grad`)."""
         for unit in self.units[self._next_launch :]:
-            if unit.grad is None:
-                unit.grad = torch.zeros_like(unit.full)
+            unit.grad_buffer()
             self._launch(unit)
         settle(self._works, 0)
         self._next_launch = 0
@@ -388,18 +387,20 @@ class ZeRO(nn.Module):
     @torch.no_grad()
     def refresh_parameters(self) -> None:
         """Rebuild the full parameters from every rank's master shard (stages 1 and 2;
-        stage 3 gathers at the next forward)."""
+        stage 3 gathers at the next forward): each unit all-gathered straight into `full`
+        from a copy of the shard, at most `IN_FLIGHT` at a time, so that refreshing holds
+        a few shards beyond the parameters, never a second copy of them."""
         if self.stage == 3:
             return
-        works = []
+        works: list[tuple[torch.Tensor, Any]] = []
         for unit in self.units:
-            shard = unit.full[slice(*unit.flat.shard(unit.rank))]
-            if self.mixed:
-                shard.copy_(unit.master)
-            works.append(comm.all_gather(shard, group=unit.group, async_op=True,
-                                         algorithm=self.algorithm))
-        for unit, work in zip(self.units, works, strict=True):
-            unit.full.copy_(work.wait())
+            if len(works) == IN_FLIGHT:
+                _finish_gather(*works.pop(0))
+            shard = unit.master.to(unit.full.dtype, copy=True)  # not a view of `full`
+            works.append((shard, comm.all_gather(shard, group=unit.group, async_op=True,
+                                                 algorithm=self.algorithm, out=unit.full)))
+        for shard, work in works:
+            _finish_gather(shard, work)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of the last step (and any accumulated under no_sync);
@@ -460,3 +461,10 @@ class ZeRO(nn.Module):
         """Bytes of model state this rank holds now: parameters (the module's, as
         materialized, plus separate master shards), gradients and optimizer state."""
         return {**unit_bytes(self.units), "optimizer": optimizer_bytes(self.optimizer)}
+
+
+def _finish_gather(shard: torch.Tensor, work: Any) -> None:
+    """Wait for a refresh's all-gather and release its input copy at once (the finished
+    collective's handle may keep it until the garbage collector finds the handle)."""
+    work.wait()
+    shard.untyped_storage().resize_(0)

@@ -11,14 +11,15 @@ model and ep its experts, N = dp x cp, the ranks holding the same parameters; Ze
 shards hold a rank's experts over the dp / ep ranks holding the same ones, every expert's
 over N):
 
-    dp (DataParallel)   parameters 4Ψ + gradient buckets 4Ψ (none at N = 1), then each
-                        tensor in turn
-    ZeRO 1              the unit buffers 4Ψ + stage 1's unsharded gradients 4Ψ
-    ZeRO 2              the unit buffers 4Ψ
-    ZeRO 3              this rank's shards 4Ψ/N (and, for a moment, one whole unit)
+    dp (DataParallel)   parameters 4Ψ, then each tensor in turn (the gradient buckets
+                        are allocated at the first backward)
+    ZeRO 1, ZeRO 2      the unit buffers 4Ψ (stage 1's unsharded gradients: at the first
+                        backward)
+    ZeRO 3              this rank's shards 4Ψ/N (a unit is allocated at its first gather)
 
 A ZeRO rank reads each parameter's span of its shard in turn (a tensor tp divides: its
-whole block); ZeRO 1 and 2 then all-gather every unit at once into a second 4Ψ. Before
+whole block); ZeRO 1 and 2 then all-gather the units into their buffers, a copy of the
+shard of each of a few units (dtrain.parallel.zero.units.IN_FLIGHT) in flight. Before
 split-form construction every rank built the whole model first: its peak was at least the
 whole model, 4 bytes per parameter, whatever the layout (`whole_model`).
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 from dtrain.job_layout import Layout
 from dtrain.models import init
 from dtrain.models.weights import ROWS_AT_ONCE
+from dtrain.parallel.zero.units import IN_FLIGHT
 from dtrain.planner.costs import PARAM_BYTES
 from dtrain.planner.traced.profile import Params, ParamTensor
 
@@ -52,8 +54,8 @@ def piece(t: ParamTensor, layout: Layout, shard: float) -> float:
 def construction_peak(layout: Layout, held: Params, tensors: list[ParamTensor],
                       unit: float, chunk: int | None = None) -> float:
     """Bytes a rank peaks at while its share is built: it holds the parameters `held`
-    (elements before tp divides them), in ZeRO units of at most `unit` elements (ZeRO 3
-    allocates each whole for a moment), and fills them from `tensors` one at a time.
+    (elements before tp divides them), in ZeRO units of at most `unit` elements, and
+    fills them from `tensors` one at a time.
     `chunk`: elements per generator group (default dtrain.models.init.CHUNK)."""
     chunk = init.CHUNK if chunk is None else chunk
     psi, n = held.per_rank(layout.tp, layout.ep), layout.dp * layout.cp
@@ -63,14 +65,12 @@ def construction_peak(layout: Layout, held: Params, tensors: list[ParamTensor],
               for t in tensors] or [0.0]
     # a group and the piece read from it, joined; ZeRO still holds the span before it
     draw = max(group_elements(t, chunk) + 2 * p for t, p in zip(tensors, pieces, strict=False))
-    if not layout.zero:  # gradient buckets only where there is a group to average over
-        return PARAM_BYTES * ((2 if n > 1 else 1) * psi + draw)
-    state = {1: 2 * psi, 2: psi, 3: sharded}[layout.zero]
+    if not layout.zero:
+        return PARAM_BYTES * (psi + draw)
+    state = sharded if layout.zero == 3 else psi
     peak = state + draw + max(pieces)
-    if layout.zero == 3:
-        peak = max(peak, sharded + unit)
-    else:  # once the shards are filled, every unit is all-gathered at once
-        peak = max(peak, state + psi)
+    if layout.zero < 3:  # then the units are all-gathered, a few shards' copies in flight
+        peak = max(peak, state + IN_FLIGHT * min(unit, psi) / n)
     return PARAM_BYTES * peak
 
 
