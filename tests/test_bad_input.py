@@ -443,6 +443,20 @@ CHECKPOINTS = [
                  id="export-folder-without-checkpoint"),
     pytest.param(None, ["export", "{ckpt}", "{tmp}/m.bin"], "must end in .safetensors or .pt", 1,
                  id="export-unknown-suffix"),
+    pytest.param(None, ["generate", "{tmp}/missing/checkpoints"], "no checkpoint in", 2,
+                 id="generate-missing-checkpoint"),
+    pytest.param(_damage(SHARD, lambda old: old[:100]), ["generate", "{ckpt}"],
+                 "rank-00000.safetensors is corrupted", 2, id="generate-truncated"),
+    pytest.param(None, ["generate", "{ckpt}", "-n", "3", "--set", "parallel.tp=2"],
+                 "does not divide the world size 3", 2, id="generate-layout-not-dividing"),
+    pytest.param(None, ["generate", "{ckpt}", "-n", "2", "--set", "parallel.tp=3"],
+                 "parallel.tp = 3 does not divide", 2, id="generate-tp-not-dividing-heads"),
+    pytest.param(None, ["generate", "{ckpt}", "--tokens", "-1"], "--tokens -1 must be 0 or more",
+                 2, id="generate-negative-tokens"),
+    pytest.param(None, ["generate", "{ckpt}", "--temperature", "0"], "--temperature 0.0 must be",
+                 2, id="generate-zero-temperature"),
+    pytest.param(None, ["generate", "{ckpt}"], "does not record its config and model", 2,
+                 id="generate-without-model"),
 ]
 
 

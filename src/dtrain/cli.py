@@ -1,6 +1,7 @@
 """The `dtrain` command: `dtrain run` starts ranks, `dtrain train` trains a model,
 `dtrain plan` predicts memory and time of every layout before a run, `dtrain export`
-writes a checkpoint as one plain state_dict or a Hugging Face folder, `dtrain data
+writes a checkpoint as one plain state_dict or a Hugging Face folder, `dtrain generate`
+samples text from a checkpoint's model split over ranks, `dtrain data
 prepare` tokenizes a corpus into shards, `dtrain bench comm` measures the collectives
 and `dtrain bench scaling` the speed-up of a training job from 1 to N workers.
 
@@ -113,6 +114,33 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=("state_dict", "hf"), default="state_dict",
                         help="state_dict (default) or hf (a Hugging Face model folder)")
 
+    generate = sub.add_parser(
+        "generate", help="generate text from a checkpoint's model, split over ranks",
+        description=(
+            "Generate text from the model of a dtrain checkpoint (any layout), built in "
+            "split form over -n ranks in the layout --set parallel.* asks for (tp, pp, "
+            "ZeRO-3: no rank holds the whole model); rank 0 prints only the text. The same "
+            "seed gives the same text in any layout."
+        ),
+    )
+    generate.add_argument("checkpoint", help="a checkpoints folder (its newest) or one "
+                                             "checkpoint")
+    generate.add_argument("--prompt", default="", help="the text to continue (default: none, "
+                                                       "the tokenizer's separator)")
+    generate.add_argument("--tokens", type=int, default=200, metavar="T",
+                          help="tokens to generate (default 200)")
+    generate.add_argument("--seed", type=int, default=0, metavar="S",
+                          help="seed of the sampling generator (default 0)")
+    generate.add_argument("--temperature", type=float, default=0.8, metavar="X",
+                          help="softmax temperature of the draws (default 0.8)")
+    generate.add_argument("-n", "--nproc", type=int, default=1,
+                          help="ranks on this machine (default 1)")
+    generate.add_argument("--set", dest="overrides", action="append", default=[],
+                          metavar="KEY=VALUE",
+                          help="override a key of the run's config, e.g. parallel.tp=2")
+    generate.add_argument("--backend", choices=("gloo", "nccl", "shm"),
+                          help="collective backend of the ranks")
+
     data = sub.add_parser("data", help="prepare training data",
                           description="Prepare training data: `dtrain data prepare`.")
     data_sub = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
@@ -222,6 +250,12 @@ def _export(args: argparse.Namespace) -> None:
     print(f"dtrain: wrote {export(args.checkpoint, args.out)}")
 
 
+def _generate(args: argparse.Namespace) -> None:
+    from dtrain.launch.generate import generate_command
+
+    generate_command(args)
+
+
 def _data(args: argparse.Namespace) -> None:
     from dtrain.data.prepare import run
 
@@ -265,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run" and args.backend:
             env.BACKEND.set(args.backend)  # read by dtrain.init in every rank
         command = {"run": _run, "train": _train, "bench": _bench, "export": _export,
-                   "plan": _plan, "data": _data}[args.command]
+                   "plan": _plan, "data": _data, "generate": _generate}[args.command]
         return exit_code_of(lambda: command(args))
     except KeyboardInterrupt:
         print("dtrain: interrupted", file=sys.stderr)

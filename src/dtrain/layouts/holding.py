@@ -101,6 +101,15 @@ class Holding:
         with torch.no_grad():
             return model_loss(self.module, x, y)
 
+    def infer(self, idx: torch.Tensor) -> torch.Tensor | None:
+        """The logits of token ids `idx` (batch, time), every rank passing the same, one
+        forward without gradients (generation; `module` in eval mode): under tensor
+        parallelism this rank's part of the vocabulary; None on a rank that computes no
+        logits (a pipeline's stages before the last)."""
+        with torch.no_grad():
+            out = self.module(idx)
+        return getattr(out, "logits", out)
+
     def grad_parts(self) -> list[GradPart]:
         """Every gradient this rank holds, and how it counts toward the global norm (each
         strategy's own `grad_parts`)."""

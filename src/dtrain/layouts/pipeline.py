@@ -82,3 +82,6 @@ class Pipelined(Holding):
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.pipe.evaluate(x, y)
+
+    def infer(self, idx: torch.Tensor) -> torch.Tensor | None:
+        return self.pipe.infer(idx)  # the logits on the last stage's rank

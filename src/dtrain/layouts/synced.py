@@ -57,6 +57,9 @@ class Synced(Holding):
         self.outer.flush()
         self.inner.synchronized()
 
+    def infer(self, idx: torch.Tensor) -> torch.Tensor | None:
+        return self.inner.infer(idx)
+
     def rank_state(self) -> dict[str, torch.Tensor]:
         """The inner Holding's, and the outer optimizer's state (nested lists and the
         outer SGD's state: one blob)."""

@@ -38,6 +38,7 @@ from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
 from dtrain.models.hf_places import HFName, expert_places
+from dtrain.models.kv_cache import KVCache
 from dtrain.models.moe import MoE, MoEConfig
 
 if TYPE_CHECKING:  # transformers is optional: imported where arch "hf" needs it
@@ -283,6 +284,7 @@ class HFCausalLM(nn.Module):
         self.family: Family | None = FAMILIES.get(hf.config.model_type)
         self.loss_fn = nn.CrossEntropyLoss()  # a module, so tensor parallelism can swap it
         self.context: ContextParallel | None = None  # dtrain.models.context.apply sets it
+        self.kv_cache: KVCache | None = None  # dtrain.models.generate.attach sets it
         self.train()
 
     def forward(
@@ -292,6 +294,11 @@ class HFCausalLM(nn.Module):
         # next tokens.
         where = {} if self.context is None else {  # this rank's chunks' global positions
             "position_ids": self.context.positions(idx.shape[1], idx.device)[None]}
+        if self.kv_cache is not None:  # generation: transformers' own cache, kept in ours
+            if self.kv_cache.hf is None:
+                self.kv_cache.hf = _transformers().DynamicCache()
+            return self.hf(input_ids=idx, past_key_values=self.kv_cache.hf,
+                           use_cache=True).logits
         logits = self.hf(input_ids=idx, use_cache=False, **where).logits
         if targets is None:
             return logits

@@ -335,7 +335,8 @@ class Llama(StagedLM):
         `sequence_parts` of it; under context parallelism, of this rank's chunks), kept for
         the blocks that follow (every block of a forward shares them)."""
         t = x.shape[1] * self.sequence_parts
-        key = (t, x.device, x.dtype, type(x), id(self.context))  # fake tensors are not real
+        offset = self.kv_cache.length if self.kv_cache is not None else 0
+        key = (t, x.device, x.dtype, type(x), id(self.context), offset)  # fake: not real
         if self._rope_cache[0] != key:
             head_dim = self.cfg.head_size
             self._rope_cache = (key, rotary(t, head_dim, self.cfg.rope_theta, x.device,

@@ -27,6 +27,7 @@ from torch import nn
 
 from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import ConfigError, DtrainError
+from dtrain.models.kv_cache import KVCache, LayerCache
 
 # torch 2.5 and later attend grouped queries to their key/value head without copies.
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -61,11 +62,15 @@ class StagedLM(nn.Module):
     context: ContextParallel | None = None
     """Context parallelism (dtrain.models.context.apply): the inputs are this rank's chunks
     of each sequence, whose positions are the global ones."""
+    kv_cache: KVCache | None = None
+    """Generation's cache (dtrain.models.generate.attach): the inputs are the tokens after
+    the `kv_cache.length` it holds, whose positions start there."""
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         """The positions of the `t` tokens the blocks see (dtrain.context_parallel.
-        positions_of)."""
-        return positions_of(self.context, t, device)
+        positions_of), after those a KV cache holds."""
+        at = positions_of(self.context, t, device)
+        return at if self.kv_cache is None else at + self.kv_cache.length
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
@@ -108,6 +113,9 @@ class AttentionCore(nn.Module):
     context: ContextParallel | None = None
     """Context parallelism: q, k and v are this rank's chunks of the sequence, and the
     keys and values of the others are met through it (dtrain.context_parallel)."""
+    cache: LayerCache | None = None
+    """Generation's cache of this core's keys and values (dtrain.models.kv_cache): q, k
+    and v are the new tokens', which attend to every token kept before them too."""
 
     def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
@@ -120,11 +128,23 @@ class AttentionCore(nn.Module):
                 raise DtrainError("attention dropout under context parallelism: set the "
                                   "model's dropout to 0")
             return self.context.attention(q, k, v)
+        before = 0
+        if self.cache is not None:
+            k, v, before = self.cache.extend(k, v)
         group = q.shape[1] // k.shape[1]
         if group > 1 and not _SDPA_GQA:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         gqa = {"enable_gqa": True} if group > 1 and _SDPA_GQA else {}
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True, **gqa)
+        if before == 0:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True,
+                                                  **gqa)
+        # New token i sits at position before + i: it sees every key up to there (SDPA's
+        # is_causal would align the queries with the first keys instead).
+        t = q.shape[2]
+        seen = (torch.arange(k.shape[2], device=q.device)[None, :]
+                <= before + torch.arange(t, device=q.device)[:, None])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if t == 1 else seen,
+                                              dropout_p=drop, **gqa)
 
 
 def block_lists(model: nn.Module, asked: tuple[str, str]) -> list[str]:

@@ -36,19 +36,23 @@ class Channels:
         tensor = tensor.detach().contiguous()
         key, meta = (peer, tag), (tensor.shape, tensor.dtype)
         if key not in self._sent:
-            if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
-                raise DtrainError(f"pipeline: cannot send a {tensor.dim()}-d {tensor.dtype} "
-                                  "tensor between stages")
-            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-            header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-            self._post(header, peer, tag)
+            self._post(self._header(tensor), peer, tag)
             self._sent[key] = meta
         elif self._sent[key] != meta:
             raise DtrainError(f"pipeline: a stage output changed from {tuple(self._sent[key][0])} "
                               f"{self._sent[key][1]} to {tuple(tensor.shape)} {tensor.dtype}; "
                               "every micro-batch must have the same shape")
         self._post(tensor, peer, tag)
+
+    def _header(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What tells the receiver `tensor`'s dimensions, shape and dtype."""
+        if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
+            raise DtrainError(f"pipeline: cannot send a {tensor.dim()}-d {tensor.dtype} "
+                              "tensor between stages")
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        return header
 
     def _post(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         self._pending.append((comm.send(tensor, peer, self.group, async_op=True, tag=tag),
@@ -68,6 +72,21 @@ class Channels:
         comm.recv(out, peer, self.group, tag=tag)
         self.waited += time.perf_counter() - start
         return out
+
+    def send_shaped(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        """Send `tensor` with its own header, whatever shape the last one on this channel
+        had (generation: a prompt, then one token at a time); waits until sent."""
+        tensor = tensor.detach().contiguous()
+        comm.send(self._header(tensor), peer, self.group, tag=tag)
+        comm.send(tensor, peer, self.group, tag=tag)
+
+    def recv_shaped(self, peer: int, tag: int) -> torch.Tensor:
+        """The next tensor `send_shaped` sent from `peer` with `tag` (waits for it)."""
+        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        comm.recv(header, peer, self.group, tag=tag)
+        ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+        out = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=self.device)
+        return comm.recv(out, peer, self.group, tag=tag)
 
     def flush(self) -> None:
         """Wait until every started send has completed."""

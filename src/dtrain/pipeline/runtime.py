@@ -60,6 +60,10 @@ def holds_shards(piece: object) -> bool:
             and callable(getattr(piece, "reduce_gradients", None)))
 
 
+_INFER_TAG = 1
+"""Activations of `Pipeline.infer` (each message with its header), apart from the step's."""
+
+
 def _tag(kind: str, chunk: int) -> int:
     """Activations into chunk c travel on tag 2 + 2c, gradients on 3 + 2c."""
     return 2 + 2 * chunk + (kind == "grad")
@@ -155,6 +159,25 @@ class Pipeline:
         """The mean loss of the batch, forwards only."""
         order = schedules.forward_only(self.pp, self.microbatches, self.chunks)
         return self._run(order, inputs, targets, backward=False)
+
+    @torch.no_grad()
+    def infer(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The output of the whole model for `inputs` (token ids every rank holds alike),
+        one forward through the stages in order, without micro-batches or a loss: on the
+        last stage's rank; None on the others. Each call may have another shape
+        (generation feeds a prompt, then one token at a time)."""
+        out = None
+        for chunk in range(self.chunks):
+            if self._is_first(chunk):
+                x = inputs
+            else:
+                x = self._channels.recv_shaped((self.rank - 1) % self.pp, _INFER_TAG)
+            y = self.pieces[chunk](x)
+            if self._is_last(chunk):
+                out = y
+            else:
+                self._channels.send_shaped(y, (self.rank + 1) % self.pp, _INFER_TAG)
+        return out
 
     def _run(self, actions: list[Action], inputs: torch.Tensor | None,
              targets: torch.Tensor | None, backward: bool) -> torch.Tensor:

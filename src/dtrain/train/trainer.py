@@ -53,6 +53,7 @@ from dtrain.models.config import ModelConfig
 from dtrain.models.generate import generate
 from dtrain.models.weights import weights_of
 from dtrain.train import hardware
+from dtrain.train.generation import generate_held, splits_model
 from dtrain.train.metrics import Progress
 from dtrain.train.sinks import open_sinks
 from dtrain.train.speed import StepSpeed, flops_per_token
@@ -281,14 +282,32 @@ class Trainer:
             path = self.save(tc.steps)
         if self.main:
             self.progress.write(f"checkpoint: {path}")
-        if config.logging.sample_tokens and self.main:  # from the checkpoint: whole, here
-            self.progress.write("sample:\n" + sample(self.shape, Checkpoint(path),
-                                                       self.data.tokenizer, config.logging,
-                                                       self.world.device))
+        if config.logging.sample_tokens:
+            self.print_sample(path)
         self.metrics.close()
         if self.own_timeline:
             self.progress.write(f"timeline: {_write_own_timeline(self.world)}")
         return {"losses": self.losses, "eval_losses": self.eval_losses, "checkpoint": str(path)}
+
+    def print_sample(self, path: Path) -> None:
+        """Rank 0 prints `logging.sample_tokens` tokens generated after `logging.
+        sample_prompt`: by every rank from the model as it holds it when the layout splits
+        it (dtrain.train.generation), else by rank 0 from the checkpoint at `path`, built
+        whole there. The same seed and draws either way: the same text."""
+        lc = self.config.logging
+        if splits_model(self.config, self.layout) and \
+                self.config.fault_tolerance.mode != "live":
+            tokenizer = self.data.tokenizer
+            ids = generate_held(self.held, self.model, self.mesh,
+                                tokenizer.encode(lc.sample_prompt) or tokenizer.separator,
+                                lc.sample_tokens, seed=0, temperature=0.8,
+                                vocab_size=self.shape.vocab_size)
+            text = tokenizer.decode(ids)
+        elif self.main:  # from the checkpoint: whole, here
+            text = sample(self.shape, Checkpoint(path), self.data.tokenizer, lc,
+                          self.world.device)
+        if self.main:
+            self.progress.write("sample:\n" + text)
 
     def step(self) -> float:
         """Forward and backward of one global batch, the optimizer step; the mean loss."""

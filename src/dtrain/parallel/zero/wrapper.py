@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dtrain import comm
+from dtrain.comm.group import Handle
 from dtrain.errors import DtrainError
 from dtrain.models.moe import split_experts
 from dtrain.parallel import clip
@@ -463,7 +464,7 @@ class ZeRO(nn.Module):
         return {**unit_bytes(self.units), "optimizer": optimizer_bytes(self.optimizer)}
 
 
-def _finish_gather(shard: torch.Tensor, work: Any) -> None:
+def _finish_gather(shard: torch.Tensor, work: Handle) -> None:
     """Wait for a refresh's all-gather and release its input copy at once (the finished
     collective's handle may keep it until the garbage collector finds the handle)."""
     work.wait()
