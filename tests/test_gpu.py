@@ -70,9 +70,10 @@ def test_recomputed_fused_attention_gives_the_same_gradients_in_bf16() -> None:
 
 
 def _layout_run(parallel: dict, memory: dict, folder: str,
-                train: dict | None = None) -> list[float]:
+                train: dict | None = None, optimizer: dict | None = None) -> list[float]:
     """STEPS steps of a layout on the GPU(s) over NCCL: the mean loss of each step, and the
-    final weights saved (layout-free) under `folder`; `train`: more `[train]` keys."""
+    final weights saved (layout-free) under `folder`; `train`, `optimizer`: more keys of
+    those sections."""
     import dtrain
     from dtrain import comm
 
@@ -80,7 +81,8 @@ def _layout_run(parallel: dict, memory: dict, folder: str,
     assert world.device.type == "cuda" and world.backend == "nccl"
     config = config_from_dict({
         "model": LLAMA, "train": {"batch_size": 4, "seed": SEED, **(train or {})},
-        "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0},
+        "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0,
+                      **(optimizer or {})},
         "parallel": {"nproc": world.world_size, **parallel}, "memory": memory})
     layout = layout_of(config, world.world_size)
     mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
@@ -154,6 +156,62 @@ def test_layouts_on_one_gpu_with_nccl_equal_one_process(parallel: dict, memory: 
     the compute copy (both runs round the same values; atomics may order sums apart)."""
     losses = run_ranks(_layout_run, 1, parallel, memory, str(tmp_path), timeout=180, env=NCCL)
     _assert_equal_to_one_process(tmp_path, losses, mixed, tol)
+
+
+@pytest.mark.parametrize("parallel, tol", [
+    ({"zero": 1}, 1e-5), ({"zero": 2, "mixed_precision": "bf16"}, 1e-3), ({"zero": 3}, 1e-5),
+    ({"zero": 3, "mixed_precision": "bf16"}, 1e-3)],
+    ids=["zero1", "zero2-bf16", "zero3", "zero3-bf16"])
+def test_optimizer_offload_on_one_gpu_equals_no_offload(parallel: dict, tol: float,
+                                                         tmp_path: Path) -> None:
+    """`[memory] offload = "optimizer"` on the GPU (pinned host buffers, a side CUDA stream,
+    SGD's momentum and the masters on the host) against the same layout without it: the
+    losses of every step and the final weights. The host's SGD and the GPU's round alike
+    (elementwise multiply-adds, fused or not: an ulp apart at most), so fp32's tolerance is a
+    few ulps; under bf16 such an ulp of a master may round its bf16 copy apart."""
+    losses, weights = {}, {}
+    for offload in ("none", "optimizer"):
+        folder = tmp_path / offload
+        losses[offload] = run_ranks(_layout_run, 1, parallel, {"offload": offload}, str(folder),
+                                    None, {"momentum": 0.9}, timeout=180, env=NCCL)
+        weights[offload] = universal.Checkpoint(universal.latest(folder)).model_state()
+    torch.testing.assert_close(losses["optimizer"], losses["none"], rtol=tol, atol=0)
+    torch.testing.assert_close(weights["optimizer"], weights["none"], rtol=tol, atol=tol / 10)
+
+
+def test_offload_keeps_the_optimizer_on_pinned_host_memory() -> None:
+    """In one process (a ZeRO group of one): with offload the master shards and AdamW's
+    state are pinned host tensors, copies run on a side stream, the GPU holds less, and
+    three steps give the weights of three steps without offload."""
+    import dtrain
+
+    def train(offload: str | None) -> tuple[dtrain.ZeRO, list[float], int]:
+        """The wrapper, the losses, and the CUDA bytes it holds after its steps (a delta:
+        a wrapper is not freed at once, its parameters' hooks pointing back at it)."""
+        before = torch.cuda.memory_allocated()
+        model = init.materialized(skeleton(), init.Initial(skeleton(), seed=SEED), "cuda")
+        z = dtrain.ZeRO(model, lambda p: torch.optim.AdamW(p, lr=1e-3), stage=2,
+                        mixed_precision="bf16", offload_device=offload)
+        losses = []
+        for x, y in batches("cuda"):
+            _, loss = z(x, y)
+            z.backward(loss)
+            z.clip_grad_norm_(1.0)
+            z.step()
+            z.zero_grad()
+            losses.append(float(loss.detach().float()))
+        torch.cuda.synchronize()
+        return z, losses, torch.cuda.memory_allocated() - before
+
+    _, want, held = train(None)
+    z, got, moved = train("cpu")
+    assert z.offload is not None and z.offload.copies.stream is not None
+    assert all(u.master.is_pinned() and u.master.dtype == torch.float32 for u in z.units)
+    state = [t for s in z.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    assert state and all(t.device.type == "cpu" for t in state)
+    assert z.state_bytes()["optimizer"] == 0 < z.state_bytes()["host_optimizer"]
+    assert moved < held, (moved, held)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=0)  # bf16 weights: a flipped ulp
 
 
 @pytest.mark.parametrize("parallel, tol", [({}, 1e-3), ({"zero": 3}, 1e-3)],

@@ -133,9 +133,9 @@ def relative_change_error(got: dict, want: dict, start: dict) -> float:
 
 
 def train(rank: int, world: int, model: nn.Module, stage: int, accum: int, factory,
-          mixed: str | None = None) -> dict:
+          mixed: str | None = None, offload: str | None = None) -> dict:
     z = dtrain.ZeRO(model, factory, stage=stage, mixed_precision=mixed, bucket_mb=0.0005,
-                    algorithm=ALGORITHM)
+                    algorithm=ALGORITHM, offload_device=offload)
     losses, norms = [], []
     for step in range(STEPS):
         x, y = batch(step, world * PER_RANK * accum)
@@ -161,10 +161,11 @@ def train(rank: int, world: int, model: nn.Module, stage: int, accum: int, facto
             "owned": sum(hi - lo for u in z.units for _, lo, hi in u.flat.pieces(rank))}
 
 
-def run(world: int, stage: int, accum: int = 1, factory=adamw, mixed: str | None = None):
+def run(world: int, stage: int, accum: int = 1, factory=adamw, mixed: str | None = None,
+        offload: str | None = None):
     base = base_model()
     return run_threads(lambda rank: train(rank, world, copy.deepcopy(base), stage, accum,
-                                          factory, mixed), world, timeout=60)
+                                          factory, mixed, offload), world, timeout=60)
 
 
 @pytest.mark.timeout(120)

@@ -273,6 +273,10 @@ class MemoryConfig:
     checkpoint_modules: list[str] = field(default_factory=list)
     """Instead of activation_checkpointing's choice, recompute exactly these modules:
     dotted names, `*` standing for one name component (e.g. "blocks.*.mlp")."""
+    offload: str = "none"
+    """none; optimizer: keep ZeRO's optimizer state and fp32 master shards in host memory
+    and step the optimizer there, each step's gradient shards copied to the host and the
+    parameters back in the background (ZeRO-Offload; needs parallel.zero >= 1)."""
 
 
 @dataclass
@@ -340,6 +344,7 @@ CHOICES = {
     "fault_tolerance.mode": ("restart", "live"),
     "ps.consistency": CONSISTENCY,
     "memory.activation_checkpointing": ("none", "full", "selective"),
+    "memory.offload": ("none", "optimizer"),
     "model.router": ROUTERS,
     "parallel.cp_method": CP_METHODS,
     "train.float8": ("none", *FLOAT8_RECIPES),
@@ -474,6 +479,8 @@ def _validate(config: Config) -> None:
     if p.mode == "ps" and (p.tp > 1 or p.pp > 1 or p.zero or p.dp):
         raise ConfigError("parallel.mode = \"ps\" trains whole replicas on the workers: "
                           "leave parallel.tp, pp, zero and dp at their defaults")
+    if config.memory.offload != "none":
+        _validate_offload(config)
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1 (it splits the "
                           "sequence across the tensor-parallel ranks): set parallel.tp")
@@ -486,6 +493,20 @@ def _validate(config: Config) -> None:
         raise ConfigError("comm.grad_dtype is for DataParallel; with parallel.zero set "
                           "parallel.mixed_precision instead")
     _validate_slow_links(config)
+
+
+def _validate_offload(config: Config) -> None:
+    """Optimizer offload moves ZeRO's optimizer shards to the host: it needs ZeRO, and what
+    reaches into the optimizer state across replicas does not follow it there yet."""
+    if not config.parallel.zero:
+        raise ConfigError(f"memory.offload = {config.memory.offload!r} needs parallel.zero = "
+                          "1, 2 or 3 (it moves ZeRO's optimizer shards to the host)")
+    if config.sync.method != "every_step":
+        raise ConfigError(f"memory.offload with sync.method = {config.sync.method!r} is not "
+                          "supported yet: use memory.offload = \"none\"")
+    if config.fault_tolerance.mode == "live":
+        raise ConfigError("memory.offload with fault_tolerance.mode = \"live\" is not "
+                          "supported yet: use fault_tolerance.mode = \"restart\"")
 
 
 def _validate_moe(config: Config) -> None:

@@ -23,14 +23,15 @@ def zero_of(module: nn.Module, group: GroupLike, config: Config, device: torch.d
     """`module` wrapped in ZeRO over `group` as `[parallel]`, `[comm]` and `[optimizer]`
     say, each shard also averaged by `averaging` if given, split experts sharded over
     `expert_group` (the ranks holding the same experts); a module built in split form gets
-    its shards (only) on `device`."""
+    its shards (only) on `device`; `[memory] offload` puts the optimizer shards on the host."""
     pc = config.parallel
     mixed = None if pc.mixed_precision == "fp32" else pc.mixed_precision
     init.allocate_buffers(module, device)
     return ZeRO(module, lambda _: build_optimizer(module.parameters(), config.optimizer),
                 stage=pc.zero, group=group, bucket_mb=config.comm.bucket_mb,
                 mixed_precision=mixed, device=device, averaging=averaging,
-                expert_group=expert_group)
+                expert_group=expert_group,
+                offload_device="cpu" if config.memory.offload == "optimizer" else None)
 
 
 class Sharded(Holding):

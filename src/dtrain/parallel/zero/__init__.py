@@ -39,12 +39,13 @@ get a zero gradient (in one process their gradient would stay None and the optim
 would skip them).
 
 Modules, one concern each (no import cycle: flat <- units <- optimizer <- wrapper, units
-<- state_io <- wrapper):
+<- state_io <- wrapper, units <- offload <- wrapper):
 
 - flat: the flat units' layout, parameters end to end and their shards.
 
 - units: `Unit`, one flat unit's tensors on this rank (`ZeRO.units`), and their packing.
 - optimizer: the factory's optimizer rebuilt over this rank's shard pieces.
+- offload: the optimizer state, master shards and step on the host (`offload_device`).
 - wrapper: the `ZeRO` module (hooks, gathers, reduce-scatters, step, clip, grad_parts).
 - state_io: state in and out, full and sharded (`from dtrain.parallel.zero import
   state_io`).

@@ -70,6 +70,7 @@ def _state_shard(unit: Unit, z: ZeRO, key: str) -> torch.Tensor:
 
 def _gather_unit(z: ZeRO, unit: Unit, shard: torch.Tensor) -> dict[str, torch.Tensor]:
     """The unit's parameters (by name, flattened) from every rank's `shard`."""
+    shard = shard.to(unit.full.device)  # offloaded: from the host (NCCL gathers the device's)
     whole = comm.all_gather(shard.contiguous(), group=unit.group,
                             algorithm=z.algorithm).view(-1)
     return {span.name: whole[span.at : span.at + span.hi - span.lo]
@@ -222,7 +223,7 @@ def load_segments(z: ZeRO, params: Segments, state: dict[str, Segments] | None,
     if param_groups is not None:
         for group, options in zip(z.optimizer.param_groups, param_groups, strict=True):
             group.update(options)
-    z.refresh_parameters()
+    z.publish_masters()
 
 
 def load_sharded_state(z: ZeRO, shards: list[dict[str, Any]]) -> None:

@@ -46,7 +46,13 @@ class Unit:
         backward_started: stage 3: whether this backward has gathered the unit already.
         pieces: (optimizer parameter group, lo, hi, the optimizer's parameter): where each
             group meets this rank's shard; the optimizer's parameters are views of `master`.
-        grad_shard: the gradient of `master`, reduced over the group (None until used).
+        grad_shard: the gradient of `master`, reduced over the group (None until used),
+            on the compute device.
+        offloaded: whether `master` (and the optimizer's pieces of it) is in host memory
+            (dtrain.parallel.zero.offload): then the pieces' .grad are host copies of
+            `grad_shard`, set by the offloaded step.
+        resident: offloaded stage 3: this rank's shard on the compute device, in the
+            compute dtype, which the gathers read (the master being on the host).
     """
 
     flat: FlatUnit
@@ -62,6 +68,8 @@ class Unit:
     backward_started: bool = False
     pieces: list[tuple[int, int, int, nn.Parameter]] = field(default_factory=list)
     grad_shard: torch.Tensor | None = None
+    offloaded: bool = False
+    resident: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -69,10 +77,12 @@ class Unit:
         return self.group.rank
 
     def shard_grad(self) -> torch.Tensor:
-        """The gradient shard, created (zero) on first use; the pieces' .grad view it."""
+        """The gradient shard, created (zero) on first use; the pieces' .grad view it
+        (unless offloaded)."""
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(self.master)
-            for _, lo, hi, piece in self.pieces:
+            self.grad_shard = torch.zeros(self.master.shape, dtype=self.master.dtype,
+                                          device=self.full.device)
+            for _, lo, hi, piece in [] if self.offloaded else self.pieces:
                 piece.grad = self.grad_shard[lo:hi]
         return self.grad_shard
 
@@ -91,8 +101,9 @@ class Unit:
         """Stage 3: start all-gathering `full` from every rank's master shard."""
         if self.gathered or self.gathering is not None:
             return
-        self.gathering = comm.all_gather(self.master.to(self.full.dtype), group=self.group,
-                                         async_op=True, algorithm=algorithm)
+        shard = self.resident if self.resident is not None else self.master.to(self.full.dtype)
+        self.gathering = comm.all_gather(shard, group=self.group, async_op=True,
+                                         algorithm=algorithm)
 
     @torch.no_grad()
     def gather(self, algorithm: str) -> None:

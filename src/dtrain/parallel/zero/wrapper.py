@@ -34,6 +34,7 @@ from dtrain.parallel.clip import GradPart
 from dtrain.parallel.data_parallel import parse_dtype
 from dtrain.parallel.data_parallel.buckets import launch_ready
 from dtrain.parallel.zero import state_io as zero_state
+from dtrain.parallel.zero.offload import Offload
 from dtrain.parallel.zero.optimizer import OptimizerFactory, group_index, shard_optimizer
 from dtrain.parallel.zero.optimizer import state_bytes as optimizer_bytes
 from dtrain.parallel.zero.units import (
@@ -84,6 +85,11 @@ class ZeRO(nn.Module):
             peers sent it); the rest as always. With `averaging`, each shard is then
             averaged with the same shard of the other replicas, which split their experts
             alike.
+        offload_device: "cpu" to keep the optimizer state (and the fp32 master shards of
+            mixed precision) in host memory and step the optimizer there, each unit's
+            gradient shard copied to the host and its parameters back in the background
+            (dtrain.parallel.zero.offload); None (default) keeps them on the module's
+            device.
 
     Raises:
         DtrainError: a bad stage or option, ranks with different models, or an optimizer
@@ -103,6 +109,7 @@ class ZeRO(nn.Module):
         device: torch.device | str | None = None,
         averaging: Averaging | None = None,
         expert_group: comm.GroupLike = None,
+        offload_device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
@@ -154,6 +161,8 @@ class ZeRO(nn.Module):
         self.units: list[Unit] = built.units  # in the order their gradients are reduced
         self._root = built.root  # stage 3: what no unit claims, held from forward to backward
         self._chain = built.chain  # stage 3: each module's units, in forward order
+        self.offload = None if offload_device is None else \
+            Offload(self.units, stage, torch.device(offload_device))  # before the optimizer
         self.optimizer = shard_optimizer(template, self.units)
         self.averaging = averaging
         if averaging is not None:
@@ -377,7 +386,10 @@ class ZeRO(nn.Module):
             self._scale /= 2
             self._good_steps = 0
             return False
-        self.optimizer.step()
+        if self.offload is not None:
+            self.offload.step(self.optimizer)
+        else:
+            self.optimizer.step()
         if self._scale != 1.0:
             self._good_steps += 1
             if self._good_steps % GROWTH_INTERVAL == 0:
@@ -402,6 +414,15 @@ class ZeRO(nn.Module):
                                                  algorithm=self.algorithm, out=unit.full)))
         for shard, work in works:
             _finish_gather(shard, work)
+
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """The master shards were set from outside the step (a checkpoint, a state_dict):
+        copy them to where the module computes (offloaded: to the device) and rebuild the
+        full parameters (`refresh_parameters`)."""
+        if self.offload is not None:
+            self.offload.publish()
+        self.refresh_parameters()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of the last step (and any accumulated under no_sync);
@@ -460,8 +481,15 @@ class ZeRO(nn.Module):
     # ----------------------------------------------------------------- introspection
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds now: parameters (the module's, as
-        materialized, plus separate master shards), gradients and optimizer state."""
-        return {**unit_bytes(self.units), "optimizer": optimizer_bytes(self.optimizer)}
+        materialized, plus separate master shards), gradients and optimizer state. With
+        offload these count the compute device's tensors only ("master": stage 3's
+        resident shards), and "host_master", "host_grads" and "host_optimizer" what the
+        host keeps."""
+        held = {**unit_bytes(self.units), "optimizer": optimizer_bytes(self.optimizer)}
+        if self.offload is None:
+            return held
+        return {**held, "master": self.offload.device_bytes(), "optimizer": 0,
+                **self.offload.host_bytes(held["optimizer"])}
 
 
 def _finish_gather(shard: torch.Tensor, work: Handle) -> None:
