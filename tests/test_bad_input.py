@@ -217,8 +217,6 @@ CONFIGS = [
                         "--set", "parallel.nproc=1"],
                  "train.float8 needs a GPU with FP8 tensor cores (compute capability >= 8.9",
                  2, id="float8-on-a-cpu-one-process"),
-    pytest.param(None, ["--set", "train.float8='tensorwise'", "--set", "parallel.tp=2"],
-                 "train.float8 with parallel.tp = 2 is not supported", 2, id="float8-with-tp"),
     pytest.param(None, ["--set", "train.float8='e4m3'"],
                  "train.float8 = 'e4m3' must be one of none, tensorwise, rowwise", 2,
                  id="unknown-float8-recipe"),

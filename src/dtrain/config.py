@@ -47,7 +47,6 @@ from dtrain.job_layout import Layout, resolve_layout
 from dtrain.models import presets as models_presets
 from dtrain.models.config import ARCHS, ModelConfig, check_moe, check_shape, with_preset
 from dtrain.models.float8 import RECIPES as FLOAT8_RECIPES
-from dtrain.models.float8 import check_tensor_parallel as check_float8_tp
 from dtrain.models.hf import ROTARY_FAMILY, hf_config_dict, hf_experts
 from dtrain.models.llama import moe_config
 from dtrain.models.moe.router import ROUTERS
@@ -474,8 +473,6 @@ def _validate(config: Config) -> None:
                           "not supported (its loss scaling is per ZeRO group): use \"bf16\"")
     if p.pp > 1:
         _validate_pipeline(config)
-    if config.train.float8 != "none":
-        check_float8_tp(p.tp)
     if p.mode == "ps" and (p.tp > 1 or p.pp > 1 or p.zero or p.dp):
         raise ConfigError("parallel.mode = \"ps\" trains whole replicas on the workers: "
                           "leave parallel.tp, pp, zero and dp at their defaults")

@@ -88,10 +88,9 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
 
     Raises:
         ConfigError: `train.float8` where this rank's device has no FP8 (a CPU, a GPU
-            below compute capability 8.9), without torchao, or with tp > 1.
+            below compute capability 8.9), or without torchao.
     """
     if config.train.float8 != "none":  # refused before anything is split or allocated
-        float8.check_tensor_parallel(layout.tp)
         float8.check_float8(mesh.world.device)
     skeleton = init.is_skeleton(model)
     if skeleton and weights is None:

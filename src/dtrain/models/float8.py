@@ -1,7 +1,7 @@
 """FP8 training of the transformer blocks' linear layers, with torchao's float8 training.
 
     check_float8(torch.device("cuda"))          # ConfigError unless this GPU has FP8
-    converted = convert_to_float8(model, "rowwise")   # the nn.Linear layers swapped
+    converted = convert_to_float8(model, "rowwise")   # the linear layers converted
 
 Each plain nn.Linear inside the model's blocks (`dtrain.models.stages.block_lists`)
 becomes torchao's `Float8Linear`: the same `weight` and `bias` parameters (so names,
@@ -30,10 +30,12 @@ split the model and before `train.compile`, as torchao recommends):
   to FP8 happens inside each linear's forward, after the gather. torchao's FP8 all-gather
   (`enable_fsdp_float8_all_gather`, which halves ZeRO-3's gather traffic) works on the
   DTensor parameters of PyTorch's FSDP2 only, so dtrain does not turn it on.
-- Tensor parallelism: dtrain's ColumnParallelLinear and RowParallelLinear are their own
-  modules calling F.linear between their collectives, not nn.Linear, and the tp plans
-  turn every linear of the blocks into one of them, so nothing would be left to convert:
-  `train.float8` with `parallel.tp > 1` is refused (`check_tensor_parallel`).
+- Tensor parallelism: dtrain's ColumnParallelLinear and RowParallelLinear are modules of
+  their own (not nn.Linear) that compute their block of the product through `.matmul`
+  between their collectives; conversion makes that product FP8's (torchao's Float8Linear
+  run with the layer's weight block), so each rank multiplies its block in FP8 and the
+  collectives carry the result in the compute dtype, as torchao's own tensor-parallel
+  styles do for DTensor.
 - torch.compile (`train.compile`): convert first, then compile; the compiler fuses the
   scaling (the absolute maximum and the cast) into the kernels around the multiply, which
   is where most of the speed comes from.
@@ -48,9 +50,11 @@ torchao casts back from 0.12 on).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dtrain.errors import ConfigError
@@ -62,6 +66,11 @@ RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)
 """CUDA compute capability of the first GPUs with FP8 tensor cores (Ada: L4, RTX 4090;
 Hopper: H100, H200 are 9.0)."""
+
+Matmul = Callable[..., torch.Tensor]
+"""A linear layer's product as a function: (x, weight, bias=None) -> x weight^T + bias
+(F.linear's signature). Tensor-parallel layers compute their block through one
+(`.matmul`), which FP8 replaces."""
 
 _ALIGN = 16  # FP8 matrix multiplies (torch._scaled_mm) need both dimensions multiples of it
 _BLOCKS_FIX = ("train.float8", "keep the model's blocks in an nn.ModuleList, or set "
@@ -109,9 +118,12 @@ def _torchao_float8() -> ModuleType:
 
 
 def float8_layers(model: nn.Module) -> tuple[list[str], list[str]]:
-    """(the names of the plain nn.Linear layers of `model`'s blocks that FP8 can run, those
-    it cannot because a dimension is not a multiple of 16), as named_modules() names them.
-    Layers converted already, and subclasses of nn.Linear, are in neither list.
+    """(the names of the linear layers of `model`'s blocks that FP8 can run, those it
+    cannot because a dimension is not a multiple of 16), as named_modules() names them.
+    Linear layers are plain nn.Linear ones and tensor-parallel ones (a `.matmul` that is
+    F.linear: dtrain.tensor_parallel's ColumnParallelLinear and RowParallelLinear), judged
+    by the block of the weight this rank holds. Layers converted already, and subclasses
+    of nn.Linear, are in neither list.
 
     Raises:
         ConfigError: the model keeps no blocks in an nn.ModuleList.
@@ -119,11 +131,16 @@ def float8_layers(model: nn.Module) -> tuple[list[str], list[str]]:
     chosen, skipped = [], []
     for list_name in block_lists(model, _BLOCKS_FIX):
         for name, module in model.get_submodule(list_name).named_modules(prefix=list_name):
-            if type(module) is not nn.Linear:
+            if not (type(module) is nn.Linear or _splits_by_matmul(module)):
                 continue
-            aligned = module.in_features % _ALIGN == 0 and module.out_features % _ALIGN == 0
+            aligned = all(n % _ALIGN == 0 for n in module.weight.shape)
             (chosen if aligned else skipped).append(name)
     return chosen, skipped
+
+
+def _splits_by_matmul(module: nn.Module) -> bool:
+    """Whether `module` is a tensor-parallel layer computing through F.linear still."""
+    return getattr(module, "matmul", None) is F.linear
 
 
 def convert_to_float8(model: nn.Module, recipe: str) -> list[str]:
@@ -148,16 +165,40 @@ def convert_to_float8(model: nn.Module, recipe: str) -> list[str]:
         raise ConfigError(f"train.float8: no nn.Linear layer in the blocks of "
                           f"{type(model).__name__} has dimensions that are multiples of 16 "
                           f"(FP8 needs them): set train.float8 = \"none\"")
-    names = set(chosen)
-    float8.convert_to_float8_training(
-        model, config=float8.Float8LinearConfig.from_recipe_name(recipe),
-        module_filter_fn=lambda _module, fqn: fqn in names)
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    modules = dict(model.named_modules())
+    plain = {name for name in chosen if type(modules[name]) is nn.Linear}
+    float8.convert_to_float8_training(model, config=config,
+                                      module_filter_fn=lambda _module, fqn: fqn in plain)
+    for name in chosen:
+        if name not in plain:  # a tensor-parallel layer: its own block's product in FP8
+            modules[name].matmul = _float8_matmul(modules[name].weight, float8, config)
     return chosen
 
 
+def _float8_matmul(weight: torch.Tensor, float8: ModuleType, config: object) -> Matmul:
+    """F.linear in FP8 for weights shaped like `weight`: torchao's Float8Linear (made by
+    its public `convert_to_float8_training` from a parameterless shell on the meta device)
+    run with the layer's own weight (torch.func.functional_call), the bias added after as
+    Float8Linear adds it."""
+    shell = nn.Sequential(nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                    device="meta"))
+    float8.convert_to_float8_training(shell, config=config)
+    fp8 = shell[0]
+
+    def matmul(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        y = torch.func.functional_call(fp8, {"weight": w}, (x,))
+        return y if b is None else y + b.to(y.dtype)
+
+    return matmul
+
+
 def _converted(model: nn.Module) -> bool:
-    """Whether any linear layer of `model` is a torchao Float8Linear already."""
-    return any(type(m).__name__ == "Float8Linear" for m in model.modules())
+    """Whether any linear layer of `model` runs in FP8 already (a torchao Float8Linear, or
+    a tensor-parallel layer whose product is FP8's)."""
+    return any(type(m).__name__ == "Float8Linear" or
+               getattr(m, "matmul", F.linear) is not F.linear for m in model.modules())
 
 
 def describe(converted: list[str], skipped: list[str], recipe: str) -> str:
@@ -168,17 +209,3 @@ def describe(converted: list[str], skipped: list[str], recipe: str) -> str:
                                           else "")
         text += f" ({shown} left as they were: dimensions not multiples of 16)"
     return text
-
-
-def check_tensor_parallel(tp: int) -> None:
-    """Refuse FP8 with tensor parallelism (see the module's doc: dtrain's tp layers are not
-    nn.Linear, and they replace every linear of the blocks).
-
-    Raises:
-        ConfigError: tp > 1.
-    """
-    if tp > 1:
-        raise ConfigError(f"train.float8 with parallel.tp = {tp} is not supported: dtrain's "
-                          "tensor-parallel layers are not nn.Linear, so no layer would run "
-                          "in FP8; use parallel.tp = 1 (with dp, zero, pp, cp) or "
-                          "train.float8 = \"none\"")

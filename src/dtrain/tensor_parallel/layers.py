@@ -27,6 +27,7 @@ from torch import nn
 from dtrain import comm
 from dtrain.errors import ConfigError
 from dtrain.job_layout import Split
+from dtrain.models.float8 import Matmul
 from dtrain.tensor_parallel.functions import (
     SequenceGather,
     copy_to_group,
@@ -86,6 +87,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, in_features, **kw))
         self.bias = nn.Parameter(torch.empty(local, **kw)) if bias else None
         self.splits = {"weight": Split(0, chunks), "bias": Split(0, chunks)}
+        self.matmul: Matmul = F.linear  # x A^T (+ b) of this rank's block (FP8: float8)
         _uniform_(self.weight, in_features)
         if self.bias is not None:
             _uniform_(self.bias, in_features)
@@ -95,7 +97,7 @@ class ColumnParallelLinear(nn.Module):
             x = self.sequence_gather(x)
         else:
             x = copy_to_group(x, self.group, self.algorithm)
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
         if not self.gather_output:
             return y
         y = gather_last(y, self.group, self.algorithm)  # [part 0, part 1, ..] of rank 0, ..
@@ -145,6 +147,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.splits = {"weight": Split(1)}
+        self.matmul: Matmul = F.linear  # x A^T of this rank's block (FP8: float8)
         _uniform_(self.weight, in_features)
         if self.bias is not None:
             _uniform_(self.bias, in_features)
@@ -153,7 +156,7 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_last(x, self.group, self.algorithm)
         reduce = reduce_scatter_sequence if self.sequence_parallel else reduce_from_group
-        y = reduce(F.linear(x, self.weight), self.group, self.algorithm)
+        y = reduce(self.matmul(x, self.weight), self.group, self.algorithm)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
