@@ -15,10 +15,12 @@ is made by where the forward is, as dtrain.planner.traced.trace labels a traced 
                     model's between the input part and the head: what sequence
                     parallelism keeps 1/tp of the sequence of;
   layer inputs      a column-parallel layer's input (a norm's output), which the layer
-                    keeps for backward: whole with or without sequence parallelism (it
-                    gathers the sequence first);
-  the rest          made inside the split layers, attention and MLP (already 1/tp), the
-                    embedding, the head and the loss.
+                    keeps for backward: whole without sequence parallelism, this rank's
+                    part with it (backward gathers it again);
+  attention, MLP    made inside a block's attention or MLP: split by heads or features
+                    (already 1/tp without sequence parallelism);
+  embedding, head   the rest: the embedding, the head's logits (split by vocabulary)
+                    and the loss.
 
 Time: forward, backward, AdamW step of each model in turns (dtrain.comm.timing.time_turns,
 the slowest rank's, median of rounds), the comparison repeated `--repeats` times.
@@ -43,12 +45,13 @@ from dtrain import tensor_parallel as tp
 from dtrain.comm.timing import time_turns
 from dtrain.config import OptimizerConfig
 from dtrain.layouts import build_optimizer
-from dtrain.models.llama import Block, RMSNorm
+from dtrain.models.llama import MLP, Attention, Block, RMSNorm
 from dtrain.planner import LiveBytes
 from dtrain.tensor_parallel.layers import ColumnParallelLinear
 
-SEQ, INPUT, REST = 0, 1, 2
-KINDS = ("norms, residuals", "layer inputs", "the rest")
+SEQ, INPUT, ATTENTION, MLP_HIDDEN, REST = range(5)
+KINDS = ("norms, residuals", "layer inputs", "attention (split by heads)",
+         "MLP (split by features)", "embedding, head, loss")
 MiB = 2**20
 
 
@@ -63,25 +66,31 @@ class Labels:
         self.tracker = LiveBytes(kind=self.kind, kinds=len(KINDS))
         gathers = {id(m.sequence_gather): m.sequence_gather for m in model.modules()
                    if isinstance(m, ColumnParallelLinear) and m.sequence_gather is not None}
-        labelled = {key: self._labelled(gather) for key, gather in gathers.items()}
+        for gather in gathers.values():
+            gather.gathered = self._labelled(gather.gathered)
         for m in model.modules():
             if isinstance(m, ColumnParallelLinear):
                 m.register_forward_pre_hook(lambda _m, args: self.tracker.relabel(args[0], INPUT))
-                if m.sequence_gather is not None:
-                    m.sequence_gather = labelled[id(m.sequence_gather)]
 
-    def _labelled(self, gather):
-        def call(x: torch.Tensor) -> torch.Tensor:
-            whole = gather(x)
+    def _labelled(self, gathered):
+        def call(x: torch.Tensor):
+            whole, again = gathered(x)
             self.tracker.relabel(whole, INPUT)
-            return whole
+            return whole, again
         return call
 
     def kind(self, _t: torch.Tensor) -> int:
         if not self.stack:
             return REST
         top = self.stack[-1]
-        return SEQ if isinstance(top, (RMSNorm, Block)) or top is self.model else REST
+        if isinstance(top, (RMSNorm, Block)) or top is self.model:
+            return SEQ
+        for module in reversed(self.stack):
+            if isinstance(module, Attention):
+                return ATTENTION
+            if isinstance(module, MLP):
+                return MLP_HIDDEN
+        return REST
 
     def __enter__(self) -> Labels:
         def push(module: nn.Module, _args) -> None:
@@ -209,8 +218,10 @@ def section(mem: dict, runs: list[dict], summary: dict, shape, args,
         cell = f"**{b / a:.2f}**" if kind == SEQ else f"{b / a:.2f}"
         lines.append(f"| {name} | {a / MiB:.2f} | {b / MiB:.2f} | {cell} |")
     a, b = sum(plain["kept"]), sum(sp["kept"])
+    split = sum(sp["kept"][k] for k in (ATTENTION, MLP_HIDDEN, REST))
+    kept = b / a
     lines += [
-        f"| all | {a / MiB:.2f} | {b / MiB:.2f} | {b / a:.2f} |",
+        f"| all | {a / MiB:.2f} | {b / MiB:.2f} | **{kept:.2f}** |",
         f"| peak over forward and backward | {plain['peak'] / MiB:.2f} | "
         f"{sp['peak'] / MiB:.2f} | {sp['peak'] / plain['peak']:.2f} |",
         "",
@@ -234,26 +245,37 @@ def section(mem: dict, runs: list[dict], summary: dict, shape, args,
         "|---|---|---|",
         f"| norms and residuals kept: with / without at most 0.5 | {seq:.3f} | "
         f"{'yes' if seq <= 0.5 + 5e-3 else 'no'} |",
+        f"| all activations kept: with / without at most 0.65 | {kept:.3f} | "
+        f"{'yes' if kept <= 0.65 else 'no'} |",
         f"| step time: with / without at most 1.1 | {ratio:.3f} | "
         f"{'yes' if ratio <= 1.1 else 'no'} |",
         "",
-        "What sequence parallelism divides is only the norms' and residuals' part; each "
-        "column-parallel layer still keeps its input gathered whole for its weight gradient "
-        "(Korthikanti et al. keep the part and gather again in backward), and the split layers' "
-        "activations were 1/tp already.",
+        "What is kept: sequence parallelism halves the norms' and residuals' tensors and, "
+        "since each column-parallel layer keeps only its part of its input and gathers it "
+        "again in backward (as Korthikanti et al. do), the layer inputs too. What it cannot "
+        "divide is what tensor parallelism split already: attention's heads, the SwiGLU "
+        f"MLP's gate, up and product ({shape.ffn_hidden // 2} features a token per rank "
+        f"against a width of {shape.n_embd}, four such tensors kept), the head's logits; "
+        f"{split / MiB:.2f} MiB, which alone are {split / a:.2f} of what is kept without. "
+        "So on this shape the ratio cannot go below that, whatever is done between the "
+        "split layers; selective recomputation drops only what attention's core keeps "
+        "(little without dropout), and with full recomputation only the blocks' inputs "
+        "(1/tp of the sequence here) are kept.",
         "",
-        "On time: with sequence parallelism a rank sends fewer bytes here (the column-parallel "
-        "layers reading one input share one gather forward and one reduce-scatter backward, "
-        "where plain tensor parallelism all-reduces each one's input gradient) and runs the "
-        "norms and residuals on half the tokens, but it makes more collective calls (a gather "
-        "and a reduce-scatter around every split pair, both ways, and in backward one "
-        f"all-reduce per norm weight's gradient: {norms} of them); at this size a step is "
-        "bound by the calls' latency on gloo, so it is slower. Coalescing the norm weights' "
-        "all-reduces into one per step, as Megatron-LM does, would remove most of the extra "
-        "calls. With `--algorithm auto` each run's calibration picks the collectives' "
-        "algorithms anew, differently for the two models' sizes and operations, and the "
-        "ratio ranged from 0.80 to 1.47 over seven runs; the table fixes gloo's own (native) "
-        "for both.",
+        "On time: a rank sends fewer bytes with sequence parallelism (layers reading one "
+        "input share one gather forward and one reduce-scatter backward, where plain tensor "
+        "parallelism all-reduces each one's input gradient) and runs the norms and residuals "
+        "on half the tokens, but it makes more collective calls: a gather and a "
+        "reduce-scatter around every split pair, both ways, where plain tensor parallelism "
+        "makes one all-reduce; the gather of each column-parallel layer's input again in "
+        "backward rides in the row-parallel layer's backward all-gather just before it (the "
+        "gradient and the input stacked: one call), but the head's input has no such "
+        "partner and is gathered on its own; the replicated parameters' gradients (the "
+        f"{norms} norms' weights) are summed in one all-reduce at the end of backward, not "
+        "one each. At this size a step is bound by the calls' latency on gloo, not by "
+        "bytes. With `--algorithm auto` each run's calibration picks the collectives' "
+        "algorithms anew, differently for the two models' sizes and operations; the table "
+        "fixes gloo's own (native) for both.",
     ]
     return lines
 

@@ -90,6 +90,13 @@ def test_a_model_without_blocks_is_refused_in_one_line() -> None:
 
 
 # ------------------------------------------------------------------ every layout
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One out_dir for the layout tests: the graphs they share (the same block in several
+    layouts) are compiled once and loaded from its compile_cache after."""
+    return tmp_path_factory.mktemp("compiled")
+
+
 def _run(shape: dict, parallel: dict, memory: dict, compiled: bool, out: str) -> dict:
     """STEPS steps of `parallel` on this rank, eager or compiled: the mean loss of each
     step, this rank's pieces of the final state, and dynamo's counts after step 2 and at
@@ -128,10 +135,12 @@ def _run(shape: dict, parallel: dict, memory: dict, compiled: bool, out: str) ->
             "state": {(p.name, p.part, p.lo): p.values.clone() for p in pieces}}
 
 
-def _compare(shape: dict, layout: str) -> None:
+def _compare(shape: dict, layout: str, out: Path) -> None:
+    """`layout` compiled against eager, on 2 ranks (out: the compiled run's out_dir, where
+    its kernels are cached)."""
     parallel, memory = LAYOUTS[layout]
-    eager = run_ranks(_run, 2, shape, parallel, memory, False, "", timeout=120)
-    with_compile = run_ranks(_run, 2, shape, parallel, memory, True, "", timeout=400)
+    eager = run_ranks(_run, 2, shape, parallel, memory, False, str(out), timeout=120)
+    with_compile = run_ranks(_run, 2, shape, parallel, memory, True, str(out), timeout=400)
     for rank, (want, got) in enumerate(zip(eager, with_compile, strict=True)):
         assert got["counts"][0] > 0, "nothing was compiled"
         assert got["counts"][-1] == got["counts"][1], \
@@ -150,33 +159,34 @@ def _compare(shape: dict, layout: str) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize("layout", ["dp", "zero3", "tp2-sp", "pp2", "full"])
-def test_compiled_layouts_equal_eager(arch: str, layout: str) -> None:
-    _compare(SHAPES[arch], layout)
+def test_compiled_layouts_equal_eager(arch: str, layout: str, shared: Path) -> None:
+    _compare(SHAPES[arch], layout, shared)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", ["dp", "zero3", "tp2", "pp2", "full"])
-def test_a_hugging_face_model_compiled_equals_eager(layout: str, tmp_path: Path) -> None:
+def test_a_hugging_face_model_compiled_equals_eager(layout: str, tmp_path: Path,
+                                                    shared: Path) -> None:
     """transformers' Llama: its decoder layers compiled (tp without sequence parallelism,
     which Hugging Face models do not take)."""
     import transformers
 
     transformers.LlamaConfig(**HF_LLAMA).save_pretrained(tmp_path)
-    _compare({"arch": "hf", "hf_config": str(tmp_path), "block_size": BLOCK}, layout)
+    _compare({"arch": "hf", "hf_config": str(tmp_path), "block_size": BLOCK}, layout, shared)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_context_parallel_and_experts_compiled_equal_eager() -> None:
+def test_context_parallel_and_experts_compiled_equal_eager(shared: Path) -> None:
     """cp's attention and the MoE layer are graph breaks; the rest of the block compiles."""
-    _compare(SHAPES["llama"], "cp2")
+    _compare(SHAPES["llama"], "cp2", shared)
     moe = {"arch": "llama", "preset": "moe-tiny", "n_layer": 2, "n_embd": 32, "n_head": 2,
            "n_kv_head": 2, "moe_inter_size": 32, "ffn_hidden": 64, "block_size": BLOCK,
            "moe_layers": "after 1", "capacity_factor": 0.0, "router": "sigmoid_bias",
            "aux_loss_weight": 0.0}
     LAYOUTS["ep2"] = ({"ep": 2}, {})
-    _compare(moe, "ep2")
+    _compare(moe, "ep2", shared)
 
 
 # ------------------------------------------------------------------ dtrain train

@@ -40,6 +40,7 @@ HF_ATTENTION = "dtrain_recomputed_sdpa"
 """The name under which transformers' SDPA attention, recomputed, is registered."""
 
 _ORIGINAL = "_recompute_original_forward"  # the instance attribute holding the forward
+_WITHIN = "_recompute_within"  # instance attribute: the module or one holding it recomputes
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called: their elements are
 _FULL_FIX = ("memory.activation_checkpointing = \"full\"", "list the modules to recompute in "
              "[memory] checkpoint_modules")
@@ -147,12 +148,22 @@ def checkpoint_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
             if _inside(inner_name, name) and is_recomputed(inner):
                 _restore(inner)  # recomputed by `name` already: no nested recomputation
         _recompute(modules[name])
+        for inner in modules[name].modules():
+            setattr(inner, _WITHIN, True)
     return outermost
 
 
 def is_recomputed(module: nn.Module) -> bool:
     """Whether `module`'s activations are recomputed in backward (by `checkpoint_modules`)."""
     return _ORIGINAL in vars(module)
+
+
+def recomputed_within(module: nn.Module) -> bool:
+    """Whether `module` runs inside a recomputed module (or is one): what it saves for
+    backward while training is dropped and made again, so it need not keep less itself
+    (dtrain.tensor_parallel's column-parallel layers under sequence parallelism keep their
+    whole input there)."""
+    return vars(module).get(_WITHIN, False)
 
 
 def recomputed_names(model: nn.Module) -> list[str]:

@@ -19,6 +19,8 @@ own module (`arch = "custom"`) does too to be pipelined.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -117,6 +119,11 @@ class AttentionCore(nn.Module):
     """Generation's cache of this core's keys and values (dtrain.models.kv_cache): q, k
     and v are the new tokens', which attend to every token kept before them too."""
 
+    rng: Callable[[torch.device], AbstractContextManager[None]] | None = None
+    """Where to draw the dropout mask: inside `rng(device)` when set (each tensor-parallel
+    rank holds its own heads and draws its own masks: dtrain.tensor_parallel.rng), the
+    default generator otherwise."""
+
     def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.dropout = dropout
@@ -136,8 +143,9 @@ class AttentionCore(nn.Module):
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         gqa = {"enable_gqa": True} if group > 1 and _SDPA_GQA else {}
         if before == 0:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True,
-                                                  **gqa)
+            with self._dropout_rng(drop, q.device):
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True,
+                                                      **gqa)
         # New token i sits at position before + i: it sees every key up to there (SDPA's
         # is_causal would align the queries with the first keys instead).
         t = q.shape[2]
@@ -145,6 +153,14 @@ class AttentionCore(nn.Module):
                 <= before + torch.arange(t, device=q.device)[:, None])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if t == 1 else seen,
                                               dropout_p=drop, **gqa)
+
+    def _dropout_rng(self, drop: float, device: torch.device
+                     ) -> AbstractContextManager[None]:
+        """Where this call draws its dropout mask: `rng(device)`, or the default generator
+        (no dropout, or no rng set)."""
+        if drop and self.rng is not None:
+            return self.rng(device)
+        return nullcontext()
 
 
 def block_lists(model: nn.Module, asked: tuple[str, str]) -> list[str]:

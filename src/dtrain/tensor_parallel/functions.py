@@ -22,6 +22,9 @@ width]) and replaces `f` and `g` by the two halves of an all-reduce:
 
 An all-gather and a reduce-scatter move what one all-reduce moves, so the communication
 is the same; the norms, dropouts and residuals in between hold 1/tp of the activations.
+A column-parallel layer there keeps only its part of its input for backward and gathers it
+again for its weight's gradient (`GatheredLinear`), once for the layers reading it
+(`Regather`), in the row-parallel layer's backward all-gather when one comes just before.
 
 Every function takes the tensor-parallel `group` (a dtrain Group) and an `algorithm` for
 dtrain.comm; a group of one is the identity. Each is a graph break for torch.compile
@@ -35,9 +38,11 @@ import weakref
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx
 
 from dtrain import comm
+from dtrain.comm.collectives import Result
 
 SEQUENCE = 1
 """The sequence dimension of a [batch, time, width] activation."""
@@ -152,17 +157,27 @@ class GatherSequence(torch.autograd.Function):
 class ReduceScatterSequence(torch.autograd.Function):
     """Reduce-scatter along the sequence in forward, all-gather in backward: sequence
     parallelism's `g-bar`, after a row-parallel layer. The partial sums of the whole
-    sequence become each rank's part of the summed output."""
+    sequence become each rank's part of the summed output.
+
+    `regather`: the Regather of the input the column-parallel layers before this one read
+    (attention's q, k and v before its output projection). Their backward comes next and
+    needs that input whole again; when it is still wanted, this backward's all-gather
+    carries it too, stacked with the gradient: one call for both."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, group: comm.Group, algorithm: str
-                ) -> torch.Tensor:
-        ctx.group, ctx.algorithm = group, algorithm
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: comm.Group, algorithm: str,
+                regather: Regather | None) -> torch.Tensor:
+        ctx.group, ctx.algorithm, ctx.regather = group, algorithm, regather
         return _reduce_scatter(x, SEQUENCE, group, algorithm)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _gather(grad, SEQUENCE, ctx.group, ctx.algorithm), None, None
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        part = ctx.regather.wanted() if ctx.regather is not None else None
+        if part is None or part.shape != grad.shape or part.dtype != grad.dtype:
+            return _gather(grad, SEQUENCE, ctx.group, ctx.algorithm), None, None, None
+        both = _gather(torch.stack((grad, part)), SEQUENCE + 1, ctx.group, ctx.algorithm)
+        ctx.regather.fill(both[1])
+        return both[0], None, None, None
 
 
 def _divides(x: torch.Tensor, dim: int, group: comm.Group, what: str) -> None:
@@ -207,11 +222,12 @@ def gather_sequence(x: torch.Tensor, group: comm.Group, algorithm: str = "auto")
 
 
 @torch.compiler.disable
-def reduce_scatter_sequence(x: torch.Tensor, group: comm.Group,
-                            algorithm: str = "auto") -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group: comm.Group, algorithm: str = "auto",
+                            regather: Regather | None = None) -> torch.Tensor:
     """This rank's part of dimension 1 of the sum of `x` over `group`; the gradient is
-    gathered whole (differentiable)."""
-    return x if group.size == 1 else ReduceScatterSequence.apply(x, group, algorithm)
+    gathered whole (differentiable), with `regather`'s part in the same call when it is
+    still wanted (see ReduceScatterSequence)."""
+    return x if group.size == 1 else ReduceScatterSequence.apply(x, group, algorithm, regather)
 
 
 @torch.compiler.disable
@@ -224,30 +240,136 @@ def scatter_sequence(x: torch.Tensor, group: comm.Group, algorithm: str = "auto"
     return Scatter.apply(x, SEQUENCE, group, algorithm)
 
 
+class Regather:
+    """One sequence part gathered whole again in backward, once for all the layers that
+    read it (Llama's q, k and v; its gate and up).
+
+    Each layer counts itself in forward (`users`); in backward the first to need the whole
+    starts the all-gather (`start`, asynchronous), and every one `take`s it; the last one
+    drops it, so the whole lives only while those layers' backward runs. Backward reaches
+    the layers in the same order on every rank, so the gathers line up.
+    """
+
+    def __init__(self, part: torch.Tensor, group: comm.Group, algorithm: str) -> None:
+        self.group, self.algorithm = group, algorithm
+        self.users = 0
+        self.partnered = False  # a row-parallel layer's backward gathers it (`fill`)
+        self._part = weakref.ref(part)  # the layers keep it for backward, not this
+        self._taken = 0
+        self._whole: torch.Tensor | None = None
+        self._pending: Result | None = None
+
+    def wanted(self) -> torch.Tensor | None:
+        """The part to gather, if layers will still take the whole and it is not here or on
+        its way (None: nothing to do)."""
+        if self._taken >= self.users or self._whole is not None or self._pending is not None:
+            return None
+        part = self._part()
+        return None if part is None else part.detach()
+
+    def fill(self, whole: torch.Tensor) -> None:
+        """The whole, gathered by someone else (a row-parallel layer's backward)."""
+        self._whole = whole
+
+    def start(self, part: torch.Tensor) -> None:
+        """Start gathering `part` unless the whole is here or on its way."""
+        if self._whole is None and self._pending is None:
+            # detached: a point-to-point algorithm copies it on the group's own thread,
+            # where grad mode is on
+            self._pending = comm.all_gather(part.detach().contiguous(), group=self.group,
+                                            async_op=True, algorithm=self.algorithm)
+
+    def take(self, part: torch.Tensor) -> torch.Tensor:
+        """The whole sequence `part` is this rank's part of (waiting for the gather)."""
+        self.start(part)
+        if self._whole is None:
+            stacked = self._pending.wait()
+            self._pending = None
+            pieces = stacked.view(self.group.size, *part.shape)
+            self._whole = torch.cat(pieces.unbind(0), dim=SEQUENCE)
+        whole = self._whole
+        self._taken += 1
+        if self._taken >= self.users:  # the last of this backward: a retained graph starts over
+            self._whole, self._taken = None, 0
+        return whole
+
+
+class GatheredLinear(torch.autograd.Function):
+    """`F.linear(whole, weight, bias)` for a column-parallel layer under sequence
+    parallelism, keeping for backward this rank's `part` of the input instead of the whole
+    (Korthikanti et al., 2022, section 4.2.2: the weight gradient needs the whole sequence,
+    gathered again in backward).
+
+    `whole` is `part` gathered (gather_sequence), so its gradient flows back through that
+    gather's reduce-scatter as before. In backward the gather of `part` (shared through
+    `again` with the other layers reading it) runs while the input gradient is computed;
+    then the weight gradient reads it."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, part: torch.Tensor, whole: torch.Tensor,
+                weight: torch.Tensor, bias: torch.Tensor | None, again: Regather
+                ) -> torch.Tensor:
+        ctx.save_for_backward(part, weight)
+        ctx.again, ctx.has_bias = again, bias is not None
+        again.users += 1
+        return F.linear(whole, weight, bias)
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, grad: torch.Tensor
+                 ) -> tuple[None, torch.Tensor | None, torch.Tensor | None,
+                            torch.Tensor | None, None]:
+        part, weight = ctx.saved_tensors
+        _, wants_input, wants_weight, wants_bias, _ = ctx.needs_input_grad
+        if wants_weight:
+            ctx.again.start(part)  # in flight while the input gradient is computed
+        grad_input = grad.matmul(weight) if wants_input else None
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_weight = None
+        if wants_weight:
+            whole = ctx.again.take(part)
+            grad_weight = rows.t().matmul(whole.reshape(-1, whole.shape[-1]))
+        grad_bias = rows.sum(0) if ctx.has_bias and wants_bias else None
+        return None, grad_input, grad_weight, grad_bias, None
+
+
+@torch.compiler.disable
+def gathered_linear(part: torch.Tensor, whole: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None, again: Regather) -> torch.Tensor:
+    """`F.linear(whole, weight, bias)` keeping only `part` (of which `whole` is the
+    gathered sequence) for backward; see GatheredLinear."""
+    return GatheredLinear.apply(part, whole, weight, bias, again)
+
+
 class SequenceGather:
     """`gather_sequence` for the column-parallel layers of one model, done once per input.
 
     Llama's q, k and v projections (and its gate and up) read the same norm output; they
     share one all-gather: the gathered tensor feeds each of them, autograd sums their
-    gradients into it, and one reduce-scatter sends the sum back. The one entry kept is the
-    last input (by identity, weakly, with its version and the grad mode) and its gathered
-    tensor; it goes when that input is freed (at the latest when its module's forward
-    returns), so it holds nothing past what autograd saves for the layers anyway. A
-    recomputation (activation checkpointing) makes a new input and gathers it anew.
+    gradients into it, and one reduce-scatter sends the sum back. They share the gather in
+    backward too (`Regather`). The one entry kept is the last input (by identity, weakly,
+    with its version and the grad mode), its gathered tensor and its Regather; it goes when
+    that input is freed or at `forget` (dtrain.tensor_parallel.sequence calls it when the
+    module calling the layers returns), so no gathered tensor outlives the layers' forward.
+    A recomputation (activation checkpointing) makes a new input and gathers it anew.
     """
 
     def __init__(self, group: comm.Group, algorithm: str = "auto") -> None:
         self.group, self.algorithm = group, algorithm
-        self._last: tuple[weakref.ref, tuple[int, bool], torch.Tensor] | None = None
+        self._last: tuple[weakref.ref, tuple[int, bool], torch.Tensor, Regather] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gathered(x)[0]
 
     @torch.compiler.disable
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def gathered(self, x: torch.Tensor) -> tuple[torch.Tensor, Regather | None]:
+        """(`x` gathered whole, the Regather the layers reading it share in backward; None
+        without autograd)."""
         if x.is_inference():  # no version counter to tell a change by
-            return gather_sequence(x, self.group, self.algorithm)
+            return gather_sequence(x, self.group, self.algorithm), None
         stamp = (x._version, torch.is_grad_enabled())
         last = self._last
         if last is not None and last[0]() is x and last[1] == stamp:
-            return last[2]
+            return last[2], last[3] if stamp[1] else None
         whole = gather_sequence(x, self.group, self.algorithm)
         owner = weakref.ref(self)  # the callback must not keep this object alive
 
@@ -256,8 +378,23 @@ class SequenceGather:
             if me is not None and me._last is not None and me._last[0] is ref:
                 me._last = None
 
-        self._last = (weakref.ref(x, forget), stamp, whole)
-        return whole
+        again = Regather(x, self.group, self.algorithm)
+        self._last = (weakref.ref(x, forget), stamp, whole, again)
+        return whole, again if stamp[1] else None
+
+    def partner(self) -> Regather | None:
+        """For the row-parallel layer after the column-parallel ones that read the last
+        input: that input's Regather, once, if those layers keep only its part (see
+        ReduceScatterSequence); else None."""
+        last = self._last
+        if last is None or not last[1][1] or last[3].users == 0 or last[3].partnered:
+            return None
+        last[3].partnered = True
+        return last[3]
+
+    def forget(self) -> None:
+        """Drop the gathered tensor kept for the next layer reading the same input."""
+        self._last = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_last": None}  # a copy of the model starts empty

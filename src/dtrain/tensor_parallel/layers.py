@@ -28,10 +28,12 @@ from dtrain import comm
 from dtrain.errors import ConfigError
 from dtrain.job_layout import Split
 from dtrain.models.float8 import Matmul
+from dtrain.models.recompute import recomputed_within
 from dtrain.tensor_parallel.functions import (
     SequenceGather,
     copy_to_group,
     gather_last,
+    gathered_linear,
     reduce_from_group,
     reduce_scatter_sequence,
     scatter_last,
@@ -66,7 +68,9 @@ class ColumnParallelLinear(nn.Module):
         algorithm: the dtrain.comm algorithm for this layer's collectives.
         sequence_gather: the input is this rank's part of the sequence (sequence
             parallelism): gather it whole with this SequenceGather, which the layers reading
-            the same input share, instead of copying it to the group.
+            the same input share, instead of copying it to the group. Only the part is
+            kept for backward, which gathers it again for the weight gradient (inside a
+            recomputed module the whole is kept, as it is made again anyway).
 
     Raises:
         ConfigError: the group size does not divide the output features (of each part).
@@ -93,11 +97,16 @@ class ColumnParallelLinear(nn.Module):
             _uniform_(self.bias, in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_gather is not None:
-            x = self.sequence_gather(x)
+        if self.sequence_gather is None:
+            y = self.matmul(copy_to_group(x, self.group, self.algorithm), self.weight,
+                            self.bias)
         else:
-            x = copy_to_group(x, self.group, self.algorithm)
-        y = self.matmul(x, self.weight, self.bias)
+            whole, again = self.sequence_gather.gathered(x)
+            if again is None or recomputed_within(self) or self.matmul is not F.linear:
+                # no backward, the kept part is made again, or FP8's product keeps its own
+                y = self.matmul(whole, self.weight, self.bias)
+            else:  # keep this rank's part for backward, not the whole
+                y = gathered_linear(x, whole, self.weight, self.bias, again)
         if not self.gather_output:
             return y
         y = gather_last(y, self.group, self.algorithm)  # [part 0, part 1, ..] of rank 0, ..
@@ -142,6 +151,9 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
+        self.sequence_gather: SequenceGather | None = None
+        """Set by apply_sequence_parallel: the gather of the column-parallel layers before
+        this one, whose input its backward all-gather brings back whole too."""
         local = per_rank(in_features, self.group.size, "input features")
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, local, **kw))
@@ -155,8 +167,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_last(x, self.group, self.algorithm)
-        reduce = reduce_scatter_sequence if self.sequence_parallel else reduce_from_group
-        y = reduce(self.matmul(x, self.weight), self.group, self.algorithm)
+        y = self.matmul(x, self.weight)
+        if self.sequence_parallel:
+            partner = self.sequence_gather.partner() if self.sequence_gather else None
+            y = reduce_scatter_sequence(y, self.group, self.algorithm, partner)
+        else:
+            y = reduce_from_group(y, self.group, self.algorithm)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -15,8 +15,12 @@ the sequence (dimension 1 of [batch, time, width]) there instead:
 
 An all-gather and a reduce-scatter move what the all-reduce they replace moved, so the
 communication is the same and the activations kept around the split layers are 1/tp.
+What a column-parallel layer keeps for backward is this rank's part of its input; backward
+gathers it again for the weight gradient (dtrain.tensor_parallel.functions.GatheredLinear).
 Replicated parameters used on the parts (the norms, the row-parallel biases) get only
-their part's gradient: a hook sums it over the group as backward reaches it.
+their part's gradient: one all-reduce at the end of backward sums all of them over the
+group (dtrain.tensor_parallel.summed). Dropout there draws each rank's own masks
+(dtrain.tensor_parallel.rng), as each rank holds its own tokens.
 
     parallelize(model, llama_plan(cfg), group)
     apply_sequence_parallel(model, group)      # dtrain.tensor_parallel.split_model does both
@@ -32,7 +36,8 @@ from dtrain.errors import ConfigError
 from dtrain.models.stages import AttentionCore, Stages
 from dtrain.tensor_parallel.functions import SEQUENCE, SequenceGather, scatter_sequence
 from dtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from dtrain.tensor_parallel.parallelize import SumOverGroup
+from dtrain.tensor_parallel.rng import RankRNG, fork_dropouts
+from dtrain.tensor_parallel.summed import SumAtEnd
 from dtrain.tensor_parallel.whole import placements
 
 
@@ -90,7 +95,8 @@ def apply_sequence_parallel(model: nn.Module, group: comm.GroupLike = None,
     input-part module (in `stage_parts()`) makes the first block's input (dtrain's GPT and
     Llama). Its column-parallel layers after that point gather the sequence through one
     shared SequenceGather, its row-parallel layers reduce-scatter, the replicated
-    parameters there have their gradients summed over `group`, and a model with a
+    parameters there have their gradients summed over `group` (one all-reduce at the end
+    of backward), its dropouts draw each rank's own masks, and a model with a
     `sequence_parts` attribute (Llama's rotary positions) is told the number of parts.
     Every rank of `group` must call it; sequences must then divide by the group size.
 
@@ -116,23 +122,31 @@ def apply_sequence_parallel(model: nn.Module, group: comm.GroupLike = None,
         return model
     cut, after, before = _parts_after_cut(model)
     gather = SequenceGather(g, algorithm)
+    callers: dict[int, nn.Module] = {}
     for part in after:
-        for module in part.modules():
+        for name, module in part.named_modules():
             if isinstance(module, ColumnParallelLinear):
                 module.sequence_gather = gather
+                caller = part.get_submodule(name.rpartition(".")[0]) if "." in name else part
+                callers[id(caller)] = caller
             elif isinstance(module, RowParallelLinear):
                 module.sequence_parallel = True
+                module.sequence_gather = gather
+    for caller in callers.values():  # the layers reading one input have all run
+        caller.register_forward_hook(lambda *_: gather.forget())
+    fork_dropouts(after, RankRNG(g))
     named = dict(model.named_parameters(remove_duplicate=False))
     # Split parameters meet the whole sequence (their layers gather it); the input part's
     # run before the cut. Neither is summed.
     skip = before | {id(named[name]) for name in placements(model) if name in named}
     skip |= {id(p) for m in model.modules() if getattr(m, "headwise", None) is not None
              for p in m.parameters()}  # summed over the heads already, whatever the part
+    summed: dict[int, nn.Parameter] = {}
     for part in after:
         for p in part.parameters():
             if p.requires_grad and id(p) not in skip:
-                p.register_hook(SumOverGroup(g, algorithm))
-                skip.add(id(p))
+                summed[id(p)] = p
+    SumAtEnd(list(summed.values()), g, algorithm)
     cut.register_forward_hook(CutSequence(g, algorithm))
     if hasattr(model, "sequence_parts"):
         model.sequence_parts = g.size

@@ -30,6 +30,7 @@ from dtrain import comm
 from dtrain.comm.group import Handle
 from dtrain.errors import DtrainError
 from dtrain.models.moe import split_experts
+from dtrain.parallel import late_grads
 from dtrain.parallel.agreement import (
     agreement_device,
     broadcast_state,
@@ -140,6 +141,7 @@ class DataParallel(nn.Module):
         self._finalize_queued = False
         self._next_launch = 0
         self._works: list[Handle] = []
+        self._late: list[tuple[int, late_grads.Finisher]] = []  # read at the end of backward
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._position = {id(p): k for k, p in enumerate(self._params)}
         self._bucket_bytes = int(bucket_mb * 1024 * 1024)
@@ -203,15 +205,31 @@ class DataParallel(nn.Module):
             if not self._finalize_queued:
                 self._finalize_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            if self._seen is not None:
-                self._seen.append(k)
-            bucket, i = self._where[k]
-            self._fill_slot(bucket, i, param)
-            bucket.ready[i] = True
-            bucket.pending -= 1
-            self._launch_ready()
+            finisher = late_grads.late(param)
+            if finisher is not None:  # summed over tp at the end of backward: read it then
+                self._late.append((k, finisher))
+                return
+            self._ready(k, param)
 
         return hook
+
+    def _ready(self, k: int, param: torch.Tensor) -> None:
+        if self._seen is not None:
+            self._seen.append(k)
+        bucket, i = self._where[k]
+        self._fill_slot(bucket, i, param)
+        bucket.ready[i] = True
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _read_late(self) -> None:
+        """The gradients finished at the end of backward (dtrain.parallel.late_grads), into
+        their buckets."""
+        late, self._late = self._late, []
+        for _, finisher in late:
+            finisher.finish()
+        for k, _ in late:
+            self._ready(k, self._params[k])
 
     @torch.no_grad()
     def _fill_slot(self, bucket: Bucket, i: int, param: torch.Tensor) -> None:
@@ -249,6 +267,7 @@ class DataParallel(nn.Module):
     @torch.no_grad()
     def _finalize(self) -> None:
         """At the end of backward: send what is left, wait, hand out averaged gradients."""
+        self._read_late()
         for bucket in self._buckets[self._next_launch :]:
             for i, p in enumerate(bucket.params):
                 if not bucket.ready[i]:

@@ -22,7 +22,7 @@ from dtrain import comm
 from dtrain.comm.group import Handle
 from dtrain.errors import DtrainError
 from dtrain.models.moe import split_experts
-from dtrain.parallel import clip
+from dtrain.parallel import clip, late_grads
 from dtrain.parallel.agreement import (
     agreement_device,
     broadcast_state,
@@ -171,6 +171,7 @@ class ZeRO(nn.Module):
         self._finalize_queued = False
         self._next_launch = 0
         self._works: list[tuple[Unit, Any]] = []
+        self._late: list[tuple[Unit, int, torch.Tensor, late_grads.Finisher]] = []
         self._hooks = [module.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
         for unit in self.units:
             for i, p in enumerate(unit.flat.params):
@@ -266,21 +267,36 @@ class ZeRO(nn.Module):
 
     def _grad_hook(self, unit: Unit, offset: int):
         def hook(param: torch.Tensor) -> None:
-            with torch.no_grad():
-                unit.grad_buffer()[offset : offset + param.numel()].add_(
-                    param.grad.reshape(-1))
-                param.grad = None
             if not self._finalize_queued:
                 self._finalize_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-            unit.pending -= 1
-            if unit.pending == 0:
-                if unit not in self._root:  # the root's parameters serve till backward ends
-                    self._free([unit])
-                if self._sync:
-                    self._launch_ready()
+            finisher = late_grads.late(param)
+            if finisher is not None:  # summed over tp at the end of backward: read it then
+                self._late.append((unit, offset, param, finisher))
+                return
+            self._take(unit, offset, param)
 
         return hook
+
+    def _take(self, unit: Unit, offset: int, param: torch.Tensor) -> None:
+        """Move `param`'s gradient into its unit's; launch the units complete."""
+        with torch.no_grad():
+            unit.grad_buffer()[offset : offset + param.numel()].add_(param.grad.reshape(-1))
+            param.grad = None
+        unit.pending -= 1
+        if unit.pending == 0:
+            if unit not in self._root:  # the root's parameters serve till backward ends
+                self._free([unit])
+            if self._sync:
+                self._launch_ready()
+
+    def _take_late(self) -> None:
+        """The gradients finished at the end of backward (dtrain.parallel.late_grads)."""
+        late, self._late = self._late, []
+        for *_, finisher in late:
+            finisher.finish()
+        for unit, offset, param, _ in late:
+            self._take(unit, offset, param)
 
     def _launch_ready(self) -> None:
         self._next_launch = launch_ready(self.units, self._next_launch, self._launch)
@@ -297,6 +313,7 @@ class ZeRO(nn.Module):
     def _finalize(self) -> None:
         """At the end of backward: send what is left, wait, keep each rank's shard."""
         self._finalize_queued = False
+        self._take_late()
         self._free(self.units)  # ready for the next backward, with or without a forward
         for unit in self.units:
             unit.reset_backward()
