@@ -327,6 +327,11 @@ class DataParallel(nn.Module):
                         slot.copy_(p.grad)
                         p.grad = slot
 
+    def bucket_sizes(self) -> list[tuple[int, torch.dtype]]:
+        """Each gradient bucket's (elements, dtype), in the order backward launches them:
+        what one step all-reduces, call by call."""
+        return [(bucket.numel, bucket.dtype) for bucket in self._buckets]
+
     def reduce_gradients(self) -> None:
         """Average what backward accumulated under `no_sync` now, as the first backward
         outside it would at its end (a pipeline piece with an averaging, once its schedule
