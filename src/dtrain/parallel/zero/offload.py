@@ -1,5 +1,5 @@
 """Optimizer offload (ZeRO-Offload, Ren et al., 2021): the optimizer state, the master
-shards and the optimizer step live in host memory.
+shards and the optimizer step kept in host memory.
 
 Without offload each rank keeps, on its compute device, its shard of the optimizer state
 (Adam: 8 bytes per element) and, under mixed precision, an fp32 master shard (4 more).
@@ -41,7 +41,7 @@ class Copies:
     the device has streams (CUDA); on a CPU each is done when asked.
 
     Args:
-        device: the compute device (where the units' `full` lives).
+        device: the compute device (where the units' `full` is).
     """
 
     def __init__(self, device: torch.device) -> None:
