@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from dtrain.planner.analytic.cluster import CHUNKS, Software, evaluate, planned_
 from dtrain.planner.analytic.hardware import Cluster, hardware
 from dtrain.planner.analytic.search import best_layout, rank
 from dtrain.planner.shape import ModelShape, parse_shape
+from tests import cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -199,8 +199,8 @@ def test_hardware_presets_and_overrides(tmp_path: Path) -> None:
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dtrain.cli", "plan", *args],
-                          capture_output=True, text=True, timeout=100)
+    """`dtrain plan ARGS` in a process of its own, forked with torch loaded (tests.cli)."""
+    return cli.dtrain("plan", *args, timeout=100)
 
 
 SHAPE_145B = "layers=80,hidden=12288,heads=96,seq=2048,vocab=51200"
