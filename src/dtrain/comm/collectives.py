@@ -226,9 +226,11 @@ def reduce_scatter(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: Grou
     out = torch.empty(width, dtype=tensor.dtype, device=tensor.device)
 
     def native() -> Handle:
-        padded = torch.zeros(width * g.size, dtype=tensor.dtype, device=tensor.device)
-        for r, piece in enumerate(shards(flat, g.size)):
-            padded[r * width : r * width + piece.numel()] = piece
+        padded = flat  # equal shards already (ZeRO's units are padded so): no copy
+        if flat.numel() != width * g.size:
+            padded = torch.zeros(width * g.size, dtype=tensor.dtype, device=tensor.device)
+            for r, piece in enumerate(shards(flat, g.size)):
+                padded[r * width : r * width + piece.numel()] = piece
         return Then(g.native("reduce_scatter", out, padded, op),
                     lambda: finish_(out, op, g.size))
 

@@ -15,7 +15,13 @@ data-parallel group instead. Parameters are packed into flat *units*
   element of an nn.ModuleList, such as transformer blocks, plus the rest of the model as
   the root unit) is all-gathered just before its forward and again before its backward,
   the next unit's gather is started while the current one computes, and its memory is
-  released right after.
+  released right after. In backward a unit keeps autograd's gradients until its last one,
+  then packs them into its flat buffer and frees its parameters; the buffer's
+  reduce-scatter runs until the next unit's first gradient (through that unit's forward,
+  where blocks are recomputed), which waits for it and then starts the gather of the unit
+  after. So a backward holds two whole units besides the gradients under way (the unit and
+  the prefetched one, or the unit and the buffer in flight), at the same points in every
+  run; three as a unit ends (the prefetched one, its gradients and the buffer packed).
 
 Per-rank memory of model state, for Ψ parameters, N ranks and K bytes of optimizer
 state per parameter (Adam: 8; plus 4 for fp32 master weights under mixed precision):

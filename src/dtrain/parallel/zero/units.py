@@ -39,9 +39,10 @@ class Unit:
             view of `full` when no copy is needed).
         module: stage 3: the submodule whose forward gathers the unit (None otherwise).
         grad: the unsharded gradient being accumulated (compute dtype), or None; made at
-            the first backward (`grad_buffer`), and stage 1 keeps it from then on.
+            the first backward (`grad_buffer`), and stage 1 keeps it from then on; stage 3
+            makes it when the unit's backward ends (`pack_grads`).
         pending: parameters whose gradient the current backward has not produced yet.
-        gathering: stage 3: the all-gather in flight, if any.
+        gathering: stage 3: the all-gather into `full` in flight, if any.
         gathered: whether `full` holds the parameters now.
         backward_started: stage 3: whether this backward has gathered the unit already.
         pieces: (optimizer parameter group, lo, hi, the optimizer's parameter): where each
@@ -98,12 +99,18 @@ class Unit:
         self.backward_started = False
 
     def start_gather(self, algorithm: str) -> None:
-        """Stage 3: start all-gathering `full` from every rank's master shard."""
+        """Stage 3: start all-gathering every rank's master shard straight into `full`,
+        whose memory is made here, in the caller's thread: a unit gathered or prefetched
+        holds one copy of itself from the moment its gather starts, never a second."""
         if self.gathered or self.gathering is not None:
             return
         shard = self.resident if self.resident is not None else self.master.to(self.full.dtype)
+        if self.full.stride(0) == 0:  # built in split form and never gathered: no memory yet
+            self._allocate_full()
+        else:
+            self.full.untyped_storage().resize_(self.flat.padded * self.full.element_size())
         self.gathering = comm.all_gather(shard, group=self.group, async_op=True,
-                                         algorithm=algorithm)
+                                         algorithm=algorithm, out=self.full)
 
     @torch.no_grad()
     def gather(self, algorithm: str) -> None:
@@ -111,13 +118,8 @@ class Unit:
         if self.gathered:
             return
         self.start_gather(algorithm)
-        gathered = self.gathering.wait()
+        self.gathering.wait()
         self.gathering = None
-        if self.full.stride(0) == 0:  # built in split form and never gathered: no memory yet
-            self._allocate_full()
-        else:
-            self.full.untyped_storage().resize_(self.flat.padded * self.full.element_size())
-        self.full.copy_(gathered)
         self.gathered = True
 
     def _allocate_full(self) -> None:
@@ -129,7 +131,12 @@ class Unit:
             p.data = self.full[offset : offset + p.numel()].view(p.shape)
 
     def free(self) -> None:
-        """Stage 3: release `full`'s memory until the next gather."""
+        """Stage 3: release `full`'s memory until the next gather (a prefetch that no
+        forward or backward used is waited for first: it writes into `full`)."""
+        if self.gathering is not None:
+            self.gathering.wait()
+            self.gathering = None
+            self.gathered = True
         if self.gathered:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
@@ -149,6 +156,15 @@ class Unit:
                                     device=self.full.device)
         return self.grad
 
+    @torch.no_grad()
+    def pack_grads(self) -> None:
+        """Stage 3: add the gradients autograd left in the parameters' `.grad` (there while
+        the unit's backward runs) into `grad`, and release them."""
+        for p, offset in zip(self.flat.params, self.flat.offsets, strict=True):
+            if p.grad is not None:
+                self.grad_buffer()[offset : offset + p.numel()].add_(p.grad.reshape(-1))
+                p.grad = None
+
     def param_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """The view of `grad` (created as zeros if needed) that holds `param`'s gradient;
         None when `param` is not one of the unit's parameters."""
@@ -159,17 +175,32 @@ class Unit:
 
 
 IN_FLIGHT = 2
-"""Reduce-scatters of gradient units a backward leaves running before it waits for the
-oldest (overlap with the next units' backward, memory of two units' gradients)."""
+"""Collectives of whole units a loop leaves running before it waits for the oldest: stages
+1-2's reduce-scatters in backward (overlap with the next units' backward, memory of two
+units' gradients) and their refresh's all-gathers after the step."""
 
 
-def settle(works: list[tuple[Unit, Any]], keep: int = IN_FLIGHT) -> None:
-    """Wait for all but the `keep` latest of `works` (unit, its reduce-scatter) and add
-    each one's result to the unit's shard gradient: a unit's whole gradient is kept until its
-    collective has read it, so a bounded number in flight bounds backward's memory."""
+@dataclass
+class Reducing:
+    """A unit's reduce-scatter in flight and the gradient buffer it reads. The buffer is
+    held here until the collective is waited for, so that it is released where the
+    backward waits (`settle`), the same point in every run, not whenever the
+    collective's thread happens to finish."""
+
+    unit: Unit
+    work: Any
+    buffer: torch.Tensor
+
+
+def settle(works: list[Reducing], keep: int = IN_FLIGHT) -> None:
+    """Wait for all but the `keep` latest of `works` and add each one's result to the unit's
+    shard gradient: a unit's whole gradient is kept until its collective has read it, so a
+    bounded number in flight bounds backward's memory."""
     while len(works) > keep:
-        unit, work = works.pop(0)
-        unit.shard_grad().add_(work.wait(), alpha=unit.scale)
+        done = works.pop(0)
+        reduced, unit = done.work.wait(), done.unit
+        del done  # the buffer, read, goes before the shard gradient (if new) comes
+        unit.shard_grad().add_(reduced, alpha=unit.scale)
         if unit.grad is not None:  # stage 1 keeps its buffer for the next step
             unit.grad.zero_()
 

@@ -39,6 +39,7 @@ from dtrain.parallel.zero.optimizer import OptimizerFactory, group_index, shard_
 from dtrain.parallel.zero.optimizer import state_bytes as optimizer_bytes
 from dtrain.parallel.zero.units import (
     IN_FLIGHT,
+    Reducing,
     Sharding,
     Unit,
     build_units,
@@ -163,6 +164,7 @@ class ZeRO(nn.Module):
         self._chain = built.chain  # stage 3: each module's units, in forward order
         self.offload = None if offload_device is None else \
             Offload(self.units, stage, torch.device(offload_device))  # before the optimizer
+        self._place = {unit: k for k, units_of in enumerate(self._chain) for unit in units_of}
         self.optimizer = shard_optimizer(template, self.units)
         self.averaging = averaging
         if averaging is not None:
@@ -170,7 +172,7 @@ class ZeRO(nn.Module):
         self._sync = True
         self._finalize_queued = False
         self._next_launch = 0
-        self._works: list[tuple[Unit, Any]] = []
+        self._works: list[Reducing] = []  # reduce-scatters in flight, oldest first
         self._late: list[tuple[Unit, int, torch.Tensor, late_grads.Finisher]] = []
         self._hooks = [module.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
         for unit in self.units:
@@ -230,8 +232,15 @@ class ZeRO(nn.Module):
             return
         for unit in units:
             unit.backward_started = True
-        self._gather(units)
-        if k > 0:  # prefetch the unit whose backward comes next
+        self._gather(units)  # the prefetch of the unit before waits for its first gradient
+
+    def _prefetch_before(self, unit: Unit) -> None:
+        """Stage 3, at `unit`'s first gradient: start gathering the units whose backward
+        comes next. Not earlier: while `unit`'s forward is recomputed, the reduce-scatter
+        of the unit after it is still in flight (`_grad_hook`), and a prefetch then would
+        hold a third whole unit beside the two."""
+        k = self._place.get(unit)
+        if k is not None and k > 0:
             self._start_gather(self._chain[k - 1])
 
     # ----------------------------------------------------------------- stage 3 gathers
@@ -279,14 +288,27 @@ class ZeRO(nn.Module):
         return hook
 
     def _take(self, unit: Unit, offset: int, param: torch.Tensor) -> None:
-        """Move `param`'s gradient into its unit's; launch the units complete."""
+        """Take `param`'s gradient into its unit's (stages 1-2: at once; stage 3: when the
+        unit's last one has come); launch the units complete."""
         with torch.no_grad():
-            unit.grad_buffer()[offset : offset + param.numel()].add_(param.grad.reshape(-1))
-            param.grad = None
+            if self.stage < 3:
+                unit.grad_buffer()[offset : offset + param.numel()].add_(
+                    param.grad.reshape(-1))
+                param.grad = None
+            elif unit.pending == len(unit.flat.params):
+                # Stage 3, the unit's first gradient: the reduce-scatter in flight (the
+                # unit before, in backward's order) is waited for, its buffer released,
+                # while this unit's gradients are still few. They stay autograd's own
+                # until the last, packed then into the unit's buffer (`Unit.pack_grads`):
+                # its backward holds them as they come, not a whole buffer from the first.
+                settle(self._works, 0)
+                self._prefetch_before(unit)
         unit.pending -= 1
         if unit.pending == 0:
             if unit not in self._root:  # the root's parameters serve till backward ends
                 self._free([unit])
+            if self.stage == 3:
+                unit.pack_grads()
             if self._sync:
                 self._launch_ready()
 
@@ -304,10 +326,10 @@ class ZeRO(nn.Module):
     def _launch(self, unit: Unit) -> None:
         work = comm.reduce_scatter(unit.grad, op="avg", group=unit.group, async_op=True,
                                    algorithm=self.algorithm)
-        self._works.append((unit, work))
+        self._works.append(Reducing(unit, work, unit.grad))
         if self.stage >= 2:
-            unit.grad = None  # released once the collective has read it
-        settle(self._works)
+            unit.grad = None  # released once the collective is waited for (`settle`)
+        settle(self._works, IN_FLIGHT if self.stage < 3 else 1)
 
     @torch.no_grad()
     def _finalize(self) -> None:
@@ -315,6 +337,9 @@ class ZeRO(nn.Module):
         self._finalize_queued = False
         self._take_late()
         self._free(self.units)  # ready for the next backward, with or without a forward
+        if self.stage == 3:  # units some of whose parameters got no gradient
+            for unit in self.units:
+                unit.pack_grads()
         for unit in self.units:
             unit.reset_backward()
         if self._sync:

@@ -322,9 +322,13 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
         if layout.zero == 2:  # the unit under way: its full gradient, till reduce-scattered
             backward = unit
     if layout.zero == 3:
-        # Gathered: the root unit (embedding, norm) and, in a block's backward, that block
-        # and the next (prefetched). Alive as full gradients: the block's under way, and
-        # the root's from the head's backward on (the embedding's comes last of all).
+        # Three whole blocks at most, in a block's backward (dtrain.parallel.zero.wrapper):
+        # gathered, that block and, from its first gradient on, the next (prefetched);
+        # alive as full gradients, the block's under way (autograd's own, then its packed
+        # buffer as the block ends, when the block itself is freed: the next one gathered,
+        # both gradients). The reduce-scatter of the block before is waited for at the
+        # first gradient, before the prefetch. Besides them, the root unit (embedding,
+        # norm), and its gradient from the head's backward on (the embedding's comes last).
         gathered = min(2, sum(blocks)) * block_bytes
         under_way = min(1, sum(blocks)) * block_bytes
         params = shard + root + gathered
