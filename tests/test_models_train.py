@@ -91,7 +91,8 @@ SELECTIVE = ["--set", "memory.activation_checkpointing='selective'"]
 @pytest.mark.parametrize("args, banner", [
     pytest.param(["-n", "4", *TP2, *PP2, *SP, *SELECTIVE], "pipeline of 2 stages (1f1b, 2 "
                  "micro-batches) x tensor parallel over 2 x data parallel over 1; sequence "
-                 "parallel; recomputing 2 attention cores", marks=pytest.mark.slow),
+                 "parallel; recomputing 4 attention cores and activations",
+                 marks=pytest.mark.slow),
     pytest.param(["-n", "2"], "data parallel over 2", marks=pytest.mark.slow),
     pytest.param(["-n", "2", *ZERO3, *FULL], "ZeRO stage 3 over 2; recomputing 2 blocks",
                  marks=pytest.mark.slow),

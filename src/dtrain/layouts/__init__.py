@@ -146,6 +146,6 @@ def _notes(config: Config, recomputed: list[str], fp8: str) -> tuple[str, ...]:
     if recomputed:
         mode = config.memory.activation_checkpointing
         what = "modules" if config.memory.checkpoint_modules else \
-            {"full": "blocks", "selective": "attention cores"}[mode]
+            {"full": "blocks", "selective": "attention cores and activations"}[mode]
         notes.append(f"recomputing {len(recomputed)} {what}")
     return tuple(notes)

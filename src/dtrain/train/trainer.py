@@ -192,7 +192,9 @@ class Trainer:
         self.speed = StepSpeed(flops_per_token(self.shape, self.n_params), peak,
                                ranks=world.world_size * (members.replicas if live else 1),
                                device=world.device, group=None,
-                               gather=self.layout.mode != "ps",  # asynchronous workers
+                               # asynchronous workers, and live replicas (whose members
+                               # change between steps), report their own figures
+                               gather=self.layout.mode != "ps" and live is None,
                                every=config.logging.log_every)
         self.grad_norm: float | None = None  # the last step's, when clipping is on
         tokenizer_file = self.data.tokenizer.path and str(Path(self.data.tokenizer.path).resolve())
