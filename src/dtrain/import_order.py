@@ -11,7 +11,7 @@ from __future__ import annotations
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("definitions", ("dtrain.errors", "dtrain.sizes", "dtrain.job_layout", "dtrain.import_order",
-                     "dtrain.ft.env")),
+                     "dtrain.ft.env", "dtrain.graph_break")),
     ("timeline", ("dtrain.timeline",)),
     ("world", ("dtrain.world", "dtrain.agreed_port", "dtrain.ft.heartbeat")),
     ("collectives", ("dtrain.comm",)),

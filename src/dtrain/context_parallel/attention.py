@@ -40,6 +40,7 @@ from dtrain import comm, timeline
 from dtrain.context_parallel.chunks import every_position, positions
 from dtrain.context_parallel.exchange import all_to_all, gather_sequence
 from dtrain.errors import ConfigError
+from dtrain.graph_break import graph_break
 
 METHODS = ("ring", "allgather", "alltoall")
 Ctx = torch.autograd.function.FunctionCtx
@@ -76,7 +77,7 @@ class ContextParallel:
         """The global positions of this rank's `local` tokens."""
         return positions(local, self.rank, self.size, device)
 
-    @torch.compiler.disable
+    @graph_break
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   causal: bool = True, scale: float | None = None) -> torch.Tensor:
         """softmax(q k^T * scale) v over the whole sequence for this rank's queries

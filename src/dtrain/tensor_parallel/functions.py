@@ -28,7 +28,7 @@ again for its weight's gradient (`GatheredLinear`), once for the layers reading 
 
 Every function takes the tensor-parallel `group` (a dtrain Group) and an `algorithm` for
 dtrain.comm; a group of one is the identity. Each is a graph break for torch.compile
-(`torch.compiler.disable`): a compiled block (dtrain.models.compiled) runs its collectives
+(`dtrain.graph_break`): a compiled block (dtrain.models.compiled) runs its collectives
 eagerly between compiled regions, which every block of the model shares.
 """
 
@@ -43,6 +43,7 @@ from torch.autograd.function import FunctionCtx
 
 from dtrain import comm
 from dtrain.comm.collectives import Result
+from dtrain.graph_break import graph_break
 
 SEQUENCE = 1
 """The sequence dimension of a [batch, time, width] activation."""
@@ -185,26 +186,26 @@ def _divides(x: torch.Tensor, dim: int, group: comm.Group, what: str) -> None:
         raise ValueError(f"{what} {x.shape[dim]} does not divide into {group.size} ranks")
 
 
-@torch.compiler.disable
+@graph_break
 def copy_to_group(x: torch.Tensor, group: comm.Group, algorithm: str = "auto") -> torch.Tensor:
     """`f`: identity forward, gradient summed across `group` backward."""
     return x if group.size == 1 else CopyToGroup.apply(x, group, algorithm)
 
 
-@torch.compiler.disable
+@graph_break
 def reduce_from_group(x: torch.Tensor, group: comm.Group,
                       algorithm: str = "auto") -> torch.Tensor:
     """`g`: summed across `group` forward, gradient passed through backward."""
     return x if group.size == 1 else ReduceFromGroup.apply(x, group, algorithm)
 
 
-@torch.compiler.disable
+@graph_break
 def gather_last(x: torch.Tensor, group: comm.Group, algorithm: str = "auto") -> torch.Tensor:
     """The whole tensor from every rank's block of the last dimension (differentiable)."""
     return x if group.size == 1 else Gather.apply(x, -1, group, algorithm)
 
 
-@torch.compiler.disable
+@graph_break
 def scatter_last(x: torch.Tensor, group: comm.Group, algorithm: str = "auto") -> torch.Tensor:
     """This rank's block of the last dimension, which must divide by the group size
     (differentiable)."""
@@ -214,14 +215,14 @@ def scatter_last(x: torch.Tensor, group: comm.Group, algorithm: str = "auto") ->
     return Scatter.apply(x, -1, group, algorithm)
 
 
-@torch.compiler.disable
+@graph_break
 def gather_sequence(x: torch.Tensor, group: comm.Group, algorithm: str = "auto") -> torch.Tensor:
     """The whole sequence from every rank's part of dimension 1; the gradient is summed
     over `group` and cut back to this rank's part (differentiable)."""
     return x if group.size == 1 else GatherSequence.apply(x, group, algorithm)
 
 
-@torch.compiler.disable
+@graph_break
 def reduce_scatter_sequence(x: torch.Tensor, group: comm.Group, algorithm: str = "auto",
                             regather: Regather | None = None) -> torch.Tensor:
     """This rank's part of dimension 1 of the sum of `x` over `group`; the gradient is
@@ -230,7 +231,7 @@ def reduce_scatter_sequence(x: torch.Tensor, group: comm.Group, algorithm: str =
     return x if group.size == 1 else ReduceScatterSequence.apply(x, group, algorithm, regather)
 
 
-@torch.compiler.disable
+@graph_break
 def scatter_sequence(x: torch.Tensor, group: comm.Group, algorithm: str = "auto") -> torch.Tensor:
     """This rank's part of dimension 1, which must divide by the group size; the gradient
     is gathered whole (differentiable)."""
@@ -332,7 +333,7 @@ class GatheredLinear(torch.autograd.Function):
         return None, grad_input, grad_weight, grad_bias, None
 
 
-@torch.compiler.disable
+@graph_break
 def gathered_linear(part: torch.Tensor, whole: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None, again: Regather) -> torch.Tensor:
     """`F.linear(whole, weight, bias)` keeping only `part` (of which `whole` is the
@@ -360,7 +361,7 @@ class SequenceGather:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.gathered(x)[0]
 
-    @torch.compiler.disable
+    @graph_break
     def gathered(self, x: torch.Tensor) -> tuple[torch.Tensor, Regather | None]:
         """(`x` gathered whole, the Regather the layers reading it share in backward; None
         without autograd)."""

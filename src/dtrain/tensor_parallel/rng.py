@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from dtrain import comm
+from dtrain.graph_break import graph_break
 from dtrain.models.stages import AttentionCore
 
 _SEEDS = 2**48  # seeds drawn below this, times the group size plus the rank: below 2**63
@@ -66,7 +67,7 @@ class RankDropout(nn.Dropout):
         super().__init__(p, inplace)
         self.rng = rng
 
-    @torch.compiler.disable
+    @graph_break
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return super().forward(x)

@@ -43,6 +43,7 @@ from torch import nn
 from dtrain import comm, timeline
 from dtrain.comm import GroupLike
 from dtrain.errors import ConfigError
+from dtrain.graph_break import graph_break
 from dtrain.models.moe.experts import EXPERTS, Dispatch, Experts
 from dtrain.models.moe.router import ROUTERS, Router
 
@@ -153,7 +154,7 @@ class MoE(nn.Module):
             setattr(self.experts, name, nn.Parameter(part, requires_grad=whole.requires_grad))
         self.ep_group, self.ep_rank, self.ep_size = group, rank, size
 
-    @torch.compiler.disable  # data-dependent shapes: eager between a block's compiled parts
+    @graph_break  # data-dependent shapes: eager between a block's compiled parts
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, dim = x.shape
         flat = x.reshape(-1, dim)

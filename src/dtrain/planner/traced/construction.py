@@ -18,8 +18,9 @@ over N):
     ZeRO 3              this rank's shards 4Ψ/N (a unit is allocated at its first gather)
 
 A ZeRO rank reads each parameter's span of its shard in turn (a tensor tp divides: its
-whole block); ZeRO 1 and 2 then all-gather the units into their buffers, a copy of the
-shard of each of a few units (dtrain.parallel.zero.units.IN_FLIGHT) in flight. Before
+whole block); ZeRO 1 and 2 then all-gather the units into their buffers straight from the
+fp32 shards (under mixed precision from a compute-dtype copy of a few shards, which this
+model leaves out). Before
 split-form construction every rank built the whole model first: its peak was at least the
 whole model, 4 bytes per parameter, whatever the layout (`whole_model`).
 """
@@ -29,7 +30,6 @@ from __future__ import annotations
 from dtrain.job_layout import Layout
 from dtrain.models import init
 from dtrain.models.weights import ROWS_AT_ONCE
-from dtrain.parallel.zero.units import IN_FLIGHT
 from dtrain.planner.costs import PARAM_BYTES
 from dtrain.planner.traced.profile import Params, ParamTensor
 
@@ -63,15 +63,14 @@ def construction_peak(layout: Layout, held: Params, tensors: list[ParamTensor],
     # a unit's shard: over dp, or a split expert's over the dp / ep ranks holding it
     pieces = [piece(t, layout, unit / n * (layout.ep if t.expert else 1))
               for t in tensors] or [0.0]
-    # a group and the piece read from it, joined; ZeRO still holds the span before it
+    # a group and the piece read from it, joined
     draw = max(group_elements(t, chunk) + 2 * p for t, p in zip(tensors, pieces, strict=False))
     if not layout.zero:
         return PARAM_BYTES * (psi + draw)
     state = sharded if layout.zero == 3 else psi
-    peak = state + draw + max(pieces)
-    if layout.zero < 3:  # then the units are all-gathered, a few shards' copies in flight
-        peak = max(peak, state + IN_FLIGHT * min(unit, psi) / n)
-    return PARAM_BYTES * peak
+    # ZeRO 1 and 2 then all-gather the units from their fp32 shards themselves (no copy;
+    # under mixed precision a compute-dtype copy of a few shards, not counted here)
+    return PARAM_BYTES * (state + draw)
 
 
 def whole_model(params: Params) -> float:
