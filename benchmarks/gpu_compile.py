@@ -13,13 +13,12 @@ apart; the figure is the median of the timed steps after `--warmup`.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import time
 
 import torch
-from gpu_llama import dtrain_llama, peak_tflops, timed, train_step
+from gpu_llama import arguments, dtrain_llama, peak_tflops, timed, train_step
 
 from dtrain import models
 from dtrain.models.compiled import compile_blocks
@@ -39,16 +38,7 @@ def build(shape: models.ModelConfig, mode: str) -> torch.nn.Module:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="llama-3.2-1b")
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
-    shape = models.resolve(models.ModelConfig(arch="llama", preset=args.preset,
-                                              block_size=args.seq), 128256)
+    args, shape = arguments(__doc__)
     flops = ModelShape.of(shape).model_flops_per_token()
     gpu, peak = peak_tflops()
     g = torch.Generator().manual_seed(0)

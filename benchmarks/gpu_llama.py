@@ -125,8 +125,10 @@ def torchtitan_llama(shape: models.ModelConfig) -> tuple[torch.nn.Module, Callab
     return model, lambda m, x: m(x)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str) -> tuple[argparse.Namespace, models.ModelConfig]:
+    """The GPU benchmarks' command line (preset, sequence, batch, warm-up and timed steps,
+    JSON output) and the Llama shape it names."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--preset", default="llama-3.2-1b")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=4)
@@ -135,7 +137,11 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     shape = models.resolve(models.ModelConfig(arch="llama", preset=args.preset), 128256)
-    shape = dataclasses.replace(shape, block_size=args.seq)
+    return args, dataclasses.replace(shape, block_size=args.seq)
+
+
+def main() -> None:
+    args, shape = arguments(__doc__)
     flops = ModelShape.of(shape).model_flops_per_token()
     gpu, peak = peak_tflops()
     g = torch.Generator().manual_seed(0)
