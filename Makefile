@@ -43,10 +43,11 @@ test-gpu: $(STAMP)
 test-all: test test-slow
 
 # Open MPI, SLURM and munge, for the real-launcher tests (tests/test_real_launchers.py,
-# slow; skipped without them): Debian or Ubuntu, as root.
+# slow), and etcd for the replicated store's (tests/test_etcd.py); each skips, saying why,
+# without them: Debian or Ubuntu, as root.
 install-launchers:
 	apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin slurm-wlm munge
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin slurm-wlm munge etcd-server
 
 bench: $(STAMP)
 	$(VENV)/bin/dtrain run -n 2 benchmarks/dp_vs_ddp.py
