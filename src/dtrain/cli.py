@@ -40,6 +40,14 @@ def _add_launch_flags(p: argparse.ArgumentParser, default_nproc: int | None) -> 
                         "launcher able to listen there does)")
     p.add_argument("--master", metavar="HOST:PORT",
                    help="address of node 0's rendezvous store (needed with --nnodes > 1)")
+    p.add_argument("--rdzv-backend", choices=("c10d", "etcd"), default=None,
+                   help="where the job's store lives: c10d (default), node 0's launcher at "
+                        "--master; etcd, a cluster that survives losing any one member")
+    p.add_argument("--rdzv-endpoints", metavar="HOST:PORT,...", default=None,
+                   help="the etcd cluster's members, with --rdzv-backend etcd")
+    p.add_argument("--rdzv-id", metavar="NAME", default=None,
+                   help="the job's id, the same on every machine and new for each job "
+                        "(needed with etcd, whose keys outlive the job)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="restart all ranks up to K times after a failure (default 0)")
     p.add_argument("--join-timeout", type=int, default=120, metavar="SECONDS",
@@ -236,6 +244,8 @@ def _run(args: argparse.Namespace) -> None:
         command=command, nproc=nproc, nnodes=args.nnodes, min_nodes=args.min_nodes,
         node_rank=args.node_rank, master=args.master, max_restarts=args.max_restarts,
         join_timeout=args.join_timeout, env=env, timeline=args.timeline or "",
+        rdzv_backend=args.rdzv_backend or "c10d", rdzv_endpoints=args.rdzv_endpoints or "",
+        run_id=args.rdzv_id or "",
     ))
 
 

@@ -229,6 +229,16 @@ class FaultToleranceConfig:
     step_timeout: float = 5.0
     """With mode = "live": seconds a step waits for a late replica before it is dropped
     (also each collective's timeout)."""
+    rdzv_backend: str = "c10d"
+    """Where the job's store lives: c10d (node 0's launcher, at --master: the job cannot
+    lose node 0) or etcd (a cluster at rdzv_endpoints that survives losing any one of its
+    members; with mode = "live" the job then survives losing any machine). The command
+    line's --rdzv-backend wins."""
+    rdzv_endpoints: str = ""
+    """With rdzv_backend = "etcd": the cluster's members, HOST:PORT,... (--rdzv-endpoints)."""
+    rdzv_id: str = ""
+    """With rdzv_backend = "etcd": the job's id, the same on every machine and new for each
+    job (--rdzv-id)."""
 
 
 @dataclass
@@ -341,6 +351,7 @@ CHOICES = {
     "comm.compression": ("none", "powersgd", "int8"),
     "sync.method": ("every_step", "local_sgd", "diloco"),
     "fault_tolerance.mode": ("restart", "live"),
+    "fault_tolerance.rdzv_backend": ("c10d", "etcd"),
     "ps.consistency": CONSISTENCY,
     "memory.activation_checkpointing": ("none", "full", "selective"),
     "memory.offload": ("none", "optimizer"),

@@ -37,6 +37,7 @@ from dtrain import agreed_port
 from dtrain import timeline as timeline_mod
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.ft import env as contract
+from dtrain.ft.store import StoreAddress, prefixed
 from dtrain.timeline import Recorder
 
 DEFAULT_TIMEOUT_S = 180.0
@@ -266,9 +267,8 @@ def _init_process_group(world: World, timeout: timedelta) -> World:
             # dtrain's launcher) gets keys of its own.
             attempt = contract.ATTEMPT.get() or os.environ.get(
                 "TORCHELASTIC_RESTART_COUNT", "0")
-            agent = dist.TCPStore(world.master_addr, world.master_port, world.world_size,
-                                  is_master=False, timeout=timeout)
-            how = {"store": dist.PrefixStore(f"dtrain/attempt-{attempt}/", agent)}
+            agent = StoreAddress.from_env().connect(timeout.total_seconds())
+            how = {"store": prefixed(f"dtrain/attempt-{attempt}/", agent)}
         dist.init_process_group(
             _torch_backend(world),
             rank=world.rank,

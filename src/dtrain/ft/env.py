@@ -129,6 +129,14 @@ NODE_RANK = _var("NODE_RANK", int, None, "an integer",
 RUN_ID = _var("RUN_ID", str, None, "a run id",
               "the job's id, set by `dtrain run` for its ranks (names shared-memory "
               "segments and store keys; its presence says the ranks are dtrain's)")
+RDZV_BACKEND = _var("RDZV_BACKEND", str, "c10d", "c10d or etcd",
+                   "where the job's store lives: c10d, node 0's launcher (MASTER_ADDR:"
+                   "MASTER_PORT); etcd, the cluster at DTRAIN_RDZV_ENDPOINTS")
+RDZV_ENDPOINTS = _var("RDZV_ENDPOINTS", str, "", "HOST:PORT,...",
+                      "the etcd cluster's members, with DTRAIN_RDZV_BACKEND=etcd")
+LIVE_REPLACES = _var("LIVE_REPLACES", int, 0, "0 or 1",
+                     "1: this launcher took the place of a lost one in a running live job; "
+                     "its ranks start a new generation of their replicas")
 ROLE = _var("ROLE", str, "worker", "worker or server",
             "this process's role in a parameter-server job")
 ATTEMPT = _var("ATTEMPT", str, None, "an attempt id",

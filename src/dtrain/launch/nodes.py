@@ -1,5 +1,5 @@
 """Which machines of a job are still there: each launcher beats on a counter in the job's
-store (node 0's), and names the machines whose counters stood still.
+store (node 0's, or the etcd cluster), and names the machines whose counters stood still.
 
 A lost machine (powered off, crashed, cut off the network) makes the ranks elsewhere fail
 only as their collectives time out, with nothing that names the machine, and only after
@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import socket
 import time
-from datetime import timedelta
+from collections.abc import Callable
 
+import torch.distributed as dist
+
+from dtrain.errors import LaunchError
 from dtrain.ft.heartbeat import Heartbeat
+from dtrain.ft.store import StoreAddress
 
 
 class NodeWatch:
@@ -32,21 +36,20 @@ class NodeWatch:
     GRACE_S = 5.0
     STORE_TIMEOUT_S = 10.0
 
-    def __init__(self, host: str, port: int, run_id: str, node_id: str) -> None:
-        self._where = (host, port)
+    def __init__(self, address: StoreAddress, run_id: str, node_id: str) -> None:
+        self._address = address
         self._me = node_id
         self._members: list[tuple[str, int]] = []  # (node id, ranks) by node rank
         self._beat = Heartbeat(self._connect, node_id, self.PERIOD_S,
                                prefix=f"dtrain/heartbeat/{run_id}/")
 
-    def _connect(self):
-        from torch.distributed import TCPStore
-
-        # Quietly until node 0 listens: the store's client logs every failed try.
-        with socket.create_connection(self._where, timeout=self.STORE_TIMEOUT_S):
-            pass
-        return TCPStore(*self._where, is_master=False,
-                        timeout=timedelta(seconds=self.STORE_TIMEOUT_S))
+    def _connect(self) -> dist.Store:
+        if self._address.backend == "c10d":
+            # Quietly until node 0 listens: the store's client logs every failed try.
+            where = (self._address.host, self._address.port)
+            with socket.create_connection(where, timeout=self.STORE_TIMEOUT_S):
+                pass
+        return self._address.connect(self.STORE_TIMEOUT_S)
 
     def watch(self, members: list[tuple[str, int]]) -> None:
         """The members of the round just formed (by node rank), this launcher among them:
@@ -65,13 +68,17 @@ class NodeWatch:
             f"node {index} (ranks {first}-{last})"
 
     def _store_lost(self) -> str:
-        host, port = self._where
+        if self._address.backend == "etcd":
+            return (f"lost {self._address.describe()}: no member answers (they are down, the "
+                    "network to them is cut, or the cluster lost its quorum)")
         hosting = self._name(self._members[0][0]) if self._members else "node 0"
-        return (f"lost {hosting}: its store at {host}:{port} cannot be reached (the machine is "
-                "down, the network to it is cut, or its launcher has ended: see its output)")
+        return (f"lost {hosting}: its store at {self._address.host}:{self._address.port} cannot "
+                "be reached (the machine is down, the network to it is cut, or its launcher "
+                "has ended: see its output)")
 
     def _hosting(self) -> bool:
-        return bool(self._members) and self._members[0][0] == self._me
+        return (self._address.backend == "c10d" and bool(self._members)
+                and self._members[0][0] == self._me)
 
     def _others(self) -> list[str]:
         return [node for node, _ in self._members if node != self._me]
@@ -93,17 +100,45 @@ class NodeWatch:
     def lost(self) -> str:
         """What was lost, as the head of an error line; empty when every member still beats
         (waits up to `GRACE_S` for each to show it is alive or has gone silent)."""
+        quiet = self._settle()
+        if quiet is None:
+            return "" if self._hosting() else self._store_lost()  # hosting: the job is over
+        return self._describe(quiet)
+
+    def _settle(self) -> dict[str, float] | None:
+        """The members silent for `GRACE_S`, and for how long, once each other member has
+        either beaten or gone silent that long; None when the store is out of reach."""
         since = time.monotonic()
         while True:
             if self._beat.unreachable_for() is not None:
-                return "" if self._hosting() else self._store_lost()  # hosting: the job is over
+                return None
             others = self._others()
             alive = [n for n in others if self._beat.moved_since(n, since)]
             quiet = {n: self._beat.silent_for(n) for n in others if n not in alive}
             quiet = {n: s for n, s in quiet.items() if s >= self.GRACE_S}
             if len(alive) + len(quiet) == len(others):
-                return self._describe(quiet)
+                return quiet
             time.sleep(0.1)
+
+    def take_a_lost_place(self, members: list[tuple[str, int]], timeout: float,
+                          claim: Callable[[int, str], bool]) -> int:
+        """The node rank of a member of `members` that has stopped beating and that
+        `claim(node rank, its node id)` won for this launcher, waiting up to `timeout`.
+
+        Raises:
+            LaunchError: none was lost (or every lost place was claimed by another) in time.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self.watch(members)
+            quiet = self._settle() or {}
+            for rank, (node, _) in enumerate(members):
+                if node in quiet and claim(rank, node):
+                    return rank
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the running live job lost no machine in {timeout:.0f}s: "
+                                  "a late launcher takes the place of a lost one (all "
+                                  f"{len(members)} still beat)")
 
     def _describe(self, quiet: dict[str, float]) -> str:
         if not quiet:

@@ -7,6 +7,10 @@ store listen on every interface of the machine, so anyone who can reach it could
 a job; dtrain opens the listening socket itself, bound to the master's address only
 (127.0.0.1 for a one-machine job; there the kernel picks a free port), and hands it over.
 
+With `--rdzv-backend etcd` the store is an etcd cluster instead (dtrain.ft.etcd), and no
+launcher hosts anything: the rounds' state is kept by torch's own etcd backend on the same
+cluster, and every other key by dtrain's etcd store.
+
 On that store torch's dynamic rendezvous runs rounds: a round admits between `min_nodes`
 and `max_nodes` launchers (after `min_nodes` have come it waits `last_call` seconds more for
 others), numbers them by address, and closes. A node that joins later waits for the next
@@ -20,17 +24,24 @@ from __future__ import annotations
 
 import errno
 import inspect
+import json
 import os
 import socket
 import threading
 import uuid
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from dtrain.errors import LaunchError
 from dtrain.ft import env
+from dtrain.ft.store import StoreAddress, prefixed
+from dtrain.launch.nodes import NodeWatch
 
 KEEP_ALIVE_S = 1  # torch's rendezvous keep-alive; a node silent for 3 of them is dropped
 STORE_TIMEOUT_S = 30.0
+LIVE_JOB = "dtrain/live-job"  # set once a live job's round has formed: its attempt and nodes
+LIVE_PLACE = "dtrain/live-place/"  # + attempt/node rank: the node id holding that place
 
 
 def listen(host: str, port: int) -> tuple[int, int]:
@@ -83,15 +94,38 @@ def node_id(host: str, port: int) -> str:
     return f"{local_address(host, port)}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def open_store(host: str, port: int, listen_fd: int | None, timeout_s: float):
-    """The job's store: served here on `listen_fd`, else a client of `host`:`port`."""
-    from torch.distributed import TCPStore
-
+def open_store(address: StoreAddress, listen_fd: int | None, timeout_s: float) -> dist.Store:
+    """The job's store: served here on `listen_fd`, else a client of `address` (an etcd
+    cluster is first asked whether any member answers, for up to `timeout_s`)."""
     timeout = timedelta(seconds=timeout_s)
+    if address.backend == "etcd":
+        from dtrain.ft.etcd import Cluster
+
+        Cluster(address.endpoints, timeout_s).check(timeout_s)
+        return address.connect(timeout_s)
     if listen_fd is not None:
-        return TCPStore(host, port, None, True, timeout, multi_tenant=True,
-                        master_listen_fd=listen_fd, wait_for_workers=False)
-    return TCPStore(host, port, None, False, timeout)
+        return dist.TCPStore(address.host, address.port, None, True, timeout, multi_tenant=True,
+                             master_listen_fd=listen_fd, wait_for_workers=False)
+    return dist.TCPStore(address.host, address.port, None, False, timeout)
+
+
+def _backend(address: StoreAddress, store: dist.Store, run_id: str):
+    """torch's rendezvous backend for the store: its c10d backend on the job's store, or
+    its etcd backend on the same etcd cluster (through dtrain's failover client)."""
+    if address.backend != "etcd":
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+        )
+
+        return C10dRendezvousBackend(store, run_id)
+    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import (
+        EtcdRendezvousBackend,
+    )
+
+    from dtrain.ft.etcd import Cluster
+
+    return EtcdRendezvousBackend(Cluster(address.endpoints, STORE_TIMEOUT_S), run_id,
+                                 key_prefix="/dtrain/rendezvous")
 
 
 def _method_name(depth: int = 2) -> str:
@@ -122,28 +156,31 @@ class Rendezvous:
     - nodes are numbered by `order` (the node rank asked for; the store's host asks for 0),
       then by address;
     - `membership_changed()` makes the agent restart its ranks for a new round without
-      spending a restart, as torch does when a node is waiting: for a node that left.
+      spending a restart, as torch does when a node is waiting: for a node that left;
+    - with `live`, one round for the whole job, which a late launcher enters in the place
+      of a lost one (the module's docstring).
     """
 
-    def __init__(self, store, host: str, port: int, run_id: str, node_id: str, min_nodes: int,
-                 max_nodes: int, join_timeout: float, last_call: float, nproc: int,
-                 order: int | None = None, on_round=None) -> None:
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-            C10dRendezvousBackend,
-        )
+    def __init__(self, store: dist.Store, address: StoreAddress, run_id: str, node_id: str,
+                 min_nodes: int, max_nodes: int, join_timeout: float, last_call: float,
+                 nproc: int, order: int | None = None, beat: NodeWatch | None = None,
+                 live: bool = False) -> None:
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
             DynamicRendezvousHandler,
             RendezvousTimeout,
         )
 
         _name_events_cheaply()
-        self.store, self.host, self.port, self.nproc = store, host, port, nproc
-        self.node_id = node_id
+        self.store, self.address, self.nproc = store, address, nproc
+        self.host, self.port = (address.endpoints[0] if address.backend == "etcd"
+                                else (address.host, address.port))
+        self.node_id, self.live, self.join_timeout = node_id, live, join_timeout
         # torch's shared worker store would listen on every interface: dtrain's is the job's
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         self.inner = DynamicRendezvousHandler.from_backend(
-            run_id, store, C10dRendezvousBackend(store, run_id), min_nodes, max_nodes,
-            local_addr=f"{999999 if order is None else order:06d}/{local_address(host, port)}",
+            run_id, store, _backend(address, store, run_id), min_nodes, max_nodes,
+            local_addr=(f"{999999 if order is None else order:06d}/"
+                        f"{local_address(self.host, self.port)}"),
             timeout=RendezvousTimeout(join=timedelta(seconds=join_timeout),
                                       last_call=timedelta(seconds=last_call),
                                       close=timedelta(seconds=10)),
@@ -152,40 +189,94 @@ class Rendezvous:
         self.rounds = 0  # rounds this launcher took part in
         self.node_rank = 0  # this launcher's node rank, and its first rank, in the last round
         self.first_rank = 0
-        self._on_round = on_round  # called with `members` after each round
+        self.beat = beat  # watches the round's members (after each round)
         self._changed = threading.Event()
 
     # --- torch's RendezvousHandler interface, as the agent calls it
     def get_backend(self) -> str:
-        return "c10d"
+        return self.address.backend
 
     @property
     def use_agent_store(self) -> bool:
         return True
 
     def next_rendezvous(self):
-        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
-
+        if self.live and self.rounds == 0 and self.store.check([LIVE_JOB]):
+            return self._replace()
         info = self.inner.next_rendezvous()
         self._changed.clear()
-        round_store = info.store  # torch's prefix for this round: no other round shares it
         if info.rank == 0:  # the job's rounds so far, counted in the store (not the round's)
             count = self.store.add("dtrain/rounds", 1)
-            round_store.set("dtrain/attempt", f"{count}-{uuid.uuid4().hex[:8]}")
-        attempt = round_store.get("dtrain/attempt").decode()
-        env.ATTEMPT.set(attempt)
-        env.ROUND.set(attempt.partition("-")[0])
+            info.store.set("dtrain/attempt", f"{count}-{uuid.uuid4().hex[:8]}")
+        attempt = info.store.get("dtrain/attempt").decode()
+        round_store = prefixed(f"dtrain/round/{attempt}/", self.store)
         round_store.set(f"dtrain/member/{info.rank}", f"{self.node_id} {self.nproc}")
         said = [round_store.get(f"dtrain/member/{r}").decode().split()
                 for r in range(info.world_size)]
+        if self.live:
+            self._keep_one_round(attempt, info.rank, said)
+        return self._entered(round_store, attempt, info.rank, said)
+
+    def _entered(self, round_store: dist.Store, attempt: str, node_rank: int,
+                 said: list[list[str]]):
+        """The round `attempt` entered as `node_rank`, its members as `said`, for the agent."""
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+        env.ATTEMPT.set(attempt)
+        env.ROUND.set(attempt.partition("-")[0])
         self.members = [(node, int(n)) for node, n in said]
         self.rounds += 1
-        self.node_rank = info.rank
-        self.first_rank = sum(n for _, n in self.members[:info.rank])
-        if self._on_round is not None:
-            self._on_round(self.members)
-        return RendezvousInfo(round_store, info.rank, info.world_size,
+        self.node_rank = node_rank
+        self.first_rank = sum(n for _, n in self.members[:node_rank])
+        if self.beat is not None:
+            self.beat.watch(self.members)
+        return RendezvousInfo(round_store, node_rank, len(said),
                               RendezvousStoreInfo(self.host, self.port))
+
+    def _keep_one_round(self, attempt: str, node_rank: int, said: list[list[str]]) -> None:
+        """Live replicas: every node of the round runs as many ranks (a replacement takes a
+        node's ranks as they were); the round's node 0 says the job has formed, and each
+        node owns its place."""
+        counts = {int(n) for _, n in said}
+        if len(counts) > 1:
+            raise LaunchError("live replicas need the same -n on every machine (a machine's "
+                              f"replacement takes its ranks as they were); got {sorted(counts)}")
+        os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"  # ranks by node rank, no gathering
+        self.store.set(f"{LIVE_PLACE}{attempt}/{node_rank}", self.node_id)
+        if node_rank == 0:
+            self.store.set(LIVE_JOB, json.dumps({"attempt": attempt, "nodes": len(said)}))
+
+    def _replace(self):
+        """Enter a running live job in the place of a node whose heartbeat has stopped,
+        waiting up to `join_timeout` for one: its node rank, its ranks, and a new
+        generation of each replica they held (dtrain.launch.replica).
+
+        Raises:
+            LaunchError: no node was lost within `join_timeout`.
+        """
+        from dtrain.launch.replica import next_generation
+
+        job = json.loads(self.store.get(LIVE_JOB))
+        attempt, nodes = job["attempt"], job["nodes"]
+        round_store = prefixed(f"dtrain/round/{attempt}/", self.store)
+        said = [round_store.get(f"dtrain/member/{r}").decode().split() for r in range(nodes)]
+        if self.beat is None:
+            raise LaunchError("a running live job has no place for a launcher of one machine")
+        taken = self.beat.take_a_lost_place(
+            [(node, int(n)) for node, n in said], self.join_timeout,
+            lambda r, lost: self.store.compare_set(f"{LIVE_PLACE}{attempt}/{r}", lost,
+                                                   self.node_id).decode() == self.node_id)
+        os.environ["TORCH_ELASTIC_WORKER_IDENTICAL"] = "1"
+        said[taken] = [self.node_id, str(self.nproc)]
+        round_store.set(f"dtrain/member/{taken}", f"{self.node_id} {self.nproc}")
+        ranks = env.LIVE_RANKS.get()
+        first = taken * self.nproc
+        for replica in sorted({r // ranks for r in range(first, first + self.nproc)}):
+            next_generation(self.store, replica)
+        print(f"dtrain: took the place of lost node {taken} (ranks {first}-"
+              f"{first + self.nproc - 1}) in the running live job; its replicas recover "
+              "from a live peer", flush=True)
+        return self._entered(round_store, attempt, taken, said)
 
     def is_closed(self) -> bool:
         return self.inner.is_closed()
@@ -194,6 +285,8 @@ class Rendezvous:
         self.inner.set_closed()
 
     def num_nodes_waiting(self) -> int:
+        if self.live:  # one round for the whole job: a late launcher takes a lost place
+            return 0
         try:
             waiting = self.inner.num_nodes_waiting()
         except Exception:  # noqa: BLE001 - the store is out of reach: the heartbeat tells

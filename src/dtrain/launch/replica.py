@@ -21,9 +21,11 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
+
+import torch.distributed as dist
 
 from dtrain.ft import env
+from dtrain.ft.store import connect, prefixed
 from dtrain.launch import bootstrap
 
 POLL = 0.1  # seconds between looks at the rank and at its replica's generation
@@ -37,15 +39,10 @@ def command(restarts: int, argv: list[str]) -> list[str]:
 RETIRED = "retired"  # a generation that never comes: a rank of the replica has no restart left
 
 
-def _generations(replica: int):
+def _generations(replica: int, store: dist.Store | None = None):
     """The job store's generation counter of `replica`: read it (-1 once retired), and
     bump it from a given generation (to RETIRED with `retire`)."""
-    import torch.distributed as dist
-
-    store = dist.PrefixStore(
-        f"dtrain/live/{env.RUN_ID.get() or ''}/generation/",
-        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                      is_master=False, timeout=timedelta(seconds=60)))
+    store = prefixed(f"dtrain/live/{env.RUN_ID.get() or ''}/generation/", store or connect())
     key = str(replica)
     store.compare_set(key, "", "0")  # the first generation, whoever comes first
 
@@ -57,6 +54,16 @@ def _generations(replica: int):
         store.compare_set(key, str(seen), RETIRED if retire else str(seen + 1))
 
     return current, bump
+
+
+def next_generation(store: dist.Store, replica: int) -> None:
+    """Start a new generation of `replica` (unless retired): a launcher that took a lost
+    machine's place does, so its ranks recover from a live peer and the replica's ranks
+    elsewhere start again with them."""
+    current, bump = _generations(replica, store)
+    seen = current()
+    if seen >= 0:
+        bump(seen, retire=False)
 
 
 def main(argv: list[str]) -> int:

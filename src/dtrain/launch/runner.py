@@ -11,7 +11,9 @@ and `--master HOST:PORT`; node 0 (`--node-rank 0`, or the first launcher able to
 there) hosts the job's store at HOST:PORT, where the launchers meet in rounds of torch's
 dynamic rendezvous (dtrain.launch.rendezvous). Each launcher beats on a counter in that
 store (nodes.NodeWatch): a machine that goes silent is noticed within seconds, named in
-the error line, and, in an elastic job, left behind in a new round.
+the error line, and, in an elastic job, left behind in a new round. With `--rdzv-backend
+etcd` the store is an etcd cluster (dtrain.ft.etcd) and no machine hosts it; with live
+replicas too, the job goes on without any machine it loses, node 0's included.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from dataclasses import dataclass, field
 from dtrain.comm.shm import segment
 from dtrain.errors import ConfigError, LaunchError
 from dtrain.ft import env as contract
+from dtrain.ft.store import StoreAddress, check_backend
 from dtrain.launch import bootstrap, exits, nodes, rendezvous, waker
 
 PREFIX = "[rank${rank}] "
+LIVE_EXIT_WAIT_S = 10  # a live job's launchers wait this long for each other at the end
 
 
 @dataclass
@@ -56,6 +60,13 @@ class LaunchSpec:
         timeline: record a timeline of every rank (dtrain.timeline) and merge it into this
             file once they end; with nnodes > 1 each machine writes its ranks' into
             `<timeline>.node-<node_rank>.json`. Empty: none.
+        rdzv_backend: where the job's store lives: "c10d" (node 0's launcher, at `master`)
+            or "etcd" (the cluster at `rdzv_endpoints`, HOST:PORT,...).
+        rdzv_endpoints: the etcd cluster's members.
+        run_id: the job's id, the same on every machine (needed with etcd, whose keys
+            outlive the job); empty: made from `master`, or random on one machine.
+        live: the ranks are live replicas' (dtrain.launch.replica): a lost machine is not
+            a failure, and a launcher that arrives late takes a lost one's place.
     """
 
     command: list[str]
@@ -70,6 +81,10 @@ class LaunchSpec:
     last_call: float = 5.0
     env: dict[str, str] = field(default_factory=dict)
     timeline: str = ""
+    rdzv_backend: str = "c10d"
+    rdzv_endpoints: str = ""
+    run_id: str = ""
+    live: bool = False
 
 
 def parse_master(master: str) -> tuple[str, int]:
@@ -111,15 +126,19 @@ def validate(spec: LaunchSpec) -> None:
         )
     if spec.join_timeout < 1:
         raise ConfigError(f"--join-timeout {spec.join_timeout} must be at least 1 (seconds)")
-    if spec.nnodes > 1 and spec.master is None:
-        raise ConfigError("--nnodes > 1 needs --master HOST:PORT (the address of node 0)")
+    check_backend(spec.rdzv_backend, spec.rdzv_endpoints,
+                  spec.run_id or contract.RUN_ID.get())
+    if spec.nnodes > 1 and spec.master is None and spec.rdzv_backend == "c10d":
+        raise ConfigError("--nnodes > 1 needs --master HOST:PORT (the address of node 0), or "
+                          "--rdzv-backend etcd")
     if spec.max_restarts < 0:
         raise ConfigError(f"--max-restarts {spec.max_restarts} must be 0 or more")
 
 
-def _rank_env(spec: LaunchSpec, run_id: str, exit_dir: str) -> dict[str, str]:
+def _rank_env(spec: LaunchSpec, run_id: str, exit_dir: str,
+              address: StoreAddress) -> dict[str, str]:
     env = {**contract.RUN_ID.pair(run_id), "PYTHONUNBUFFERED": "1",
-           **contract.EXIT_DIR.pair(exit_dir)}
+           **contract.EXIT_DIR.pair(exit_dir), **address.env()}
     env["TORCH_CPP_LOG_LEVEL"] = contract.USER_CPP_LOG_LEVEL.get()
     if "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the cores; more threads than cores makes every rank slower.
@@ -152,11 +171,13 @@ def launch(spec: LaunchSpec) -> None:
 
     validate(spec)
     timeline = _start_timeline(spec) if spec.timeline else ""
-    host, port, listen_fd = _store_address(spec)
+    address, listen_fd = _store_address(spec)
+    host, port = address.host, address.port
     # Every machine of a job must agree on the run id; the master address is what they share.
-    run_id = contract.RUN_ID.get() or (
+    run_id = spec.run_id or contract.RUN_ID.get() or (
         uuid.uuid4().hex[:12] if spec.master is None else f"dtrain-{host}-{port}"
     )
+    address = StoreAddress(address.backend, host, port, address.endpoints, run_id)
     # The agent logs each failure and signal itself; dtrain reports it once, in one line.
     for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
         if name.startswith("torch.distributed.elastic"):
@@ -165,21 +186,21 @@ def launch(spec: LaunchSpec) -> None:
         saved = dict(os.environ)
         exit_dir = os.path.join(log_dir, "exits")
         os.makedirs(exit_dir)
-        os.environ.update({**_rank_env(spec, run_id, exit_dir), **spec.env})
+        os.environ.update({**_rank_env(spec, run_id, exit_dir, address), **spec.env})
         if timeline:
             contract.TIMELINE.set(timeline)  # read by dtrain.init in every rank
         waking = waker.Waker()  # continues stopped ranks once the job ends; fails stalled ones
         beat = rdzv = None
         try:
-            store = rendezvous.open_store(host, port, listen_fd, spec.join_timeout)
-            me = rendezvous.node_id(host, port)
+            store = rendezvous.open_store(address, listen_fd, spec.join_timeout)
+            me = rendezvous.node_id(*_first_endpoint(address))
             if spec.nnodes > 1:  # notices, and names, a machine that is lost
-                beat = nodes.NodeWatch(host, port, run_id, me)
+                beat = nodes.NodeWatch(address, run_id, me)
             rdzv = rendezvous.Rendezvous(
-                store, host, port, run_id, me, spec.min_nodes or spec.nnodes, spec.nnodes,
+                store, address, run_id, me, spec.min_nodes or spec.nnodes, spec.nnodes,
                 spec.join_timeout, spec.last_call, spec.nproc,
-                order=0 if listen_fd is not None else spec.node_rank,
-                on_round=beat.watch if beat else None)
+                order=0 if listen_fd is not None else spec.node_rank, beat=beat,
+                live=spec.live)
             result = run_agent(spec, rdzv, beat, log_dir)
             if result.is_failed():
                 raise _failure(result, exit_dir, beat, waking)
@@ -188,7 +209,7 @@ def launch(spec: LaunchSpec) -> None:
             raise LaunchError(f"stopped by {name}: all ranks were shut down",
                               exit_code=128 + exc.sigval) from None
         except (RuntimeError, TimeoutError, ValueError) as exc:
-            raise _rendezvous_error(exc, host, port, spec) from None
+            raise _rendezvous_error(exc, address, spec) from None
         finally:
             waking.stop()
             if beat:
@@ -203,19 +224,33 @@ def launch(spec: LaunchSpec) -> None:
             sys.stdout.flush()
 
 
-def _store_address(spec: LaunchSpec) -> tuple[str, int, int | None]:
-    """Where the job's store listens, and its socket if this launcher hosts it: a free port
-    of 127.0.0.1 for one machine; `--master` for several, hosted by `--node-rank 0` or,
-    without a node rank, by the first launcher able to listen there."""
+def _store_address(spec: LaunchSpec) -> tuple[StoreAddress, int | None]:
+    """Where the job's store is, and its socket if this launcher hosts it: the etcd cluster;
+    a free port of 127.0.0.1 for one machine; `--master` for several, hosted by
+    `--node-rank 0` or, without a node rank, by the first launcher able to listen there."""
+    if spec.rdzv_backend == "etcd":
+        from dtrain.ft.etcd import parse_endpoints
+
+        endpoints = tuple(parse_endpoints(spec.rdzv_endpoints))
+        if len(endpoints) == 1:
+            print("dtrain: warning: one etcd endpoint: the job's store is no longer fault "
+                  "tolerant (give the cluster's three or more members)", file=sys.stderr)
+        return StoreAddress("etcd", endpoints=endpoints), None
     if spec.master is None:
         fd, port = rendezvous.listen("127.0.0.1", 0)
-        return "127.0.0.1", port, fd
+        return StoreAddress("c10d", "127.0.0.1", port), fd
     host, port = parse_master(spec.master)
+    listen_fd = None
     if spec.node_rank == 0:
-        return host, port, rendezvous.listen(host, port)[0]
-    if spec.node_rank is None:
-        return host, port, rendezvous.try_listen(host, port)
-    return host, port, None
+        listen_fd = rendezvous.listen(host, port)[0]
+    elif spec.node_rank is None:
+        listen_fd = rendezvous.try_listen(host, port)
+    return StoreAddress("c10d", host, port), listen_fd
+
+
+def _first_endpoint(address: StoreAddress) -> tuple[str, int]:
+    """An address the store answers at (for the route to it, which orders the nodes)."""
+    return address.endpoints[0] if address.backend == "etcd" else (address.host, address.port)
 
 
 def run_agent(spec: LaunchSpec, rdzv: rendezvous.Rendezvous, beat: nodes.NodeWatch | None,
@@ -231,10 +266,13 @@ def run_agent(spec: LaunchSpec, rdzv: rendezvous.Rendezvous, beat: nodes.NodeWat
     worker = WorkerSpec(role="worker", local_world_size=spec.nproc, entrypoint=command[0],
                         args=tuple(command[1:]), rdzv_handler=rdzv,
                         max_restarts=spec.max_restarts, monitor_interval=0.1)
+    # torch's agents wait for each other at the end, up to 5 minutes: a live job's lost
+    # machines never come
     agent = _agent_class()(worker, DefaultLogsSpecs(log_dir=log_dir, tee=tee),
-                           start_method="spawn", log_line_prefix_template=PREFIX)
+                           start_method="spawn", log_line_prefix_template=PREFIX,
+                           exit_barrier_timeout=LIVE_EXIT_WAIT_S if spec.live else 300)
     agent.membership = _Membership(rdzv, beat, elastic=(spec.min_nodes or spec.nnodes)
-                                   < spec.nnodes)
+                                   < spec.nnodes, live=spec.live)
     return agent.run()
 
 
@@ -245,14 +283,26 @@ class _Membership:
     rdzv: rendezvous.Rendezvous
     beat: nodes.NodeWatch | None
     elastic: bool
+    live: bool = False
     lost: str = ""  # the last node lost, as the head of an error line
+    said: set[str] = field(default_factory=set)  # live: the losses already reported
 
     def left(self, failed: bool) -> bool:
         """Whether a member of the round has left (asked on failure: waiting for its
-        heartbeat's verdict; else: silent for the heartbeat's grace already)."""
+        heartbeat's verdict; else: silent for the heartbeat's grace already). A live job
+        goes on: its replicas there are dropped, and a launcher started anew takes the
+        place."""
         if self.beat is None:
             return False
         self.lost = self.beat.lost() if failed else self.beat.silent()
+        if self.live and self.lost and not self.beat.store_lost:
+            which = self.lost.partition(":")[0]  # "lost node 0 (ranks 0-1)", without the time
+            if which not in self.said:
+                self.said.add(which)
+                print(f"dtrain: {self.lost}; the live replicas there are dropped and the others "
+                      "go on (the same command on a new machine takes its place)",
+                      file=sys.stderr, flush=True)
+            return False
         return bool(self.lost)
 
 
@@ -350,9 +400,13 @@ def _merge_timeline(spec: LaunchSpec, timeline: str,
           "(open it in https://ui.perfetto.dev)")
 
 
-def _rendezvous_error(exc: Exception, host: str, port: int, spec: LaunchSpec) -> LaunchError:
+def _rendezvous_error(exc: Exception, address: StoreAddress, spec: LaunchSpec) -> LaunchError:
     text = str(exc)
     lowered = text.lower()
+    host, port = address.host, address.port
+    if address.backend == "etcd":
+        return LaunchError(f"the rendezvous on {address.describe()} failed: "
+                           f"{text.splitlines()[0] if text else exc!r}")
     if "address already in use" in lowered or "eaddrinuse" in lowered:
         return LaunchError(f"port {port} on {host} is in use: pass --master {host}:<free port>")
     if "timed out" in lowered or "timeout" in lowered or "connect" in lowered:

@@ -105,11 +105,15 @@ def train_command(args: argparse.Namespace) -> None:
 
         command, restarts = replica.command(args.max_restarts, command), 0
         contract.LIVE_RANKS.set(ranks, env)
+    ft = config.fault_tolerance
     launch(LaunchSpec(
         command=command, nproc=nproc, nnodes=args.nnodes, min_nodes=args.min_nodes,
         node_rank=args.node_rank, master=args.master, max_restarts=restarts,
         join_timeout=args.join_timeout, raw_local_rank0=True, env=env,
         timeline=config.logging.timeline,
+        rdzv_backend=args.rdzv_backend or ft.rdzv_backend,
+        rdzv_endpoints=args.rdzv_endpoints or ft.rdzv_endpoints,
+        run_id=args.rdzv_id or ft.rdzv_id, live=live,
     ))
 
 

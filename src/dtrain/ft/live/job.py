@@ -7,16 +7,13 @@ restarts it, with the rest of its replica, when one of them dies. The ranks of a
 see a world of their own (no default process group spans the replicas: a replacement could
 never join one), in which the layout's tp, pp and ZeRO groups are; each learns its replica
 id and the number of replicas from DTRAIN_LIVE_ID and DTRAIN_LIVE_SLOTS, and meets the
-other replicas through the job's store (MASTER_ADDR:MASTER_PORT), where LiveReplicas forms
+other replicas through the job's store (dtrain.ft.store: node 0's, or etcd), where LiveReplicas forms
 each step's quorum and, per position in the replica, its gloo group.
 
 The training loop sees them as a `LiveMembership` (a dtrain.ft.membership.Membership).
 """
 
 from __future__ import annotations
-
-import os
-from datetime import timedelta
 
 import torch
 
@@ -26,6 +23,7 @@ from dtrain.ft import env
 from dtrain.ft.live.averaging import LiveAveraging
 from dtrain.ft.live.replicas import LiveReplicas
 from dtrain.ft.membership import RunOver
+from dtrain.ft.store import connect, prefixed
 from dtrain.world import World
 
 
@@ -42,12 +40,7 @@ def open_live(config: Config, world: World) -> LiveMembership | None:
         raise ConfigError("fault_tolerance.mode = \"live\" needs dtrain's launcher (dtrain "
                           "train -n N, or dtrain run through dtrain.launch.replica): under "
                           "another launcher use fault_tolerance.mode = \"restart\"")
-    import torch.distributed as dist
-
-    prefix = f"dtrain/live/{env.RUN_ID.get() or ''}/"
-    store = dist.PrefixStore(prefix, dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=timedelta(seconds=60)))
+    store = prefixed(f"dtrain/live/{env.RUN_ID.get() or ''}/", connect(60.0))
     step_timeout = config.fault_tolerance.step_timeout
     live = LiveReplicas(store, env.LIVE_ID.get(), env.LIVE_SLOTS.get(),
                         step_timeout=step_timeout, heartbeat_timeout=min(2.0, step_timeout),

@@ -1,5 +1,5 @@
 """Live replicas: data-parallel training that drops a dead replica and takes in a new one
-without restarting anything (the idea of torchft, on the job's own TCPStore).
+without restarting anything (the idea of torchft, on the job's own store).
 
     live = LiveReplicas(store, replica_id=rank, slots=world_size, step_timeout=5.0)
     model = DataParallel(net, averaging=LiveAveraging(live))   # dtrain.ft.live.averaging
@@ -62,6 +62,7 @@ from dtrain.ft.live.group import LiveGroup, ReplicaLost
 from dtrain.ft.live.handover import LoadExtra, SaveExtra
 from dtrain.ft.live.rounds import KEEP, forget, gather, rank_key, wait_key
 from dtrain.ft.live.watchdog import Watchdog
+from dtrain.ft.store import prefixed
 
 _STORE_ERRORS = (RuntimeError, dist.DistError, ValueError)  # a store or gloo that gave up
 
@@ -92,7 +93,7 @@ class LiveReplicas:
     """Membership and recovery of data-parallel replicas that may die and be replaced.
 
     Args:
-        store: a client of the job's TCPStore (e.g. `dist.TCPStore(host, port)`); cloned,
+        store: a client of the job's store (e.g. `dist.TCPStore(host, port)`); cloned,
             so its own settings are left alone.
         replica_id: this replica's stable id in [0, slots), e.g. its launcher RANK; a
             replacement takes the id of the replica it replaces.
@@ -133,12 +134,12 @@ class LiveReplicas:
         self.start_timeout = start_timeout
         self.join_timeout = join_timeout
         self._root = store
-        self._store = dist.PrefixStore("live/", store.clone())
-        self._beats = Heartbeat(lambda: dist.PrefixStore("live/", store.clone()),
+        self._store = prefixed("live/", store.clone())
+        self._beats = Heartbeat(lambda: prefixed("live/", store.clone()),
                                 str(replica_id * positions + position), 0.5, prefix="hb/",
                                 members=map(str, range(slots * positions)),
                                 name=f"dtrain-live-heartbeat-{self._me}")
-        self._watchdog = Watchdog(dist.PrefixStore("live/", store.clone()), self._silent_for,
+        self._watchdog = Watchdog(prefixed("live/", store.clone()), self._silent_for,
                                   self._me, heartbeat_timeout)
         self._incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.tracked = handover.Tracked()
@@ -388,9 +389,9 @@ class LiveReplicas:
         timeout = timedelta(seconds=self.step_timeout)
         rendezvous.set_timeout(timeout)
         where = f"q{quorum.group}/p{self.position}"  # each position reduces on its own
-        prefixed = dist.PrefixStore(f"live/{where}/", rendezvous)
         rank = quorum.members.index(self.replica_id)
-        pg = dist.ProcessGroupGloo(prefixed, rank, len(quorum.members), timeout)
+        pg = dist.ProcessGroupGloo(prefixed(f"live/{where}/", rendezvous), rank,
+                                   len(quorum.members), timeout)
         self.group = LiveGroup(pg, rank, quorum.members, f"live-{where}", timeout,
                                self._store)
         self._group_round = quorum.group
