@@ -108,11 +108,12 @@ class EtcdCluster:
                     etcd.Client(host=host, port=int(port), read_timeout=1).read(
                         "/", quorum=True)
                 return
-            except Exception:  # noqa: BLE001 - not up yet
+            except Exception as exc:  # noqa: BLE001 - not up yet
                 if time.monotonic() > deadline:
                     logs = "\n".join(m.log.read_text()[-2000:] for m in self.members
                                      if m.log.exists())
-                    raise RuntimeError(f"etcd cluster not healthy in {timeout}s:\n{logs}")
+                    raise RuntimeError(f"etcd cluster not healthy in {timeout}s:\n{logs}") \
+                        from exc
                 time.sleep(0.1)
 
     def leader(self) -> int:

@@ -175,6 +175,7 @@ class Rendezvous:
         self.host, self.port = (address.endpoints[0] if address.backend == "etcd"
                                 else (address.host, address.port))
         self.node_id, self.live, self.join_timeout = node_id, live, join_timeout
+        self._round_store: dist.Store | None = None  # the round's keys, for refresh_members
         # torch's shared worker store would listen on every interface: dtrain's is the job's
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         self.inner = DynamicRendezvousHandler.from_backend(
@@ -224,6 +225,7 @@ class Rendezvous:
 
         env.ATTEMPT.set(attempt)
         env.ROUND.set(attempt.partition("-")[0])
+        self._round_store = round_store
         self.members = [(node, int(n)) for node, n in said]
         self.rounds += 1
         self.node_rank = node_rank
@@ -303,6 +305,19 @@ class Rendezvous:
             return False
 
     # --- dtrain's
+    def refresh_members(self) -> None:
+        """Read the round's members again and watch the new ones: in a live job a launcher
+        that took a lost place is a member from then on."""
+        if self._round_store is None:
+            return
+        said = [self._round_store.get(f"dtrain/member/{r}").decode().split()
+                for r in range(len(self.members))]
+        members = [(node, int(n)) for node, n in said]
+        if members != self.members:
+            self.members = members
+            if self.beat is not None:
+                self.beat.watch(members)
+
     def membership_changed(self) -> None:
         """A node of the round has left: the agent starts a new round at its next check."""
         self._changed.set()

@@ -297,6 +297,10 @@ class _Membership:
         self.lost = self.beat.lost() if failed else self.beat.silent()
         if self.live and self.lost and not self.beat.store_lost:
             which = self.lost.partition(":")[0]  # "lost node 0 (ranks 0-1)", without the time
+            try:  # a launcher may have taken a lost place since: watch it instead
+                self.rdzv.refresh_members()
+            except Exception:  # noqa: BLE001 - the store is slow now: look again next time
+                pass
             if which not in self.said:
                 self.said.add(which)
                 print(f"dtrain: {self.lost}; the live replicas there are dropped and the others "

@@ -7,8 +7,8 @@ restarts it, with the rest of its replica, when one of them dies. The ranks of a
 see a world of their own (no default process group spans the replicas: a replacement could
 never join one), in which the layout's tp, pp and ZeRO groups are; each learns its replica
 id and the number of replicas from DTRAIN_LIVE_ID and DTRAIN_LIVE_SLOTS, and meets the
-other replicas through the job's store (dtrain.ft.store: node 0's, or etcd), where LiveReplicas forms
-each step's quorum and, per position in the replica, its gloo group.
+other replicas through the job's store (dtrain.ft.store: node 0's, or etcd), where
+LiveReplicas forms each step's quorum and, per position in the replica, its gloo group.
 
 The training loop sees them as a `LiveMembership` (a dtrain.ft.membership.Membership).
 """
