@@ -45,22 +45,27 @@ MODES = ("none", "blocking", "background")
 GPT = {"arch": "gpt", "n_layer": 4, "n_head": 8, "n_embd": 256, "block_size": 64}
 
 
-def build(world_size: int) -> tuple:
-    config = config_from_dict({"model": GPT, "train": {"batch_size": 4 * world_size},
-                               "parallel": {"nproc": world_size}})
-    layout = layout_of(config, world_size)
+def build(world: dtrain.World) -> tuple:
+    """This rank's model held data-parallel, its schedulers, the config (a dict), and the
+    batch it trains on every step."""
+    config = config_from_dict({"model": GPT, "train": {"batch_size": 4 * world.world_size},
+                               "parallel": {"nproc": world.world_size}})
+    layout = layout_of(config, world.world_size)
     mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
     torch.manual_seed(0)
     held = layouts.build(models.build(models.resolve(ModelConfig(**GPT), 256)), mesh, layout,
                          config)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda _: 1.0) for o in held.optimizers]
-    return held, schedulers, config.to_dict()
+    g = torch.Generator().manual_seed(world.rank)
+    tokens = torch.randint(0, 256, (4, GPT["block_size"] + 1), generator=g)
+    return held, schedulers, config.to_dict(), (tokens[:, :-1], tokens[:, 1:])
 
 
 def window(mode: str, held, schedulers, config: dict, folder: Path, step: int,
-           args: argparse.Namespace, batch) -> tuple[float, list[float], list[float]]:
+           args: argparse.Namespace, batch, copies=None) -> tuple[float, list[float], list[float]]:
     """Seconds per step of one window of `mode`; how long each save call held the loop,
-    and the CPU seconds the call itself used (its thread's)."""
+    and the CPU seconds the call itself used (its thread's). `copies`: background saves
+    copied to other hosts (dtrain.checkpoint.copies; benchmarks/replicated_save.py)."""
     calls, cpus, pending = [], [], None
     dist.barrier()
     start = time.perf_counter()
@@ -76,7 +81,7 @@ def window(mode: str, held, schedulers, config: dict, folder: Path, step: int,
                     training.save(folder, step, held, schedulers, config, 2)
                 else:
                     pending = training.save_in_background(folder, step, held, schedulers,
-                                                          config, 2)
+                                                          config, 2, copies=copies)
                 calls.append(time.perf_counter() - begin)
                 cpus.append(time.thread_time() - cpu)
     if pending is not None:
@@ -86,16 +91,70 @@ def window(mode: str, held, schedulers, config: dict, folder: Path, step: int,
     return (time.perf_counter() - start) / steps, calls, cpus
 
 
+def side_by_side(modes: tuple[str, ...], run, repeats: int, main: bool) -> dict[str, dict]:
+    """Each mode's figures from `run(mode)` -> (seconds per step, how long each save call
+    held the loop, the CPU of each call): a warm-up window of each (first-time costs out),
+    then `repeats` rounds with the modes in turns, the order rotated every round. Per mode:
+    median ms/step and ratio to the first mode (taken within each round, the slowest
+    rank's times: a step ends when every rank's does), the ratios' quartiles, median ms
+    held and CPU ms per save call. `main`: print each round."""
+    for mode in modes:
+        run(mode)
+    ratios: dict[str, list[float]] = {m: [] for m in modes}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    calls: dict[str, list[float]] = {m: [] for m in modes}
+    cpus: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(repeats):
+        seconds = {}
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            seconds[mode], held_for, cpu = run(mode)
+            calls[mode] += held_for
+            cpus[mode] += cpu
+        every = torch.tensor([seconds[m] for m in modes], dtype=torch.float64)
+        dist.all_reduce(every, op=dist.ReduceOp.MAX)
+        for mode, s in zip(modes, every.tolist(), strict=True):
+            times[mode].append(s)
+            ratios[mode].append(s / every[0].item())
+        if main:
+            print(f"repeat {r + 1}: " + "  ".join(
+                f"{m} {s * 1e3:.1f} ms ({s / every[0].item():.3f})"
+                for m, s in zip(modes, every.tolist(), strict=True)), flush=True)
+    return {m: {"ms": statistics.median(times[m]) * 1e3,
+                "ratio": statistics.median(ratios[m]),
+                "call_ms": statistics.median(calls[m]) * 1e3 if calls[m] else 0.0,
+                "cpu_ms": statistics.median(cpus[m]) * 1e3 if cpus[m] else 0.0,
+                "quartiles": statistics.quantiles(ratios[m], n=4)[::2]}
+            for m in modes}
+
+
+def print_rows(rows: dict[str, dict]) -> None:
+    """`side_by_side`'s figures, a line per mode."""
+    for m, r in rows.items():
+        low, high = r["quartiles"]
+        print(f"{m:>14}: {r['ms']:.1f} ms/step  ratio {r['ratio']:.3f} ({low:.3f}-{high:.3f})"
+              f"  loop held per save {r['call_ms']:.0f} ms  its CPU {r['cpu_ms']:.0f} ms")
+
+
+def heading(title: str, command: str) -> list[str]:
+    """A results section's title and the command that made it."""
+    return [f"## {title}", "", f"Command: `{command}`  "]
+
+
+def machine(loads: tuple[float, float]) -> str:
+    """The Machine: line of a results section, up to the model (`loads`: the load average
+    before and after)."""
+    return (f"Machine: {os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}, "
+            f"gloo, 1 thread per rank; load average {loads[0]:.1f} before, {loads[1]:.1f} after "
+            "(the machine shared with other work).")
+
+
 def write_results(rows: dict, args: argparse.Namespace, world_size: int,
                   loads: tuple[float, float], state_mb: float) -> None:
     lines = [
-        "## Background checkpoint saves (DataParallel step time, 2 ranks)",
-        "",
-        f"Command: `dtrain run -n {world_size} benchmarks/background_save.py --repeats "
-        f"{args.repeats} --every {args.every} --rounds {args.rounds} --write`  ",
-        f"Machine: {os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}, gloo, "
-        f"1 thread per rank; load average {loads[0]:.1f} before, {loads[1]:.1f} after (the "
-        "machine shared with other work). Model: GPT 4 x 256 (3.2M parameters), AdamW, "
+        *heading("Background checkpoint saves (DataParallel step time, 2 ranks)",
+                 f"dtrain run -n {world_size} benchmarks/background_save.py --repeats "
+                 f"{args.repeats} --every {args.every} --rounds {args.rounds} --write"),
+        machine(loads) + " Model: GPT 4 x 256 (3.2M parameters), AdamW, "
         f"{GPT['block_size']} tokens x 4 sequences per rank; {state_mb:.0f} MB of parameters "
         f"and optimizer state, half written by each rank. A save every {args.every} steps; "
         f"median of {args.repeats} repeats of {args.rounds * args.every} steps per mode, the "
@@ -130,69 +189,44 @@ def write_results(rows: dict, args: argparse.Namespace, world_size: int,
     replace_section("background_save", lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=30)
+def arguments(description: str, repeats: int) -> argparse.Namespace:
+    """The command line of this benchmark and of those built on it (`description`: their
+    first docstring line; `repeats`: the default)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=repeats)
     parser.add_argument("--every", type=int, default=10, help="steps between saves")
     parser.add_argument("--rounds", type=int, default=1, help="saves per window")
     parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = arguments(__doc__.splitlines()[0], repeats=30)
     torch.set_num_threads(1)
     world = dtrain.init()
     loads = [os.getloadavg()[0]]
     folder = Path(tempfile.gettempdir()) / f"dtrain-background-save-{world.master_port}"
-    held, schedulers, config = build(world.world_size)
-    g = torch.Generator().manual_seed(world.rank)
-    tokens = torch.randint(0, 256, (4, GPT["block_size"] + 1), generator=g)
-    batch = (tokens[:, :-1], tokens[:, 1:])
+    held, schedulers, config, batch = build(world)
     step = 0
-    for mode in MODES:  # warm-up: first-time costs out of the figures
-        window(mode, held, schedulers, config, folder, step, args, batch)
+
+    def run(mode: str) -> tuple[float, list[float], list[float]]:
+        nonlocal step
         step += args.rounds * args.every
-    ratios: dict[str, list[float]] = {m: [] for m in MODES}
-    times: dict[str, list[float]] = {m: [] for m in MODES}
-    calls: dict[str, list[float]] = {m: [] for m in MODES}
-    cpus: dict[str, list[float]] = {m: [] for m in MODES}
-    for r in range(args.repeats):
-        seconds = {}
-        for mode in MODES[r % 3:] + MODES[:r % 3]:
-            seconds[mode], held_for, cpu = window(mode, held, schedulers, config, folder,
-                                                  step, args, batch)
-            step += args.rounds * args.every
-            calls[mode] += held_for
-            cpus[mode] += cpu
-        # the slowest rank's figure: a step ends when every rank's does
-        both = torch.tensor([seconds[m] for m in MODES], dtype=torch.float64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        for mode, s in zip(MODES, both.tolist(), strict=True):
-            times[mode].append(s)
-            ratios[mode].append(s / both[0].item())
-        if world.is_main:
-            print(f"repeat {r + 1}: " + "  ".join(
-                f"{m} {s * 1e3:.1f} ms ({s / both[0].item():.3f})"
-                for m, s in zip(MODES, both.tolist(), strict=True)), flush=True)
+        return window(mode, held, schedulers, config, folder, step - args.rounds * args.every,
+                      args, batch)
+
+    rows = side_by_side(MODES, run, args.repeats, world.is_main)
     loads.append(os.getloadavg()[0])
     pieces, _ = held.state()
     state_mb = sum(p.values.numel() * p.values.element_size() for p in pieces) / 1e6
     state = torch.tensor([state_mb], dtype=torch.float64)
     dist.all_reduce(state)
-    rows = {m: {"ms": statistics.median(times[m]) * 1e3,
-                "ratio": statistics.median(ratios[m]),
-                "call_ms": statistics.median(calls[m]) * 1e3 if calls[m] else 0.0,
-                "cpu_ms": statistics.median(cpus[m]) * 1e3 if cpus[m] else 0.0,
-                "quartiles": statistics.quantiles(ratios[m], n=4)[::2]}
-            for m in MODES}
     dist.barrier()
     if world.is_main:
         shutil.rmtree(folder, ignore_errors=True)
         print(f"load average {loads[0]:.1f} before, {loads[1]:.1f} after; "
               f"state {state.item():.0f} MB")
-        for m in MODES:
-            low, high = rows[m]["quartiles"]
-            print(f"{m:>10}: {rows[m]['ms']:.1f} ms/step  ratio {rows[m]['ratio']:.3f} "
-                  f"({low:.3f}-{high:.3f})  "
-                  f"loop held per save {rows[m]['call_ms']:.0f} ms  "
-                  f"its CPU {rows[m]['cpu_ms']:.0f} ms")
+        print_rows(rows)
         if args.write:
             write_results(rows, args, world.world_size, (loads[0], loads[1]), state.item())
 

@@ -16,6 +16,7 @@ a test on 2 cores): run with `make test-slow`.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import shutil
@@ -28,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from dtrain.checkpoint import atomic
+from dtrain.checkpoint import atomic, universal
 from tests import forked, soak
 from tests.cli import TINY_MODEL
 
@@ -354,3 +357,70 @@ def test_a_host_restarted_after_a_crash_rejoins_and_resumes(
 def _newest_step(folder: Path) -> int:
     listed = atomic.read_index(folder / "run" / "checkpoints")
     return listed[-1]["step"] if listed else 0
+
+
+# ----------------------------------------------------------- hosts without a shared folder
+def _train_apart(hosts: tuple[Host, Host], root: Path, *flags: str) -> tuple[Job, Job]:
+    """The two-host job with `checkpoint.replicate = 1`, each host's out_dir its own
+    (root/A/run, root/B/run: the same command on two machines, each with its own disk);
+    waits for it to end well. Rank 0 writes its metrics to root/metrics.jsonl."""
+    a, b = hosts
+    for host in "AB":
+        (root / host).mkdir(parents=True, exist_ok=True)
+    common = ["--set", "checkpoint.replicate=1",
+              "--set", f"logging.metrics='{root / 'metrics.jsonl'}'", *flags]
+    job_b = start(b, a, 1, root / "B", "b", *common)
+    job_a = start(a, a, 0, root / "A", "a", *common)
+    codes = job_a.wait(timeout=180), job_b.wait(timeout=60)
+    assert codes == (0, 0), both(job_a, job_b)
+    return job_a, job_b
+
+
+def _losses(root: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.mark.timeout(420)
+def test_a_hosts_lost_folder_is_refilled_from_the_copies_bit_for_bit(
+        hosts: tuple[Host, Host], tmp_path: Path) -> None:
+    """Hosts without a shared filesystem: each writes its ranks' checkpoint files into its
+    own folder and a copy into the other's (checkpoint.replicate = 1), the save of step 2
+    in the background. After 4 steps host B's folder is deleted; the job resumed from
+    there trains steps 5 and 6 with the losses, and ends with every parameter, optimizer
+    state and rank's RNG state, of an undisturbed resume (the same folders, not deleted),
+    bit for bit; host B's folder holds the checkpoints again, and either host's folder
+    alone exports the model."""
+    first = tmp_path / "first"
+    _train_apart(hosts, first, "--set", "train.steps=4", "--set", "checkpoint.background=true")
+    for host in "AB":
+        listed = atomic.read_index(first / host / "run" / "checkpoints")
+        assert [e["step"] for e in listed] == [2, 4]
+    kept, lost = tmp_path / "kept", tmp_path / "lost"
+    for root in (kept, lost):
+        shutil.copytree(first, root)
+        (root / "metrics.jsonl").unlink()
+    shutil.rmtree(lost / "B" / "run")  # host B's disk is gone
+
+    job_a, _ = _train_apart(hosts, lost, "--set", "train.steps=6", "--resume")
+    _train_apart(hosts, kept, "--set", "train.steps=6", "--resume")
+    resumed = f"resumed from {lost / 'A' / 'run' / 'checkpoints' / 'step-00000004'} (step 4)"
+    assert resumed in job_a.stdout, job_a.stdout
+    assert _losses(lost) == _losses(kept) and sorted(_losses(lost)) == [5, 6]
+
+    def final(root: Path) -> universal.Checkpoint:
+        return universal.Checkpoint(root / "A" / "run" / "checkpoints",
+                                    also=[root / "B" / "run" / "checkpoints"])
+
+    one, two = final(lost), final(kept)
+    assert one.step == two.step == 6 and sorted(one.tensors) == sorted(two.tensors)
+    for name in one.tensors:  # model/ and optim/: every parameter and optimizer state
+        assert torch.equal(one.tensor(name), two.tensor(name)), name
+    for rank in range(4):
+        mine, theirs = one.rank_tensors(rank), two.rank_tensors(rank)
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    listed = atomic.read_index(lost / "B" / "run" / "checkpoints")
+    assert [e["step"] for e in listed] == [4, 6]
+    out = universal.export(lost / "B" / "run" / "checkpoints", tmp_path / "model.safetensors")
+    assert set(load_file(out)) == set(one.model_state())

@@ -116,7 +116,10 @@ def _parser() -> argparse.ArgumentParser:
             "transformers' AutoModelForCausalLM.from_pretrained loads; no dtrain needed."
         ),
     )
-    export.add_argument("checkpoint", help="a checkpoints folder (its newest) or one checkpoint")
+    export.add_argument("checkpoint", nargs="+",
+                        help="a checkpoints folder (its newest) or one checkpoint; saved with "
+                             "checkpoint.replicate, each host's folder that is left (the "
+                             "first one's newest step is exported)")
     export.add_argument("out", help="output: a .safetensors or .pt file, or a folder with "
                                     "--format hf")
     export.add_argument("--format", choices=("state_dict", "hf"), default="state_dict",
@@ -253,11 +256,11 @@ def _export(args: argparse.Namespace) -> None:
     if args.format == "hf":
         from dtrain.tools.export_hf import export_hf
 
-        print(f"dtrain: wrote {export_hf(args.checkpoint, args.out)}")
+        print(f"dtrain: wrote {export_hf(args.checkpoint[0], args.out, args.checkpoint[1:])}")
         return
     from dtrain.checkpoint.universal import export
 
-    print(f"dtrain: wrote {export(args.checkpoint, args.out)}")
+    print(f"dtrain: wrote {export(args.checkpoint[0], args.out, args.checkpoint[1:])}")
 
 
 def _generate(args: argparse.Namespace) -> None:

@@ -271,6 +271,11 @@ class CheckpointConfig:
     state is copied to CPU memory and training goes on while it is written, published
     atomically as a blocking save is. The last save of a run always blocks. false: every
     save blocks."""
+    replicate: int = 0
+    """Hosts without a shared filesystem: each host writes its ranks' files into its own
+    `train.out_dir` and sends a copy to this many other hosts (at most the hosts minus
+    one); resume and `dtrain export` then work with any `replicate` hosts' folders lost.
+    0: every host sees one shared `train.out_dir`."""
 
 
 @dataclass
@@ -372,7 +377,8 @@ NON_NEGATIVE = {"model.dropout", "model.vocab_size", "model.n_kv_head", "model.f
                 "model.rope_theta", "model.norm_eps", "optimizer.weight_decay",
                 "optimizer.momentum",
                 "optimizer.warmup_steps", "optimizer.min_lr_ratio", "optimizer.grad_clip",
-                "train.eval_every", "parallel.dp", "checkpoint.every", "logging.sample_tokens",
+                "train.eval_every", "parallel.dp", "checkpoint.every", "checkpoint.replicate",
+                "logging.sample_tokens",
                 "ps.staleness", "ps.snapshot_every", "sync.replicas", "model.head_dim",
                 "model.n_experts", "model.n_shared_experts", "model.moe_inter_size",
                 "model.aux_loss_weight", "model.capacity_factor", "logging.peak_tflops"}
@@ -467,6 +473,7 @@ def _validate(config: Config) -> None:
     check_shape(m, config.parallel.tp)
     _validate_moe(config)
     _validate_context(config)
+    _validate_replicate(config)
     if len(config.optimizer.betas) != 2 or not all(0 <= b < 1 for b in config.optimizer.betas):
         raise ConfigError(f"optimizer.betas = {config.optimizer.betas} must be two numbers in "
                           "[0, 1), e.g. [0.9, 0.95]")
@@ -501,6 +508,22 @@ def _validate(config: Config) -> None:
         raise ConfigError("comm.grad_dtype is for DataParallel; with parallel.zero set "
                           "parallel.mixed_precision instead")
     _validate_slow_links(config)
+
+
+def _validate_replicate(config: Config) -> None:
+    """checkpoint.replicate copies the checkpoints that the whole job writes together."""
+    k = config.checkpoint.replicate
+    if not k:
+        return
+    for what, used in (("parallel.mode = \"ps\"", config.parallel.mode == "ps"),
+                       ("fault_tolerance.mode = \"live\"",
+                        config.fault_tolerance.mode == "live"),
+                       (f"sync.method = {config.sync.method!r}",
+                        config.sync.method != "every_step")):
+        if used:
+            raise ConfigError(f"checkpoint.replicate = {k} with {what} is not supported yet: "
+                              "set checkpoint.replicate = 0 and give the hosts a shared "
+                              "train.out_dir")
 
 
 def _validate_offload(config: Config) -> None:

@@ -51,6 +51,7 @@ from safetensors import SafetensorError
 
 from dtrain import world as world_mod
 from dtrain.checkpoint import universal
+from dtrain.checkpoint.copies import HostCopies
 from dtrain.errors import DtrainError
 
 if TYPE_CHECKING:  # comm is imported where it is used, as universal.save does
@@ -119,11 +120,13 @@ def save(folder: str | Path, step: int, pieces: list[universal.Piece],
          extra: dict[str, Any], meta: dict[str, Any], keep_last: int,
          group: GroupLike | Literal["world"] = "world",
          rank_tensors: dict[str, torch.Tensor] | None = None,
-         ) -> PendingSave:
+         copies: HostCopies | None = None) -> PendingSave:
     """Copy this rank's `pieces` (and `extra`, `meta`, `rank_tensors`) to memory, then
     write them in the background as `universal.save(...)` with the same arguments would;
     returns the save, which `wait()`s for it. Called by every rank of `group` in the same
-    order, from the thread that trains (a thread group is that thread's).
+    order, from the thread that trains (a thread group is that thread's). With `copies`
+    (hosts without a shared folder) the thread writes it as `copies.save` does, over the
+    copies' own process group.
 
     Raises:
         DtrainError: the previous background save of `group` failed.
@@ -134,7 +137,9 @@ def save(folder: str | Path, step: int, pieces: list[universal.Piece],
     pieces = [replace(p, values=_copy(p.values)) for p in pieces]
     tensors = {k: _copy(v) for k, v in (rank_tensors or {}).items()}
     extra, meta = json.loads(json.dumps(extra)), json.loads(json.dumps(meta))
-    if g is None or g.size == 1:
+    if copies is not None:
+        write = partial(copies.save, folder, step, pieces, extra, meta, keep_last, tensors)
+    elif g is None or g.size == 1:
         write = partial(universal.save, folder, step, pieces, extra, meta, keep_last, None,
                         tensors)
     else:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from dtrain.checkpoint import atomic, background
 from dtrain.checkpoint.background import PendingSave
 from dtrain.checkpoint.checkpointable import Checkpointable, CheckpointGroup
+from dtrain.checkpoint.copies import HostCopies
 from dtrain.checkpoint.universal import FORMAT, Checkpoint
 from dtrain.checkpoint.universal import save as save_pieces
 from dtrain.errors import ConfigError, DtrainError
@@ -28,13 +29,20 @@ from dtrain.ft import env
 from dtrain.job_layout import Layout
 
 
-def resume_path(resume: str, out_dir: str | Path) -> str | None:
-    """The checkpoint to resume from: `resume` ("auto": the newest in the run's folder,
-    if any; or a path), and after an elastic restart or a later rendezvous round (env
-    DTRAIN_ROUND, from dtrain's launcher) the newest one in the run's folder."""
+def resume_spec(resume: str) -> str:
+    """`checkpoint.resume` as it holds for this process: "auto" after an elastic restart
+    or in a later rendezvous round (env DTRAIN_ROUND, from dtrain's launcher)."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     if not resume and (restarted or env.ROUND.get() > 1):
-        resume = "auto"
+        return "auto"
+    return resume
+
+
+def resume_path(resume: str, out_dir: str | Path) -> str | None:
+    """The checkpoint to resume from: `resume` ("auto": the newest in the run's folder,
+    if any; or a path), and after an elastic restart or a later rendezvous round
+    (`resume_spec`) the newest one in the run's folder."""
+    resume = resume_spec(resume)
     if resume == "auto":
         resume = str(Path(out_dir) / "checkpoints")
         if not atomic.read_index(resume):
@@ -90,12 +98,15 @@ def open_checkpoint(path: str, model: dict[str, Any]) -> Checkpoint:
 
 
 def save(folder: Path, step: int, held: Checkpointable, schedulers: list, config: dict[str, Any],
-         keep_last: int, described: dict[str, Any] | None = None) -> Path:
+         keep_last: int, described: dict[str, Any] | None = None,
+         copies: HostCopies | None = None) -> Path:
     """Every rank of `held.checkpoint_group` writes the pieces it owns into the checkpoint
     of `step` in `folder`, with its RNG state; the first adds the run's description
     (`config`: the config as a dict; `described`: more keys for the metadata, such as the
     resolved model an export rebuilds). Returns the checkpoint's folder once it is
-    published. A background save still in flight is waited for first.
+    published. A background save still in flight is waited for first. `copies`: hosts
+    without a shared folder, each writing into its own and copying to others
+    (dtrain.checkpoint.copies).
 
     Raises:
         DtrainError: this checkpoint, or the background one before it, was not saved.
@@ -105,13 +116,16 @@ def save(folder: Path, step: int, held: Checkpointable, schedulers: list, config
         return target
     background.finish(held.checkpoint_group)
     pieces, extra, meta, rng = _state(held, schedulers, config, described)
+    if copies is not None:
+        return copies.save(folder, step, pieces, extra, meta, keep_last, rng)
     return save_pieces(folder, step, pieces, extra, meta, keep_last,
                        group=held.checkpoint_group, rank_tensors=rng)
 
 
 def save_in_background(folder: Path, step: int, held: Checkpointable, schedulers: list,
                        config: dict[str, Any], keep_last: int,
-                       described: dict[str, Any] | None = None) -> PendingSave:
+                       described: dict[str, Any] | None = None,
+                       copies: HostCopies | None = None) -> PendingSave:
     """`save`, written by a background thread (dtrain.checkpoint.background): waits for the
     previous background save, copies this step's state to CPU memory and returns; training
     goes on while the copy is written. `wait()` on the result returns the published folder.
@@ -124,7 +138,7 @@ def save_in_background(folder: Path, step: int, held: Checkpointable, schedulers
     background.finish(held.checkpoint_group)
     pieces, extra, meta, rng = _state(held, schedulers, config, described)
     return background.save(folder, step, pieces, extra, meta, keep_last,
-                           group=held.checkpoint_group, rank_tensors=rng)
+                           group=held.checkpoint_group, rank_tensors=rng, copies=copies)
 
 
 def _state(held: Checkpointable, schedulers: list, config: dict[str, Any],

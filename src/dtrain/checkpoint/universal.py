@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -205,20 +206,31 @@ def not_saved(folder: Path, step: int, exc: Exception) -> DtrainError:
     return DtrainError(f"checkpoint of step {step} not saved in {folder}: {why}; {kept}")
 
 
-def publish(folder: Path, step: int, size: int, meta: dict[str, Any], keep_last: int) -> Path:
+def description(tmp: Path, rank: int) -> dict[str, Any]:
+    """Rank `rank`'s description in the hidden folder `tmp` (its rank-NNNNN.json), with
+    that file's own digest under "json_sha256" (raises OSError)."""
+    side_path = tmp / _name(rank, "json")
+    return {**json.loads(side_path.read_text()), "json_sha256": atomic.sha256(side_path)}
+
+
+def publish(folder: Path, step: int, size: int, meta: dict[str, Any], keep_last: int | None,
+            sides: list[dict[str, Any]] | None = None,
+            copies: dict[str, Any] | None = None) -> Path:
     """(The first rank, once all `size` ranks have written.) Merge the ranks' descriptions
-    into index.json, make the folder visible, list it and drop all but the newest
-    `keep_last` (raises OSError); returns where it now is."""
+    (`sides`, as `description` reads them; read from the hidden folder when None) into
+    index.json, make the folder visible, list it and drop all but the newest `keep_last`
+    (None: drop nothing yet); returns where it now is (raises OSError). `copies`: where
+    each file lies when hosts keep copies (dtrain.checkpoint.copies), into the index."""
     tmp = unpublished(folder, step)
     final = folder / f"step-{step:08d}"
     tensors: dict[str, dict[str, Any]] = {}
     files: dict[str, str] = {}
     extra: dict[str, Any] = {}
-    for rank in range(size):
-        side_path = tmp / _name(rank, "json")
-        side = json.loads(side_path.read_text())
+    if sides is None:
+        sides = [description(tmp, rank) for rank in range(size)]
+    for rank, side in enumerate(sides):
         files[_name(rank, "safetensors")] = side["sha256"]
-        files[side_path.name] = atomic.sha256(side_path)
+        files[_name(rank, "json")] = side["json_sha256"]
         for key, value in side["extra"].items():
             extra.setdefault(key, {}).update(value)
         for p in side["pieces"]:
@@ -227,7 +239,8 @@ def publish(folder: Path, step: int, size: int, meta: dict[str, Any], keep_last:
                 "parts": p["parts"], "pieces": []})
             entry["pieces"].append({k: p[k] for k in ("part", "lo", "hi", "file", "key")})
     index = {"format": FORMAT, "step": step, "world_size": size, "meta": meta,
-             "extra": extra, "tensors": tensors, "files": files}
+             "extra": extra, "tensors": tensors, "files": files,
+             **({"copies": copies} if copies else {})}
     (tmp / INDEX).write_text(json.dumps(index, indent=1))
     atomic.fsync(tmp / INDEX)
     atomic.fsync(tmp)
@@ -244,7 +257,7 @@ def publish(folder: Path, step: int, size: int, meta: dict[str, Any], keep_last:
     atomic.fsync(folder)
     entries = [e for e in listed if e not in again]
     entries.append({"file": target.name, "step": step, "format": FORMAT})
-    atomic.replace_index(folder, entries, keep_last)
+    atomic.replace_index(folder, entries, len(entries) if keep_last is None else keep_last)
     for entry in again:
         shutil.rmtree(folder / entry["file"], ignore_errors=True)
     return target
@@ -260,10 +273,7 @@ def latest(path: str | Path) -> Path:
     path = Path(path)
     own = path / INDEX
     if own.exists():
-        try:
-            data = json.loads(own.read_text())
-        except (OSError, ValueError):
-            data = None
+        data = _own_index(path)
         if isinstance(data, dict) and "format" in data:
             _check_format(own, data)
             return path
@@ -277,6 +287,15 @@ def latest(path: str | Path) -> Path:
     return path / entries[-1]["file"]
 
 
+def _own_index(path: Path) -> object:
+    """The JSON of `path`/index.json: a checkpoint's, a checkpoints folder's, or None (no
+    file, or not JSON)."""
+    try:
+        return json.loads((path / INDEX).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _check_format(index: Path, data: object) -> None:
     """Refuse an index of another format (or none), by name."""
     if not isinstance(data, dict) or "format" not in data:
@@ -284,6 +303,17 @@ def _check_format(index: Path, data: object) -> None:
     if data["format"] != FORMAT:
         raise DtrainError(f"{index} is a {data['format']!r} checkpoint; this dtrain reads "
                           f"{FORMAT}")
+
+
+def of_step(path: Path, step: int) -> Path | None:
+    """The checkpoint of `step` at `path` (a checkpoint folder, or a checkpoints folder
+    listing it); None where there is none."""
+    data = _own_index(path)
+    if isinstance(data, dict) and "format" in data:
+        return path if data.get("step") == step else None
+    found = [e for e in atomic.read_index(path) if e.get("format") == FORMAT
+             and e.get("step") == step]
+    return path / found[-1]["file"] if found else None
 
 
 def previous(path: Path) -> Path | None:
@@ -300,13 +330,16 @@ class Checkpoint:
 
     Args:
         path: a checkpoint folder, or a checkpoints folder (its newest checkpoint).
+        also: more folders of the same kind where files it lacks may lie: other hosts'
+            copies of a checkpoint saved with checkpoint.replicate (dtrain.checkpoint.copies).
+            Their checkpoint of the same step is used.
 
     Raises:
         DtrainError: no checkpoint there, or one of its files is missing or damaged (the
             message names it, and the previous checkpoint if there is one).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, also: Sequence[str | Path] = ()) -> None:
         self.path = latest(path)
         index = self.path / INDEX
         try:
@@ -317,12 +350,17 @@ class Checkpoint:
         lacking = [k for k in ("files", "step", "meta", "extra", "tensors") if k not in self.index]
         if lacking:
             raise self._damaged(index, f"incomplete (no {', '.join(map(repr, lacking))})")
+        others = [of_step(Path(o), self.index["step"]) for o in also]
+        self._where: dict[str, Path] = {}
         for name, digest in self.index["files"].items():
-            file = self.path / name
-            if not file.exists():
-                raise self._damaged(file, "missing")
-            if atomic.sha256(file) != digest:
-                raise self._damaged(file, "corrupted (checksum mismatch)")
+            places = [p for p in (self.path / name, *(o / name for o in others if o))
+                      if p.exists()]
+            if not places:
+                raise self._damaged(self.path / name, "missing" + self._elsewhere())
+            good = next((p for p in places if atomic.sha256(p) == digest), None)
+            if good is None:
+                raise self._damaged(places[0], "corrupted (checksum mismatch)")
+            self._where[name] = good
         self.step: int = self.index["step"]
         self.meta: dict[str, Any] = self.index["meta"]
         self.extra: dict[str, Any] = self.index["extra"]
@@ -336,9 +374,19 @@ class Checkpoint:
         return DtrainError(f"checkpoint file {file} is {what}: this checkpoint cannot be "
                            f"loaded{hint}")
 
+    def _elsewhere(self) -> str:
+        """Where a file missing here may be: other hosts' folders, for a checkpoint whose
+        hosts keep copies."""
+        copies = self.index.get("copies")
+        if not copies:
+            return ""
+        return (f" here (saved with checkpoint.replicate = {copies['replicate']}: other "
+                "hosts' folders hold it; give them too, as in dtrain export FOLDER "
+                "OTHER_FOLDER... OUT)")
+
     def _file(self, name: str) -> safe_open:
         if name not in self._open:
-            self._open[name] = safe_open(str(self.path / name), framework="pt")
+            self._open[name] = safe_open(str(self._where[name]), framework="pt")
         return self._open[name]
 
     def names(self, prefix: str = MODEL) -> list[str]:
@@ -397,9 +445,10 @@ class Checkpoint:
                 if k.startswith("rank/")}
 
 
-def export(path: str | Path, out: str | Path) -> Path:
+def export(path: str | Path, out: str | Path, also: Sequence[str | Path] = ()) -> Path:
     """Write the model of a checkpoint as one plain state_dict file (`.safetensors` or
-    `.pt`) that loads into the unparallelized model with `load_state_dict`.
+    `.pt`) that loads into the unparallelized model with `load_state_dict`; `also`: other
+    hosts' folders holding the files `path` lacks (as `Checkpoint` takes them).
 
     Raises:
         DtrainError: not a checkpoint, a damaged one, or an unknown output suffix.
@@ -407,7 +456,7 @@ def export(path: str | Path, out: str | Path) -> Path:
     out = Path(out)
     if out.suffix not in (".safetensors", ".pt"):
         raise DtrainError(f"dtrain export: {out} must end in .safetensors or .pt")
-    ckpt = Checkpoint(path)
+    ckpt = Checkpoint(path, also)
     state = ckpt.model_state()
     if out.suffix == ".safetensors":  # it stores no tensor twice: tied weights as copies
         state = {name: tensor.clone() for name, tensor in state.items()}

@@ -44,7 +44,8 @@ def train_command(args: argparse.Namespace) -> None:
 
         config.logging.timeline = prepare(config.logging.timeline)
 
-    if config.checkpoint.resume not in ("", "auto"):  # a bad checkpoint costs no start-up
+    # a bad checkpoint costs no start-up (one host's folder holds only part of a replicated one)
+    if config.checkpoint.resume not in ("", "auto") and not config.checkpoint.replicate:
         from dtrain.train.trainer import open_checkpoint
 
         open_checkpoint(config.checkpoint.resume, config)
@@ -52,8 +53,13 @@ def train_command(args: argparse.Namespace) -> None:
     from dtrain.world import detect
 
     pc = config.parallel
+    launched = detect(os.environ).source != "single"
+    if config.checkpoint.replicate and not launched:  # ranks under a launcher check it
+        from dtrain.checkpoint.copies import check_replicate
+
+        check_replicate(config.checkpoint.replicate, args.nnodes)
     alone = pc.nproc == 1 and args.nnodes == 1 and pc.mode != "ps"
-    if detect(os.environ).source != "single" or alone:
+    if launched or alone:
         from dtrain.train.trainer import train
 
         train(config)

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +82,10 @@ def hf_state(names: dict[str, tuple[HFName, bool]],
     return state
 
 
-def export_hf(path: str | Path, out: str | Path) -> Path:
-    """Write the model of the checkpoint at `path` as a Hugging Face folder `out`.
+def export_hf(path: str | Path, out: str | Path, also: Sequence[str | Path] = ()) -> Path:
+    """Write the model of the checkpoint at `path` as a Hugging Face folder `out`; `also`:
+    other hosts' folders holding the files `path` lacks (dtrain.checkpoint.universal.
+    Checkpoint).
 
     Raises:
         ConfigError: `out` exists and is not empty, or the model has no such format.
@@ -93,7 +95,7 @@ def export_hf(path: str | Path, out: str | Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"dtrain export: {out} exists and is not empty: remove it or "
                           "choose another folder")
-    ckpt = Checkpoint(path)
+    ckpt = Checkpoint(path, also)
     hf_config, names = hf_format(ckpt)
     state = hf_state(names, lambda name: ckpt.tensor(MODEL + name))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ from dtrain import comm, layouts, models, timeline
 from dtrain import world as world_mod
 from dtrain.checkpoint import training
 from dtrain.checkpoint.background import PendingSave
+from dtrain.checkpoint.copies import HostCopies
 from dtrain.checkpoint.universal import Checkpoint
 from dtrain.config import (
     Config,
@@ -132,6 +133,10 @@ class Trainer:
         # Under dtrain's launcher with a timeline (env DTRAIN_TIMELINE) the launcher merges it.
         self.own_timeline = "" if env.TIMELINE.is_set() else config.logging.timeline
         world = self.world = world_mod.init(backend=backend, timeline=self.own_timeline or None)
+        # hosts without a shared folder copy checkpoints over a group of their own, which
+        # every rank makes first (dtrain.checkpoint.copies)
+        self.copies = HostCopies.open(config.checkpoint.replicate, world.node_rank) \
+            if config.checkpoint.replicate else None
         live = open_live(config, world)  # live replicas: each a world (dtrain.ft.live.job)
         self.note = ""
         most = elastic.max_ranks(world)
@@ -149,7 +154,12 @@ class Trainer:
         self.membership: Membership = live or Fixed(replicas, replica)
         # replicas synchronized every sync.every steps each keep checkpoints of their own
         self.run_dir = Path(tc.out_dir) / (f"replica-{replica}" if replica else "")
-        resume_from = training.resume_path(config.checkpoint.resume, self.run_dir)
+        if self.copies is not None:  # from this host's folder, filled from the others
+            spec = training.resume_spec(config.checkpoint.resume)
+            resume_from = spec and self.copies.resume(
+                self.run_dir / "checkpoints" if spec == "auto" else spec)
+        else:
+            resume_from = training.resume_path(config.checkpoint.resume, self.run_dir)
         if replicas > 1:
             resume_from = training.agreed_resume(resume_from, world.device)
         self.resume = open_checkpoint(resume_from, config) if resume_from else None
@@ -305,9 +315,12 @@ class Trainer:
                                 lc.sample_tokens, seed=0, temperature=0.8,
                                 vocab_size=self.shape.vocab_size)
             text = tokenizer.decode(ids)
-        elif self.main:  # from the checkpoint: whole, here
-            text = sample(self.shape, Checkpoint(path), self.data.tokenizer, lc,
-                          self.world.device)
+        else:
+            if self.copies is not None:  # this host's folder lacks other hosts' files
+                path = Path(self.copies.resume(path))
+            if self.main:  # from the checkpoint: whole, here
+                text = sample(self.shape, Checkpoint(path), self.data.tokenizer, lc,
+                              self.world.device)
         if self.main:
             self.progress.write("sample:\n" + text)
 
@@ -361,7 +374,7 @@ class Trainer:
         how = training.save_in_background if background else training.save
         with timeline.span("checkpoint", "checkpoint", step=step):
             return how(folder, step, self.held, self.schedulers, self.config.to_dict(),
-                       self.config.checkpoint.keep_last, self.described)
+                       self.config.checkpoint.keep_last, self.described, self.copies)
 
 
 def _write_own_timeline(world: world_mod.World) -> str:
