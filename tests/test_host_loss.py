@@ -142,7 +142,7 @@ def test_losing_any_host_rank_0s_first_loses_no_step(three_hosts: list[Host],
                                                       tmp_path: Path) -> None:
     hosts = three_hosts
     kills = soak.rounds(3, 20)
-    steps = 100 + 150 * kills
+    steps = 80 + 100 * kills
     cluster = EtcdCluster(tmp_path / "etcd", [h.addr for h in hosts], [h.ns for h in hosts])
     (tmp_path / "etcd").mkdir()
     cluster.start_all()

@@ -81,7 +81,11 @@ class LiveMembership:
         return self.live.committed
 
     def writes(self) -> bool:
-        return self.live.replica_id == min(self.live.members or (self.live.replica_id,))
+        """Whether this replica records the step and writes its checkpoint: the first of the
+        quorum that committed it. A replica dropped from the step (no quorum, its state
+        stale until it recovers) does not, though it would be the first of an empty one."""
+        members = self.live.members
+        return self.live.committed and bool(members) and self.live.replica_id == min(members)
 
     def step_metrics(self) -> dict[str, int]:
         return {"replicas": len(self.live.participants)}
