@@ -13,11 +13,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import mmap
 import os
 import pickle
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -154,6 +156,8 @@ CONFIGS = [
                  id="fp16-with-tp"),
     pytest.param(None, ["--set", "parallel.mode='ps'", "--set", "parallel.tp=2"],
                  "leave parallel.tp, pp", 2, id="ps-with-tp"),
+    pytest.param(None, ["--set", "ps.servers=2", "--set", "ps.replicas=3"],
+                 "ps.replicas = 3 is more than ps.servers = 2", 2, id="ps-replicas-over-servers"),
     pytest.param(None, ["--set", "ps.consistency='eventual'"],
                  "must be one of sync, async, ssp", 2, id="unknown-consistency"),
     pytest.param(None, ["--set", "parallel.pp=8"], "= 8 stages but the model has 4 layers", 2,
@@ -587,7 +591,7 @@ MESSAGES = [
                  id="bad-hmac"),
     pytest.param(True, _signed(b'{"op":"pull","worker":0,"clock":0}')[:2] + [b"extra"],
                  "bad HMAC", id="payload-not-signed"),
-    pytest.param(True, [b"\0" * (16 << 20)] * 3, "bad HMAC", id="oversized-unsigned"),
+    pytest.param(True, [b"\0" * 1024] * 3, "bad HMAC", id="unsigned-frames"),
     pytest.param(True, [BOMB, b"\0" * 32, BOMB], "bad HMAC", id="pickle-bomb-unsigned"),
     pytest.param(True, _signed(BOMB), "malformed header", id="pickle-bomb-header"),
     pytest.param(True, _signed(b'{"op":"push","worker":0,"clock":0}', BOMB),
@@ -641,7 +645,7 @@ MESSAGES = [
 def test_bad_message(seeded: bool, frames: list, reason: str) -> None:
     """The server answers the bad message with the reason and keeps serving: worker 0 then
     seeds it (again), pushes and pulls, and both workers stop it."""
-    server = ps.Server(WORKERS, SECRET)
+    server = ps.Server(WORKERS, SECRET, NUMEL)
     serving = threading.Thread(target=server.serve, kwargs={"idle_timeout": 20}, daemon=True)
     serving.start()
     context = zmq.Context()
@@ -672,3 +676,49 @@ def test_bad_message(seeded: bool, frames: list, reason: str) -> None:
     finally:
         socket.close()
         context.term()
+
+
+def _rss() -> int:
+    """This process's resident memory, bytes."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) << 10
+
+
+@pytest.mark.timeout(60)
+def test_an_oversized_frame_is_refused_before_it_is_buffered() -> None:
+    """A stranger without the secret sends one 1 GiB frame: the server's sockets cap frames
+    at a shard's bytes (ZMQ_MAXMSGSIZE), so ZeroMQ drops the connection on reading the
+    frame's length instead of buffering it for the HMAC check; memory grows by under
+    10 MiB and the server goes on serving."""
+    server = ps.Server(WORKERS, SECRET, NUMEL)
+    serving = threading.Thread(target=server.serve, kwargs={"idle_timeout": 20}, daemon=True)
+    serving.start()
+    huge = mmap.mmap(-1, 1 << 30)  # untouched zero pages: the sender holds no real memory
+    # Contexts of their own: the stranger's I/O thread is busy with its GiB.
+    with zmq.Context() as theirs, zmq.Context() as ours:
+        stranger, worker = theirs.socket(zmq.DEALER), ours.socket(zmq.DEALER)
+        for socket in (stranger, worker):
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(server.address)
+        try:
+            worker.send_multipart(_seed())
+            assert worker.poll(30_000)  # a process's first optimizer imports much of torch
+            worker.recv_multipart()
+            before = _rss()
+            stranger.send_multipart([b"{}", b"\0" * 32, memoryview(huge)], copy=False)
+            time.sleep(1.0)  # time enough to buffer a GiB through loopback
+            worker.send_multipart(_message("pull"))
+            assert worker.poll(10_000), "the server stopped answering"
+            assert ps.unpack(SECRET, worker.recv_multipart()).error == ""
+            assert _rss() - before < 10 << 20
+            assert not server.rejected  # the frame never reached the server's loop
+            for w in range(WORKERS):
+                worker.send_multipart(_message("stop", w))
+                assert worker.poll(10_000)
+                worker.recv_multipart()
+            serving.join(5)
+            assert not serving.is_alive()
+        finally:
+            stranger.close()
+            worker.close()
+            huge.close()

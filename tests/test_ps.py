@@ -33,8 +33,18 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, 3, (WORKERS * PER_WORKER,), generator=g))
 
 
-def start_servers(n: int, workers: int = WORKERS, **kwargs) -> list[ps.Server]:
-    servers = [ps.Server(workers, SECRET, index=i, **kwargs) for i in range(n)]
+def numel(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def start_servers(n: int, workers: int = WORKERS, size: int | None = None,
+                  **kwargs) -> list[ps.Server]:
+    """n servers of the job's `size` parameters (default: `model()`'s), each serving on a
+    thread."""
+    size = numel(model()) if size is None else size
+    servers = [ps.Server(workers, SECRET, size, index=i, servers=n, **kwargs) for i in range(n)]
+    for server in servers:
+        server.set_peers([s.address for s in servers])
     for server in servers:
         threading.Thread(target=server.serve, kwargs={"idle_timeout": 30}, daemon=True).start()
     return servers
@@ -120,11 +130,12 @@ def digits_accuracy(settings: ps.Settings, epochs: int = 8) -> float:
     y = torch.tensor(data.target)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     train, test = order[:1400], order[1400:]
-    servers = start_servers(1)
 
     def mlp() -> nn.Module:
         torch.manual_seed(1)
         return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    servers = start_servers(1, size=numel(mlp()))
 
     def work(rank: int, m: nn.Module) -> float:
         worker = ps.Worker(m, settings, [servers[0].address], rank, SECRET, timeout=20)
@@ -216,7 +227,7 @@ def test_a_worker_that_starts_late_is_not_taken_for_a_silent_one() -> None:
 
 @pytest.mark.timeout(60)
 def test_sync_can_fail_instead_of_going_on_without_a_worker() -> None:
-    server = ps.Server(WORKERS, SECRET)
+    server = ps.Server(WORKERS, SECRET, numel(model()))
     raised: list[Exception] = []
     thread = threading.Thread(target=lambda: raised.extend(_raises(server.serve)))
     thread.start()
@@ -241,7 +252,8 @@ def _raises(fn) -> list[Exception]:
 
 
 def _serve(bind: str, snapshots: str) -> None:  # a process of its own, to be killed
-    ps.Server(1, SECRET, bind=bind, snapshot_dir=snapshots, snapshot_every=1).serve()
+    ps.Server(1, SECRET, numel(model()), bind=bind, snapshot_dir=snapshots,
+              snapshot_every=1).serve()
 
 
 @pytest.mark.timeout(90)
@@ -289,3 +301,87 @@ def test_dtrain_run_starts_servers_and_survives_a_killed_worker() -> None:
     assert "worker 1 sent nothing for 2s and is dropped from the clocks" in result.stderr
     line = next(x for x in result.stdout.splitlines() if "worker 0: test accuracy" in x)
     assert float(line.split("accuracy ")[1].split()[0]) > 0.9 and "after 112 steps" in line
+
+
+def free_binds(n: int) -> list[str]:
+    """n loopback addresses with ports free now (for servers in processes of their own)."""
+    with zmq.Context() as probe:
+        sockets = [probe.socket(zmq.ROUTER) for _ in range(n)]
+        binds = [f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}" for s in sockets]
+        for s in sockets:
+            s.close()
+    return binds
+
+
+def _serve_copy(index: int, binds: list[str], size: int) -> None:  # a process, to be killed
+    server = ps.Server(WORKERS, SECRET, size, index=index, servers=len(binds), bind=binds[index])
+    server.set_peers(binds)
+    server.serve(idle_timeout=30)
+
+
+def server_stats(address: str) -> dict:
+    """A server's counters: per shard copy, the pushes applied per worker and the
+    duplicates dropped (its "stats" answer)."""
+    with zmq.Context() as context, context.socket(zmq.DEALER) as socket:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(address)
+        socket.send_multipart(ps.pack(SECRET, ps.Message("stats", 0, 0)))
+        assert socket.poll(10_000), f"server {address} did not answer stats"
+        return ps.unpack(SECRET, socket.recv_multipart()).meta
+
+
+def train_through_a_kill(settings: ps.Settings, servers: int, victim: int, kill_at: int,
+                         steps: int) -> tuple[list[nn.Module], dict]:
+    """Workers train `steps` sync steps on server processes holding 2 copies of each shard;
+    after worker 0's step `kill_at`, server `victim` is SIGKILLed. The survivors' stats are
+    read before the workers stop; returns the models and {server: stats}."""
+    ctx, binds = fork_server(), free_binds(servers)
+    processes = [ctx.Process(target=_serve_copy, args=(i, binds, numel(model())))
+                 for i in range(servers)]
+    for p in processes:
+        p.start()
+
+    def work(rank: int, m: nn.Module) -> ps.Worker:
+        worker = ps.Worker(m, settings, binds, rank, SECRET, timeout=20)
+        worker.start()
+        mine = slice(rank * PER_WORKER, (rank + 1) * PER_WORKER)
+        for step in range(steps):
+            x, y = batch(step)
+            nn.functional.cross_entropy(m(x[mine]), y[mine]).backward()
+            worker.step()
+            if rank == 0 and step == kill_at:
+                processes[victim].kill()
+        return worker
+
+    models = [model() for _ in range(WORKERS)]
+    workers = run_threads(work, models)
+    stats = {i: server_stats(binds[i]) for i in range(servers) if i != victim}
+    for worker in workers:
+        worker.close()
+    for i, p in enumerate(processes):
+        p.join(10)
+        assert i == victim or p.exitcode == 0
+    return models, stats
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_server_loses_no_push_with_a_backup() -> None:
+    """replicas=2 on 2 servers: server 0 is SIGKILLed mid-run; server 1, holding the other
+    copy of its shard, takes over. Every push was applied exactly once on the surviving
+    copies (their counters), and sync still equals one process."""
+    steps = 8
+    models, stats = train_through_a_kill(ps.Settings("sync", replicas=2, **SGD), servers=2,
+                                         victim=0, kill_at=3, steps=steps)
+    survivor = stats[1]
+    assert survivor["heads"] == [0, 1]  # it took over shard 0
+    for shard in ("0", "1"):
+        assert survivor["shards"][shard]["applied"] == {"0": steps, "1": steps}
+        assert survivor["shards"][shard]["updates"] == steps  # one sync step per round
+    serial = model()
+    opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        nn.functional.cross_entropy(serial(batch(step)[0]), batch(step)[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    for m in models:
+        torch.testing.assert_close(m.state_dict(), serial.state_dict())

@@ -254,6 +254,10 @@ class PsConfig:
     snapshot_every: int = 0
     """Servers snapshot their shards to out_dir/ps-snapshots every this many updates (0:
     never); restarted servers resume from them."""
+    replicas: int = 1
+    """Copies of each shard, each on its own server: with 2, a push is acknowledged once the
+    backup has it too, and a server's death loses nothing (its backup takes over its shard).
+    At most ps.servers."""
 
 
 @dataclass
@@ -370,7 +374,7 @@ POSITIVE = {"model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
             "train.eval_batches", "parallel.nproc", "parallel.tp", "parallel.pp",
             "parallel.microbatches", "parallel.virtual_stages", "comm.bucket_mb",
             "comm.compression_rank", "sync.every", "sync.outer_lr",
-            "fault_tolerance.step_timeout", "ps.servers", "checkpoint.keep_last",
+            "fault_tolerance.step_timeout", "ps.servers", "ps.replicas", "checkpoint.keep_last",
             "optimizer.lr", "logging.log_every", "model.experts_per_token", "parallel.ep",
             "parallel.cp"}
 NON_NEGATIVE = {"model.dropout", "model.vocab_size", "model.n_kv_head", "model.ffn_hidden",
@@ -494,6 +498,9 @@ def _validate(config: Config) -> None:
     if p.mode == "ps" and (p.tp > 1 or p.pp > 1 or p.zero or p.dp):
         raise ConfigError("parallel.mode = \"ps\" trains whole replicas on the workers: "
                           "leave parallel.tp, pp, zero and dp at their defaults")
+    if config.ps.replicas > config.ps.servers:
+        raise ConfigError(f"ps.replicas = {config.ps.replicas} is more than ps.servers = "
+                          f"{config.ps.servers}: each copy of a shard needs a server of its own")
     if config.memory.offload != "none":
         _validate_offload(config)
     if p.sequence_parallel and p.tp == 1:

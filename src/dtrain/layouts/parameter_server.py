@@ -22,7 +22,7 @@ def ps_settings(config: Config) -> ps.Settings:
     o, p = config.optimizer, config.ps
     return ps.Settings(p.consistency, p.staleness if p.consistency == "ssp" else 0,
                        optimizer=o.name, lr=o.lr, momentum=o.momentum, betas=tuple(o.betas),
-                       weight_decay=o.weight_decay)
+                       weight_decay=o.weight_decay, replicas=p.replicas)
 
 
 class ParameterServer(Holding):
@@ -46,8 +46,9 @@ class ParameterServer(Holding):
         self.accum = config.train.grad_accum
         self.writes_checkpoint = mesh.world.is_main
         pc = config.ps
+        copies = f", {pc.replicas} copies of each shard" if pc.replicas > 1 else ""
         self._how = (f"{pc.consistency} parameter-server training with {pc.servers} "
-                     "server(s) per machine")
+                     f"server(s) per machine{copies}")
 
     def grad_parts(self) -> list[GradPart]:
         return [GradPart(p.grad) for p in self.module.parameters() if p.grad is not None]

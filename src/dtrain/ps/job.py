@@ -1,9 +1,11 @@
 """A parameter-server job under `dtrain run -n W --servers S`: who is who, and where.
 
 The launcher starts W workers and S servers per machine (dtrain.launch.roles) and gives
-every process the job's shared secret. A server binds a free port, publishes its address
-in the job's rendezvous store, and serves (`serve_from_env`: no user code); a worker's
-`ps.Worker` reads the addresses from the same store (`server_addresses`).
+every process the job's shared secret. Worker 0 publishes its model's parameter count in
+the job's rendezvous store; each server waits for it (its sockets refuse frames larger than
+its shard), binds a free port, publishes its address in the same store, and serves
+(`serve_from_env`: no user code); a worker's `ps.Worker` reads the addresses from the
+store (`server_addresses`).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from datetime import timedelta
+
+import torch.distributed as dist
 
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.ft import env
+from dtrain.ft.store import connect
 
 
 def new_secret() -> str:
@@ -50,43 +54,65 @@ def worker_index() -> int:
     return int(_need(env.PS_INDEX))
 
 
-def _store(timeout_s: float):
-    from torch.distributed import TCPStore
+def _store(timeout_s: float) -> dist.Store:
+    """The job's store (node 0's, or the etcd cluster: dtrain.ft.store)."""
+    if env.RDZV_BACKEND.get() == "c10d":  # outside a job: says which variable is missing
+        _need("MASTER_ADDR")
+        _need("MASTER_PORT")
+    return connect(timeout_s)
 
-    host, port = _need("MASTER_ADDR"), int(_need("MASTER_PORT"))
-    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
-
-def _key(index: int) -> str:
+def _key(name: str) -> str:
     # A restart of the job gets fresh keys: its servers bind new ports.
-    return f"dtrain/ps/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/server/{index}"
+    return f"dtrain/ps/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
 
 
-def server_addresses(timeout_s: float = 120.0) -> list[str]:
-    """The job's server addresses in shard order, once every server has published its own.
+def _addresses(store, n: int, timeout_s: float) -> list[str]:
+    try:
+        store.wait([_key(f"server/{i}") for i in range(n)])
+    except RuntimeError:
+        raise DtrainError(f"the {n} parameter server(s) did not all start within "
+                          f"{timeout_s:.0f}s; see their output above") from None
+    return [store.get(_key(f"server/{i}")).decode() for i in range(n)]
+
+
+def server_addresses(numel: int, publish: bool, timeout_s: float = 120.0) -> list[str]:
+    """The job's server addresses in shard order, once every server has published its own;
+    with `publish` (worker 0), first the model's parameter count `numel`, which the
+    servers wait for.
 
     Raises:
         DtrainError: not a parameter-server job, or a server did not come up in time.
     """
     n = int(_need(env.PS_SERVERS))
     store = _store(timeout_s)
-    try:
-        store.wait([_key(i) for i in range(n)])
-    except RuntimeError:
-        raise DtrainError(f"the {n} parameter server(s) did not all start within "
-                          f"{timeout_s:.0f}s; see their output above") from None
-    return [store.get(_key(i)).decode() for i in range(n)]
+    if publish:
+        store.set(_key("numel"), str(numel))
+    return _addresses(store, n, timeout_s)
 
 
-def serve_from_env() -> None:
-    """Run this process as server INDEX of the job until every worker is done."""
+def serve_from_env(start_timeout_s: float = 600.0) -> None:
+    """Run this process as server INDEX of the job until every worker is done.
+
+    Raises:
+        DtrainError: worker 0 did not publish its model's size within `start_timeout_s`
+            (building a large model is slow), or the other servers did not come up.
+    """
     from dtrain.ps.server import Server
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    index = int(_need(env.PS_INDEX))
+    index, n = int(_need(env.PS_INDEX)), int(_need(env.PS_SERVERS))
     host = env.PS_HOST.get() or "127.0.0.1"
-    server = Server(int(_need(env.PS_WORKERS)), secret(), index=index, bind=f"tcp://{host}:0",
+    store = _store(start_timeout_s)
+    try:
+        store.wait([_key("numel")])
+    except RuntimeError:
+        raise DtrainError(f"parameter server {index}: worker 0 did not publish its model's "
+                          f"size within {start_timeout_s:.0f}s; see its output above") from None
+    server = Server(int(_need(env.PS_WORKERS)), secret(), int(store.get(_key("numel"))),
+                    index=index, servers=n, bind=f"tcp://{host}:0",
                     snapshot_dir=env.PS_SNAPSHOT_DIR.get(),
                     snapshot_every=env.PS_SNAPSHOT_EVERY.get())
-    _store(120.0).set(_key(index), server.address)
+    store.set(_key(f"server/{index}"), server.address)
+    server.set_peers(_addresses(store, n, start_timeout_s))
     server.serve()

@@ -1,11 +1,16 @@
 """Parameter-server messages: a JSON header, an HMAC, and raw tensor bytes. No pickle.
 
 A message is three ZeroMQ frames: the header (UTF-8 JSON: op, worker, clock, for a tensor
-its dtype and length, and an optional JSON object of settings), a 32-byte HMAC-SHA256 of
-header and payload under the job's shared secret, and the payload (the tensor's bytes,
-sent without a copy; empty when there is none). `unpack` checks all of it and raises
-BadMessage with the reason, so a server can log and drop a malformed or forged message
-and go on serving.
+its dtype and length, the shard it is about, a relay number when one server passes it
+down a shard's chain of copies, and an optional JSON object of settings), a 32-byte
+HMAC-SHA256 of header and payload under the job's shared secret, and the payload (the
+tensor's bytes, sent without a copy; empty when there is none). `unpack` checks all of it
+and raises BadMessage with the reason, so a server can log and drop a malformed or forged
+message and go on serving.
+
+The HMAC is checked only once a message is whole, so every socket first caps the frames it
+accepts at `frame_limit` (ZeroMQ's ZMQ_MAXMSGSIZE): a peer that announces a larger frame is
+disconnected before ZeroMQ buffers a byte of it.
 """
 
 from __future__ import annotations
@@ -17,8 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import zmq
 
-OPS = ("init", "push", "pull", "stop", "reply")
+OPS = ("init", "push", "pull", "stop", "drop", "stats", "reply")
+HEADER_BYTES = 64 << 10
+"""The most a header may take (settings, stats of a few shard copies): far above any
+legitimate one, and the margin `frame_limit` adds to a shard's bytes."""
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 _NAMES = {v: k for k, v in DTYPES.items()}
@@ -36,6 +45,20 @@ class Message:
     tensor: torch.Tensor | None = None
     error: str = ""
     meta: dict[str, Any] | None = None
+    shard: int | None = None
+    relay: int | None = None
+
+
+def frame_limit(numel: int) -> int:
+    """The largest frame a job's sockets accept when the largest shard holds `numel`
+    float32 values (every tensor sent is one shard, or less): its bytes, plus a header's."""
+    return 4 * numel + HEADER_BYTES
+
+
+def cap_frames(socket: zmq.Socket, numel: int) -> None:
+    """Refuse frames larger than `frame_limit(numel)` on `socket`; set before it binds or
+    connects (ZeroMQ copies the option into each connection when it is made)."""
+    socket.setsockopt(zmq.MAXMSGSIZE, frame_limit(numel))
 
 
 def _mac(secret: bytes, header: bytes, payload: bytes | memoryview) -> bytes:
@@ -57,6 +80,9 @@ def pack(secret: bytes, message: Message) -> list[Any]:
         head["error"] = message.error
     if message.meta is not None:
         head["meta"] = message.meta
+    for name in ("shard", "relay"):
+        if getattr(message, name) is not None:
+            head[name] = getattr(message, name)
     header = json.dumps(head, separators=(",", ":")).encode()
     return [header, _mac(secret, header, payload), payload]
 
@@ -111,4 +137,8 @@ def unpack(secret: bytes, frames: list[Any]) -> Message:
     meta = head.get("meta")
     if meta is not None and not isinstance(meta, dict):
         raise BadMessage("malformed header: meta is not an object")
-    return Message(op, worker, clock, tensor, str(head.get("error", "")), meta)
+    shard, relay = head.get("shard"), head.get("relay")
+    for name, value in (("shard", shard), ("relay", relay)):
+        if value is not None and (not _is_integer(value) or value < 0):
+            raise BadMessage(f"malformed header: {name} {value!r} is not a count")
+    return Message(op, worker, clock, tensor, str(head.get("error", "")), meta, shard, relay)

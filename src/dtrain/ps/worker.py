@@ -13,12 +13,19 @@ Under `dtrain run --servers S` the servers' addresses, this worker's index and t
 secret come from the launcher; otherwise pass them. With `overlap=True` a hook on every
 parameter sends a server its range the moment the last of its gradients is accumulated,
 so pushes travel while backward still runs on the layers below.
+
+With `Settings.replicas` > 1 every shard has backup copies (dtrain.ps.chain). A worker
+watches its connection to each server (dtrain.ps.link); when one drops, it sends what that
+server had not answered, and all that follows, to the shard's next copy, which takes over.
+A resent push carries the same id (this worker, its clock), so a copy that already has it
+acknowledges it without applying it again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -26,8 +33,8 @@ import zmq
 from torch import nn
 
 from dtrain.comm.ops import shard_offsets
-from dtrain.errors import DtrainError
-from dtrain.ps import job
+from dtrain.errors import ConfigError, DtrainError
+from dtrain.ps import chain, job, link
 from dtrain.ps.settings import Settings
 from dtrain.ps.wire import BadMessage, Message, pack, unpack
 
@@ -49,6 +56,7 @@ class Worker:
 
     Raises:
         DtrainError: no servers given and none found in the job.
+        ConfigError: more replicas in the settings than servers.
     """
 
     def __init__(self, model: nn.Module, settings: Settings | None = None,
@@ -56,23 +64,28 @@ class Worker:
                  secret: bytes | None = None, timeout: float = 300.0,
                  overlap: bool = True) -> None:
         self.settings = settings or Settings()
-        self.servers = list(servers) if servers is not None else job.server_addresses()
-        self.rank = job.worker_index() if rank is None else rank
-        self.secret = job.secret() if secret is None else secret
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.clock, self.timeout_ms = 0, int(timeout * 1000)
         self._offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
+        self.rank = job.worker_index() if rank is None else rank
+        self.servers = (list(servers) if servers is not None
+                        else job.server_addresses(self._offsets[-1], publish=self.rank == 0))
+        if self.settings.replicas > len(self.servers):
+            raise ConfigError(f"replicas={self.settings.replicas} with {len(self.servers)} "
+                              "server(s): each copy of a shard needs a server of its own")
+        self.secret = job.secret() if secret is None else secret
+        self.clock, self.timeout_ms = 0, int(timeout * 1000)
         bounds = shard_offsets(self._offsets[-1], len(self.servers))
         self.ranges = list(itertools.pairwise(bounds))
         self._context = zmq.Context()
-        self._sockets = []
-        for address in self.servers:
-            socket = self._context.socket(zmq.DEALER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(address)
-            self._sockets.append(socket)
+        largest = max(hi - lo for lo, hi in self.ranges)
+        self._links = [link.connect(self._context, address, largest,
+                                    watch=self.settings.replicas > 1)
+                       for address in self.servers]
+        self.dead: set[int] = set()
+        """Servers whose connection dropped; their shards go to the next copy."""
+        self._in_flight: dict[int, tuple[str, torch.Tensor | None, dict | None]] = {}
+        """shard -> the request sent to its head and not answered yet (to resend)."""
         self.sent_bytes = self.received_bytes = 0
-        self._pushed: dict[int, torch.Tensor] = {}  # server -> shard in flight this step
         self._accumulating = False
         self.lr_of = None  # a callable giving the lr to send with each push (RemoteOptimizer)
         self._hooks = []
@@ -107,34 +120,81 @@ class Worker:
         return torch.cat(parts) if parts else torch.zeros(0)
 
     # ------------------------------------------------------------------ messages
-    def _send(self, s: int, op: str, tensor: torch.Tensor | None = None,
+    def _head(self, k: int) -> int:
+        head = chain.head(k, len(self.servers), self.settings.replicas, self.dead)
+        if head is None:
+            holders = chain.holders(k, len(self.servers), self.settings.replicas)
+            raise DtrainError(f"shard {k} is lost: every server holding a copy of it "
+                              f"({', '.join(self.servers[s] for s in holders)}) is gone")
+        return head
+
+    def _send(self, k: int, op: str, tensor: torch.Tensor | None = None,
               meta: dict | None = None) -> None:
-        message = Message(op, self.rank, self.clock, tensor, meta=meta)
-        self._sockets[s].send_multipart(pack(self.secret, message), copy=False)
+        """Send `op` about shard k to its head, and remember it until it is answered."""
+        self._in_flight[k] = (op, tensor, meta)  # the tensor too: ZeroMQ sends from it
+        message = Message(op, self.rank, self.clock, tensor, meta=meta, shard=k)
+        self._links[self._head(k)][0].send_multipart(pack(self.secret, message), copy=False)
         self.sent_bytes += 0 if tensor is None else tensor.numel() * tensor.element_size()
 
-    def _receive(self, s: int, op: str) -> Message:
+    def _lost(self, s: int) -> None:
+        """Server s's connection dropped: resend what it had not answered to the next
+        copies of its shards."""
+        self.dead.add(s)
+        for k, (op, tensor, meta) in list(self._in_flight.items()):
+            if chain.head(k, len(self.servers), self.settings.replicas, self.dead - {s}) == s:
+                self._send(k, op, tensor, meta)
+
+    def _read(self, s: int, op: str) -> Message:
         address = self.servers[s]
-        if not self._sockets[s].poll(self.timeout_ms):
-            raise DtrainError(f"parameter server {address} did not answer a {op} within "
-                              f"{self.timeout_ms / 1000:.0f}s")
         try:
-            answer = unpack(self.secret, self._sockets[s].recv_multipart(copy=False))
+            answer = unpack(self.secret, self._links[s][0].recv_multipart(copy=False))
         except BadMessage as exc:
             raise DtrainError(f"cannot read parameter server {address}'s answer to a {op} "
                               f"({exc}): do the workers and servers share the job's "
                               "secret?") from None
         if answer.error:
             raise DtrainError(f"parameter server {address} refused a {op}: {answer.error}")
+        if answer.shard not in self._in_flight:
+            raise DtrainError(f"parameter server {address} answered a {op} about shard "
+                              f"{answer.shard}, which was not asked")
         if answer.tensor is not None:
             self.received_bytes += answer.tensor.numel() * answer.tensor.element_size()
         return answer
 
+    def _collect(self, op: str) -> list[Message]:
+        """Every shard's answer to the requests in flight, in shard order; a server that
+        goes silent for `timeout` (since it was asked, or since its shard came to it) is
+        named."""
+        answers: dict[int, Message] = {}
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while self._in_flight:
+            poller = zmq.Poller()
+            asked = {self._head(k) for k in self._in_flight}
+            for s in asked:
+                for socket in self._links[s]:
+                    if socket is not None:
+                        poller.register(socket, zmq.POLLIN)
+            ready = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            if not ready:
+                names = ", ".join(self.servers[s] for s in sorted(asked))
+                raise DtrainError(f"parameter server {names} did not answer a {op} within "
+                                  f"{self.timeout_ms / 1000:.0f}s")
+            for s in sorted(asked):
+                socket, monitor = self._links[s]
+                if socket in ready:
+                    answer = self._read(s, op)
+                    answers[answer.shard] = answer
+                    del self._in_flight[answer.shard]
+                elif monitor is not None and monitor in ready and link.gone(monitor):
+                    self._lost(s)
+                    deadline = time.monotonic() + self.timeout_ms / 1000
+        return [answers[k] for k in sorted(answers)]
+
     def _exchange(self, op: str) -> list[Message]:
-        """Send `op` without a tensor to every server at once, then collect the answers."""
-        for s in range(len(self.servers)):
-            self._send(s, op)
-        return [self._receive(s, op) for s in range(len(self.servers))]
+        """Send `op` without a tensor about every shard at once, then collect the answers."""
+        for k in range(len(self.servers)):
+            self._send(k, op)
+        return self._collect(op)
 
     # ------------------------------------------------------------------ API
     def start(self) -> None:
@@ -142,10 +202,9 @@ class Worker:
         already holds a shard, e.g. resumed from a snapshot, keeps it); then every worker
         pulls and takes up the clock the servers have for it."""
         if self.rank == 0:
-            for s in range(len(self.servers)):
-                self._send(s, "init", self._shard(s, grads=False), self.settings.to_json())
-            for s in range(len(self.servers)):
-                self._receive(s, "init")
+            for k in range(len(self.servers)):
+                self._send(k, "init", self._shard(k, grads=False), self.settings.to_json())
+            self._collect("init")
         self.pull()
 
     def _grad_ready(self, i: int):
@@ -158,10 +217,9 @@ class Worker:
                     self._push_to(s)
         return hook
 
-    def _push_to(self, s: int) -> None:
-        shard = self._shard(s, grads=True)
-        self._pushed[s] = shard  # kept alive: ZeroMQ sends from its memory
-        self._send(s, "push", shard, None if self.lr_of is None else {"lr": self.lr_of()})
+    def _push_to(self, k: int) -> None:
+        self._send(k, "push", self._shard(k, grads=True),
+                   None if self.lr_of is None else {"lr": self.lr_of()})
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
@@ -176,12 +234,10 @@ class Worker:
     def push(self) -> None:
         """Send this step's gradients to every server not yet sent to (a missing gradient
         counts as zero), wait for every acknowledgement, and clear the gradients."""
-        for s in range(len(self.servers)):
-            if s not in self._pushed:
-                self._push_to(s)
-        for s in range(len(self.servers)):
-            self._receive(s, "push")
-        self._pushed.clear()
+        for k in range(len(self.servers)):
+            if k not in self._in_flight:
+                self._push_to(k)
+        self._collect("push")
         if self._hooks:
             self._reset_pending()
         self.clock += 1
@@ -215,6 +271,6 @@ class Worker:
         finally:
             for hook in self._hooks:
                 hook.remove()
-            for socket in self._sockets:
-                socket.close()
+            for socket, monitor in self._links:
+                link.close(socket, monitor)
             self._context.term()
