@@ -151,6 +151,32 @@ def test_endpoints_that_do_not_answer_are_named_with_the_time_waited(tmp_path: P
         in line, result.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dtrain_run_meets_on_etcd(cluster: EtcdCluster, tmp_path: Path) -> None:
+    """`dtrain run` with the etcd store: the ranks' process group forms on it (gloo's
+    bootstrap keys in etcd) and a collective gives the sum over the ranks; also with a
+    single endpoint, after a warning."""
+    script = tmp_path / "sum.py"
+    script.write_text("import torch, torch.distributed as dist, dtrain\n"
+                      "w = dtrain.init(backend='gloo')\n"
+                      "x = torch.tensor([float(w.rank + 1)])\n"
+                      "dist.all_reduce(x)\n"
+                      "print('sum', int(x.item()))\n")
+    result = dtrain("run", "-n", "3", "--rdzv-backend", "etcd", "--rdzv-endpoints",
+                    cluster.endpoints, "--rdzv-id", f"run-{tmp_path.name}", str(script),
+                    timeout=100)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("sum 6") == 3, result.stdout
+
+    one = cluster.members[0].endpoint  # allowed, with a warning that it is no longer tolerant
+    result = dtrain("run", "-n", "2", "--rdzv-backend", "etcd", "--rdzv-endpoints", one,
+                    "--rdzv-id", f"one-{tmp_path.name}", str(script), timeout=100)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("sum 3") == 2, result.stdout
+    assert "one etcd endpoint: the job's store is no longer fault tolerant" in result.stderr
+
+
 LIVE = TINY_MODEL + """
 [data]
 max_bytes = 200000

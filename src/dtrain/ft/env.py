@@ -134,9 +134,6 @@ RDZV_BACKEND = _var("RDZV_BACKEND", str, "c10d", "c10d or etcd",
                    "MASTER_PORT); etcd, the cluster at DTRAIN_RDZV_ENDPOINTS")
 RDZV_ENDPOINTS = _var("RDZV_ENDPOINTS", str, "", "HOST:PORT,...",
                       "the etcd cluster's members, with DTRAIN_RDZV_BACKEND=etcd")
-LIVE_REPLACES = _var("LIVE_REPLACES", int, 0, "0 or 1",
-                     "1: this launcher took the place of a lost one in a running live job; "
-                     "its ranks start a new generation of their replicas")
 ROLE = _var("ROLE", str, "worker", "worker or server",
             "this process's role in a parameter-server job")
 ATTEMPT = _var("ATTEMPT", str, None, "an attempt id",
