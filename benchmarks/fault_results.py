@@ -27,7 +27,9 @@ from results_md import replace_section
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = ["tests/test_faults.py", "tests/test_multihost.py", "tests/test_elastic.py",
-          "tests/test_live.py", "tests/test_background_save.py", "tests/test_bad_input.py"]
+          "tests/test_live.py", "tests/test_background_save.py", "tests/test_bad_input.py",
+          "tests/test_host_loss.py", "tests/test_etcd.py", "tests/test_checkpoint_copies.py",
+          "tests/test_ps.py"]
 
 # test function -> (the fault, faults per case, what "recovered" means)
 FAULTS = {
@@ -77,6 +79,24 @@ FAULTS = {
     "test_sigkill_at_random_moments_of_background_saving_never_loses_the_newest": (
         "SIGKILL at a random moment of background saves", 50,
         "the newest listed checkpoint loads with its step's values, every time"),
+    "test_losing_any_host_rank_0s_first_loses_no_step": (
+        "live replicas on etcd, 3 hosts (network namespaces): a whole host SIGKILLed (its "
+        "launcher, ranks and etcd member), rank 0's first, then each in turn, and started "
+        "again", 20, "the survivors' next step within the step timeout + 2 s, no step lost "
+        "or repeated, checkpoints written meanwhile; the replacement takes the lost place"),
+    "test_killing_the_etcd_leader_mid_run_loses_no_step": (
+        "live replicas on etcd: the etcd leader SIGKILLed mid-run, then restarted", 10,
+        "no step lost, none averaged over fewer replicas"),
+    "test_gloo_groups_form_on_it_and_its_calls_survive_the_leaders_loss": (
+        "the etcd leader SIGKILLed under a store client", 1,
+        "its calls go on through another member, none lost"),
+    "test_a_hosts_lost_folder_is_refilled_from_the_copies_bit_for_bit": (
+        "a host's checkpoint folder deleted before resume (`checkpoint.replicate = 1`, two "
+        "hosts)", 1, "refilled from the copies; the resume equals an undisturbed one bit for "
+        "bit"),
+    "test_a_killed_server_loses_no_push_with_a_backup": (
+        "a parameter server SIGKILLed mid-run, `[ps] replicas = 2`", 1,
+        "its backup takes the shard over; every push applied exactly once; = one process"),
 }
 REJOINS = 20  # tests/test_multihost.py's crash-and-rejoin, in a row
 MULTIHOST = {  # tests/test_multihost.py: two hosts in network namespaces, dp=4 over 2 x 2
