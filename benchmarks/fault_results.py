@@ -97,6 +97,14 @@ FAULTS = {
     "test_a_killed_server_loses_no_push_with_a_backup": (
         "a parameter server SIGKILLed mid-run, `[ps] replicas = 2`", 1,
         "its backup takes the shard over; every push applied exactly once; = one process"),
+    "test_a_push_in_flight_when_its_server_dies_is_applied_once": (
+        "a parameter server SIGKILLed with a push in flight (before relaying it, or after "
+        "its backup acknowledged it), `[ps] replicas = 2`", 1,
+        "the push resent with its id and applied once; duplicates dropped; = one process"),
+    "test_dtrain_run_survives_a_killed_server_with_a_backup": (
+        "`dtrain run --servers 2`: a server SIGKILLed mid-run (replicas 2, then 1)", 1,
+        "with a backup the job ends well, every push applied once; without, it fails naming "
+        "the server"),
 }
 REJOINS = 20  # tests/test_multihost.py's crash-and-rejoin, in a row
 MULTIHOST = {  # tests/test_multihost.py: two hosts in network namespaces, dp=4 over 2 x 2

@@ -3,6 +3,8 @@ bound, forged input is refused, dead workers are dropped, a restarted server res
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -14,6 +16,7 @@ from torch import nn
 
 from dtrain import ps
 from dtrain.errors import ConfigError, DtrainError
+from dtrain.ft import env
 from tests.cli import dtrain
 from tests.distributed import fork_server
 
@@ -313,7 +316,9 @@ def free_binds(n: int) -> list[str]:
     return binds
 
 
-def _serve_copy(index: int, binds: list[str], size: int) -> None:  # a process, to be killed
+def _serve_copy(index: int, binds: list[str], size: int, fault: str) -> None:  # a process
+    if fault:  # this process only (DTRAIN_FAULT: dtrain.ft.faults)
+        os.environ[env.FAULT.name] = fault
     server = ps.Server(WORKERS, SECRET, size, index=index, servers=len(binds), bind=binds[index])
     server.set_peers(binds)
     server.serve(idle_timeout=30)
@@ -330,13 +335,17 @@ def server_stats(address: str) -> dict:
         return ps.unpack(SECRET, socket.recv_multipart()).meta
 
 
-def train_through_a_kill(settings: ps.Settings, servers: int, victim: int, kill_at: int,
-                         steps: int) -> tuple[list[nn.Module], dict]:
-    """Workers train `steps` sync steps on server processes holding 2 copies of each shard;
-    after worker 0's step `kill_at`, server `victim` is SIGKILLed. The survivors' stats are
-    read before the workers stop; returns the models and {server: stats}."""
+def train_through_a_kill(settings: ps.Settings, servers: int, victim: int, steps: int,
+                         kill_at: int | None = None,
+                         fault: str = "") -> tuple[list[nn.Module], dict, int]:
+    """Workers train `steps` steps on server processes holding 2 copies of each shard;
+    server `victim` is SIGKILLed after worker 0's step `kill_at`, or kills itself where
+    the DTRAIN_FAULT `fault` says (a push in flight). The survivors' stats are read before
+    the workers stop; returns the models, {server: stats} and the pushes the workers
+    resent."""
     ctx, binds = fork_server(), free_binds(servers)
-    processes = [ctx.Process(target=_serve_copy, args=(i, binds, numel(model())))
+    processes = [ctx.Process(target=_serve_copy,
+                             args=(i, binds, numel(model()), fault if i == victim else ""))
                  for i in range(servers)]
     for p in processes:
         p.start()
@@ -360,8 +369,19 @@ def train_through_a_kill(settings: ps.Settings, servers: int, victim: int, kill_
         worker.close()
     for i, p in enumerate(processes):
         p.join(10)
-        assert i == victim or p.exitcode == 0
-    return models, stats
+        assert p.exitcode == (-signal.SIGKILL if i == victim else 0)
+    return models, stats, sum(w.resent_pushes for w in workers)
+
+
+def one_process(steps: int) -> dict[str, torch.Tensor]:
+    """The parameters after `steps` steps of one process on the whole batch (SGD)."""
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=SGD["lr"], momentum=SGD["momentum"])
+    for step in range(steps):
+        nn.functional.cross_entropy(m(batch(step)[0]), batch(step)[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    return m.state_dict()
 
 
 @pytest.mark.timeout(90)
@@ -370,18 +390,65 @@ def test_a_killed_server_loses_no_push_with_a_backup() -> None:
     copy of its shard, takes over. Every push was applied exactly once on the surviving
     copies (their counters), and sync still equals one process."""
     steps = 8
-    models, stats = train_through_a_kill(ps.Settings("sync", replicas=2, **SGD), servers=2,
-                                         victim=0, kill_at=3, steps=steps)
+    models, stats, _ = train_through_a_kill(ps.Settings("sync", replicas=2, **SGD), servers=2,
+                                            victim=0, steps=steps, kill_at=3)
     survivor = stats[1]
     assert survivor["heads"] == [0, 1]  # it took over shard 0
     for shard in ("0", "1"):
         assert survivor["shards"][shard]["applied"] == {"0": steps, "1": steps}
         assert survivor["shards"][shard]["updates"] == steps  # one sync step per round
-    serial = model()
-    opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
-    for step in range(steps):
-        nn.functional.cross_entropy(serial(batch(step)[0]), batch(step)[1]).backward()
-        opt.step()
-        opt.zero_grad()
     for m in models:
-        torch.testing.assert_close(m.state_dict(), serial.state_dict())
+        torch.testing.assert_close(m.state_dict(), one_process(steps))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("point", ["push", "relayed"])
+def test_a_push_in_flight_when_its_server_dies_is_applied_once(point: str) -> None:
+    """replicas=2 on 2 servers: server 0 SIGKILLs itself as the first push of clock 3 for
+    its shard reaches it, before relaying it (point "push"), or as server 1 acknowledges
+    that relayed push, before server 0 acknowledges the worker ("relayed": the backup has
+    it, the worker cannot know). The workers resend their unacknowledged pushes with the
+    same id to server 1, which applies each exactly once: a resend it already has from the
+    relay is counted as a duplicate and dropped. Sync still equals one process."""
+    steps = 6
+    settings = ps.Settings("sync", replicas=2, **SGD)
+    models, stats, resent = train_through_a_kill(settings, servers=2, victim=0, steps=steps,
+                                                 fault=f"kill@{point}=3,rank=0")
+    survivor = stats[1]
+    assert survivor["heads"] == [0, 1]
+    for shard in ("0", "1"):
+        assert survivor["shards"][shard]["applied"] == {"0": steps, "1": steps}
+        assert survivor["shards"][shard]["updates"] == steps
+    duplicates = survivor["shards"]["0"]["duplicates"]
+    assert resent >= 1  # the push that met the fault, at least
+    if point == "push":
+        assert duplicates == 0  # the head died before relaying anything of clock 3
+    else:
+        assert 1 <= duplicates <= resent
+    assert survivor["shards"]["1"]["duplicates"] == 0  # its head never died
+    for m in models:
+        torch.testing.assert_close(m.state_dict(), one_process(steps))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("replicas", [2, 1])
+def test_dtrain_run_survives_a_killed_server_with_a_backup(replicas: int) -> None:
+    """`dtrain run -n 2 --servers 2`, server 0 SIGKILLed (DTRAIN_FAULT) as the pushes of
+    clock 10 arrive. With 2 copies of each shard the job finishes with exit 0 and server 1
+    applied each worker's 28 pushes exactly once to both shards; with 1 copy the job
+    fails, as before."""
+    result = dtrain("run", "-n", "2", "--servers", "2", EXAMPLE, "--replicas", str(replicas),
+                    "--epochs", "1", env={env.FAULT.name: "kill@push=10,rank=0"},
+                    timeout=230)
+    assert "parameter server 0 was killed by SIGKILL" in result.stderr, result.stderr
+    if replicas == 1:
+        assert result.returncode != 0
+        assert "with no backup of its shard" in result.stderr
+        assert "error: rank 2 " in result.stderr  # server 0's rank is blamed, not a worker
+        return
+    assert result.returncode == 0, result.stderr
+    for shard in (0, 1):  # resends it dropped, if any, are not counted as applied
+        assert (f"parameter server 1, shard {shard}: pushes applied per worker {{0: 28, 1: 28}}"
+                ", resends dropped") in result.stderr
+    assert result.stdout.count("after 28 steps") == 2

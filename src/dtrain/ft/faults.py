@@ -9,8 +9,12 @@ The variable holds one fault, `ACTION@POINT[=VALUE][,rank=R][,attempt=A]`:
   ranks do not: a rank whose code took another path).
 - POINT: where dtrain checks for it. `step=K`: as training step K begins (dtrain train);
   `save`: inside a checkpoint write, after this rank's data file is written and before the
-  checkpoint is published.
-- rank: the global rank that fails (default: every rank); a live replica's id.
+  checkpoint is published. `push=C` and `relayed=C` are a parameter server's (dtrain.ps):
+  `push` as the head of a shard receives a worker's push of clock C, before applying or
+  relaying it; `relayed` as the head reads its backup's acknowledgement of such a push,
+  before acknowledging the worker (so the backup has it and the worker will resend it).
+- rank: the global rank that fails (default: every rank); a live replica's id; for the
+  points push and relayed, the parameter server's index.
 - attempt: the attempt it fails in (default 0, the first), so a job restarted with
   `--max-restarts`, or in a new round of an elastic job, runs through the second time:
   under dtrain's launcher the rendezvous round less one (DTRAIN_ROUND), else torch's
@@ -31,6 +35,7 @@ from dtrain.errors import ConfigError
 from dtrain.ft import env
 
 ACTIONS = ("kill", "stop", "exit", "diverge")
+POINTS = ("step", "save", "push", "relayed")
 
 
 @dataclass(frozen=True)
@@ -51,10 +56,10 @@ def parse(text: str) -> Fault:
     head, _, rest = text.partition(",")
     action, at, where = head.partition("@")
     point, _, value = where.partition("=")
-    if action not in ACTIONS or not at or point not in ("step", "save"):
+    if action not in ACTIONS or not at or point not in POINTS:
         raise ConfigError(f"{env.FAULT.name}={text!r}: expected ACTION@POINT[,rank=R]"
                           f"[,attempt=A] with ACTION one of {', '.join(ACTIONS)} and POINT "
-                          "step=K or save")
+                          "step=K, save, push=C or relayed=C")
     options: dict[str, int] = {}
     for item in filter(None, rest.split(",")):
         key, _, number = item.partition("=")
@@ -64,21 +69,23 @@ def parse(text: str) -> Fault:
     return Fault(action, point, value, options.get("rank"), options.get("attempt", 0))
 
 
-def at(point: str, value: object = "") -> None:
-    """Fail here if DTRAIN_FAULT names this point (and this rank and attempt)."""
+def at(point: str, value: object = "", server: int | None = None) -> None:
+    """Fail here if DTRAIN_FAULT names this point (and this rank and attempt); `server`:
+    called by parameter server `server`, whose index the fault's rank then names."""
     text = env.FAULT.get()
     if not text:
         return
     fault = parse(text)
     if fault.point != point or (fault.value and fault.value != str(value)):
         return
-    rank = int(os.environ.get("RANK", "0"))
-    if env.LIVE_ID.is_set():  # a live replica's rank sees its replica's world
+    rank = int(os.environ.get("RANK", "0")) if server is None else server
+    if env.LIVE_ID.is_set() and server is None:  # a live replica's rank sees its replica's world
         rank += env.LIVE_ID.get() * int(os.environ.get("WORLD_SIZE", "1"))
     attempt = attempt_number()
     if (fault.rank is not None and fault.rank != rank) or fault.attempt != attempt:
         return
-    print(f"dtrain: injected fault {text!r} on rank {rank}", file=sys.stderr, flush=True)
+    who = f"rank {rank}" if server is None else f"parameter server {server}"
+    print(f"dtrain: injected fault {text!r} on {who}", file=sys.stderr, flush=True)
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.action == "stop":

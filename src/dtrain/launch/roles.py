@@ -4,7 +4,8 @@
 started here. Local ranks 0..W-1 become workers: they run the user's COMMAND with a world
 of workers only (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE renumbered, role
 "worker"), so collectives among workers still work. The others become servers and run
-dtrain's server loop; they need no user code.
+dtrain's server loop (`python -m dtrain.launch.roles serve`); they need no user code.
+Either runs as a child of the role process, which watches how it ends.
 
 A worker killed by a signal it was not sent by the launcher (SIGKILL, the OOM killer) does
 not end the job: the servers drop it from the clocks after its worker_timeout, or fail the
@@ -12,6 +13,13 @@ job if its settings say on_worker_loss="fail". With restarts left (`--max-restar
 fails the job instead, so that the agent restarts every process and training resumes
 from the checkpoint and the servers' snapshots. A worker that exits with an error does end
 the job, as in any dtrain run.
+
+A server killed that way does not end the job either when worker 0's settings keep
+backups (`replicas` >= 2, read from the job's store: dtrain.ps.job): the next copy of each
+of its shards takes over (dtrain.ps.chain) and its role process exits 0 with one line
+naming the lost server. Should every copy of a shard die, the workers stop the job with
+an error naming the shard. With `replicas` = 1 a killed server fails the job (the agent
+restarts it with restarts left, and servers resume from their snapshots).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from dtrain.errors import ConfigError, exit_code_of
 from dtrain.ft import env
 from dtrain.launch import bootstrap
 from dtrain.ps import job
+
+SERVE = "serve"
 
 
 def plan(command: list[str], workers: int, servers: int, nnodes: int, host: str = "127.0.0.1",
@@ -59,8 +69,14 @@ def _env_int(name: str) -> int:
     return int(os.environ[name])
 
 
-def _run_worker(index: int, command: list[str]) -> int:
-    child = subprocess.Popen(bootstrap.command(command))  # dies with this process
+def _supervise(command: list[str]) -> tuple[int, str | None]:
+    """Run `command` as a child (it dies with this process) and pass it the launcher's
+    SIGTERM and SIGINT; its exit code, and the name of the signal that killed it when that
+    was not one passed on (None otherwise)."""
+    # This process (run through bootstrap) notes the exit time for the launcher, not the
+    # child: the launcher blames the failed rank that ended first.
+    quiet = {k: v for k, v in os.environ.items() if k != env.EXIT_DIR.name}
+    child = subprocess.Popen(bootstrap.command(command), env=quiet)
     stopping: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -70,21 +86,46 @@ def _run_worker(index: int, command: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     code = child.wait()
-    restarts_left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-                     - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    if code < 0 and not stopping:
-        name = signal.Signals(-code).name
-        if restarts_left > 0:  # a restart resumes every worker from the checkpoint
-            print(f"dtrain: worker {index} was killed by {name}; the job restarts "
-                  f"({restarts_left} restart(s) left)", file=sys.stderr, flush=True)
-            return 128 - code
-        print(f"dtrain: worker {index} was killed by {name}; the parameter servers drop it "
-              "from the clocks and the job goes on", file=sys.stderr, flush=True)
-        return 0
+    return code, signal.Signals(-code).name if code < 0 and not stopping else None
+
+
+def _exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def _run_server(index: int) -> int:
+    code, killed_by = _supervise([sys.executable, "-u", "-m", "dtrain.launch.roles", SERVE])
+    if killed_by is None:
+        return _exit_code(code)
+    copies = job.replicas()
+    if copies < 2:
+        print(f"dtrain: parameter server {index} was killed by {killed_by}; with no backup "
+              "of its shard ([ps] replicas = 1) the job stops", file=sys.stderr, flush=True)
+        return _exit_code(code)
+    print(f"dtrain: parameter server {index} was killed by {killed_by}; the next copies of "
+          f"its shards take over ({copies} copies of each) and the job goes on",
+          file=sys.stderr, flush=True)
+    return 0
+
+
+def _run_worker(index: int, command: list[str]) -> int:
+    code, killed_by = _supervise(command)
+    restarts_left = (int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+                     - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    if killed_by is not None:
+        if restarts_left > 0:  # a restart resumes every worker from the checkpoint
+            print(f"dtrain: worker {index} was killed by {killed_by}; the job restarts "
+                  f"({restarts_left} restart(s) left)", file=sys.stderr, flush=True)
+            return _exit_code(code)
+        print(f"dtrain: worker {index} was killed by {killed_by}; the parameter servers drop it "
+              "from the clocks and the job goes on", file=sys.stderr, flush=True)
+        return 0
+    return _exit_code(code)
+
+
 def main(argv: list[str]) -> int:
+    if argv == [SERVE]:  # the child of a server's role process
+        return exit_code_of(job.serve_from_env)
     workers, servers = int(argv[0]), int(argv[1])
     command = argv[3:]  # after "--"
     local, node = _env_int("LOCAL_RANK"), _env_int("GROUP_RANK")
@@ -94,13 +135,12 @@ def main(argv: list[str]) -> int:
     if local >= workers:
         index = node * servers + local - workers
         os.environ.update({**env.ROLE.pair("server"), **env.PS_INDEX.pair(index)})
-        return exit_code_of(job.serve_from_env)
+        return _run_server(index)
     index = node * workers + local
     os.environ.update({
         **env.ROLE.pair("worker"), **env.PS_INDEX.pair(index), "RANK": str(index),
         "WORLD_SIZE": str(workers * nodes), "LOCAL_WORLD_SIZE": str(workers),
     })
-    env.EXIT_DIR.unset()  # this process notes the exit time (bootstrap), not the child
     return _run_worker(index, command)
 
 

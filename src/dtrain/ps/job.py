@@ -1,8 +1,10 @@
 """A parameter-server job under `dtrain run -n W --servers S`: who is who, and where.
 
 The launcher starts W workers and S servers per machine (dtrain.launch.roles) and gives
-every process the job's shared secret. Worker 0 publishes its model's parameter count in
-the job's rendezvous store; each server waits for it (its sockets refuse frames larger than
+every process the job's shared secret. Worker 0 publishes its model's parameter count and
+its settings' `replicas` in the job's rendezvous store (the launcher's role processes read
+the latter to tell a server's death the job survives from one it does not: `replicas`);
+each server waits for the count (its sockets refuse frames larger than
 its shard), binds a free port, publishes its address in the same store, and serves
 (`serve_from_env`: no user code); a worker's `ps.Worker` reads the addresses from the
 store (`server_addresses`).
@@ -76,10 +78,11 @@ def _addresses(store, n: int, timeout_s: float) -> list[str]:
     return [store.get(_key(f"server/{i}")).decode() for i in range(n)]
 
 
-def server_addresses(numel: int, publish: bool, timeout_s: float = 120.0) -> list[str]:
+def server_addresses(numel: int, publish: bool, replicas: int = 1,
+                     timeout_s: float = 120.0) -> list[str]:
     """The job's server addresses in shard order, once every server has published its own;
-    with `publish` (worker 0), first the model's parameter count `numel`, which the
-    servers wait for.
+    with `publish` (worker 0), first the settings' `replicas` and the model's parameter
+    count `numel`, which the servers wait for.
 
     Raises:
         DtrainError: not a parameter-server job, or a server did not come up in time.
@@ -87,6 +90,7 @@ def server_addresses(numel: int, publish: bool, timeout_s: float = 120.0) -> lis
     n = int(_need(env.PS_SERVERS))
     store = _store(timeout_s)
     if publish:
+        store.set(_key("replicas"), str(replicas))
         store.set(_key("numel"), str(numel))
     return _addresses(store, n, timeout_s)
 
@@ -116,3 +120,12 @@ def serve_from_env(start_timeout_s: float = 600.0) -> None:
     store.set(_key(f"server/{index}"), server.address)
     server.set_peers(_addresses(store, n, start_timeout_s))
     server.serve()
+
+
+def replicas(timeout_s: float = 30.0) -> int:
+    """The copies of each shard worker 0's settings asked for (1 if it published none: a
+    server that died before the job started is not survivable)."""
+    store = _store(timeout_s)
+    if not store.check([_key("replicas")]):
+        return 1
+    return int(store.get(_key("replicas")))

@@ -44,6 +44,7 @@ import zmq
 from dtrain.checkpoint import atomic
 from dtrain.comm.ops import shard_sizes
 from dtrain.errors import ConfigError, DtrainError
+from dtrain.ft import faults
 from dtrain.ps import chain, link
 from dtrain.ps.shard import Clocks, ShardCopy
 from dtrain.ps.wire import BadMessage, Message, cap_frames, pack, unpack
@@ -205,6 +206,10 @@ class Server:
                 self._answer_ready()
             if self.failure:
                 raise DtrainError(self.failure)
+            for k, copy in sorted(self.copies.items()):
+                log.info("parameter server %d, shard %d: pushes applied per worker %s, "
+                         "resends dropped as already applied %d", self.index, k,
+                         copy.applied, copy.duplicates)
         finally:
             for socket, monitor in self._links.values():
                 link.close(socket, monitor)
@@ -258,6 +263,8 @@ class Server:
             return
         if m.op not in ("init", "push", "stop"):
             raise BadMessage(f"a worker may not send {m.op!r}")
+        if m.op == "push":
+            faults.at("push", m.clock, server=self.index)
         self._apply(m, copy)
         clock = copy.clocks.of[m.worker] if m.op == "init" else m.clock
         self._replicate(identity, Message("reply", -1, clock, shard=copy.shard), m, copy)
@@ -325,6 +332,8 @@ class Server:
         r = self._relays.pop(answer.relay, None) if answer.relay is not None else None
         if r is None or r.upstream is None:
             return
+        if r.event.op == "push" and r.shard in self.heads and not answer.error:
+            faults.at("relayed", r.event.clock, server=self.index)
         if answer.error:
             r.reply = Message("reply", -1, -1, error=answer.error, shard=r.shard,
                               relay=r.reply.relay)

@@ -68,7 +68,8 @@ class Worker:
         self._offsets = [0, *itertools.accumulate(p.numel() for p in self.params)]
         self.rank = job.worker_index() if rank is None else rank
         self.servers = (list(servers) if servers is not None
-                        else job.server_addresses(self._offsets[-1], publish=self.rank == 0))
+                        else job.server_addresses(self._offsets[-1], publish=self.rank == 0,
+                                                 replicas=self.settings.replicas))
         if self.settings.replicas > len(self.servers):
             raise ConfigError(f"replicas={self.settings.replicas} with {len(self.servers)} "
                               "server(s): each copy of a shard needs a server of its own")
@@ -85,6 +86,9 @@ class Worker:
         """Servers whose connection dropped; their shards go to the next copy."""
         self._in_flight: dict[int, tuple[str, torch.Tensor | None, dict | None]] = {}
         """shard -> the request sent to its head and not answered yet (to resend)."""
+        self.resent_pushes = 0
+        """Pushes sent again, with the same id, to the next copy of a shard whose head died
+        before acknowledging them."""
         self.sent_bytes = self.received_bytes = 0
         self._accumulating = False
         self.lr_of = None  # a callable giving the lr to send with each push (RemoteOptimizer)
@@ -143,6 +147,7 @@ class Worker:
         for k, (op, tensor, meta) in list(self._in_flight.items()):
             if chain.head(k, len(self.servers), self.settings.replicas, self.dead - {s}) == s:
                 self._send(k, op, tensor, meta)
+                self.resent_pushes += op == "push"
 
     def _read(self, s: int, op: str) -> Message:
         address = self.servers[s]
