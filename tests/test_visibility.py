@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -217,7 +218,11 @@ def test_wandb_offline_sink_reads_back(tmp_path: Path, wandb_home: dict) -> None
         sink.record(step, {"time": 0.0, "loss": loss, "mfu": 0.5})
     sink.close()
     assert len(said) == 1 and "wandb sync" in said[0]
-    rows = wandb_history(tmp_path / "wandb")
+    # wandb's service process may finish writing the run file just after finish() returns
+    deadline = time.monotonic() + 30
+    while len(rows := wandb_history(tmp_path / "wandb")) < len(losses) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert {r["_step"]: r["train/loss"] for r in rows} == losses
     assert all(r["speed/mfu"] == 0.5 for r in rows)
 

@@ -42,7 +42,8 @@ class StoreAddress:
 
     @classmethod
     def from_env(cls) -> StoreAddress:
-        """The job's store as the launcher told this process (DTRAIN_RDZV_*, MASTER_*)."""
+        """The job's store as the launcher told this process (DTRAIN_RDZV_BACKEND and
+        DTRAIN_RDZV_ENDPOINTS, or MASTER_ADDR and MASTER_PORT)."""
         backend = env.RDZV_BACKEND.get()
         if backend == "etcd":
             from dtrain.ft.etcd import parse_endpoints
@@ -79,7 +80,7 @@ class StoreAddress:
 
 
 def connect(timeout_s: float = 60.0) -> dist.Store:
-    """A client of this job's store (the launcher's DTRAIN_RDZV_* and MASTER_* say where)."""
+    """A client of this job's store (where the launcher's variables say: StoreAddress)."""
     return StoreAddress.from_env().connect(timeout_s)
 
 
