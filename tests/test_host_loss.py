@@ -174,11 +174,13 @@ def test_losing_any_host_rank_0s_first_loses_no_step(three_hosts: list[Host],
         _wait(lambda m=moment: any(r["time"] > m and r["replicas"] == 6
                                    for r in _records(metrics)), 180, tmp_path,
               f"host {lost}'s replacement taking part (kill {kill})")
+    print(f"survivors' next step after each kill: {[round(s, 2) for s in recovered]} s")
     codes = [proc.wait(timeout=600) for proc in launchers]
     assert codes == [0, 0, 0], _outputs(tmp_path)
-    records = _records(metrics)
-    assert [r["step"] for r in records] == list(range(1, steps + 1)), _outputs(tmp_path)
+    # each step once; two writers on different hosts (around a change of the first replica)
+    # may append theirs out of order
+    steps_recorded = sorted(r["step"] for r in _records(metrics))
+    assert steps_recorded == list(range(1, steps + 1)), _outputs(tmp_path)
     assert max(recovered) <= STEP_TIMEOUT_S + 2, (recovered, _outputs(tmp_path))
     assert _newest_checkpoint(tmp_path) == steps
-    print(f"survivors' next step after each kill: {[round(s, 2) for s in recovered]} s")
     cluster.stop()
