@@ -39,6 +39,9 @@ RUN_ELSEWHERE = {
     "examples/bigger_than_a_rank.py": "tests/test_split_build.py",
 }
 """Examples another test already runs (and checks more closely): not run twice."""
+SLOW_EXAMPLES = {"examples/context_parallel.py", "examples/tensor_parallel.py",
+                 "examples/zero.py"}
+"""Examples of 12-15 s each on 2 cores: they run with make test-slow."""
 SHELL = {"bash", "sh", "console", "shell"}
 
 
@@ -167,7 +170,9 @@ def quick_auto(tmp_path_factory) -> dict[str, str]:
     return {"DTRAIN_CALIBRATION": str(path)}
 
 
-@pytest.mark.parametrize("example", [e for e in INCLUDED if e not in RUN_ELSEWHERE])
+@pytest.mark.parametrize("example", [
+    pytest.param(e, marks=pytest.mark.slow) if e in SLOW_EXAMPLES else e
+    for e in INCLUDED if e not in RUN_ELSEWHERE])
 def test_example_runs(example: str, quick_auto: dict[str, str]) -> None:
     result = dtrain(*example_command(example), cwd=str(ROOT), env=quick_auto, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -56,8 +56,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
             "no_decay": short_run(folder, "no_decay", ["-n", "1", *NO_DECAY])}
 
 
-@pytest.mark.parametrize("mode", [
-    "dp", *(pytest.param(m, marks=pytest.mark.slow) for m in ("zero2", "tp", "pp", "ps"))])
+@pytest.mark.slow  # 25-30 s each on 2 cores: make test-slow
+@pytest.mark.parametrize("mode", ["dp", "zero2", "tp", "pp", "ps"])
 def test_a_killed_rank_restarts_and_the_run_ends_as_if_uninterrupted(
         tmp_path: Path, mode: str, uninterrupted: dict[str, tuple]) -> None:
     """Rank 1 SIGKILLs itself as step 5 begins; the agent restarts every rank, `dtrain

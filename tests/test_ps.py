@@ -292,6 +292,7 @@ def test_a_killed_server_restarts_from_its_snapshot(tmp_path: Path) -> None:
     assert successor.exitcode == 0
 
 
+@pytest.mark.slow  # about 20 s on 2 cores: make test-slow
 @pytest.mark.timeout(150)
 def test_dtrain_run_starts_servers_and_survives_a_killed_worker() -> None:
     """`dtrain run --servers`: servers need no user code; worker 1 SIGKILLs itself at step
