@@ -299,6 +299,7 @@ def test_construction_by_hand(profile):
     assert z3 < whole / 2
 
 
+@pytest.mark.slow  # about 9 s on 2 cores: make test-slow
 @pytest.mark.timeout(120)
 def test_plan_command_json_and_table(tmp_path):
     out = tmp_path / "plan.json"

@@ -156,6 +156,7 @@ def digits_accuracy(settings: ps.Settings, epochs: int = 8) -> float:
     return run_threads(work, [mlp() for _ in range(WORKERS)])[0]
 
 
+@pytest.mark.slow  # about 8 s on 2 cores: make test-slow
 @pytest.mark.timeout(90)
 def test_async_and_ssp_reach_the_accuracy_of_sync_on_digits() -> None:
     sync = digits_accuracy(ps.Settings("sync", **SGD))
