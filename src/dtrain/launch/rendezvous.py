@@ -264,6 +264,9 @@ class Rendezvous:
         said = [round_store.get(f"dtrain/member/{r}").decode().split() for r in range(nodes)]
         if self.beat is None:
             raise LaunchError("a running live job has no place for a launcher of one machine")
+        if self.nproc != int(said[0][1]):
+            raise LaunchError(f"-n {self.nproc}: this live job's machines run {said[0][1]} ranks "
+                              "each, and a replacement takes a lost one's ranks as they were")
         taken = self.beat.take_a_lost_place(
             [(node, int(n)) for node, n in said], self.join_timeout,
             lambda r, lost: self.store.compare_set(f"{LIVE_PLACE}{attempt}/{r}", lost,
