@@ -177,7 +177,8 @@ def test_dtrain_run_meets_on_etcd(cluster: EtcdCluster, tmp_path: Path) -> None:
     assert "one etcd endpoint: the job's store is no longer fault tolerant" in result.stderr
 
 
-LIVE = TINY_MODEL + """
+STEP_TIMEOUT_S = 5.0
+LIVE = TINY_MODEL + f"""
 [data]
 max_bytes = 200000
 
@@ -187,15 +188,16 @@ eval_every = 0
 
 [fault_tolerance]
 mode = "live"
-step_timeout = 5.0
+step_timeout = {STEP_TIMEOUT_S}
 
 [checkpoint]
-every = 20
+every = 10
 
 [logging]
-log_every = 10
+log_every = 20
 sample_tokens = 0
 """
+"""A live job of replicas of one rank (tests/test_host_loss.py's too)."""
 
 
 def _records(path: Path) -> list[dict]:

@@ -32,34 +32,13 @@ import pytest
 
 from dtrain.checkpoint import atomic
 from tests import forked, soak
-from tests.cli import TINY_MODEL
 from tests.etcd_cluster import EtcdCluster, etcd_binary
-from tests.test_etcd import _records
+from tests.test_etcd import LIVE, STEP_TIMEOUT_S, _records
 from tests.test_multihost import Host, ip
 
 pytestmark = pytest.mark.slow
 
 SUBNET = "10.214.0"
-STEP_TIMEOUT_S = 5.0
-CONFIG = TINY_MODEL + f"""
-[data]
-max_bytes = 200000
-
-[train]
-batch_size = 12
-eval_every = 0
-
-[fault_tolerance]
-mode = "live"
-step_timeout = {STEP_TIMEOUT_S}
-
-[checkpoint]
-every = 10
-
-[logging]
-log_every = 20
-sample_tokens = 0
-"""
 
 
 @pytest.fixture
@@ -106,7 +85,7 @@ def _launcher(host: Host, node_rank: int, folder: Path, cluster: EtcdCluster, na
               steps: int) -> forked.Launched:
     config = folder / "live.toml"
     if not config.exists():
-        config.write_text(CONFIG)
+        config.write_text(LIVE)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_TIMEOUT": "30",
            "GLOO_SOCKET_IFNAME": host.ifname}
     proc = forked.start(
