@@ -62,6 +62,11 @@ class StoreAddress:
         return {**env.RDZV_BACKEND.pair("etcd"),
                 **env.RDZV_ENDPOINTS.pair(describe(self.endpoints))}
 
+    def first(self) -> tuple[str, int]:
+        """An address the store answers at: the master, or the cluster's first member (the
+        route to it says which of this machine's addresses the job sees)."""
+        return self.endpoints[0] if self.backend == "etcd" else (self.host, self.port)
+
     def describe(self) -> str:
         if self.backend == "etcd":
             from dtrain.ft.etcd import describe

@@ -172,8 +172,7 @@ class Rendezvous:
 
         _name_events_cheaply()
         self.store, self.address, self.nproc = store, address, nproc
-        self.host, self.port = (address.endpoints[0] if address.backend == "etcd"
-                                else (address.host, address.port))
+        self.host, self.port = address.first()
         self.node_id, self.live, self.join_timeout = node_id, live, join_timeout
         self._round_store: dist.Store | None = None  # the round's keys, for refresh_members
         # torch's shared worker store would listen on every interface: dtrain's is the job's

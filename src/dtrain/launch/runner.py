@@ -193,7 +193,7 @@ def launch(spec: LaunchSpec) -> None:
         beat = rdzv = None
         try:
             store = rendezvous.open_store(address, listen_fd, spec.join_timeout)
-            me = rendezvous.node_id(*_first_endpoint(address))
+            me = rendezvous.node_id(*address.first())
             if spec.nnodes > 1:  # notices, and names, a machine that is lost
                 beat = nodes.NodeWatch(address, run_id, me)
             rdzv = rendezvous.Rendezvous(
@@ -246,11 +246,6 @@ def _store_address(spec: LaunchSpec) -> tuple[StoreAddress, int | None]:
     elif spec.node_rank is None:
         listen_fd = rendezvous.try_listen(host, port)
     return StoreAddress("c10d", host, port), listen_fd
-
-
-def _first_endpoint(address: StoreAddress) -> tuple[str, int]:
-    """An address the store answers at (for the route to it, which orders the nodes)."""
-    return address.endpoints[0] if address.backend == "etcd" else (address.host, address.port)
 
 
 def run_agent(spec: LaunchSpec, rdzv: rendezvous.Rendezvous, beat: nodes.NodeWatch | None,
