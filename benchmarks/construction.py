@@ -220,17 +220,16 @@ EXPLAINED = [
     "memory comes at its first gather; the parameters until then are views of "
     "`dtrain.parallel.zero.units.unallocated`), ZeRO-1 its unsharded gradient buffers and "
     "DataParallel its buckets (both at the first backward; DDP allocates its buckets in "
-    "its constructor), ZeRO-1 and 2 a second copy of the parameters (the units are "
-    "all-gathered straight into their buffers, two in flight). What remains above the "
-    "target is named by the list above. tp and tp x pp: the draw of one tensor, a "
-    "generator group of one chunk (dtrain.models.init `_group`) with the rows read from "
-    "it cloned (`_read`'s pieces) and joined (`_read`'s `torch.cat`), about two chunks; "
-    "and tp keeps some tensors whole on every rank (layer norms, row-split biases), so "
-    "its parameters are a little over whole / N. ZeRO-3: the same draw (the group and a "
-    "shard's span read from it) over the shards. ZeRO-1 and 2: the copies of the shards "
-    "being all-gathered (`ZeRO.refresh_parameters`, a unit's shard each: the unit of "
-    "bucket_mb = 25 over 4 ranks), which an all-gather from inside the output would "
-    "save; the draw comes before them, while the buffers are filled.",
+    "its constructor), ZeRO-1 and 2 a second copy of the parameters and of their shards "
+    "(each unit is all-gathered in place, from the master shard that is its own part, "
+    "two in flight). The initial values are drawn one generator group at a time and "
+    "their rows copied straight into place (`Initial._read_into`; a ZeRO shard's span "
+    "is read a group at a time, `SlicedWeights.row_cuts`), so in every layout the peak "
+    "is what the rank holds plus one group: peak - held is one chunk or less. "
+    "What remains above the target in tp and tp x pp is no transient: tp keeps some "
+    "tensors whole on every rank (layer norms, row-split biases; Megatron-LM too), so a "
+    "rank's parameters are a little over whole / N (48.7 MiB against 48.5 at tp=2, "
+    "24.6 against 24.3 at tp2 x pp2).",
 ]
 
 

@@ -131,3 +131,30 @@ def check(results: list[list], size: int, todo: list[tuple]) -> None:
         if case[0] == "all_reduce":  # every rank holds bitwise the same result
             for rank in range(1, size):
                 assert torch.equal(results[rank][salt], results[0][salt]), case
+
+
+IN_PLACE_LENGTHS = (7, 1_000_003)
+
+
+def all_gather_in_place(rank: int, size: int, group=None) -> list[torch.Tensor]:
+    """all_gather with `tensor` this rank's own part of `out` (ZeRO's refresh), by every
+    algorithm, async, at a small and a large length: each result."""
+    results = []
+    for salt, (algorithm, length) in enumerate(itertools.product(
+            (*comm.AVAILABLE["all_gather"], "auto"), IN_PLACE_LENGTHS)):
+        out = torch.full((size * length,), float("nan"))
+        mine = out[rank * length : (rank + 1) * length]
+        mine.copy_(make_input(rank, length, torch.float32, salt))
+        comm.all_gather(mine, group=group, algorithm=algorithm, async_op=True,
+                        out=out).wait()
+        results.append(out)
+    return results
+
+
+def check_in_place(results: list[list[torch.Tensor]], size: int) -> None:
+    """Every rank's in-place all-gather holds every rank's input, in rank order."""
+    for salt, (_, length) in enumerate(itertools.product(
+            (*comm.AVAILABLE["all_gather"], "auto"), IN_PLACE_LENGTHS)):
+        want = torch.cat([make_input(r, length, torch.float32, salt) for r in range(size)])
+        for rank in range(size):
+            assert torch.equal(results[rank][salt], want), (salt, rank)

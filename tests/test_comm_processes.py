@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import dtrain
 from dtrain import comm
-from tests.comm_cases import cases, check, exercise
+from tests.comm_cases import all_gather_in_place, cases, check, check_in_place, exercise
 from tests.distributed import run_ranks
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
@@ -33,6 +33,15 @@ def _matrix(size: int, todo: list) -> list:
 def test_matrix_on_gloo(size: int) -> None:
     todo = cases(DTYPES, LENGTHS)
     check(run_ranks(_matrix, size, size, todo, timeout=170), size, todo)
+
+
+def _in_place(size: int) -> list:
+    return all_gather_in_place(dist.get_rank(), size)
+
+
+def test_all_gather_in_place_on_gloo() -> None:
+    """gloo's own all-gather (and dtrain's ring) with `tensor` this rank's part of `out`."""
+    check_in_place(run_ranks(_in_place, 3, 3, timeout=120), 3)
 
 
 def _subgroups() -> dict:

@@ -8,7 +8,15 @@ import torch
 import dtrain
 from dtrain import comm
 from dtrain.testing import run_threads
-from tests.comm_cases import FLOATS, INTS, cases, check, exercise
+from tests.comm_cases import (
+    FLOATS,
+    INTS,
+    all_gather_in_place,
+    cases,
+    check,
+    check_in_place,
+    exercise,
+)
 
 LENGTHS = (0, 1, 7, 1_000_003)
 
@@ -23,6 +31,11 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")  # tests/conftest.py
 def test_matrix(size: int) -> None:
     todo = cases(FLOATS + INTS, LENGTHS)
     check(run_threads(exercise, size, size, todo, timeout=120), size, todo)
+
+
+def test_all_gather_in_place() -> None:
+    """`tensor` as this rank's own part of `out`, by every algorithm (ZeRO's refresh)."""
+    check_in_place(run_threads(all_gather_in_place, 3, 3, timeout=60), 3)
 
 
 def test_async_handles_complete_in_order() -> None:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dtrain
+from dtrain.parallel.data_parallel.buckets import build_buckets
 from tests.distributed import run_ranks
 
 STEPS = 4
@@ -296,3 +297,18 @@ def test_buckets_repacked_in_backwards_order_still_average(grad_dtype: str | Non
         for got, want in zip(steps, expected, strict=True):
             for name in want:
                 torch.testing.assert_close(got[name], want[name], msg=name, **tol)
+
+
+def test_buckets_first_and_last_are_small() -> None:
+    """The first bucket (launched first) and the last (its all-reduce starts only when
+    backward ends, so nothing hides it) hold at most their caps; the rest fill the cap;
+    a model that the first bucket nearly holds is not cut further."""
+    params = [nn.Parameter(torch.zeros(250)) for _ in range(20)]  # 1000 bytes each in fp32
+    sizes = [b.numel * 4 for b in build_buckets(params, 10_000, None, 3_000, 2_000)]
+    assert sizes == [3_000, 10_000, 5_000, 2_000]
+    assert sum(sizes) == 20_000
+    tail = build_buckets(params, 10_000, None, 3_000, 2_000)[-1].params
+    assert tail == params[-2:]  # the parameters whose gradients come last
+    small = [b.numel * 4 for b in build_buckets(params[:4], 10_000, None, 3_000, 2_000)]
+    assert small == [3_000, 1_000]
+    assert [b.numel * 4 for b in build_buckets(params, 10_000, None)] == [10_000, 10_000]

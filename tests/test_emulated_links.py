@@ -203,10 +203,10 @@ def test_packets_are_about_a_millisecond_of_the_link() -> None:
 @pytest.mark.timeout(600)
 def test_calibration_measures_the_emulated_link(prefix: str, tmp_path: Path) -> None:
     """2 hosts x 2 ranks calibrate dtrain.comm's all-reduce (the backend's own algorithm:
-    `--ops` and `--algorithms` choose what --calibrate times) across a 200 Mbit/s, 5 ms
+    `--ops` and `--algorithms` choose what --calibrate times) across a 500 Mbit/s, 5 ms
     link: the fitted latency and bandwidth are the link's, within a generous factor, and
     `dtrain plan` reads them like any other links."""
-    link = Link(rate_mbit=200, delay_ms=5)
+    link = Link(rate_mbit=500, delay_ms=5)
     calibration = tmp_path / "calibration.json"
     with EmulatedHosts.over(link, prefix=prefix) as net:
         jobs = []

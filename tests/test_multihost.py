@@ -314,7 +314,7 @@ def test_both_hosts_restart_and_resume_when_the_link_comes_back(
     assert [e["step"] for e in saved] == [4, 6]
 
 
-REJOINS = soak.rounds(quick=3, full=20)
+REJOINS = soak.rounds(quick=2, full=20)
 """In a row: 3 by default, 20 under `make soak` (tests/soak.py), where a rejoin that works
 only by luck of timing fails one of them."""
 REJOIN_STEPS = 30 * REJOINS  # enough that the job is still training at the last crash
@@ -324,7 +324,7 @@ REJOIN_STEPS = 30 * REJOINS  # enough that the job is still training at the last
 def test_a_host_restarted_after_a_crash_rejoins_and_resumes(
         hosts: tuple[Host, Host], tmp_path: Path) -> None:
     """Host B crashes as soon as the job has published a new checkpoint and is started
-    again with the same command, REJOINS times in a row in one job (3; 20 under make
+    again with the same command, REJOINS times in a row in one job (2; 20 under make
     soak): each time the job goes on from the newest checkpoint on both hosts, and it ends
     well.
 

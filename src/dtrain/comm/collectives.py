@@ -25,7 +25,15 @@ from dtrain import timeline
 from dtrain.comm import cost, debug
 from dtrain.comm.algorithms import halving_doubling, ring, tree
 from dtrain.comm.group import Done, Group, Handle, Then
-from dtrain.comm.ops import AVAILABLE, ReduceOp, bus_factor, finish_, shard_sizes, shards
+from dtrain.comm.ops import (
+    AVAILABLE,
+    ReduceOp,
+    bus_factor,
+    finish_,
+    same_place,
+    shard_sizes,
+    shards,
+)
 from dtrain.comm.registry import GroupLike, resolve
 from dtrain.timeline import CommSpan
 
@@ -185,8 +193,9 @@ def all_gather(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = F
     """Concatenate every rank's `tensor` (same shape everywhere) along dim 0, in rank order.
 
     `out`: write the result into this tensor (returned) rather than a new one: contiguous,
-    of the result's shape and dtype, and apart from `tensor` (ZeRO refills its parameters
-    in place so, without a second copy of a unit).
+    of the result's shape and dtype, and apart from `tensor` or `tensor` exactly this
+    rank's part of it (an all-gather in place, as NCCL allows and gloo does too: ZeRO
+    refills its parameters so, without a copy of the unit or of the shard).
 
     Raises:
         ValueError: `out` of another shape or dtype, or not contiguous.
@@ -203,9 +212,12 @@ def all_gather(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = F
         out.copy_(tensor.reshape(shape))
         return _trivial(out, async_op)
     flat_in, flat_out = _flat(tensor), out.view(-1)
+    own = shards(flat_out, g.size)[g.rank]
+    in_place = same_place(own, flat_in)
 
     def by_ring() -> None:
-        shards(flat_out, g.size)[g.rank].copy_(flat_in)
+        if not in_place:
+            own.copy_(flat_in)
         ring.all_gather_inplace(g, flat_out)
 
     return _run("all_gather", g, tensor, algorithm, async_op,

@@ -104,6 +104,13 @@ def shard_offsets(numel: int, parts: int) -> list[int]:
     return offsets
 
 
+def same_place(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are views of the same memory from the same element on (an
+    all-gather in place). Asked of the views, not their data pointers, so that it also
+    answers for tensors without memory: the meta and fake tensors the planner traces."""
+    return torch._C._is_alias_of(a, b) and a.storage_offset() == b.storage_offset()
+
+
 def shards(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
     """Views of `flat` as `parts` contiguous shards."""
     off = shard_offsets(flat.numel(), parts)

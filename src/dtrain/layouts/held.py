@@ -168,14 +168,17 @@ class Names:
         _check_shape(ckpt, name, shape, p)
         ckpt.copy_into(p, name, split, part, parts)
 
-    def span(self, ckpt: Checkpoint, name: str, p: nn.Parameter, lo: int, hi: int
-             ) -> torch.Tensor:
-        """Elements lo..hi of this rank's block of `name`, flattened (a ZeRO shard's span);
-        a source that reads rows (models.weights) reads only the rows holding them."""
+    def spans(self, ckpt: Checkpoint, name: str, p: nn.Parameter, lo: int, hi: int
+              ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Elements lo..hi of this rank's block of `name`, flattened (a ZeRO shard's span),
+        as (a, b, elements a..b) pieces read in turn; a source that reads rows
+        (models.weights) reads only the rows holding them, one group of rows a piece."""
         if self.placement(p)[2] is not None or not hasattr(ckpt, "rows"):
-            return self.local(ckpt, name, p).reshape(-1)[lo:hi]
+            yield lo, hi, self.local(ckpt, name, p).reshape(-1)[lo:hi]
+            return
         _check_shape(ckpt, name, ckpt.shape(name), p)
-        return ckpt.rows(name, lo, hi)
+        for a, b in ckpt.row_cuts(name, lo, hi):
+            yield a, b, ckpt.rows(name, a, b)
 
 
 def _check_shape(ckpt: Checkpoint | SlicedWeights, name: str, shape: tuple[int, ...],
@@ -301,21 +304,26 @@ class Shards:
         group_scalars = [{key: torch.tensor(v, dtype=torch.float32) for key, v in
                           scalars.get(names.canonical[id(own[group[0]])], {}).items()}
                          if group else {} for group in self.zero.layout]
-        params = _Spans(ranges, lambda n, lo, hi: names.span(
+        params = _Spans(ranges, lambda n, lo, hi: names.spans(
             ckpt, MODEL + names.canonical[id(own[n])], own[n], lo, hi))
         zero_state.load_segments(self.zero, params, state, group_scalars, None)
 
 
 class _Spans(Mapping):
-    """Parameter name -> [(lo, hi, its elements lo..hi)], read when asked and not kept:
-    restoring a shard holds one parameter's span at a time, not a second copy of it."""
+    """Parameter name -> its [(lo, hi, its elements lo..hi)], read as iterated and not
+    kept: restoring a shard holds one piece of one parameter's span at a time, not a
+    second copy of it."""
 
     def __init__(self, ranges: dict[str, list[tuple[int, int]]],
-                 read: Callable[[str, int, int], torch.Tensor]) -> None:
+                 read: Callable[[str, int, int], Iterator[tuple[int, int, torch.Tensor]]]
+                 ) -> None:
         self.ranges, self.read = ranges, read
 
-    def __getitem__(self, name: str) -> list[tuple[int, int, torch.Tensor]]:
-        return [(lo, hi, self.read(name, lo, hi)) for lo, hi in self.ranges[name]]
+    def __getitem__(self, name: str) -> Iterator[tuple[int, int, torch.Tensor]]:
+        for lo, hi in self.ranges[name]:
+            for piece in self.read(name, lo, hi):
+                yield piece
+                del piece  # let go before the next is read
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.ranges)

@@ -298,24 +298,50 @@ class Initial(SlicedWeights):
     def shape(self, name: str) -> tuple[int, ...]:
         return self.shapes[self.plain(name)]
 
+    def _dtype(self, name: str) -> torch.dtype:
+        return self.dtypes[self.plain(name)]
+
+    def _rows_per_read(self, name: str) -> int:
+        """Rows of one generator group of `name` (at least one)."""
+        shape = self.shapes[self.plain(name)]
+        return max(1, CHUNK // max(1, math.prod(shape[1:])))
+
+    def _groups(self, name: str, rows: slice) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, values) of each part of `rows` of `name`, one generator group at a
+        time: views of the group, which is let go once the caller moves on."""
+        rule, shape = self.rules[name], self.shapes[name]
+        per_group = self._rows_per_read(name)
+        first, last, _ = rows.indices(shape[0])
+        for group in range(first // per_group, (last - 1) // per_group + 1 if last > first else 0):
+            lo = group * per_group
+            values = self._group(name, rule, group, lo, min(lo + per_group, shape[0]))
+            yield max(first, lo), values[max(first, lo) - lo : min(last, lo + per_group) - lo]
+            del values  # before the next group is drawn
+
     def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         name = self.plain(name)
         rule, shape = self.rules[name], self.shapes[name]
         if rule.kind == "module" or not shape:
             return self._module_value(name)[index] if shape else self._module_value(name)
-        row = math.prod(shape[1:])
-        per_group = max(1, CHUNK // max(row, 1))
         first, last, _ = index[0].indices(shape[0])
-        parts = []
-        for group in range(first // per_group, (last - 1) // per_group + 1 if last > first else 0):
-            lo = group * per_group
-            values = self._group(name, rule, group, lo, min(lo + per_group, shape[0]))
-            take = values[max(first, lo) - lo : min(last, lo + per_group) - lo]
-            parts.append(take[(slice(None), *index[1:])].clone())
-        if not parts:
-            return torch.empty((0, *shape[1:]), dtype=self.dtypes[name])[(slice(None),
-                                                                          *index[1:])]
-        return torch.cat(parts)
+        per_group = self._rows_per_read(name)
+        if last > first and first // per_group == (last - 1) // per_group:
+            (_, values), = self._groups(name, index[0])  # within one group: a view of it
+            return values[(slice(None), *index[1:])]
+        out = torch.empty(torch.empty(shape, device="meta")[index].shape,
+                          dtype=self.dtypes[name])
+        self._read_into(out, name, index)
+        return out
+
+    def _read_into(self, out: torch.Tensor, name: str, index: tuple[slice, ...]) -> None:
+        name = self.plain(name)
+        if self.rules[name].kind == "module" or not self.shapes[name]:
+            out.copy_(self._read(name, index))
+            return
+        first = index[0].indices(self.shapes[name][0])[0]
+        for at, values in self._groups(name, index[0]):
+            out[at - first : at - first + len(values)].copy_(values[(slice(None), *index[1:])])
+            del values  # before the next group is drawn
 
     def _group(self, name: str, rule: Init, group: int, lo: int, hi: int) -> torch.Tensor:
         """Rows lo..hi of `name`'s whole tensor: group `group` of its draw."""

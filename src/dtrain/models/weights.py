@@ -14,6 +14,7 @@ optimizer state.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -90,6 +91,18 @@ class SlicedWeights:
         """The whole tensor dtrain calls `name` (model/...)."""
         return self._read(name, tuple(slice(None) for _ in self.shape(name))).contiguous()
 
+    def _rows_per_read(self, name: str) -> int:
+        """Rows of `name` one read takes at most (one group of rows: `_read_into` writes
+        them as they come); the reads of `copy_into` and the cuts of `row_cuts` fall on
+        multiples of it."""
+        return max(1, ROWS_AT_ONCE // max(1, math.prod(self.shape(name)[1:])))
+
+    def _read_into(self, out: torch.Tensor, name: str, index: tuple[slice, ...]) -> None:
+        """Write the slice `index` of `name` into `out` (its shape). A source that makes
+        its values in groups of rows (dtrain.models.init) writes each group's share as it
+        comes, so a read costs one group beyond `out`."""
+        out.copy_(self._read(name, index))
+
     def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Elements lo..hi of the tensor `name` flattened, reading only the rows (of dtrain's
         orientation) that hold them."""
@@ -98,64 +111,76 @@ class SlicedWeights:
             return torch.empty(0)
         if not shape:
             return self.tensor(name).reshape(-1)[lo:hi]
-        row = 1
-        for n in shape[1:]:
-            row *= n
+        row = math.prod(shape[1:])
         first, last = lo // row, (hi - 1) // row + 1
         index = (slice(first, last), *(slice(None) for _ in shape[1:]))
         return self._read(name, index).reshape(-1)[lo - first * row : hi - first * row]
 
+    def row_cuts(self, name: str, lo: int, hi: int) -> list[tuple[int, int]]:
+        """lo..hi (elements of `name` flattened) cut where this source's groups of rows
+        begin: `rows` of each piece reads one group."""
+        shape = self.shape(name)
+        if not shape:
+            return [(lo, hi)] if hi > lo else []
+        unit = self._rows_per_read(name) * math.prod(shape[1:])
+        cuts, a = [], lo
+        while a < hi:
+            b = min(hi, (a // unit + 1) * unit)
+            cuts.append((a, b))
+            a = b
+        return cuts
+
     def block(self, name: str, split: Split, part: int, parts: int) -> torch.Tensor:
         """Block `part` of `parts` of the tensor `name` cut as `split` (Split.shard's
         result), read as slices."""
-        shape = self.shape(name)
-        size = shape[split.dim] // split.chunks
-        step = size // parts
-        blocks = []
-        for chunk in range(split.chunks):
-            lo = chunk * size + part * step
-            index = [slice(None)] * len(shape)
-            index[split.dim] = slice(lo, lo + step)
-            blocks.append(self._read(name, tuple(index)))
-        return torch.cat(blocks, dim=split.dim).contiguous()
+        out = torch.empty(split.block_shape(self.shape(name), parts),
+                          dtype=self._dtype(name))
+        self.copy_into(out, name, split, part, parts)
+        return out
 
+    def _dtype(self, name: str) -> torch.dtype:
+        """The dtype `_read` gives `name` in (a one-element read, for sources that do not
+        say)."""
+        return self._read(name, tuple(slice(0, 1) for _ in self.shape(name))).dtype
 
     def copy_into(self, out: torch.Tensor, name: str, split: Split | None = None,
                   part: int = 0, parts: int = 1) -> None:
         """Write block `part` of `parts` of `name` cut as `split` (None: the whole tensor)
-        into `out`, a few rows at a time: what it costs beyond `out` is one group of rows."""
+        into `out`, one group of rows at a time: what it costs beyond `out` is one group."""
         shape = self.shape(name)
         if not shape or out.dim() == 0:
             out.copy_(self.tensor(name).reshape(out.shape))
             return
-        per = max(1, ROWS_AT_ONCE // max(1, out[0].numel()))
+        per = self._rows_per_read(name)
         for a in range(0, out.shape[0], per):
             b = min(a + per, out.shape[0])
-            out[a:b].copy_(self._block_rows(name, shape, split, part, parts, a, b))
+            self._block_rows_into(out[a:b], name, shape, split, part, parts, a, b)
 
-    def _block_rows(self, name: str, shape: tuple[int, ...], split: Split | None, part: int,
-                    parts: int, a: int, b: int) -> torch.Tensor:
-        """Rows a..b of the block (Split.shard's layout: each fused chunk's part in turn)."""
+    def _block_rows_into(self, out: torch.Tensor, name: str, shape: tuple[int, ...],
+                         split: Split | None, part: int, parts: int, a: int, b: int) -> None:
+        """Rows a..b of the block into `out` (Split.shard's layout: each fused chunk's part
+        in turn)."""
         whole = [slice(None)] * len(shape)
         if split is None:
-            return self._read(name, (slice(a, b), *whole[1:]))
+            self._read_into(out, name, (slice(a, b), *whole[1:]))
+            return
         size = shape[split.dim] // split.chunks
         step = size // parts
         if split.dim == 0:  # block row r is chunk r // step's row r % step of this part
-            pieces = []
-            for r in range(a, b):
-                if pieces and r % step:
-                    continue
-                k, end = r // step, min(b, (r // step + 1) * step)
-                lo = k * size + part * step + r % step
-                pieces.append(self._read(name, (slice(lo, lo + end - r), *whole[1:])))
-            return torch.cat(pieces)
-        blocks = []
+            r = a
+            while r < b:
+                end = min(b, (r // step + 1) * step)
+                lo = (r // step) * size + part * step + r % step
+                self._read_into(out[r - a : end - a], name,
+                                (slice(lo, lo + end - r), *whole[1:]))
+                r = end
+            return
         for k in range(split.chunks):
             index = [slice(a, b), *whole[1:]]
             index[split.dim] = slice(k * size + part * step, k * size + (part + 1) * step)
-            blocks.append(self._read(name, tuple(index)))
-        return torch.cat(blocks, dim=split.dim)
+            into = [slice(None)] * len(shape)
+            into[split.dim] = slice(k * step, (k + 1) * step)
+            self._read_into(out[tuple(into)], name, tuple(index))
 
 
 class HFWeights(SlicedWeights):

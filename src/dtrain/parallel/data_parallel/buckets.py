@@ -96,7 +96,8 @@ class Bucket:
 
 def build_buckets(
     params: list[nn.Parameter], bucket_bytes: int, grad_dtype: torch.dtype | None,
-    first_bytes: int | None = None, apart: Callable[[nn.Parameter], bool] | None = None,
+    first_bytes: int | None = None, last_bytes: int | None = None,
+    apart: Callable[[nn.Parameter], bool] | None = None,
 ) -> list[Bucket]:
     """Pack `params` (in the given order) into buckets of about `bucket_bytes` each (their
     buffers are allocated when first used).
@@ -110,9 +111,39 @@ def build_buckets(
         grad_dtype: dtype of the communicated gradients; None keeps each parameter's dtype.
         first_bytes: a smaller cap for the first bucket, so that communication starts
             early in backward (DDP's first bucket is 1 MB); default `bucket_bytes`.
+        last_bytes: a smaller cap for the last: the parameters at the end of `params`
+            that fit in it are packed on their own, so the one collective that cannot
+            overlap backward (it starts when backward ends) is short; default none.
         apart: a bucket never mixes parameters for which this says True with others
             (they are reduced over another group: split experts).
     """
+    def nbytes(p: nn.Parameter) -> int:
+        return p.numel() * (grad_dtype or p.dtype).itemsize
+
+    tail = len(params)
+    if last_bytes is not None:
+        total = 0
+        while tail > 1 and total + nbytes(params[tail - 1]) <= last_bytes:
+            tail -= 1
+            total += nbytes(params[tail])
+        if tail == len(params) or sum(map(nbytes, params[:tail])) <= (first_bytes or 0):
+            tail = len(params)  # nothing fits apart, or the rest is the first bucket anyway
+    groups = _groups(params[:tail], bucket_bytes, grad_dtype, first_bytes, apart)
+    groups += _groups(params[tail:], bucket_bytes, grad_dtype, None, apart)
+    buckets = []
+    for index, group in enumerate(groups):
+        offsets, total = [], 0
+        for p in group:
+            offsets.append(total)
+            total += p.numel()
+        buckets.append(Bucket(index, group, offsets, total, grad_dtype or group[0].dtype))
+    return buckets
+
+
+def _groups(params: list[nn.Parameter], bucket_bytes: int, grad_dtype: torch.dtype | None,
+            first_bytes: int | None, apart: Callable[[nn.Parameter], bool] | None
+            ) -> list[list[nn.Parameter]]:
+    """`params` in order, cut into groups as `build_buckets` describes."""
     groups: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
@@ -131,14 +162,7 @@ def build_buckets(
         else:
             groups.append([p])
             size = nbytes
-    buckets = []
-    for index, group in enumerate(groups):
-        offsets, total = [], 0
-        for p in group:
-            offsets.append(total)
-            total += p.numel()
-        buckets.append(Bucket(index, group, offsets, total, grad_dtype or group[0].dtype))
-    return buckets
+    return groups
 
 
 def launch_ready(items: Sequence[Any], start: int, launch: Callable[[Any], None]) -> int:

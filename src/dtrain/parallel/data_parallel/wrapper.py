@@ -45,6 +45,12 @@ from dtrain.parallel.sync import compression as compression_mod
 FIRST_BUCKET = 1 << 20
 """Bytes of the first bucket at most (DDP's too): communication starts early in backward."""
 
+LAST_BUCKET = 1 << 20
+"""Bytes of the last bucket at most: its all-reduce starts only when backward has ended, so
+nothing hides it, while the one before it starts as the first layers' backward begins and
+is hidden by it (DDP's last bucket is whatever the cap leaves, often most of a small
+model)."""
+
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
@@ -137,6 +143,10 @@ class DataParallel(nn.Module):
         self.algorithm = algorithm
         self.grad_dtype = parse_dtype(grad_dtype)
         self.compressor = compressor if self.size > 1 else None
+        # what a gradient is multiplied by as it enters its bucket (the compressor and an
+        # averaging divide once they have summed)
+        self._scale = 1.0 if self.compressor is not None or averaging is not None \
+            else 1.0 / max(self.size, 1)
         self._sync = True
         self._finalize_queued = False
         self._next_launch = 0
@@ -173,6 +183,7 @@ class DataParallel(nn.Module):
         else:
             self._buckets = build_buckets(params, self._bucket_bytes, self.grad_dtype,
                                           min(self._bucket_bytes, FIRST_BUCKET),
+                                          min(self._bucket_bytes, LAST_BUCKET),
                                           apart=self._is_expert if self._experts else None)
         self._where = {self._position[id(p)]: (bucket, i)
                        for bucket in self._buckets for i, p in enumerate(bucket.params)}
@@ -199,6 +210,7 @@ class DataParallel(nn.Module):
 
     # ----------------------------------------------------------------- backward
     def _make_hook(self, k: int):
+        # Runs once per parameter per backward, on autograd's thread: kept to a few lines.
         def hook(param: torch.Tensor) -> None:
             if not self._sync or not self._buckets:
                 return
@@ -220,7 +232,8 @@ class DataParallel(nn.Module):
         self._fill_slot(bucket, i, param)
         bucket.ready[i] = True
         bucket.pending -= 1
-        self._launch_ready()
+        if not bucket.pending:  # only a completed bucket can let the next launch go
+            self._launch_ready()
 
     def _read_late(self) -> None:
         """The gradients finished at the end of backward (dtrain.parallel.late_grads), into
@@ -231,22 +244,21 @@ class DataParallel(nn.Module):
         for k, _ in late:
             self._ready(k, self._params[k])
 
-    @torch.no_grad()
     def _fill_slot(self, bucket: Bucket, i: int, param: torch.Tensor) -> None:
         """Copy param's local gradient into its slot, pre-divided by the group size (the
-        compressor and an averaging divide once they have summed)."""
+        compressor and an averaging divide once they have summed). Called where autograd
+        records nothing (backward's hooks, unless create_graph; `_finalize`), so without
+        a no_grad context of its own, which would cost more than the copy."""
         slot, grad = bucket.slots[i], param.grad
         if grad is None:
             slot.zero_()
             bucket.present[i] = 0
             return
         bucket.present[i] = 1
-        scale = 1.0 if self.compressor is not None or self.averaging is not None \
-            else 1.0 / self.size
         if grad.data_ptr() == slot.data_ptr() and grad.dtype == slot.dtype:
-            slot.mul_(scale)  # accumulated in place in the bucket already
+            slot.mul_(self._scale)  # accumulated in place in the bucket already
         else:
-            torch.mul(grad, scale, out=slot)
+            torch.mul(grad.detach(), self._scale, out=slot)
             if self.grad_dtype is None:
                 param.grad = slot  # later steps accumulate straight into the bucket
 

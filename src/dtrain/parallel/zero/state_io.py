@@ -189,6 +189,7 @@ def _fill(unit: Unit, segments: Segments, out: torch.Tensor) -> None:
             if a < b:
                 out[span.at + a - span.lo : span.at + b - span.lo] = values[a - s_lo : b - s_lo]
                 covered += b - a
+            del values  # segments read on demand (dtrain.layouts.held) go before the next
         if covered < span.hi - span.lo:
             raise DtrainError(f"ZeRO state is missing elements of parameter {span.name!r}: "
                               "pass the shards of every rank of the run that saved it")

@@ -442,18 +442,23 @@ class ZeRO(nn.Module):
     @torch.no_grad()
     def refresh_parameters(self) -> None:
         """Rebuild the full parameters from every rank's master shard (stages 1 and 2;
-        stage 3 gathers at the next forward): each unit all-gathered straight into `full`
-        from a copy of the shard, at most `IN_FLIGHT` at a time, so that refreshing holds
-        a few shards beyond the parameters, never a second copy of them."""
+        stage 3 gathers at the next forward): each unit all-gathered straight into `full`,
+        from the master itself where it is `full`'s own shard (an all-gather in place),
+        else from a copy of it, at most `IN_FLIGHT` at a time, so that refreshing holds at
+        most a few shards beyond the parameters, never a second copy of them."""
         if self.stage == 3:
             return
-        works: list[tuple[torch.Tensor, Any]] = []
+        works: list[tuple[torch.Tensor | None, Any]] = []
         for unit in self.units:
             if len(works) == IN_FLIGHT:
                 _finish_gather(*works.pop(0))
-            shard = unit.master.to(unit.full.dtype, copy=True)  # not a view of `full`
-            works.append((shard, comm.all_gather(shard, group=unit.group, async_op=True,
-                                                 algorithm=self.algorithm, out=unit.full)))
+            lo, hi = unit.flat.shard(unit.rank)
+            own = unit.full.view(-1)[lo:hi]
+            in_place = unit.master.dtype == own.dtype and comm.same_place(unit.master, own)
+            shard = own if in_place else unit.master.to(unit.full.dtype, copy=True)
+            works.append((None if in_place else shard,
+                          comm.all_gather(shard, group=unit.group, async_op=True,
+                                          algorithm=self.algorithm, out=unit.full)))
         for shard, work in works:
             _finish_gather(shard, work)
 
@@ -534,8 +539,10 @@ class ZeRO(nn.Module):
                 **self.offload.host_bytes(held["optimizer"])}
 
 
-def _finish_gather(shard: torch.Tensor, work: Handle) -> None:
-    """Wait for a refresh's all-gather and release its input copy at once (the finished
-    collective's handle may keep it until the garbage collector finds the handle)."""
+def _finish_gather(copy: torch.Tensor | None, work: Handle) -> None:
+    """Wait for a refresh's all-gather and release its input copy, if any, at once (the
+    finished collective's handle may keep it until the garbage collector finds the
+    handle)."""
     work.wait()
-    shard.untyped_storage().resize_(0)
+    if copy is not None:
+        copy.untyped_storage().resize_(0)

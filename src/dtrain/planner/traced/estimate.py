@@ -339,8 +339,7 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
     out = _RankFigures(layout, params, grads, state, acts, recompute=options.recompute,
                        sequence_parallel=sp, cp_method=options.cp_method,
                        grads_in_backward=backward)
-    largest = max(root, block_bytes) if layout.zero == 3 else unit  # a ZeRO unit, in bytes
-    out.construction = construction_peak(layout, held, tensors, largest / PARAM_BYTES)
+    out.construction = construction_peak(layout, held, tensors)
     out.traffic, out.calls = _traffic(profile, layout, held, first, last, blocks, options, unit)
     return out
 
