@@ -200,7 +200,7 @@ sample_tokens = 0
 """A live job of replicas of one rank (tests/test_host_loss.py's too)."""
 
 
-def _records(path: Path) -> list[dict]:
+def records(path: Path) -> list[dict]:
     """The training steps' records (not the held-out losses') written so far."""
     if not path.exists():
         return []
@@ -227,22 +227,22 @@ def test_killing_the_etcd_leader_mid_run_loses_no_step(cluster: EtcdCluster,
                        "--set", f"train.steps={steps}")
     seen = 0
     for kill in range(kills):
-        _wait(lambda s=seen: len(_records(metrics)) >= s + 20, 120, job,
+        _wait(lambda s=seen: len(records(metrics)) >= s + 20, 120, job,
               f"20 more steps before kill {kill}")
         leader = cluster.leader()
         cluster.kill(leader)
-        seen = len(_records(metrics))
-        _wait(lambda s=seen: len(_records(metrics)) >= s + 10, 120, job,
+        seen = len(records(metrics))
+        _wait(lambda s=seen: len(records(metrics)) >= s + 10, 120, job,
               f"10 steps with the leader {leader} down (kill {kill})")
         cluster.restart(leader)
         cluster.wait_healthy()
-        seen = len(_records(metrics))
+        seen = len(records(metrics))
     code = job.wait(timeout=300)
     assert code == 0, job.output()
-    records = _records(metrics)
-    assert [r["step"] for r in records] == list(range(1, steps + 1)), job.output()
-    assert {r["replicas"] for r in records} == {3}, job.output()
-    times = sorted(r["step_time_s"] for r in records)
+    recorded = records(metrics)
+    assert [r["step"] for r in recorded] == list(range(1, steps + 1)), job.output()
+    assert {r["replicas"] for r in recorded} == {3}, job.output()
+    times = sorted(r["step_time_s"] for r in recorded)
     print(f"etcd leader killed {kills} times: every step averaged over 3 replicas; step time "
           f"median {times[len(times) // 2]:.3f}s, longest {times[-1]:.3f}s")
 

@@ -33,8 +33,8 @@ import pytest
 from dtrain.checkpoint import atomic
 from tests import forked, soak
 from tests.etcd_cluster import EtcdCluster, etcd_binary
-from tests.test_etcd import LIVE, STEP_TIMEOUT_S, _records
-from tests.test_multihost import Host, ip
+from tests.netns import Host, ip
+from tests.test_etcd import LIVE, STEP_TIMEOUT_S, records
 
 pytestmark = pytest.mark.slow
 
@@ -132,17 +132,17 @@ def test_losing_any_host_rank_0s_first_loses_no_step(three_hosts: list[Host],
     recovered = []  # seconds from each kill to the survivors' next step
     for kill in range(kills):
         lost = kill % len(hosts)  # host 0 (rank 0's) first, then each in turn
-        _wait(lambda: len(_records(metrics)) > 0 and _records(metrics)[-1]["replicas"] == 6
+        _wait(lambda: len(records(metrics)) > 0 and records(metrics)[-1]["replicas"] == 6
               and _newest_checkpoint(tmp_path) > 0, 240, tmp_path,
               f"steps of all 6 replicas before kill {kill}")
-        last = _records(metrics)[-1]["step"]
+        last = records(metrics)[-1]["step"]
         moment = time.time()
         hosts[lost].signal_all(signal.SIGKILL)  # the machine dies: every process at once
         hosts[lost].kill_all()
         _wait(lambda m=moment: any(r["time"] > m and r["replicas"] == 4
-                                   for r in _records(metrics)), 60, tmp_path,
+                                   for r in records(metrics)), 60, tmp_path,
               f"step by the 4 surviving replicas after host {lost} was lost (kill {kill})")
-        after = next(r for r in _records(metrics) if r["time"] > moment)
+        after = next(r for r in records(metrics) if r["time"] > moment)
         recovered.append(after["time"] - moment)
         assert after["step"] in (last + 1, last + 2), _outputs(tmp_path)
         checkpointed = _newest_checkpoint(tmp_path)
@@ -152,14 +152,14 @@ def test_losing_any_host_rank_0s_first_loses_no_step(three_hosts: list[Host],
         launchers[lost] = _launcher(hosts[lost], lost, tmp_path, cluster,
                                     f"h{lost}-{kill + 1}", steps)
         _wait(lambda m=moment: any(r["time"] > m and r["replicas"] == 6
-                                   for r in _records(metrics)), 180, tmp_path,
+                                   for r in records(metrics)), 180, tmp_path,
               f"host {lost}'s replacement taking part (kill {kill})")
     print(f"survivors' next step after each kill: {[round(s, 2) for s in recovered]} s")
     codes = [proc.wait(timeout=600) for proc in launchers]
     assert codes == [0, 0, 0], _outputs(tmp_path)
     # each step once; two writers on different hosts (around a change of the first replica)
     # may append theirs out of order
-    steps_recorded = sorted(r["step"] for r in _records(metrics))
+    steps_recorded = sorted(r["step"] for r in records(metrics))
     assert steps_recorded == list(range(1, steps + 1)), _outputs(tmp_path)
     assert max(recovered) <= STEP_TIMEOUT_S + 2, (recovered, _outputs(tmp_path))
     assert _newest_checkpoint(tmp_path) == steps

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 from dtrain.checkpoint import atomic, universal
 from tests import forked, soak
 from tests.cli import TINY_MODEL
+from tests.netns import Host, ip
 
 pytestmark = pytest.mark.slow
 
@@ -66,61 +67,6 @@ sample_tokens = 0
 HOLD_AT_STEP_3 = "stop@step=3,rank=2"
 
 _count = itertools.count()
-
-
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
-
-
-@dataclass
-class Host:
-    """A network namespace standing for one machine, and what the test started in it."""
-
-    ns: str
-    ifname: str
-    addr: str
-    procs: list[forked.Launched] = field(default_factory=list)
-
-    def pids(self) -> list[int]:
-        """Every process alive in this namespace (the host's agent and ranks)."""
-        out = ip("netns", "pids", self.ns, check=False).stdout.split()
-        return [int(p) for p in out if Path(f"/proc/{p}").exists() and not _zombie(int(p))]
-
-    def signal_all(self, sig: signal.Signals) -> None:
-        for pid in self.pids():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill_all(self) -> None:
-        """SIGKILL every process of this host (stopped ones too) and reap the test's own."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for pid in self.pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        deadline = time.monotonic() + 30
-        while self.pids() and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return "zombie" in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return True
 
 
 @pytest.fixture
