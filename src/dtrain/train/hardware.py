@@ -5,8 +5,9 @@
     peak_memory_bytes(device)                      # the most this process has held
 
 The peak is, in order: `[logging] peak_tflops` when it is set; on a GPU, the dense
-bf16/fp16 tensor-core rate of its datasheet (`GPU_PEAKS`, found by the name torch gives
-the device); on a CPU, a calibration at start: the best of a few fp32 matrix products of
+bf16/fp16 tensor-core rate of its datasheet, found by the name torch gives the device
+(`GPU_PEAKS` in dtrain/planner/analytic/hardware.py, which the planner's presets read too);
+on a CPU, a calibration at start: the best of a few fp32 matrix products of
 1024 x 1024, a fraction of a second, cached in ~/.cache/dtrain/cpu_peak.json by the CPU's
 model name and torch's thread count so a second run does not measure again. A GPU not in
 the table has no peak (no MFU is reported; the run says to set `peak_tflops`).
@@ -25,30 +26,7 @@ from pathlib import Path
 
 import torch
 
-GPU_PEAKS: tuple[tuple[str, float], ...] = (
-    # (a part of torch.cuda.get_device_name, dense bf16/fp16 tensor-core TFLOP/s), the
-    # first match wins: a name that another contains comes after it.
-    ("GB200", 2500.0),
-    ("B200", 2250.0),
-    ("B100", 1750.0),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("GH200", 989.0),
-    ("H200", 989.0),
-    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3")
-    ("H800", 989.0),
-    ("H20", 148.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L40", 181.0),
-    ("L4", 121.0),
-    ("A10", 125.0),
-    ("A30", 165.0),
-    ("V100", 125.0),  # fp16: a V100 has no bf16
-    ("T4", 65.0),  # fp16
-)
-"""Datasheet peaks of NVIDIA's data-centre GPUs, dense (without 2:4 sparsity)."""
+from dtrain.planner.analytic.hardware import gpu_peak
 
 CALIBRATION_SIZE = 1024
 CALIBRATION_REPEATS = 20  # best of: one product undisturbed by the other ranks is enough
@@ -64,14 +42,6 @@ class Peak:
     @property
     def known(self) -> bool:
         return self.tflops > 0
-
-
-def gpu_peak(name: str) -> float:
-    """The datasheet TFLOP/s of the GPU torch calls `name`; 0.0 for one not in GPU_PEAKS."""
-    for part, tflops in GPU_PEAKS:
-        if part.lower() in name.lower():
-            return tflops
-    return 0.0
 
 
 def peak_of(configured: float, device: torch.device) -> Peak:

@@ -6,6 +6,7 @@
     cluster = Cluster(hw, nodes=192, gpus_per_node=8)
 
 A preset's figures are the vendor's datasheet numbers (dense bf16/fp16 tensor-core rate,
+from `GPU_PEAKS`, which a training run's MFU divides by too (dtrain.train.hardware);
 memory, memory bandwidth, NVLink bandwidth per direction; one InfiniBand/RoCE port per
 GPU between nodes, as in DGX and HGX systems; the dense FP8 rate where the GPU has FP8
 tensor cores, which `--precision fp8` plans with) and a few constants that say how much of
@@ -78,16 +79,50 @@ class Hardware:
                 f"network {self.inter_gbps:g} GB/s per GPU")
 
 
+GPU_PEAKS: tuple[tuple[str, float], ...] = (
+    # (a part of torch.cuda.get_device_name, dense bf16/fp16 tensor-core TFLOP/s), the
+    # first match wins: a name that another contains comes after it.
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("B100", 1750.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H100", 989.0),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("H800", 989.0),
+    ("H20", 148.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("A30", 165.0),
+    ("V100", 125.0),  # fp16: a V100 has no bf16
+    ("T4", 65.0),  # fp16
+)
+"""Datasheet peaks of NVIDIA's data-centre GPUs, dense (without 2:4 sparsity)."""
+
+
+def gpu_peak(name: str) -> float:
+    """The datasheet TFLOP/s of the GPU torch calls `name`; 0.0 for one not in GPU_PEAKS."""
+    for part, tflops in GPU_PEAKS:
+        if part.lower() in name.lower():
+            return tflops
+    return 0.0
+
+
 PRESETS: dict[str, Hardware] = {
     # A100 SXM: 312 TFLOP/s bf16 (no FP8), NVLink 3 (600 GB/s both ways), HDR InfiniBand
     # 200 Gbit/s
-    "a100-40gb": Hardware("a100-40gb", 312, 40 * GiB, 1555, 300, 25),
-    "a100-80gb": Hardware("a100-80gb", 312, 80 * GiB, 2039, 300, 25),
+    "a100-40gb": Hardware("a100-40gb", gpu_peak("A100"), 40 * GiB, 1555, 300, 25),
+    "a100-80gb": Hardware("a100-80gb", gpu_peak("A100"), 80 * GiB, 2039, 300, 25),
     # H100 SXM5: 989 TFLOP/s bf16, 1979 fp8 (dense: the datasheet's 3958 is with sparsity),
     # NVLink 4 (900 GB/s both ways), NDR 400 Gbit/s
-    "h100-80gb": Hardware("h100-80gb", 989, 80 * GiB, 3350, 450, 50, fp8_tflops=1979),
+    "h100-80gb": Hardware("h100-80gb", gpu_peak("H100"), 80 * GiB, 3350, 450, 50, fp8_tflops=1979),
     # H200 SXM: an H100 with 141 GB of HBM3e at 4.8 TB/s
-    "h200": Hardware("h200", 989, 141 * GiB, 4800, 450, 50, fp8_tflops=1979),
+    "h200": Hardware("h200", gpu_peak("H200"), 141 * GiB, 4800, 450, 50, fp8_tflops=1979),
 }
 ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb",
            "h200-141gb": "h200"}
