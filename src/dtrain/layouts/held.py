@@ -320,7 +320,11 @@ class _Spans(Mapping):
         self.ranges, self.read = ranges, read
 
     def __getitem__(self, name: str) -> Iterator[tuple[int, int, torch.Tensor]]:
-        for lo, hi in self.ranges[name]:
+        return self._pieces(name, self.ranges[name])  # a name not held: KeyError, at once
+
+    def _pieces(self, name: str, ranges: list[tuple[int, int]]
+                ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        for lo, hi in ranges:
             for piece in self.read(name, lo, hi):
                 yield piece
                 del piece  # let go before the next is read
