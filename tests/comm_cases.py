@@ -136,12 +136,16 @@ def check(results: list[list], size: int, todo: list[tuple]) -> None:
 IN_PLACE_LENGTHS = (7, 1_000_003)
 
 
+def _in_place_cases() -> list[tuple[str, int]]:
+    """(algorithm, length) of each in-place all-gather checked: every algorithm and auto."""
+    return list(itertools.product((*comm.AVAILABLE["all_gather"], "auto"), IN_PLACE_LENGTHS))
+
+
 def all_gather_in_place(rank: int, size: int, group=None) -> list[torch.Tensor]:
     """all_gather with `tensor` this rank's own part of `out` (ZeRO's refresh), by every
     algorithm, async, at a small and a large length: each result."""
     results = []
-    for salt, (algorithm, length) in enumerate(itertools.product(
-            (*comm.AVAILABLE["all_gather"], "auto"), IN_PLACE_LENGTHS)):
+    for salt, (algorithm, length) in enumerate(_in_place_cases()):
         out = torch.full((size * length,), float("nan"))
         mine = out[rank * length : (rank + 1) * length]
         mine.copy_(make_input(rank, length, torch.float32, salt))
@@ -153,8 +157,7 @@ def all_gather_in_place(rank: int, size: int, group=None) -> list[torch.Tensor]:
 
 def check_in_place(results: list[list[torch.Tensor]], size: int) -> None:
     """Every rank's in-place all-gather holds every rank's input, in rank order."""
-    for salt, (_, length) in enumerate(itertools.product(
-            (*comm.AVAILABLE["all_gather"], "auto"), IN_PLACE_LENGTHS)):
+    for salt, (_, length) in enumerate(_in_place_cases()):
         want = torch.cat([make_input(r, length, torch.float32, salt) for r in range(size)])
         for rank in range(size):
             assert torch.equal(results[rank][salt], want), (salt, rank)

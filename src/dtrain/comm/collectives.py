@@ -212,11 +212,10 @@ def all_gather(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = F
         out.copy_(tensor.reshape(shape))
         return _trivial(out, async_op)
     flat_in, flat_out = _flat(tensor), out.view(-1)
-    own = shards(flat_out, g.size)[g.rank]
-    in_place = same_place(own, flat_in)
 
     def by_ring() -> None:
-        if not in_place:
+        own = shards(flat_out, g.size)[g.rank]
+        if not same_place(own, flat_in):  # else in place already
             own.copy_(flat_in)
         ring.all_gather_inplace(g, flat_out)
 

@@ -117,16 +117,14 @@ def build_buckets(
         apart: a bucket never mixes parameters for which this says True with others
             (they are reduced over another group: split experts).
     """
-    def nbytes(p: nn.Parameter) -> int:
-        return p.numel() * (grad_dtype or p.dtype).itemsize
-
     tail = len(params)
     if last_bytes is not None:
         total = 0
-        while tail > 1 and total + nbytes(params[tail - 1]) <= last_bytes:
+        while tail > 1 and total + _nbytes(params[tail - 1], grad_dtype) <= last_bytes:
             tail -= 1
-            total += nbytes(params[tail])
-        if tail == len(params) or sum(map(nbytes, params[:tail])) <= (first_bytes or 0):
+            total += _nbytes(params[tail], grad_dtype)
+        head = sum(_nbytes(p, grad_dtype) for p in params[:tail])
+        if tail == len(params) or head <= (first_bytes or 0):
             tail = len(params)  # nothing fits apart, or the rest is the first bucket anyway
     groups = _groups(params[:tail], bucket_bytes, grad_dtype, first_bytes, apart)
     groups += _groups(params[tail:], bucket_bytes, grad_dtype, None, apart)
@@ -140,6 +138,11 @@ def build_buckets(
     return buckets
 
 
+def _nbytes(p: nn.Parameter, grad_dtype: torch.dtype | None) -> int:
+    """Bytes of `p`'s gradient in a bucket (in `grad_dtype`, else p's own)."""
+    return p.numel() * (grad_dtype or p.dtype).itemsize
+
+
 def _groups(params: list[nn.Parameter], bucket_bytes: int, grad_dtype: torch.dtype | None,
             first_bytes: int | None, apart: Callable[[nn.Parameter], bool] | None
             ) -> list[list[nn.Parameter]]:
@@ -147,8 +150,7 @@ def _groups(params: list[nn.Parameter], bucket_bytes: int, grad_dtype: torch.dty
     groups: list[list[nn.Parameter]] = []
     size = 0
     for p in params:
-        dtype = grad_dtype or p.dtype
-        nbytes = p.numel() * dtype.itemsize
+        nbytes = _nbytes(p, grad_dtype)
         current = groups[-1] if groups else None
         cap = first_bytes if len(groups) == 1 and first_bytes is not None else bucket_bytes
         fits = current is not None and size + nbytes <= cap

@@ -146,7 +146,7 @@ class DataParallel(nn.Module):
         # what a gradient is multiplied by as it enters its bucket (the compressor and an
         # averaging divide once they have summed)
         self._scale = 1.0 if self.compressor is not None or averaging is not None \
-            else 1.0 / max(self.size, 1)
+            else 1.0 / self.size
         self._sync = True
         self._finalize_queued = False
         self._next_launch = 0

@@ -77,6 +77,13 @@ class Unit:
         """This rank's shard of the unit (its index in `group`)."""
         return self.group.rank
 
+    @property
+    def master_in_full(self) -> bool:
+        """Whether `master` is `full`'s own part (made as a view of it where no copy is
+        needed): then it holds no memory of its own, and the refresh all-gathers in
+        place. Asked of the storage, which stage 3 may have released."""
+        return torch._C._is_alias_of(self.master, self.full)
+
     def shard_grad(self) -> torch.Tensor:
         """The gradient shard, created (zero) on first use; the pieces' .grad view it
         (unless offloaded)."""
@@ -228,8 +235,7 @@ def unit_bytes(units: list[Unit]) -> dict[str, int]:
     that are not views of `full`) and "grads" (gradient shards and unsharded buffers)."""
     params = sum(u.full.untyped_storage().nbytes() for u in units)
     masters = sum(u.master.numel() * u.master.element_size() for u in units
-                  if u.master.untyped_storage().data_ptr()
-                  != u.full.untyped_storage().data_ptr())
+                  if not u.master_in_full)
     grads = sum((u.grad_shard.numel() * u.grad_shard.element_size()
                  if u.grad_shard is not None else 0)
                 + (u.grad.numel() * u.grad.element_size() if u.grad is not None else 0)

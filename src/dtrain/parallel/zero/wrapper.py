@@ -452,10 +452,8 @@ class ZeRO(nn.Module):
         for unit in self.units:
             if len(works) == IN_FLIGHT:
                 _finish_gather(*works.pop(0))
-            lo, hi = unit.flat.shard(unit.rank)
-            own = unit.full.view(-1)[lo:hi]
-            in_place = unit.master.dtype == own.dtype and comm.same_place(unit.master, own)
-            shard = own if in_place else unit.master.to(unit.full.dtype, copy=True)
+            in_place = unit.master_in_full
+            shard = unit.master if in_place else unit.master.to(unit.full.dtype, copy=True)
             works.append((None if in_place else shard,
                           comm.all_gather(shard, group=unit.group, async_op=True,
                                           algorithm=self.algorithm, out=unit.full)))
