@@ -29,7 +29,7 @@ from dtrain.comm.collectives import (
 )
 from dtrain.comm.debug import CollectiveMismatch
 from dtrain.comm.group import CollectiveTimeout, Group
-from dtrain.comm.ops import ReduceOp, same_place, shard_sizes
+from dtrain.comm.ops import ReduceOp, shard_sizes
 from dtrain.comm.registry import GroupLike, resolve, wrap
 from dtrain.comm.select import explain
 
@@ -37,6 +37,5 @@ __all__ = [
     "AVAILABLE", "CollectiveMismatch", "CollectiveTimeout", "Group", "GroupLike", "ReduceOp",
     "all_gather",
     "all_reduce", "all_to_all", "barrier", "broadcast", "explain", "gather", "recv", "reduce",
-    "reduce_scatter", "resolve", "same_place", "scatter", "send", "shard_sizes", "traffic",
-    "waited", "wrap",
+    "reduce_scatter", "resolve", "scatter", "send", "shard_sizes", "traffic", "waited", "wrap",
 ]
