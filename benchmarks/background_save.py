@@ -37,7 +37,7 @@ from results_md import replace_section
 import dtrain
 from dtrain import layouts, models
 from dtrain.checkpoint import training
-from dtrain.config import config_from_dict, layout_of
+from dtrain.config import config_from_dict, dims_of
 from dtrain.mesh import Mesh
 from dtrain.models.config import ModelConfig
 
@@ -50,11 +50,9 @@ def build(world: dtrain.World) -> tuple:
     batch it trains on every step."""
     config = config_from_dict({"model": GPT, "train": {"batch_size": 4 * world.world_size},
                                "parallel": {"nproc": world.world_size}})
-    layout = layout_of(config, world.world_size)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+    mesh = Mesh(dims_of(config, world.world_size))
     torch.manual_seed(0)
-    held = layouts.build(models.build(models.resolve(ModelConfig(**GPT), 256)), mesh, layout,
-                         config)
+    held = layouts.build(models.build(models.resolve(ModelConfig(**GPT), 256)), mesh, config)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda _: 1.0) for o in held.optimizers]
     g = torch.Generator().manual_seed(world.rank)
     tokens = torch.randint(0, 256, (4, GPT["block_size"] + 1), generator=g)
@@ -78,9 +76,9 @@ def window(mode: str, held, schedulers, config: dict, folder: Path, step: int,
             if i == 0 and mode != "none":
                 begin, cpu = time.perf_counter(), time.thread_time()
                 if mode == "blocking":
-                    training.save(folder, step, held, schedulers, config, 2)
+                    training.save(folder, step, held.saved, schedulers, config, 2)
                 else:
-                    pending = training.save_in_background(folder, step, held, schedulers,
+                    pending = training.save_in_background(folder, step, held.saved, schedulers,
                                                           config, 2, copies=copies)
                 calls.append(time.perf_counter() - begin)
                 cpus.append(time.thread_time() - cpu)
@@ -217,7 +215,7 @@ def main() -> None:
 
     rows = side_by_side(MODES, run, args.repeats, world.is_main)
     loads.append(os.getloadavg()[0])
-    pieces, _ = held.state()
+    pieces, _ = held.saved.state()
     state_mb = sum(p.values.numel() * p.values.element_size() for p in pieces) / 1e6
     state = torch.tensor([state_mb], dtype=torch.float64)
     dist.all_reduce(state)

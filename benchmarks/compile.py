@@ -67,8 +67,8 @@ def build(compiled: bool, cache: str, size: int):  # noqa: ANN201
     import dtrain
     from dtrain import models
     from dtrain.config import OptimizerConfig
-    from dtrain.layouts import build_optimizer
     from dtrain.models.compiled import compile_blocks
+    from dtrain.optim import build_optimizer
 
     torch.manual_seed(0)
     model = models.build(models.resolve(models.ModelConfig(**SHAPE), VOCAB))

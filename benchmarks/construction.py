@@ -38,7 +38,7 @@ from results_md import replace_section
 
 import dtrain
 from dtrain import layouts, models
-from dtrain.config import config_from_dict, layout_of
+from dtrain.config import config_from_dict, dims_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
 from dtrain.planner import LiveBytes
@@ -106,7 +106,7 @@ def build(shape: dict, parallel: dict, mesh, split_form: bool):
     else:  # every rank builds the whole model, seeded alike, then lays it out
         torch.manual_seed(config.train.seed)
         model = models.build(resolved)
-    return layouts.build(model, mesh, layout_of(config, world.world_size), config)
+    return layouts.build(model, mesh, config)
 
 
 def parameter_bytes(held) -> int:
@@ -122,10 +122,9 @@ def rank_peaks(parallel: dict) -> dict[str, int]:
     """One rank: the peak live bytes of building in split form and the old way, and what
     is alive once built (the Holding: parameters or shards, and gradient buffers)."""
     world = dtrain.world.current()
-    layout = layout_of(config_of(SHAPE, parallel, world.world_size), world.world_size)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+    mesh = Mesh(dims_of(config_of(SHAPE, parallel, world.world_size), world.world_size))
     calibrate(mesh)
-    build({**SHAPE, "n_layer": layout.pp}, parallel, mesh, split_form=True)
+    build({**SHAPE, "n_layer": mesh.dims.pp}, parallel, mesh, split_form=True)
     peaks: dict = {}
     for name, split_form in (("split", True), ("old", False)):
         tracker = Busiest()
@@ -218,7 +217,7 @@ def divided(parallel: dict, world_size: int) -> int:
 EXPLAINED = [
     "What a rank no longer allocates while it is built: ZeRO-3 a whole unit (a unit's "
     "memory comes at its first gather; the parameters until then are views of "
-    "`dtrain.parallel.zero.units.unallocated`), ZeRO-1 its unsharded gradient buffers and "
+    "`dtrain.data_parallel.zero.units.unallocated`), ZeRO-1 its unsharded gradient buffers and "
     "DataParallel its buckets (both at the first backward; DDP allocates its buckets in "
     "its constructor), ZeRO-1 and 2 a second copy of the parameters and of their shards "
     "(each unit is all-gathered in place, from the master shard that is its own part, "

@@ -91,7 +91,7 @@ FAULTS = {
         "the etcd leader SIGKILLed under a store client", 1,
         "its calls go on through another member, none lost"),
     "test_a_hosts_lost_folder_is_refilled_from_the_copies_bit_for_bit": (
-        "a host's checkpoint folder deleted before resume (`checkpoint.replicate = 1`, two "
+        "a host's checkpoint folder deleted before resume (`checkpoint.copies = 1`, two "
         "hosts)", 1, "refilled from the copies; the resume equals an undisturbed one bit for "
         "bit"),
     "test_a_killed_server_loses_no_push_with_a_backup": (

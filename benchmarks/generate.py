@@ -5,7 +5,7 @@ it whole, both through the KV cache, and one process without the cache (the path
     dtrain run -n 2 benchmarks/generate.py
 
 Each round generates TOKENS tokens after a PROMPT-token prompt, three ways in turn: tp=2
-(dtrain.train.generation.generate_held: both ranks), then rank 0 alone with the whole
+(dtrain.train.generation.generate_split: both ranks), then rank 0 alone with the whole
 model with and without the cache while rank 1 waits. The median of ROUNDS rounds is
 printed as a Markdown table; the three texts are checked equal.
 """
@@ -21,11 +21,11 @@ import torch
 
 import dtrain
 from dtrain import comm, layouts
-from dtrain.config import layout_of, load_config
+from dtrain.config import dims_of, load_config
 from dtrain.mesh import Mesh
 from dtrain.models import generate as gen
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.train.generation import generate_held
+from dtrain.train.generation import generate_split
 
 SHAPE = GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=8, n_embd=512)
 PROMPT, TOKENS, ROUNDS = 16, 128, 3
@@ -47,9 +47,8 @@ def main() -> None:
     model = GPT(SHAPE).eval()
     whole = copy.deepcopy(model)
     config = load_config(None, ["parallel.nproc=2", "parallel.tp=2", "train.batch_size=2"])
-    layout = layout_of(config, world.world_size)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
-    held = layouts.build(model, mesh, layout, config)
+    mesh = Mesh(dims_of(config, world.world_size))
+    held = layouts.build(model, mesh, config)
     prompt = torch.randint(0, 256, (PROMPT,), generator=torch.Generator().manual_seed(1))
     times: dict[str, list[float]] = {"tp=2, KV cache": [], "one process, KV cache": [],
                                      "one process, no cache": []}
@@ -57,7 +56,7 @@ def main() -> None:
     for _ in range(ROUNDS):
         comm.barrier()
         start = time.perf_counter()
-        texts["tp=2, KV cache"] = generate_held(held, model, mesh, prompt.tolist(), TOKENS,
+        texts["tp=2, KV cache"] = generate_split(held, model, mesh, prompt.tolist(), TOKENS,
                                                 seed=0, temperature=0.8, vocab_size=256)
         times["tp=2, KV cache"].append(time.perf_counter() - start)
         if world.rank == 0:

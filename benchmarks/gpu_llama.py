@@ -81,7 +81,7 @@ def dtrain_llama(shape: models.ModelConfig, mode: str) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = models.build(shape)
-    recompute.activation_checkpointing(model, mode)
+    recompute.recompute_mode(model, mode)
     return model
 
 

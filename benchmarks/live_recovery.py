@@ -143,7 +143,7 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     spawner = multiprocessing.get_context("forkserver")
-    spawner.set_forkserver_preload(["torch._dynamo", "dtrain.parallel.data_parallel"])
+    spawner.set_forkserver_preload(["torch._dynamo", "dtrain.data_parallel"])
     victim_id = args["replicas"] - 1
 
     def start(replica: int, trial: int = -1) -> Any:

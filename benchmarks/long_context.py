@@ -54,11 +54,11 @@ from results_md import replace_section
 
 import dtrain
 from dtrain import comm, layouts, models, timeline
-from dtrain.config import config_from_dict, layout_of
+from dtrain.config import config_from_dict, dims_of
 from dtrain.context_parallel import METHODS, ContextParallel, chunks
-from dtrain.layouts import build_optimizer
 from dtrain.mesh import Mesh
 from dtrain.models import init
+from dtrain.optim import build_optimizer
 from dtrain.planner import LiveBytes
 from dtrain.train.trainer import chunks_of
 
@@ -96,9 +96,8 @@ def tokens(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build(config, mesh: Mesh):  # noqa: ANN201
     """The Llama in split form, held in the config's layout on `mesh`."""
-    world_size = dtrain.world.current().world_size
     model = init.skeleton(lambda: models.build(models.resolve(config.model, VOCAB)))
-    return layouts.build(model, mesh, layout_of(config, world_size), config)
+    return layouts.build(model, mesh, config)
 
 
 def step(held, x: torch.Tensor, y: torch.Tensor) -> float:  # noqa: ANN001
@@ -109,8 +108,7 @@ def step(held, x: torch.Tensor, y: torch.Tensor) -> float:  # noqa: ANN001
 
 
 def mesh_of(setup: str) -> Mesh:
-    layout = layout_of(config_of(setup, UNIT), dtrain.world.current().world_size)
-    return Mesh(dp=layout.dp, tp=layout.tp, cp=layout.cp)
+    return Mesh(dims_of(config_of(setup, UNIT), dtrain.world.current().world_size))
 
 
 # ------------------------------------------------------------------ memory: one rank's probe

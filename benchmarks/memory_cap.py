@@ -14,7 +14,7 @@ one process's answer, perfect sharding over 4 ranks, in steps of 25%), then bise
 
 The setups:
   one process  the GPT built whole, AdamW, no recomputation (no process group work).
-  zero3        4 ranks: `[parallel] zero = 3`, `[memory] activation_checkpointing =
+  zero3        4 ranks: `[parallel] zero = 3`, `[memory] recompute =
                "full"`, built in split form (init.skeleton -> layouts.build).
   fsdp2        4 ranks: the GPT built under torch.device("meta"), every block wrapped in
                torch's checkpoint_wrapper then `fully_shard`, the root `fully_shard`,
@@ -51,10 +51,10 @@ from torch.distributed.tensor import DTensor
 
 import dtrain
 from dtrain import layouts, models
-from dtrain.config import config_from_dict, layout_of
-from dtrain.layouts import build_optimizer
+from dtrain.config import config_from_dict, dims_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
+from dtrain.optim import build_optimizer
 from dtrain.planner import LiveBytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.distributed
@@ -87,7 +87,7 @@ def config_of(n_layer: int, setup: str, world_size: int, batch: int):
         "optimizer": {"name": "adamw"},
         "train": {"batch_size": batch * replicas, "seed": 0},
         "parallel": {"nproc": world_size, **parallel},
-        "memory": {"activation_checkpointing": "none" if setup == "one_process" else "full"},
+        "memory": {"recompute": "none" if setup == "one_process" else "full"},
     })
 
 
@@ -135,11 +135,10 @@ def dtrain_steps(n_layer: int, setup: str, batch: int, mesh, tracker) -> float:
     """Build in split form and train STEPS steps; returns the last loss."""
     world = dtrain.world.current()
     config = config_of(n_layer, setup, world.world_size, batch)
-    layout = layout_of(config, world.world_size)
     shape = models.resolve(config.model, 256)
     with tracker:
         model = init.skeleton(lambda: models.build(shape))
-        held = layouts.build(model, mesh, layout, config)
+        held = layouts.build(model, mesh, config)
         x, y = tokens(mesh.coords["dp"], batch)
         for _ in range(STEPS):
             loss = held.forward_backward([(x, y)])
@@ -151,8 +150,7 @@ def dtrain_steps(n_layer: int, setup: str, batch: int, mesh, tracker) -> float:
 def probe_dtrain(n_layer: int, setup: str, batch: int, tracker: Tracker) -> float:
     """One rank: warm the collectives up on a 1-block GPT, then train under the cap."""
     world = dtrain.world.current()
-    layout = layout_of(config_of(1, setup, world.world_size, batch), world.world_size)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+    mesh = Mesh(dims_of(config_of(1, setup, world.world_size, batch), world.world_size))
     dtrain_steps(1, setup, batch, mesh, LiveBytes())
     return dtrain_steps(n_layer, setup, batch, mesh, tracker)
 

@@ -37,7 +37,7 @@ from results_md import replace_section
 import dtrain
 from dtrain import models
 from dtrain.config import OptimizerConfig
-from dtrain.layouts import build_optimizer
+from dtrain.optim import build_optimizer
 
 MiB = 2**20
 SETTINGS = {"none": None, "optimizer": "cpu"}

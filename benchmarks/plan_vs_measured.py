@@ -21,13 +21,13 @@ import torch.distributed as dist
 import dtrain
 from dtrain.models.config import ModelConfig
 from dtrain.models.gpt import GPTConfig
-from dtrain.planner import Layout, Links, estimate, profile_gpt, profile_model
+from dtrain.planner import Dims, Links, estimate, profile_gpt, profile_model
 from dtrain.planner.traced.measure import measured_peak
 
-STRATEGIES = [Layout(2), Layout(2, zero=1), Layout(2, zero=2), Layout(2, zero=3),
-              Layout(1, tp=2), Layout(1, pp=2, microbatches=4)]
-EXPERT_STRATEGIES = [Layout(4), Layout(4, zero=2), Layout(4, ep=2), Layout(4, ep=4),
-                     Layout(4, ep=2, zero=2), Layout(4, ep=2, zero=3)]
+STRATEGIES = [Dims(2), Dims(2, zero=1), Dims(2, zero=2), Dims(2, zero=3),
+              Dims(1, tp=2), Dims(1, pp=2, microbatches=4)]
+EXPERT_STRATEGIES = [Dims(4), Dims(4, zero=2), Dims(4, ep=2), Dims(4, ep=4),
+                     Dims(4, ep=2, zero=2), Dims(4, ep=2, zero=3)]
 DEFAULTS = {"gpt": {"layers": 8, "embd": 256, "heads": 8},
             "moe": {"layers": 4, "embd": 256, "heads": 8}}
 

@@ -6,7 +6,7 @@
 One process, 1 thread, the llama-tiny shape (vocabulary 256), 8 sequences x 128 tokens,
 AdamW. For each dropout (0 and 0.1 on the attention probabilities) the three modes get
 their own model from the same seed, recomputed by
-`dtrain.models.recompute.activation_checkpointing(model, mode)`.
+`dtrain.models.recompute.recompute_mode(model, mode)`.
 
 Memory (dtrain.planner.LiveBytes, live tensor bytes, the CPU's
 max_memory_allocated): the model and its AdamW state exist before the tracker starts, so
@@ -43,8 +43,8 @@ from results_md import replace_section
 
 from dtrain import models
 from dtrain.config import OptimizerConfig
-from dtrain.layouts import build_optimizer
-from dtrain.models.recompute import activation_checkpointing
+from dtrain.models.recompute import recompute_mode
+from dtrain.optim import build_optimizer
 from dtrain.planner import LiveBytes
 
 MODES = ("none", "selective", "full")
@@ -56,7 +56,7 @@ def build(dropout: float, mode: str) -> tuple[torch.nn.Module, torch.optim.Optim
                                               dropout=dropout), 256)
     torch.manual_seed(0)
     model = models.build(shape)
-    activation_checkpointing(model, mode)
+    recompute_mode(model, mode)
     return model, build_optimizer(model.parameters(), OptimizerConfig())
 
 

@@ -1,5 +1,5 @@
 """What copying checkpoints to another host costs a data-parallel training loop:
-background saves on a shared folder (`checkpoint.replicate = 0`) against background saves
+background saves on a shared folder (`checkpoint.copies = 0`) against background saves
 where each host writes its own folder and sends a copy to the other (`replicate = 1`),
 and no save, side by side in one run.
 
@@ -53,7 +53,7 @@ def sent_per_save(folder: Path, rank: int) -> int:
 def write_results(rows: dict, args: argparse.Namespace, world_size: int,
                   loads: tuple[float, float], sent_mb: float) -> None:
     lines = [
-        *heading("Checkpoint copies to other hosts (`checkpoint.replicate`, background saves, "
+        *heading("Checkpoint copies to other hosts (`checkpoint.copies`, background saves, "
                  "2 ranks)", f"dtrain run -n {world_size} benchmarks/replicated_save.py "
                  f"--repeats {args.repeats} --every {args.every} --write"),
         machine(loads) + " The model and loop of the section above; each rank "

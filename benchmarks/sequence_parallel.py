@@ -44,8 +44,8 @@ from dtrain import comm, models
 from dtrain import tensor_parallel as tp
 from dtrain.comm.timing import time_turns
 from dtrain.config import OptimizerConfig
-from dtrain.layouts import build_optimizer
 from dtrain.models.llama import MLP, Attention, Block, RMSNorm
+from dtrain.optim import build_optimizer
 from dtrain.planner import LiveBytes
 from dtrain.tensor_parallel.layers import ColumnParallelLinear
 

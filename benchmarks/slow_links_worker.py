@@ -11,7 +11,7 @@ trained `--steps` steps on the global batch, one way:
     powersgd   dtrain.DataParallel(compression="powersgd")
     int8       dtrain.DataParallel(compression="int8")
     local_sgd  replicas of --replica-ranks ranks (a host's), each data parallel inside,
-    diloco     synchronized every --sync-every steps (dtrain.parallel.sync.diloco)
+    diloco     synchronized every --sync-every steps (dtrain.sync.diloco)
 
 Rank 0 writes JSON: each step's seconds (training only: the held-out evaluations every
 `--eval-every` steps are not timed), the held-out losses, and the bytes this rank handed
@@ -34,11 +34,10 @@ import dtrain
 from dtrain import comm
 from dtrain.config import Config
 from dtrain.data import batches, open_data
-from dtrain.layouts.holding import build_optimizer
 from dtrain.models import build, resolve
-from dtrain.parallel.sync import compression
-from dtrain.parallel.sync.diloco import DiLoCo
-from dtrain.train.trainer import lr_factor
+from dtrain.optim import build_optimizer, lr_factor
+from dtrain.sync import compression
+from dtrain.sync.diloco import DiLoCo
 
 METHODS = ("ddp", "dtrain", "powersgd", "int8", "local_sgd", "diloco")
 
@@ -57,15 +56,15 @@ class Run:
             self.module = dtrain.DataParallel(model, compression=None if method == "dtrain" else
                                               compression.make(method, start_iter=warmup))
         else:  # replicas of a host's ranks, ZeRO-1 inside: each rank sends its shard
-            mesh = dtrain.Mesh(dp_replicate=dist.get_world_size() // replica_ranks)
+            mesh = dtrain.Mesh(sync=dist.get_world_size() // replica_ranks)
             self.module = self.zero = dtrain.ZeRO(model, lambda _: make(model.parameters()),
                                                   stage=1, group=mesh.group("dp"))
             # what crosses hosts: the dp group is inside one replica
-            self.groups = [mesh.group("dp_replicate")]
+            self.groups = [mesh.group("sync")]
         self.optimizer = self.zero.optimizer if self.zero else make(model.parameters())
         if method in ("local_sgd", "diloco"):
             shards = [p for g in self.optimizer.param_groups for p in g["params"]]
-            self.outer = DiLoCo(model, mesh.group("dp_replicate"), sync_every=sync_every,
+            self.outer = DiLoCo(model, mesh.group("sync"), sync_every=sync_every,
                                 mode=method, params=shards, outer_lr=config.sync.outer_lr,
                                 outer_momentum=config.sync.outer_momentum)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(

@@ -114,8 +114,8 @@ def torchft_rank(config_path: str, out: str, control_port: int) -> None:
     from dtrain import models
     from dtrain.config import load_config
     from dtrain.data import batches, open_data
-    from dtrain.layouts.holding import build_optimizer, model_loss
-    from dtrain.train.trainer import lr_factor
+    from dtrain.layouts.holding import model_loss
+    from dtrain.optim import build_optimizer, lr_factor
 
     torch.set_num_threads(1)
     group, rank = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["RANK"])
@@ -176,7 +176,7 @@ def torchft_rank(config_path: str, out: str, control_port: int) -> None:
             optimizer.step()
             schedule.step()
         records.write(json.dumps({"step": step + 1, "began": began, "time": time.time(),
-                                  "committed": committed, "replicas": participants,
+                                  "committed": committed, "live_replicas": participants,
                                   "loss": loss.item() / GROUP_RANKS}) + "\n")
         records.flush()
     if rank == 0:
@@ -323,8 +323,8 @@ def measures(run: dict, calm: dict, kill_at: int) -> dict:
     records, killed = run["records"], run["killed"]
     done = [r for r in records if r["committed"]]
     steps = [r["step"] for r in done]
-    alone = next(r for r in done if r["time"] > killed and r["replicas"] == 1)
-    back = next(r for r in done if r["time"] > alone["time"] and r["replicas"] == GROUPS)
+    alone = next(r for r in done if r["time"] > killed and r["live_replicas"] == 1)
+    back = next(r for r in done if r["time"] > alone["time"] and r["live_replicas"] == GROUPS)
     before = {r["step"]: r["loss"] for r in done if r["step"] < kill_at}
     calm_loss = {r["step"]: r["loss"] for r in calm["records"] if r["committed"]}
     diff = max((run["weights"][k] - calm["weights"][k]).abs().max().item()
@@ -333,7 +333,7 @@ def measures(run: dict, calm: dict, kill_at: int) -> dict:
         "steps_lost": sum(1 for r in records if not r["committed"] and r["time"] > killed),
         "steps_missing_or_repeated": len(set(range(1, max(steps) + 1)) ^ set(steps))
         + len(steps) - len(set(steps)),
-        "one_replica_steps": sum(1 for r in done if r["replicas"] < GROUPS),
+        "one_replica_steps": sum(1 for r in done if r["live_replicas"] < GROUPS),
         "kill_to_survivors_step_s": round(alone["time"] - killed, 2),
         "kill_to_replacement_started_s": round(run["restarted"] - killed, 2),
         "kill_to_rejoined_step_s": round(back["time"] - killed, 2),

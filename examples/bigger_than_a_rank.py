@@ -10,7 +10,7 @@ import torch
 
 import dtrain
 from dtrain import layouts, models
-from dtrain.config import config_from_dict, layout_of
+from dtrain.config import config_from_dict, dims_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
 from dtrain.planner import LiveBytes
@@ -22,11 +22,11 @@ def train(model_keys: dict, steps: int) -> float:
     """Build the model in split form as `dtrain train` does, then train `steps` steps."""
     config = config_from_dict({
         "model": model_keys, "parallel": {"nproc": world.world_size, "zero": 3},
-        "memory": {"activation_checkpointing": "full"}, "train": {"batch_size": 4}})
-    layout = layout_of(config, world.world_size)
+        "memory": {"recompute": "full"}, "train": {"batch_size": 4}})
+    dims = dims_of(config, world.world_size)
     shape = models.resolve(config.model, data_vocab=256)
     model = init.skeleton(lambda: models.build(shape))      # no memory yet
-    held = layouts.build(model, Mesh(dp=layout.dp), layout, config)  # a quarter, filled
+    held = layouts.build(model, Mesh(dims), config)  # a quarter, filled
     data = torch.Generator().manual_seed(world.rank)
     for _ in range(steps):
         x = torch.randint(0, 256, (1, shape.block_size), generator=data)

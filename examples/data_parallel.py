@@ -4,7 +4,7 @@
     python examples/data_parallel.py                    # the same script, one process
 
 Each rank trains on its shard of every epoch; DataParallel averages the gradients, so the
-replicas stay identical and the result equals one process on the whole batch.
+ranks' copies of the model stay identical and the result equals one process on the whole batch.
 """
 
 import torch

@@ -3,13 +3,13 @@
     dtrain run -n 2 --servers 1 examples/parameter_server.py                  # sync
     dtrain run -n 2 --servers 2 examples/parameter_server.py --consistency ssp --staleness 2
     dtrain run -n 4 --servers 1 examples/parameter_server.py --consistency async
-    dtrain run -n 2 --servers 2 examples/parameter_server.py --replicas 2      # backups
+    dtrain run -n 2 --servers 2 examples/parameter_server.py --copies 2        # backups
 
 `dtrain run` starts the servers (dtrain's own loop: no code of yours) and the workers,
 which run this script. Worker 0 seeds the servers with its model and the settings; each
 worker trains on its own part of the data, pushing gradients and pulling parameters.
 `--die-at-step N` makes worker 1 kill itself there (SIGKILL), to watch the job go on;
-with `--replicas 2` each shard has a backup on another server, so a server may die too
+with `--copies 2` each shard has a backup on another server, so a server may die too
 (`DTRAIN_FAULT=kill@push=20,rank=0` kills server 0 as its 20th clock's push arrives).
 Needs scikit-learn for the data (`pip install scikit-learn`).
 """
@@ -31,7 +31,7 @@ parser.add_argument("--staleness", type=int, default=0)
 parser.add_argument("--epochs", type=int, default=8)
 parser.add_argument("--worker-timeout", type=float, default=120.0)
 parser.add_argument("--die-at-step", type=int, default=0)
-parser.add_argument("--replicas", type=int, default=1)
+parser.add_argument("--copies", type=int, default=1)
 args = parser.parse_args()
 
 world = dtrain.init()                            # role "worker"; rank among the workers
@@ -46,7 +46,7 @@ torch.manual_seed(1)
 model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 worker = ps.Worker(model, ps.Settings(args.consistency, args.staleness, optimizer="sgd", lr=0.1,
                                       momentum=0.9, worker_timeout=args.worker_timeout,
-                                      replicas=args.replicas))
+                                      copies=args.copies))
 worker.start()
 step = 0
 for epoch in range(args.epochs):

@@ -31,17 +31,15 @@ def held_and_schedulers(parallel: dict | None = None, world_size: int = 1) -> tu
     the optimizer has state), and its constant schedule."""
     # imported here: the processes the kill tests start import this file, and need none
     from dtrain import layouts, models
-    from dtrain.config import config_from_dict, layout_of
+    from dtrain.config import config_from_dict, dims_of
     from dtrain.mesh import Mesh
     from dtrain.models.config import ModelConfig
 
     config = config_from_dict({"model": GPT, "train": {"batch_size": 4, "seed": 5},
                                "parallel": {"nproc": world_size, **(parallel or {})}})
-    layout = layout_of(config, world_size)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+    mesh = Mesh(dims_of(config, world_size))
     torch.manual_seed(0)
-    held = layouts.build(models.build(models.resolve(ModelConfig(**GPT), 256)), mesh, layout,
-                         config)
+    held = layouts.build(models.build(models.resolve(ModelConfig(**GPT), 256)), mesh, config)
     schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda _: 1.0) for o in held.optimizers]
     train_step(held)
     return held, schedulers
@@ -55,7 +53,7 @@ def train_step(held: Any, seed: int = 0) -> None:
 
 
 def save_args(held: Any, schedulers: list) -> tuple:
-    return held, schedulers, {"model": GPT}, 2
+    return held.saved, schedulers, {"model": GPT}, 2
 
 
 def assert_same_checkpoint(a: Path, b: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from dtrain.checkpoint import atomic, universal
 from dtrain.errors import DtrainError
-from dtrain.job_layout import Split
+from dtrain.split import Split
 
 
 def state(step: int) -> dict:

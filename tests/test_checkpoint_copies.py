@@ -1,4 +1,4 @@
-"""Checkpoints without a shared filesystem (dtrain.checkpoint.copies, `checkpoint.replicate`):
+"""Checkpoints without a shared filesystem (dtrain.checkpoint.copies, `checkpoint.copies`):
 three ranks on this machine stand for three hosts, each with a folder of its own. A save
 leaves each host its own files and a copy of the previous host's; with one host's folder
 deleted, every rank resumes the same checkpoint (each tensor and each rank's own tensors
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from dtrain.checkpoint import atomic, background, universal
-from dtrain.checkpoint.copies import HostCopies, check_replicate
+from dtrain.checkpoint.copies import HostCopies, check_copies
 from dtrain.errors import ConfigError, DtrainError
 from tests.distributed import run_ranks
 
@@ -38,7 +38,7 @@ def _save(root: str) -> list[str]:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    copies = HostCopies.open(replicate=1, host=rank)
+    copies = HostCopies.open(copies=1, host=rank)
     folder = folder_of(root, rank)
     paths = []
     for step, write in ((1, copies.save), (2, None)):
@@ -58,7 +58,7 @@ def _resume(root: str) -> tuple[str, torch.Tensor, dict[str, torch.Tensor]]:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    copies = HostCopies.open(replicate=1, host=rank)
+    copies = HostCopies.open(copies=1, host=rank)
     path = copies.resume(folder_of(root, rank))
     ckpt = universal.Checkpoint(path)
     return path, ckpt.tensor("model/w"), ckpt.rank_tensors(rank)
@@ -81,7 +81,7 @@ def test_a_lost_hosts_folder_is_refilled_from_the_copies(tmp_path: Path) -> None
 
     shutil.rmtree(tmp_path / "host-1")  # host 1's disk is gone
     # export reads the folders left: one alone lacks host 1's files and says where they are
-    with pytest.raises(DtrainError, match="checkpoint.replicate = 1: other hosts' folders"):
+    with pytest.raises(DtrainError, match="checkpoint.copies = 1: other hosts' folders"):
         universal.export(folder_of(str(tmp_path), 0), tmp_path / "one.safetensors")
     out = universal.export(folder_of(str(tmp_path), 0), tmp_path / "model.safetensors",
                            also=[folder_of(str(tmp_path), 2)])
@@ -96,8 +96,8 @@ def test_a_lost_hosts_folder_is_refilled_from_the_copies(tmp_path: Path) -> None
 
 
 def test_replicate_beyond_the_other_hosts_is_refused() -> None:
-    check_replicate(2, 3)
-    with pytest.raises(ConfigError, match=r"checkpoint.replicate = 2 copies each host's "
+    check_copies(2, 3)
+    with pytest.raises(ConfigError, match=r"checkpoint.copies = 2 copies each host's "
                        r"checkpoint files to 2 other host\(s\), and this job has 2 host\(s\): "
                        r"set it to at most 1"):
-        check_replicate(2, 2)
+        check_copies(2, 2)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dtrain import layouts, models
-from dtrain.config import config_from_dict, layout_of
+from dtrain.config import config_from_dict, dims_of
 from dtrain.errors import ConfigError
 from dtrain.mesh import Mesh
 from dtrain.models import init
@@ -41,7 +41,7 @@ LAYOUTS = {
     "tp2-sp": ({"tp": 2, "sequence_parallel": True}, {}),
     "tp2": ({"tp": 2}, {}),
     "pp2": ({"pp": 2, "microbatches": 2}, {}),
-    "full": ({}, {"activation_checkpointing": "full"}),
+    "full": ({}, {"recompute": "full"}),
     "cp2": ({"cp": 2}, {}),
 }
 
@@ -111,10 +111,10 @@ def _run(shape: dict, parallel: dict, memory: dict, compiled: bool, out: str) ->
                                   "out_dir": out},
         "optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.0, "weight_decay": 0.0},
         "parallel": {"nproc": world.world_size, **parallel}, "memory": memory})
-    layout = layout_of(config, world.world_size)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep)
+    mesh = Mesh(dims_of(config, world.world_size))
+    layout = mesh.dims
     skeleton = init.skeleton(lambda: models.build(models.resolve(ModelConfig(**shape), VOCAB)))
-    held = layouts.build(skeleton, mesh, layout, config)
+    held = layouts.build(skeleton, mesh, config)
     g = torch.Generator().manual_seed(0)
     rows = slice(mesh.coords["dp"] * BATCH // layout.dp,
                  (mesh.coords["dp"] + 1) * BATCH // layout.dp)
@@ -130,7 +130,7 @@ def _run(shape: dict, parallel: dict, memory: dict, compiled: bool, out: str) ->
             loss = comm.all_reduce(loss, op="avg", group=held.loss_group)
         losses.append(float(loss))
         counts.append(compile_stats()["frames"])
-    pieces, _ = held.state()
+    pieces, _ = held.saved.state()
     return {"losses": losses, "counts": counts,
             "state": {(p.name, p.part, p.lo): p.values.clone() for p in pieces}}
 

@@ -1,4 +1,4 @@
-"""Gradient compressors (dtrain.parallel.sync.compression) against the exact average: PowerSGD
+"""Gradient compressors (dtrain.sync.compression) against the exact average: PowerSGD
 exact within its rank, int8 within its bound, error feedback keeping what was dropped,
 bytes as comm.traffic counts them, state through a checkpoint, and bad input."""
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from dtrain import comm
 from dtrain.errors import DtrainError
-from dtrain.parallel.sync.compression import Int8, PowerSGD, make
+from dtrain.sync.compression import Int8, PowerSGD, make
 from dtrain.testing import run_threads
 from tests.distributed import run_ranks
 

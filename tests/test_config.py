@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.config import MOVED, Config, config_from_dict, load_config, per_rank_batch
+from dtrain.config import MOVED, Config, config_from_dict, dims_of, load_config
 from dtrain.errors import ConfigError
 from tests.cli import dtrain, one_error_line
 
@@ -56,20 +56,20 @@ def test_missing_file() -> None:
 
 def test_batch_must_split_across_ranks_and_micro_batches() -> None:
     config = load_config(None, ["train.batch_size=12", "train.grad_accum=2"])
-    assert per_rank_batch(config, 3) == 2
+    assert dims_of(config, 3).per_rank_batch(12, 2) == 2
     with pytest.raises(ConfigError, match="make it a multiple of 8"):
-        per_rank_batch(config, 4)
+        dims_of(config, 4)
 
 
 @pytest.mark.parametrize("old, new", sorted(MOVED.items()))
 def test_a_moved_key_names_its_new_place(tmp_path: Path, old: str, new: str) -> None:
-    """Every key that left [parallel] is refused in a file and in --set, in one line that
-    names where it went; the new key takes the same value."""
+    """Every key that moved (out of [parallel], or renamed) is refused in a file and in
+    --set, in one line that names where it went; the new key takes the same value."""
     section, name = new.split(".")
     value = getattr(getattr(Config(), section), name)
     shown = {bool: str(value).lower(), str: f"'{value}'"}.get(type(value), str(value))
-    key = old.split(".")[1]
-    for path, overrides in ((write(tmp_path, f"[parallel]\n{key} = {shown}\n"), []),
+    home, key = old.split(".")
+    for path, overrides in ((write(tmp_path, f"[{home}]\n{key} = {shown}\n"), []),
                             (None, [f"{old}={shown}"])):
         with pytest.raises(ConfigError) as info:
             load_config(path, overrides)
@@ -82,7 +82,7 @@ def test_a_moved_key_names_its_new_place(tmp_path: Path, old: str, new: str) -> 
     (["comm.compression='int8'", "fault_tolerance.mode='live'"],
      "comm.compression = 'int8' with fault_tolerance.mode = \"live\""),
     (["sync.method='diloco'", "fault_tolerance.mode='live'"],
-     "use parallel.mode = \"collective\" and fault_tolerance.mode = \"restart\""),
+     "use parallel.exchange = \"collective\" and fault_tolerance.mode = \"restart\""),
     (["sync.method='diloco'", "comm.compression='powersgd'"],
      "every sync.every steps only: leave comm.compression = \"none\""),
     (["parallel.zero=1", "comm.grad_dtype='bf16'"], "comm.grad_dtype is for DataParallel"),
@@ -105,3 +105,18 @@ def test_a_moved_key_stops_dtrain_train_before_anything_is_written(tmp_path: Pat
     assert one_error_line(result) == ("dtrain: error: --set: parallel.sync_every moved to "
                                       "sync.every"), result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_config_an_older_dtrain_saved_is_read_with_its_moved_keys_in_place() -> None:
+    """A checkpoint keeps the config of the run that saved it; one saved before a rename
+    still reads (`dtrain generate`, a resume), each moved key set at its new place."""
+    old = Config().to_dict()
+    old["parallel"]["mode"] = old["parallel"].pop("exchange")
+    old["memory"]["activation_checkpointing"] = "full"
+    del old["memory"]["recompute"]
+    old["sync"]["replicas"] = old["sync"].pop("groups")
+    config = config_from_dict(old)
+    assert config.memory.recompute == "full" and config.parallel.exchange == "collective"
+    with pytest.raises(ConfigError, match="memory.activation_checkpointing moved to "
+                                          "memory.recompute"):
+        load_config(None, ["memory.activation_checkpointing='full'"])

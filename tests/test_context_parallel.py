@@ -212,7 +212,7 @@ def test_runs_in_context_parallel_layouts_equal_one_process(tmp_path: Path) -> N
             ("zero", ["-n", "4", "--set", "parallel.cp=2", "--set", "parallel.zero=3"]),
             ("recompute", ["-n", "2", "--set", "parallel.cp=2", "--set",
                            "parallel.cp_method='alltoall'", "--set",
-                           "memory.activation_checkpointing='full'"]),
+                           "memory.recompute='full'"]),
             ("allgather", ["-n", "4", "--set", "parallel.cp=4", "--set",
                            "parallel.cp_method='allgather'"])):
         runs.append(cp_run(tmp_path / name, args, 4))
@@ -225,7 +225,7 @@ def test_runs_in_context_parallel_layouts_equal_one_process(tmp_path: Path) -> N
         # x 2 layers x (4 ring steps, 3 blocks sent)
         assert names.count("cp ring step") == 2 * 2 * 8 + 2 * 2 * 4
         assert names.count("send") == names.count("recv") == 2 * 2 * 10 + 2 * 2 * 3
-    diloco = ["--set", "sync.method='diloco'", "--set", "sync.replicas=2", "--set",
+    diloco = ["--set", "sync.method='diloco'", "--set", "sync.groups=2", "--set",
               "sync.every=2"]
     plain, plain_ckpt = cp_run(tmp_path / "diloco", ["-n", "2", *diloco], 4)
     split, split_ckpt = cp_run(tmp_path / "diloco-cp", ["-n", "4", "--set", "parallel.cp=2",

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dtrain
-from dtrain.parallel.data_parallel.buckets import build_buckets
+from dtrain.data_parallel.buckets import build_buckets
 from tests.distributed import run_ranks
 
 STEPS = 4

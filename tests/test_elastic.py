@@ -9,7 +9,7 @@ round with C (3 ranks, which tp=2 does not divide: the planner's layout), from t
 checkpoint, to the end. Each step's loss and the final weights equal one process's on the
 same global batches.
 
-The drills hold a rank still (SIGSTOP, dtrain.ft.faults) as a step begins, so that the test
+The drills hold a rank still (SIGSTOP, dtrain.faults) as a step begins, so that the test
 acts at a known step; the stall detector is told to leave held ranks alone. Slow (about a
 minute).
 """
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from dtrain.checkpoint import atomic
-from dtrain.config import layout_of, load_config
+from dtrain.config import dims_of, load_config
 from dtrain.errors import ConfigError
 from dtrain.ft import elastic
 from tests import forked
@@ -134,7 +134,7 @@ def test_a_round_keeps_the_global_batch_and_no_forward_grows(
     changed, said = elastic.adapt(config, world, most)
     assert (changed.parallel.tp, changed.parallel.pp, changed.train.grad_accum) == want
     assert said == note
-    layout = layout_of(changed, world)
+    layout = dims_of(changed, world)
     tp_pp = config.parallel.tp * config.parallel.pp
     largest = 12 // (most // tp_pp)  # sequences per forward with every rank there
     assert 12 // (layout.dp * changed.train.grad_accum) <= largest
@@ -153,14 +153,14 @@ def test_a_round_tp_does_not_divide_takes_the_planners_best_layout() -> None:
     changed, said = elastic.adapt(config, 3, 4, choose)
     assert asked == [(3, 1)]
     p = changed.parallel
-    layout = layout_of(changed, 3)
+    layout = dims_of(changed, 3)
     assert layout.dp * layout.tp * layout.pp == 3 and p.tp == 1  # 4 heads: no tp=3
     assert said.startswith("elastic: 3 of up to 4 ranks; tp=2 x pp=1 does not divide it: "
                            f"the planner's best is dp={layout.dp}, tp=1, pp={layout.pp}"), said
     assert said.endswith("keeps the global batch of 12"), said
     # a layout the planner cannot fit: data parallel over every rank, as without a chooser
     fallback, note = elastic.adapt(config, 3, 4, lambda *_: None)
-    assert layout_of(fallback, 3).dp == 3 and "dropped" in note
+    assert dims_of(fallback, 3).dp == 3 and "dropped" in note
 
 
 def test_a_batch_that_cannot_be_cut_for_a_round_is_one_line() -> None:

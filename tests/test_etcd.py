@@ -44,7 +44,7 @@ def cluster(tmp_path: Path):
 
 
 def _store(cluster: EtcdCluster, timeout_s: float = 10.0):
-    from dtrain.ft.etcd import EtcdStore, parse_endpoints
+    from dtrain.store.etcd import EtcdStore, parse_endpoints
 
     return EtcdStore(parse_endpoints(cluster.endpoints), "job", timedelta(seconds=timeout_s))
 
@@ -52,7 +52,7 @@ def _store(cluster: EtcdCluster, timeout_s: float = 10.0):
 @pytest.mark.slow  # CI installs etcd after the quick suite
 @pytest.mark.timeout(60)
 def test_the_store_answers_every_call_torch_and_dtrain_make(cluster: EtcdCluster) -> None:
-    from dtrain.ft.store import prefixed
+    from dtrain.store import prefixed
 
     store = _store(cluster)
     store.set("a", b"\x00bytes\xff")
@@ -241,7 +241,7 @@ def test_killing_the_etcd_leader_mid_run_loses_no_step(cluster: EtcdCluster,
     assert code == 0, job.output()
     recorded = records(metrics)
     assert [r["step"] for r in recorded] == list(range(1, steps + 1)), job.output()
-    assert {r["replicas"] for r in recorded} == {3}, job.output()
+    assert {r["live_replicas"] for r in recorded} == {3}, job.output()
     times = sorted(r["step_time_s"] for r in recorded)
     print(f"etcd leader killed {kills} times: every step averaged over 3 replicas; step time "
           f"median {times[len(times) // 2]:.3f}s, longest {times[-1]:.3f}s")

@@ -1,4 +1,4 @@
-"""Faults injected on purpose (dtrain.ft.faults, signals, a full disk): jobs restart and resume
+"""Faults injected on purpose (dtrain.faults, signals, a full disk): jobs restart and resume
 to the weights of an uninterrupted run, a dead, stalled or diverging rank is named within
 the timeout and nothing is left running, and no crash loses the latest checkpoint."""
 
@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dtrain import env, faults
 from dtrain.checkpoint import atomic, universal
 from dtrain.comm.shm import segment
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.ft import env, faults
 from dtrain.launch import waker
 from tests import forked, soak
 from tests.cli import dtrain, one_error_line
@@ -42,7 +42,7 @@ MODES = {
     "zero2": ["-n", "2", "--set", "parallel.zero=2"],
     "tp": ["-n", "2", "--set", "parallel.tp=2"],
     "pp": ["-n", "2", "--set", "parallel.pp=2", "--set", "parallel.microbatches=2"],
-    "ps": ["-n", "2", *NO_DECAY, "--set", "parallel.mode='ps'", "--set",
+    "ps": ["-n", "2", *NO_DECAY, "--set", "parallel.exchange='ps'", "--set",
            "ps.snapshot_every=2"],
 }
 

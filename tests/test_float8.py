@@ -112,7 +112,7 @@ def _layouts_run(parallel: dict, recipe: str) -> tuple[list[float], str, int]:
     the banner, the linear layers in FP8 on this rank)."""
     import dtrain
     from dtrain import comm, layouts
-    from dtrain.config import config_from_dict, layout_of
+    from dtrain.config import config_from_dict, dims_of
     from dtrain.mesh import Mesh
 
     float8.check_float8 = lambda device: None  # this forked rank only: the CPU emulates FP8
@@ -121,10 +121,10 @@ def _layouts_run(parallel: dict, recipe: str) -> tuple[list[float], str, int]:
         "model": LLAMA, "train": {"batch_size": 4, "seed": 3, "float8": recipe},
         "optimizer": {"name": "adamw", "lr": 1e-2, "weight_decay": 0.0},
         "parallel": {"nproc": world, **parallel}})
-    layout = layout_of(config, world)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp)
+    mesh = Mesh(dims_of(config, world))
+    layout = mesh.dims
     model = init.skeleton(lambda: models.build(models.resolve(ModelConfig(**LLAMA), 256)))
-    held = layouts.build(model, mesh, layout, config)
+    held = layouts.build(model, mesh, config)
     x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     rows = slice(mesh.coords["dp"] * 4 // layout.dp, (mesh.coords["dp"] + 1) * 4 // layout.dp)
     losses = []

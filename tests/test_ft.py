@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import dtrain
+from dtrain import env
 from dtrain.errors import ConfigError
-from dtrain.ft import env
 
 SRC = Path(dtrain.__file__).parent
 ROOT = SRC.parent.parent
@@ -22,7 +22,7 @@ TEST_ONLY = {"DTRAIN_SOAK_ROUNDS", "DTRAIN_SLURM_DIR", "DTRAIN_SLURMCTLD_PORT",
 
 def test_only_the_contract_reads_or_writes_a_dtrain_variable() -> None:
     """A quoted `"DTRAIN_...` (a read, a write, a key of an environment being built) appears
-    in dtrain.ft.env only; elsewhere a variable is used through its `env.Var`."""
+    in dtrain.env only; elsewhere a variable is used through its `env.Var`."""
     contract = Path(env.__file__)
     offenders = [f"{path.relative_to(SRC)}:{number}: {line.strip()}"
                  for path in sorted(SRC.rglob("*.py")) if path != contract
@@ -58,7 +58,7 @@ def test_values_are_typed_and_a_malformed_one_is_one_line() -> None:
 
 
 def test_data_parallel_and_zero_know_nothing_of_fault_tolerance() -> None:
-    """They average through whatever `averaging` they are handed (dtrain.parallel.averaging);
+    """They average through whatever `averaging` they are handed (dtrain.data_parallel.averaging);
     the live replicas' own code is dtrain.ft.live's."""
     strategies = [*sorted((SRC / "parallel" / "data_parallel").glob("*.py")),
                   *sorted((SRC / "parallel" / "zero").glob("*.py"))]

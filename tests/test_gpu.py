@@ -15,7 +15,7 @@ from torch import nn
 
 from dtrain import layouts, models
 from dtrain.checkpoint import universal
-from dtrain.config import config_from_dict, layout_of
+from dtrain.config import config_from_dict, dims_of
 from dtrain.mesh import Mesh
 from dtrain.models import init, recompute
 from dtrain.models.config import ModelConfig
@@ -60,7 +60,7 @@ def test_recomputed_fused_attention_gives_the_same_gradients_in_bf16() -> None:
     grads = {}
     for mode in ("none", "selective", "full"):
         model = init.materialized(skeleton(), init.Initial(skeleton(), seed=1), "cuda")
-        recompute.activation_checkpointing(model, mode)
+        recompute.recompute_mode(model, mode)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = model(x, y)
         loss.backward()
@@ -84,9 +84,9 @@ def _layout_run(parallel: dict, memory: dict, folder: str,
         "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.0, "weight_decay": 0.0,
                       **(optimizer or {})},
         "parallel": {"nproc": world.world_size, **parallel}, "memory": memory})
-    layout = layout_of(config, world.world_size)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
-    held = layouts.build(skeleton(), mesh, layout, config)
+    mesh = Mesh(dims_of(config, world.world_size))
+    layout = mesh.dims
+    held = layouts.build(skeleton(), mesh, config)
     losses = []
     dp_rank = mesh.coords["dp"]
     for x, y in batches("cuda"):
@@ -97,9 +97,9 @@ def _layout_run(parallel: dict, memory: dict, folder: str,
         if held.loss_group is not None:  # the global batch's loss, as the trainer reports
             loss = comm.all_reduce(loss, op="avg", group=held.loss_group)
         losses.append(loss.cpu())
-    pieces, extra = held.state()
+    pieces, extra = held.saved.state()
     universal.save(Path(folder), STEPS, pieces, extra, {}, keep_last=1,
-                   group=held.checkpoint_group)
+                   group=held.saved.checkpoint_group)
     return [float(loss) for loss in losses]
 
 
@@ -144,8 +144,8 @@ def _assert_equal_to_one_process(folder: Path, losses: list[list[float]], mixed:
 
 @pytest.mark.parametrize("parallel, memory, mixed, tol", [
     ({}, {}, False, 1e-4),
-    ({"zero": 3}, {"activation_checkpointing": "full"}, False, 1e-4),
-    ({"zero": 3, "mixed_precision": "bf16"}, {"activation_checkpointing": "selective"}, True,
+    ({"zero": 3}, {"recompute": "full"}, False, 1e-4),
+    ({"zero": 3, "mixed_precision": "bf16"}, {"recompute": "selective"}, True,
      3e-2),
 ], ids=["dp", "zero3-full", "zero3-bf16-selective"])
 def test_layouts_on_one_gpu_with_nccl_equal_one_process(parallel: dict, memory: dict,
@@ -247,7 +247,7 @@ def _fp8_run(parallel: dict, train: dict, folder: str) -> tuple[list[float], int
         "model": LLAMA, "train": {"batch_size": 4, "seed": SEED, "out_dir": folder, **train},
         "optimizer": {"name": "adamw", "lr": 1e-2, "weight_decay": 0.0},
         "parallel": {"nproc": 1, **parallel}})
-    held = layouts.build(skeleton(), Mesh(dp=1), layout_of(config, 1), config)
+    held = layouts.build(skeleton(), Mesh(dims_of(config, 1)), config)
     x, y = batches("cuda")[0]
     losses = []
     for _ in range(FP8_STEPS):
@@ -284,7 +284,7 @@ def test_float8_trains_like_full_precision(parallel: dict, train: dict, recipe: 
     {"tp": 2, "sequence_parallel": True}, {"zero": 3}, {"pp": 2, "microbatches": 2}],
     ids=["tp2-sp", "zero3", "pp2"])
 def test_two_gpus_over_nccl_equal_one_process(parallel: dict, tmp_path: Path) -> None:
-    losses = run_ranks(_layout_run, 2, parallel, {"activation_checkpointing": "full"},
+    losses = run_ranks(_layout_run, 2, parallel, {"recompute": "full"},
                        str(tmp_path), timeout=240, env=NCCL)
     _assert_equal_to_one_process(tmp_path, losses, False, 1e-4)
 

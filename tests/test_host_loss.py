@@ -132,14 +132,14 @@ def test_losing_any_host_rank_0s_first_loses_no_step(three_hosts: list[Host],
     recovered = []  # seconds from each kill to the survivors' next step
     for kill in range(kills):
         lost = kill % len(hosts)  # host 0 (rank 0's) first, then each in turn
-        _wait(lambda: len(records(metrics)) > 0 and records(metrics)[-1]["replicas"] == 6
+        _wait(lambda: len(records(metrics)) > 0 and records(metrics)[-1]["live_replicas"] == 6
               and _newest_checkpoint(tmp_path) > 0, 240, tmp_path,
               f"steps of all 6 replicas before kill {kill}")
         last = records(metrics)[-1]["step"]
         moment = time.time()
         hosts[lost].signal_all(signal.SIGKILL)  # the machine dies: every process at once
         hosts[lost].kill_all()
-        _wait(lambda m=moment: any(r["time"] > m and r["replicas"] == 4
+        _wait(lambda m=moment: any(r["time"] > m and r["live_replicas"] == 4
                                    for r in records(metrics)), 60, tmp_path,
               f"step by the 4 surviving replicas after host {lost} was lost (kill {kill})")
         after = next(r for r in records(metrics) if r["time"] > moment)
@@ -151,7 +151,7 @@ def test_losing_any_host_rank_0s_first_loses_no_step(three_hosts: list[Host],
         cluster.restart(lost)  # the machine comes back, its disk as it was
         launchers[lost] = _launcher(hosts[lost], lost, tmp_path, cluster,
                                     f"h{lost}-{kill + 1}", steps)
-        _wait(lambda m=moment: any(r["time"] > m and r["replicas"] == 6
+        _wait(lambda m=moment: any(r["time"] > m and r["live_replicas"] == 6
                                    for r in records(metrics)), 180, tmp_path,
               f"host {lost}'s replacement taking part (kill {kill})")
     print(f"survivors' next step after each kill: {[round(s, 2) for s in recovered]} s")

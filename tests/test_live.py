@@ -125,7 +125,7 @@ class Job:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=30))
         self.spawner = multiprocessing.get_context("forkserver")
-        self.spawner.set_forkserver_preload(["torch._dynamo", "dtrain.parallel.data_parallel"])
+        self.spawner.set_forkserver_preload(["torch._dynamo", "dtrain.data_parallel"])
         self.procs: list[tuple[int, Any, Path]] = []
 
     def start(self, replica: int, plan: dict[str, Any] | None = None) -> Any:
@@ -436,11 +436,11 @@ def test_live_replicas_refuse_what_a_replacement_could_not_be_sent_in_one_line()
     for keys, words in (
             (["parallel.zero=3"], "ZeRO stages 1 and 2 in fp32"),
             (["parallel.zero=1", "parallel.mixed_precision='bf16'"], "stages 1 and 2 in fp32"),
-            (["parallel.dp=2"], "parallel.dp = 2 is data parallelism inside a replica"),
+            (["parallel.dp=2"], "parallel.dp = 2 is data parallelism inside a live replica"),
             (["parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule='interleaved'",
               "model.n_layer=4", "parallel.microbatches=4"],
              "one pipeline piece per rank"),
-            (["parallel.mode='ps'"], "not parallel.mode = 'ps'")):
+            (["parallel.exchange='ps'"], "not parallel.exchange = 'ps'")):
         with pytest.raises(ConfigError, match=words) as caught:
             load_config(None, [live, *keys])
         assert "\n" not in str(caught.value)
@@ -457,7 +457,7 @@ def test_a_job_that_does_not_divide_into_live_replicas_is_one_line(tmp_path: Pat
     done = dtrain("train", "-n", "2", "--nnodes", "1:2", "--set",
                   "fault_tolerance.mode='live'", "--set",
                   f"train.out_dir='{tmp_path / 'run'}'")
-    assert done.returncode == 2 and "keeps a fixed set of replica slots: give --nnodes 2" in \
+    assert done.returncode == 2 and "keeps a fixed set of live replica slots: give --nnodes 2" in \
         one_error_line(done), done.stderr
     assert not (tmp_path / "run").exists()
 
@@ -499,12 +499,12 @@ def lose_and_regain(tmp_path: Path, nproc: int, rank: int, sets: list[str],
         if not metrics.exists():
             return []
         return [json.loads(line) for line in metrics.read_text().splitlines()
-                if '"replicas"' in line]
+                if '"live_replicas"' in line]
 
     try:
         deadline = time.monotonic() + timeout
         while True:
-            seen = [r["replicas"] for r in records()]
+            seen = [r["live_replicas"] for r in records()]
             whole = seen[0] if seen else 0
             if (any(n < whole for n in seen) and seen[-back_for:] == [whole] * back_for
                     and len(seen) > back_for + 5):
@@ -523,7 +523,7 @@ def lose_and_regain(tmp_path: Path, nproc: int, rank: int, sets: list[str],
     out = output.read_text()
     steps = [r["step"] for r in records()]
     assert steps == list(range(1, len(steps) + 1)), steps  # none lost or repeated
-    seen = [r["replicas"] for r in records()]
+    seen = [r["live_replicas"] for r in records()]
     assert seen[:4] == [seen[0]] * 4, seen
     return out, seen
 

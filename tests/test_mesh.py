@@ -1,8 +1,8 @@
 """The Mesh: where each rank sits on the named axes, and the group of any axes by name.
 
 Expectations are written independently of the mesh's arithmetic: by hand, or by reading
-each axis of degree 2 as one bit of the rank (tp the lowest bit, then cp, dp_shard, pp,
-dp_replicate), so that the group of a rank over some axes is every rank that agrees with
+each axis of degree 2 as one bit of the rank (tp the lowest bit, then cp, dp_shard,
+dp_replicate, pp, sync), so that the group of a rank over some axes is every rank that agrees with
 it on the bits of the other axes.
 """
 
@@ -16,14 +16,17 @@ import torch.distributed as dist
 
 import dtrain
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.mesh import AXES, fit
+from dtrain.mesh import AXES, Dims
+from dtrain.mesh.config import ParallelConfig
 from tests.distributed import run_ranks
 
-ORDER = ("dp_replicate", "pp", "dp_shard", "cp", "tp")  # outermost first, as documented
-NAMES = (*ORDER, "dp")  # "dp" is dp_shard's other name
+ORDER = ("sync", "pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first, as documented
+FLAT = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+        "edp_cp": ("dp_replicate", "edp", "cp")}  # the flattened names, as documented
+NAMES = (*ORDER, "dp", "dp_cp")
 
 
-EXPERT_ORDER = ("dp_replicate", "pp", "edp", "ep", "cp", "tp")  # dp_shard = (edp, ep)
+EXPERT_ORDER = ("sync", "pp", "dp_replicate", "edp", "ep", "cp", "tp")  # dp_shard = (edp, ep)
 
 
 def _bits(degrees: dict[str, int], order: tuple[str, ...] = ORDER) -> dict[str, int]:
@@ -36,10 +39,13 @@ def _bits(degrees: dict[str, int], order: tuple[str, ...] = ORDER) -> dict[str, 
 def _expected(degrees: dict[str, int], rank: int, names: tuple[str, ...],
               order: tuple[str, ...] = ORDER) -> list[int]:
     """The ranks of `rank`'s group over `names`, by the bits: agree on every other axis
-    (on the expert axes' order, dp_shard is edp and ep together)."""
-    axes = {"dp_shard" if n == "dp" else n for n in names} if names else set(order)
+    (a flattened name stands for its axes; on the expert axes' order, dp_shard is edp and
+    ep together)."""
+    axes = {a for n in names for a in FLAT.get(n, (n,))} if names else set(order)
     if order == EXPERT_ORDER and "dp_shard" in axes:
         axes |= {"edp", "ep"}
+    if order == ORDER and "edp" in axes:  # without ep, edp is all of dp_shard
+        axes = (axes - {"edp"}) | {"dp_shard"}
     bits = _bits(degrees, order)
     world = 1 << len(bits)
     others = sum(bit for axis, bit in bits.items() if axis not in axes)
@@ -59,24 +65,24 @@ def test_axes_are_named_outermost_first() -> None:
     assert AXES == ORDER
 
 
-def test_every_axis_and_combination_on_a_grid_of_32() -> None:
-    """Every axis of degree 2 (32 ranks): each rank's coordinates, and its group over each
-    of the 31 combinations of axes, against the bits."""
+def test_every_axis_and_combination_on_a_grid_of_64() -> None:
+    """Every axis of degree 2 (64 ranks): each rank's coordinates, and its group over each
+    combination of axes and flattened names, against the bits."""
     degrees = dict.fromkeys(ORDER, 2)
-    grid = fit(32, {**degrees, "dp_shard": None})
-    assert grid.shape == degrees and grid.world_size == 32
-    for rank in range(32):
+    dims = Dims.fit(64, **{**degrees, "dp_shard": None})
+    grid = dims.grid
+    assert grid.shape == degrees and grid.world_size == 64 == dims.world_size
+    for rank in range(64):
         assert grid.coords(rank) == _coords(degrees, rank)
         assert grid.rank_of(grid.coords(rank)) == rank
-        for axes in (s for s in _subsets() if s and "dp" not in s):
-            assert grid.ranks(rank, [a for a in ORDER if a in axes]) == \
-                _expected(degrees, rank, axes), (rank, axes)
-            assert grid.size(axes) == 2 ** len(axes)
+        for axes in (s for s in _subsets() if s):
+            assert dims.ranks(rank, *axes) == _expected(degrees, rank, axes), (rank, axes)
+            assert dims.size(*axes) == len(_expected(degrees, rank, axes))
 
 
 def test_placement_is_tp_innermost_then_dp_then_pp() -> None:
-    """Today's (pp, dp, tp) placement, unchanged: rank = pp*(dp*tp) + dp*tp + tp."""
-    grid = fit(8, {"dp_replicate": 1, "pp": 2, "dp_shard": 2, "cp": 1, "tp": 2})
+    """The (pp, dp, tp) placement dtrain has always had: rank = pp*(dp*tp) + dp*tp + tp."""
+    grid = Dims(2, tp=2, pp=2).grid
 
     def old(coords: dict[str, int]) -> dict[str, int]:
         return {"tp": coords["tp"], "dp": coords["dp_shard"], "pp": coords["pp"]}
@@ -98,29 +104,41 @@ def test_placement_is_tp_innermost_then_dp_then_pp() -> None:
         assert rank == c["pp"] * (2 * 2) + c["dp_shard"] * 2 + c["tp"]
 
 
-def test_replicas_are_outermost_blocks_of_consecutive_ranks() -> None:
-    """dp_replicate=2 over dp=2 x tp=2: replica r is ranks 4r..4r+3, each laid out alike."""
-    grid = fit(8, {"dp_replicate": 2, "pp": 1, "dp_shard": None, "cp": 1, "tp": 2})
-    assert [grid.coords(r)["dp_replicate"] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert grid.ranks(6, ["pp", "dp_shard", "cp", "tp"]) == [4, 5, 6, 7]
-    assert grid.ranks(6, ["dp_replicate"]) == [2, 6]
-    assert grid.ranks(6, ["dp_shard"]) == [4, 6]
-    assert grid.ranks(6, ["tp"]) == [6, 7]
+def test_sync_groups_are_outermost_blocks_of_consecutive_ranks() -> None:
+    """sync=2 over dp=2 x tp=2: sync group s is ranks 4s..4s+3, each laid out alike."""
+    dims = Dims.fit(8, sync=2, tp=2)
+    assert [dims.coords(r)["sync"] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert dims.ranks(6, "pp", "dp", "cp", "tp") == [4, 5, 6, 7]
+    assert dims.ranks(6, "sync") == [2, 6]
+    assert dims.ranks(6, "dp_shard") == dims.ranks(6, "dp") == [4, 6]
+    assert dims.ranks(6, "tp") == [6, 7]
+
+
+def test_dp_replicate_and_dp_shard_make_the_data_parallel_world() -> None:
+    """dp_replicate x dp_shard is the data-parallel world (torchtitan's meaning): "dp" spans
+    both, every step; "dp_cp" adds cp; the sync groups stay outside both."""
+    dims = Dims.fit(16, dp_replicate=2, dp_shard=2, cp=2, sync=2)
+    assert dims.dp == 4 and dims.batch_shards == 8
+    assert dims.ranks(5, "dp") == [1, 3, 5, 7]
+    assert dims.ranks(5, "dp_cp") == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert dims.coords(5)["dp"] == 2 and dims.coords(5)["dp_cp"] == 5
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"dp": 3, "tp": 2}, "dp_shard\\*tp = 3\\*2 = 6 but the world has 8 ranks: make the "
-                         "product of the degrees equal 8"),
+                         "product equal 8 \\(or leave one unset to infer it\\)"),
     ({"tp": 3}, "tp = 3 does not divide the world size 8: choose degrees whose product "
                 "divides 8 \\(dp_shard is inferred\\)"),
     ({"dp_replicate": 3}, "dp_replicate = 3 does not divide the world size 8"),
+    ({"sync": 3}, "sync = 3 does not divide the world size 8"),
     ({"pp": 2, "cp": 2, "tp": 4}, "pp\\*cp\\*tp = 2\\*2\\*4 = 16 does not divide the world "
                                   "size 8"),
     ({"cp": 0}, "mesh degree cp=0 must be a positive integer"),
     ({"tp": 2.0}, "mesh degree tp=2.0 must be a positive integer"),
     ({"tp": None}, "mesh degrees dp_shard, tp are unset: give all but one"),
     ({"dp": 2, "dp_shard": 4}, "dp is dp_shard's other name; give one of the two"),
-    ({"dp": 8, "ep": 3}, r"ep=3 must be a positive integer that divides dp_shard=8"),
+    ({"dp": 8, "ep": 3}, "ep = 3 does not divide the data-parallel ranks \\(dp_shard = 8\\)"),
+    ({"dp": 8, "ep": 0}, "mesh degree ep=0 must be a positive integer"),
 ])
 def test_bad_degrees_are_one_line(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as raised:
@@ -128,17 +146,70 @@ def test_bad_degrees_are_one_line(kwargs: dict, message: str) -> None:
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize(("dims", "message"), [
+    ({"zero": 4}, "zero=4: use one of 0, 1, 2, 3"),
+    ({"schedule": "zb"}, "schedule='zb': use one of gpipe, 1f1b, interleaved"),
+    ({"cp_method": "x"}, "cp_method='x': use one of ring, allgather, alltoall"),
+    ({"exchange": "p2p"}, "exchange='p2p': use one of collective, ps"),
+    ({"microbatches": 0}, "mesh degree microbatches=0 must be a positive integer"),
+    ({"sequence_parallel": True}, "sequence_parallel needs tp > 1"),
+    ({"exchange": "ps", "tp": 2}, "exchange = \"ps\" trains whole copies of the model .* "
+                                  "set tp = 2 back to the default"),
+    ({"exchange": "ps", "zero": 1}, "set zero = 1 back to the default"),
+])
+def test_every_bad_option_is_refused_by_the_dims_in_one_line(dims: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as raised:
+        Dims(**dims)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(("parallel", "world", "sync", "message"), [
+    ({"pp": 3}, 2, None, "tp\\*pp = 1\\*3 = 3 does not divide the world size 2"),
+    ({"dp": 3, "tp": 2}, 8, None, "dp\\*tp\\*pp = 3\\*2\\*1 = 6 but the world has 8 ranks"),
+    ({"cp": 3}, 8, None, "cp\\*tp\\*pp = 3\\*1\\*1 = 3 does not divide the world size 8"),
+    ({"ep": 4, "dp": 2}, 2, None, "parallel.ep = 4 does not divide the data-parallel ranks "
+                                  "\\(dp = 2\\)"),
+    ({"sequence_parallel": True}, 2, None, "parallel.sequence_parallel needs parallel.tp > 1"),
+    ({"exchange": "ps", "tp": 2}, 2, None,
+     "parallel.exchange = \"ps\" .* set parallel.tp = 2 back"),
+    ({}, 4, 3, "sync.groups = 3 does not divide 4 ranks into sync groups"),
+])
+def test_a_configs_degrees_are_refused_in_its_keys_words(parallel: dict, world: int,
+                                                         sync: int | None, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as raised:
+        Dims.of(ParallelConfig(**parallel), world, sync)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_configs_sync_groups_count_context_parallel_ranks() -> None:
+    """`[sync] groups = 0` leaves each sync group dp x cp x tp x pp ranks: cp counts (with
+    cp=2 on 4 ranks, 2 groups of 2, not 4 groups of one rank each)."""
+    dims = Dims.of(ParallelConfig(cp=2), 4, 0)
+    assert (dims.sync, dims.cp, dims.dp) == (2, 2, 1)
+    assert Dims.of(ParallelConfig(tp=2, dp=2), 8, 0).sync == 2
+
+
+def test_dims_survive_plain_values_and_read_older_checkpoints() -> None:
+    dims = Dims(2, tp=2, zero=1, cp=2, cp_method="alltoall", sync=2)
+    assert Dims.from_dict(dims.to_dict()) == dims
+    assert Dims.from_dict({"dp": 4, "tp": 2, "mode": "collective"}) == Dims(4, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        Dims.from_dict({**dims.to_dict(), "world_size": 3})
+
+
 def test_one_process_mesh_names_its_axes_and_lets_go_at_shutdown() -> None:
     dtrain.init()
     try:
         mesh = dtrain.Mesh()
         assert mesh.size() == mesh.size("dp") == mesh.size("dp", "cp", "tp") == 1
-        assert mesh.coords == {**dict.fromkeys(ORDER, 0), "dp": 0, "ep": 0, "edp": 0}
+        assert mesh.coords == {**dict.fromkeys(ORDER, 0), "dp": 0, "ep": 0, "edp": 0,
+                               "dp_cp": 0, "edp_cp": 0}
+        assert mesh.place("dp_cp") == (0, 1)
         assert mesh.group("dp_shard", "cp") is mesh.group("tp")  # the same ranks: one group
         for call in (mesh.group, mesh.size, mesh.ranks):
             with pytest.raises(ConfigError, match="unknown mesh axis 'xp': use one of "
-                                                  "dp_replicate, pp, dp_shard, cp, tp, edp, "
-                                                  "ep") as e:
+                                                  "sync, pp, dp_replicate, dp_shard, cp, tp, "
+                                                  "edp, ep, dp, dp_cp, edp_cp") as e:
                 call("dp", "xp")
             assert "\n" not in str(e.value)
     finally:
@@ -152,7 +223,8 @@ def _every_group(degrees: dict[str, int]) -> dict:
     over group() (so the group holds exactly those members)."""
     mesh = dtrain.Mesh(**degrees)
     out = {"coords": dict(mesh.coords), "groups": {}}
-    experts = [("ep",), ("edp",), ("ep", "tp"), ("edp", "pp")] if "ep" in degrees else []
+    experts = [("ep",), ("edp",), ("ep", "tp"), ("edp", "pp"), ("edp_cp",)] \
+        if "ep" in degrees else []
     for names in [*_subsets(), *experts]:
         t = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(t, group=mesh.group(*names))
@@ -163,10 +235,10 @@ def _every_group(degrees: dict[str, int]) -> dict:
 
 @pytest.mark.parametrize("degrees", [
     {"pp": 2, "dp": 2, "tp": 2},  # today's layouts
-    {"dp_replicate": 2, "dp_shard": 2, "cp": 2},  # replicas, each data and context parallel
+    {"sync": 2, "dp_replicate": 2, "cp": 2},  # sync groups, each data and context parallel
     {"pp": 2, "dp": 4, "ep": 2},  # experts split over pairs of data-parallel ranks
     {"dp": 2, "cp": 2, "ep": 2, "tp": 2},  # ep at each cp coordinate
-], ids=["pp-dp-tp", "replicas-dp-cp", "pp-dp-ep", "dp-cp-ep-tp"])
+], ids=["pp-dp-tp", "sync-dp-cp", "pp-dp-ep", "dp-cp-ep-tp"])
 def test_group_of_every_combination_holds_its_ranks(degrees: dict[str, int]) -> None:
     results = run_ranks(_every_group, 8, degrees)
     full = {"dp_shard" if a == "dp" else a: n for a, n in degrees.items()}
@@ -180,11 +252,11 @@ def test_group_of_every_combination_holds_its_ranks(degrees: dict[str, int]) -> 
         if order == EXPERT_ORDER:
             d = coords.get("edp", 0) * full["ep"] + coords.get("ep", 0)
             want = {**{a: coords.get(a, 0) for a in ORDER if a != "dp_shard"},
-                    "dp_shard": d, "dp": d, "ep": coords.get("ep", 0),
-                    "edp": coords.get("edp", 0)}
+                    "dp_shard": d, "ep": coords.get("ep", 0), "edp": coords.get("edp", 0)}
         else:
-            want = {**_coords(full, rank), "dp": _coords(full, rank)["dp_shard"], "ep": 0,
-                    "edp": _coords(full, rank)["dp_shard"]}
+            want = {**_coords(full, rank), "ep": 0, "edp": _coords(full, rank)["dp_shard"]}
+        for name in ("dp", "dp_cp", "edp_cp"):  # a rank's place in its group
+            want[name] = _expected(full, rank, (name,), order).index(rank)
         assert result["coords"] == want
         for names, (ranks, size, total, reversed_ranks) in result["groups"].items():
             expected = _expected(full, rank, names, order)
@@ -214,13 +286,13 @@ def test_mesh_groups_reduce_only_within_themselves() -> None:
     assert results[2]["ranks"]["dp"] == [0, 2]
 
 
-def _replica_sums() -> dict:
-    mesh = dtrain.Mesh(tp=2, dp_replicate=2)
-    out = {"replica": mesh.coords["dp_replicate"],
+def _sync_group_sums() -> dict:
+    mesh = dtrain.Mesh(tp=2, sync=2)
+    out = {"group": mesh.coords["sync"],
            "ranks": {a: mesh.ranks(a) for a in ("dp", "tp", "pp")}}
     for name, group in (("tp", mesh.group("tp")), ("dp", mesh.group("dp")),
                         ("block", mesh.group("pp", "dp", "cp", "tp")),
-                        ("across", mesh.group("dp_replicate"))):
+                        ("across", mesh.group("sync"))):
         t = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(t, group=group)
         out[name] = t.item()
@@ -228,15 +300,15 @@ def _replica_sums() -> dict:
 
 
 @pytest.mark.slow
-def test_mesh_of_replicas_lays_out_each_alike() -> None:
-    """Two replicas of tp=2 (ranks 0-1, 2-3): the other axes stay inside a replica,
-    `group("dp_replicate")` joins the same places of both."""
-    results = run_ranks(_replica_sums, 4)
-    assert [r["replica"] for r in results] == [0, 0, 1, 1]
+def test_mesh_of_sync_groups_lays_out_each_alike() -> None:
+    """Two sync groups of tp=2 (ranks 0-1, 2-3): the other axes stay inside a group,
+    `group("sync")` joins the same places of both."""
+    results = run_ranks(_sync_group_sums, 4)
+    assert [r["group"] for r in results] == [0, 0, 1, 1]
     assert [r["tp"] for r in results] == [1, 1, 5, 5]
     assert [r["dp"] for r in results] == [0, 1, 2, 3]
     assert [r["block"] for r in results] == [1, 1, 5, 5]
     assert [r["across"] for r in results] == [2, 4, 2, 4]
     assert results[3]["ranks"]["tp"] == [2, 3]
-    with pytest.raises(ConfigError, match="dp_replicate = 3 does not divide the world size 1"):
-        dtrain.Mesh(dp_replicate=3, world=dtrain.World(rank=0, world_size=1))
+    with pytest.raises(ConfigError, match="sync = 3 does not divide the world size 1"):
+        dtrain.Mesh(sync=3, world=dtrain.World(rank=0, world_size=1))

@@ -84,8 +84,8 @@ def llama_one(tmp_path_factory: pytest.TempPathFactory) -> tuple:
 
 
 SP = ["--set", "parallel.sequence_parallel=true"]
-FULL = ["--set", "memory.activation_checkpointing='full'"]
-SELECTIVE = ["--set", "memory.activation_checkpointing='selective'"]
+FULL = ["--set", "memory.recompute='full'"]
+SELECTIVE = ["--set", "memory.recompute='selective'"]
 
 
 @pytest.mark.parametrize("args, banner", [
@@ -405,8 +405,8 @@ def test_hugging_face_weights_are_read_in_slices(tmp_path: Path) -> None:
     as slices of the file, are those of the whole tensor (transposed or not)."""
     from safetensors.torch import save_file
 
-    from dtrain.job_layout import Split
     from dtrain.models.weights import HFWeights
+    from dtrain.split import Split
 
     g = torch.Generator().manual_seed(0)
     stored = {"a": torch.randn(6, 4, generator=g), "b": torch.randn(4, 6, generator=g),

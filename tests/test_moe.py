@@ -18,11 +18,11 @@ import dtrain
 from dtrain import comm
 from dtrain.checkpoint import universal
 from dtrain.checkpoint.universal import MODEL
+from dtrain.data_parallel.clip import clip_grad_norm_
 from dtrain.models import ModelConfig, hf_names, init
 from dtrain.models.llama import Llama, LlamaConfig, llama_config
 from dtrain.models.moe import MoE, MoEConfig, after_step, expert_parallel, moe_layers
 from dtrain.models.moe import experts as experts_mod
-from dtrain.parallel.clip import clip_grad_norm_
 from dtrain.testing import run_threads
 from tests import cli
 from tests.distributed import run_ranks
@@ -368,11 +368,11 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
     tp_ep = moe_run(tmp_path / "tp", ["-n", "4", "--set", "parallel.tp=2", "--set",
                                       "parallel.ep=2", "--timeline", str(trace)], 4)
     recomputed = moe_run(tmp_path / "recompute", ["-n", "2", "--set", "parallel.ep=2", "--set",
-                                                  "memory.activation_checkpointing='full'"], 4)
+                                                  "memory.recompute='full'"], 4)
     piped = moe_run(tmp_path / "pp", ["-n", "4", "--set", "parallel.pp=2", "--set",
                                       "parallel.microbatches=2", "--set", "parallel.ep=2"], 4)
     moe_run(tmp_path / "diloco", ["-n", "4", "--set", "parallel.ep=2", "--set",
-                                  "sync.method='diloco'", "--set", "sync.replicas=2", "--set",
+                                  "sync.method='diloco'", "--set", "sync.groups=2", "--set",
                                   "sync.every=2"], 4)
     replicas = [load_file(universal.export(c, c.parent / "model.safetensors")) for c in (
         tmp_path / "diloco/run/checkpoints", tmp_path / "diloco/run/replica-1/checkpoints")]

@@ -6,7 +6,7 @@ job whose host comes back (the link restored, or the crashed host started again)
 from the newest checkpoint.
 
 The failures strike at a known point: rank 2 (host B's first) freezes itself (SIGSTOP,
-dtrain.ft.faults) as step 3 begins, so the job holds still just after the checkpoint of step
+dtrain.faults) as step 3 begins, so the job holds still just after the checkpoint of step
 2 until the test cuts, kills, or lets it go on (SIGCONT).
 
 Needs root (`ip netns`, veth pairs): skipped where namespaces cannot be made. Slow (30-70 s
@@ -307,13 +307,13 @@ def _newest_step(folder: Path) -> int:
 
 # ----------------------------------------------------------- hosts without a shared folder
 def _train_apart(hosts: tuple[Host, Host], root: Path, *flags: str) -> tuple[Job, Job]:
-    """The two-host job with `checkpoint.replicate = 1`, each host's out_dir its own
+    """The two-host job with `checkpoint.copies = 1`, each host's out_dir its own
     (root/A/run, root/B/run: the same command on two machines, each with its own disk);
     waits for it to end well. Rank 0 writes its metrics to root/metrics.jsonl."""
     a, b = hosts
     for host in "AB":
         (root / host).mkdir(parents=True, exist_ok=True)
-    common = ["--set", "checkpoint.replicate=1",
+    common = ["--set", "checkpoint.copies=1",
               "--set", f"logging.metrics='{root / 'metrics.jsonl'}'", *flags]
     job_b = start(b, a, 1, root / "B", "b", *common)
     job_a = start(a, a, 0, root / "A", "a", *common)
@@ -331,7 +331,7 @@ def _losses(root: Path) -> dict[int, float]:
 def test_a_hosts_lost_folder_is_refilled_from_the_copies_bit_for_bit(
         hosts: tuple[Host, Host], tmp_path: Path) -> None:
     """Hosts without a shared filesystem: each writes its ranks' checkpoint files into its
-    own folder and a copy into the other's (checkpoint.replicate = 1), the save of step 2
+    own folder and a copy into the other's (checkpoint.copies = 1), the save of step 2
     in the background. After 4 steps host B's folder is deleted; the job resumed from
     there trains steps 5 and 6 with the losses, and ends with every parameter, optimizer
     state and rank's RNG state, of an undisturbed resume (the same folders, not deleted),

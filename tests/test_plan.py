@@ -17,7 +17,7 @@ from dtrain.models import ModelConfig, build, init, resolve
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.planner import (
     RECOMPUTE,
-    Layout,
+    Dims,
     Links,
     bubble,
     estimate,
@@ -81,7 +81,7 @@ def test_parameters_and_their_tensor_parallel_split(profile):
     (3, PSI + 4 * (EMBED + 128) + 2 * 4 * BLOCK, PSI, 2 * PSI),
 ])
 def test_zero_state_per_rank(profile, zero, params, grads, state):
-    e = estimate(profile, Layout(dp=4, zero=zero), 1e12, 1e12, FREE)
+    e = estimate(profile, Dims(dp_shard=4, zero=zero), 1e12, 1e12, FREE)
     assert (e.params, e.grads, e.optimizer) == pytest.approx((params, grads, state))
 
 
@@ -90,32 +90,32 @@ def test_zero3_peak_in_the_heads_backward_gathers_no_block():
     a block: ZeRO-3 then holds its shard and the root unit only."""
     cfg = GPTConfig(vocab_size=4096, block_size=64, n_layer=4, n_head=4, n_embd=64)
     profile = profile_gpt(cfg, 4, modes=("none",))
-    e = estimate(profile, Layout(4, zero=3), 1e12, 1e12, FREE)
+    e = estimate(profile, Dims(4, zero=3), 1e12, 1e12, FREE)
     root = (profile.params_embed + profile.params_head).total
     assert e.params == pytest.approx(profile.params.total + 4 * root)
 
 
 def test_pipeline_split_bubble_and_in_flight(profile):
     assert stage_blocks(profile, 2) == [[2], [2]]
-    busiest = estimate(profile, Layout(dp=1, pp=2, microbatches=4), 1e12, 1e12, FREE)
+    busiest = estimate(profile, Dims(dp_shard=1, pp=2, microbatches=4), 1e12, 1e12, FREE)
     # the first stage: two blocks and both embeddings (more than the last stage's two
     # blocks, ln_f and its copy of the tied embedding)
     assert busiest.params == pytest.approx(4 * (2 * BLOCK + EMBED))
     assert bubble(4, 8) == pytest.approx(3 / 11)
     assert bubble(4, 8, chunks=2) == pytest.approx(3 / 19)
     one = [1.0]
-    assert in_flight(Layout(1, pp=4, microbatches=8), 0, one) == 4  # 1F1B: p - rank
-    assert in_flight(Layout(1, pp=4, microbatches=8), 3, one) == 1
-    assert in_flight(Layout(1, pp=4, microbatches=8, schedule="gpipe"), 3, one) == 8
+    assert in_flight(Dims(1, pp=4, microbatches=8), 0, one) == 4  # 1F1B: p - rank
+    assert in_flight(Dims(1, pp=4, microbatches=8), 3, one) == 1
+    assert in_flight(Dims(1, pp=4, microbatches=8, schedule="gpipe"), 3, one) == 8
 
 
 def test_traffic_per_step(profile):
-    dp = estimate(profile, Layout(dp=4), 1e12, 1e12, FREE)
+    dp = estimate(profile, Dims(dp_shard=4), 1e12, 1e12, FREE)
     assert dp.traffic == {"dp all_reduce": 4 * PSI}
-    tp = estimate(profile, Layout(dp=1, tp=2), 1e12, 1e12, FREE)
+    tp = estimate(profile, Dims(dp_shard=1, tp=2), 1e12, 1e12, FREE)
     activation = 4 * 64 * 64 * 4  # one micro-batch's (b, s, width) in fp32
     assert tp.traffic == {"tp all_reduce": (4 * 4 + 2) * activation}
-    z3 = estimate(profile, Layout(dp=2, zero=3), 1e12, 1e12, FREE)
+    z3 = estimate(profile, Dims(dp_shard=2, zero=3), 1e12, 1e12, FREE)
     assert z3.traffic == {"dp reduce_scatter": 4 * PSI, "dp all_gather": 2 * 4 * PSI}
 
 
@@ -130,8 +130,8 @@ def test_layouts_and_recommendation(profile):
     assert estimates[0].fits and not estimates[-1].fits
 
 
-STRATEGIES = [Layout(2), Layout(2, zero=1), Layout(2, zero=2), Layout(2, zero=3),
-              Layout(1, tp=2), Layout(1, pp=2, microbatches=4)]
+STRATEGIES = [Dims(2), Dims(2, zero=1), Dims(2, zero=2), Dims(2, zero=3),
+              Dims(1, tp=2), Dims(1, pp=2, microbatches=4)]
 Case = tuple  # (model config, layout, global batch, recompute mode, sequence parallel)
 
 
@@ -185,8 +185,8 @@ MODES = ("none", "selective", "full")
 def test_recomputation_sequence_parallelism_and_construction_match_measured(native: dict):
     """Each recomputation mode with and without sequence parallelism at tp=2, and the
     construction peaks of tp=2 and ZeRO-3 over 2 ranks, against real runs."""
-    cases = [(DROPPED, Layout(1, tp=2), 8, mode, sp) for sp in (False, True) for mode in MODES]
-    built = [(DROPPED, Layout(2, zero=3), 8, "none", False)]
+    cases = [(DROPPED, Dims(1, tp=2), 8, mode, sp) for sp in (False, True) for mode in MODES]
+    built = [(DROPPED, Dims(2, zero=3), 8, "none", False)]
     measured = run_ranks(_measure, 2, cases + built, timeout=100, env=native)
     peaks = _check(cases, measured)
     assert peaks[0] > peaks[1] > peaks[2] and peaks[3] > peaks[4] > peaks[5]
@@ -211,20 +211,20 @@ def test_everywhere_matches_measured(ranks: int, native: dict, monkeypatch):
     monkeypatch.setattr(init, "CHUNK", CHUNK)
     if ranks == 2:
         llama = dataclasses.replace(LLAMA, dropout=0.1, n_layer=2)
-        trained = [(llama, Layout(1, tp=2), 8, mode, sp) for sp in (False, True)
+        trained = [(llama, Dims(1, tp=2), 8, mode, sp) for sp in (False, True)
                    for mode in MODES]
-        trained += [(DROPPED, Layout(1, pp=2, microbatches=4), 8, mode, False)
+        trained += [(DROPPED, Dims(1, pp=2, microbatches=4), 8, mode, False)
                     for mode in MODES[1:]]
-        trained += [(DROPPED, Layout(2, zero=2), 8, "full", False)]
+        trained += [(DROPPED, Dims(2, zero=2), 8, "full", False)]
         built = [(WIDE, layout, 4, "none", False) for layout in
-                 (Layout(2), Layout(1, tp=2), Layout(2, zero=1), Layout(2, zero=3),
-                  Layout(1, pp=2, microbatches=2))]
+                 (Dims(2), Dims(1, tp=2), Dims(2, zero=1), Dims(2, zero=3),
+                  Dims(1, pp=2, microbatches=2))]
     else:
-        trained = [(DROPPED, Layout(2, tp=2, zero=1), 8, "full", True),
-                   (DROPPED, Layout(2, tp=2), 8, "selective", True),
-                   (CFG, Layout(1, tp=2, pp=2, microbatches=4), 8, "none", True)]
+        trained = [(DROPPED, Dims(2, tp=2, zero=1), 8, "full", True),
+                   (DROPPED, Dims(2, tp=2), 8, "selective", True),
+                   (CFG, Dims(1, tp=2, pp=2, microbatches=4), 8, "none", True)]
         built = [(WIDE, layout, 4, "none", False) for layout in
-                 (Layout(4, zero=3), Layout(2, tp=2, zero=3), Layout(2, tp=2))]
+                 (Dims(4, zero=3), Dims(2, tp=2, zero=3), Dims(2, tp=2))]
     measured = run_ranks(_measure, ranks, trained + built, 2, CHUNK, timeout=250, env=native)
     _check(trained, measured)
     peaks = _check(built, [rank[len(trained):] for rank in measured], "build")
@@ -236,7 +236,7 @@ def test_recomputation_and_sequence_parallelism_by_hand():
     """Each mode keeps less and costs a forward of more; sequence parallelism divides the
     norms' and residuals' share and moves the same bus bytes in twice the calls."""
     profile = traced(DROPPED, 8)
-    tp2 = {(mode, sp): estimate(profile, Layout(1, tp=2), 1e12, 1e12, FREE,
+    tp2 = {(mode, sp): estimate(profile, Dims(1, tp=2), 1e12, 1e12, FREE,
                                 recompute=mode, sequence_parallel=sp)
            for mode in MODES for sp in (False, True)}
     acts = [tp2[mode, False].activations for mode in MODES]
@@ -247,11 +247,11 @@ def test_recomputation_and_sequence_parallelism_by_hand():
     on = tp2["none", True].traffic
     assert on["tp all_gather"] == on["tp reduce_scatter"] + 8 * 64 * 64 * 4  # the cut's
     bandwidth = Links.given(1, 0)  # no latency: bus bytes alone
-    off_s, on_s = (estimate(profile, Layout(1, tp=2), 1e12, 1e12, bandwidth,
+    off_s, on_s = (estimate(profile, Dims(1, tp=2), 1e12, 1e12, bandwidth,
                             sequence_parallel=sp).comm_s for sp in (False, True))
     assert off_s < on_s < 1.1 * off_s
     # a tp=1 layout has no sequence to divide: the same figures either way
-    dp = [estimate(profile, Layout(2), 1e12, 1e12, FREE, sequence_parallel=sp) for sp in
+    dp = [estimate(profile, Dims(2), 1e12, 1e12, FREE, sequence_parallel=sp) for sp in
           (False, True)]
     assert dp[0].total == dp[1].total and not dp[1].sequence_parallel
 
@@ -262,24 +262,24 @@ def test_plan_falls_back_to_recomputation_only_where_a_layout_does_not_fit():
 
     roomy = plan(trace, 2, 1e12, 8, 1e10, FREE, recompute=MODES, sequence_parallel=(False, True))
     assert all(e.recompute == "none" and not e.sequence_parallel for e in roomy)
-    tp2 = next(e for e in roomy if str(e.layout) == "tp2")
-    budget = (tp2.total + estimate(trace(8), Layout(1, tp=2), 1e12, 1e10, FREE,
+    tp2 = next(e for e in roomy if str(e.dims) == "tp2")
+    budget = (tp2.total + estimate(trace(8), Dims(1, tp=2), 1e12, 1e10, FREE,
                                    recompute="full", sequence_parallel=True).total) / 2
-    tight = {str(e.layout): e for e in plan(trace, 2, budget, 8, 1e10, FREE, recompute=MODES,
+    tight = {str(e.dims): e for e in plan(trace, 2, budget, 8, 1e10, FREE, recompute=MODES,
                                             sequence_parallel=(False, True))}
     chosen = tight["tp2"]
     assert chosen.fits and (chosen.recompute, chosen.sequence_parallel) != ("none", False)
     assert chosen.recompute == "none" or chosen.recompute_s > 0
     assert chosen.step_s >= tp2.step_s
     fixed = plan(trace, 2, budget, 8, 1e10, FREE, recompute="none")
-    assert not next(e for e in fixed if str(e.layout) == "tp2").fits
+    assert not next(e for e in fixed if str(e.dims) == "tp2").fits
 
 
 def test_choices_follow_the_config_and_the_flags():
     config = Config()
     flags = argparse.Namespace(recompute="auto", sequence_parallel="auto")
     assert plan_choices(flags, config) == (MODES, (False, True))
-    config.memory.activation_checkpointing = "selective"
+    config.memory.recompute = "selective"
     config.parallel.sequence_parallel = True
     assert plan_choices(flags, config) == (("selective", "full"), (True,))
     fixed = argparse.Namespace(recompute="none", sequence_parallel="off")
@@ -292,10 +292,10 @@ def test_construction_by_hand(profile):
     whole model."""
     whole = whole_model(profile.params)
     assert whole == 4 * PSI
-    dp = estimate(profile, Layout(2), 1e12, 1e12, FREE).construction
+    dp = estimate(profile, Dims(2), 1e12, 1e12, FREE).construction
     fc = 256 * 64  # the largest tensors (fc, the embedding): one generator group each,
     assert dp == 4 * (PSI + fc)  # its rows copied straight into place
-    z3 = estimate(profile, Layout(4, zero=3), 1e12, 1e12, FREE).construction
+    z3 = estimate(profile, Dims(4, zero=3), 1e12, 1e12, FREE).construction
     assert z3 < whole / 2
 
 

@@ -309,11 +309,11 @@ def test_context_parallelism_divides_activations_and_is_searched() -> None:
     # parameters are replicated over cp: ZeRO shards their state over dp x cp
     assert four["optimizer"] == pytest.approx(one["optimizer"])
     estimates = rank(shape, cluster, 8, recompute=("none", "full"))
-    cps = {e.planned.layout.cp for e in estimates}
+    cps = {e.planned.dims.cp for e in estimates}
     assert {1, 2, 4, 8, 16, 32} <= cps and all(shape.seq % (2 * cp) == 0 for cp in cps)
-    assert {e.planned.cp_method for e in estimates if e.planned.layout.cp > 1} >= \
+    assert {e.planned.cp_method for e in estimates if e.planned.dims.cp > 1} >= \
         {"ring", "allgather"}
-    best = next(e for e in estimates if e.planned.layout.cp == 4)
+    best = next(e for e in estimates if e.planned.dims.cp == 4)
     assert " x cp4 x " in best.label and best.label.endswith(best.planned.cp_method)
     assert best.to_dict()["cp"] == 4 and best.to_dict()["cp_method"] == best.planned.cp_method
 
@@ -358,7 +358,7 @@ def test_context_parallel_traffic() -> None:
     short = dataclasses.replace(shape, seq=4096)
     assert context_seconds(short, ring, attention_seconds(short, ring, h100, Software()),
                            cluster) > 0
-    gather = dataclasses.replace(ring, cp_method="allgather")
+    gather = ring.with_options(cp_method="allgather")
     one = latency * 1e-6 + (cp - 1) * block / (link * 1e9 * h100.link_efficiency)
     assert context_seconds(shape, gather, attention, cluster) == pytest.approx(3 * one)
     step = evaluate(shape, cluster, 8, gather)

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from dtrain.errors import ConfigError
-from dtrain.planner import Layout, Links, PlannedLayout, estimate, layouts, plan
+from dtrain.planner import Dims, Links, PlannedLayout, estimate, layouts, plan
 from dtrain.planner.traced.measure import measured_peaks
 from tests.cli import dtrain
 from tests.distributed import run_ranks
@@ -48,16 +48,16 @@ def test_cp_layouts_where_the_sequence_and_model_allow() -> None:
 def test_activations_are_a_ranks_share_of_every_sequence() -> None:
     """The cp profile is traced on 32 of the 64 tokens: its activations about half of one
     process's on the same micro-batch, exactly the traced figures."""
-    whole = estimate(traced(LLAMA, 4, ("none",)), Layout(1), 1e12, 1e12, FREE)
+    whole = estimate(traced(LLAMA, 4, ("none",)), Dims(1), 1e12, 1e12, FREE)
     half_profile = traced(LLAMA, 4, ("none",), cp=2)
-    half = estimate(half_profile, Layout(1, cp=2), 1e12, 1e12, FREE)
+    half = estimate(half_profile, Dims(1, cp=2), 1e12, 1e12, FREE)
     figures = half_profile.activations("none")
     assert half.activations == figures.embed.per_rank(1) + LAYERS * figures.block.per_rank(1) \
         + figures.head.per_rank(1) + figures.peak_extra.per_rank(1)
     assert 0.45 < half.activations / whole.activations < 0.55
     assert (half.params, half.optimizer) == (whole.params, whole.optimizer)  # replicated
     with pytest.raises(ConfigError, match="traced for cp = 1"):
-        estimate(traced(LLAMA, 4, ("none",)), Layout(1, cp=2), 1e12, 1e12, FREE)
+        estimate(traced(LLAMA, 4, ("none",)), Dims(1, cp=2), 1e12, 1e12, FREE)
 
 
 @pytest.mark.parametrize("method, mode, traffic", [
@@ -70,16 +70,16 @@ def test_activations_are_a_ranks_share_of_every_sequence() -> None:
 ])
 def test_each_methods_exchanges(method: str, mode: str, traffic: dict) -> None:
     profile = traced(LLAMA, 4, (mode,), cp=2, method=method)
-    e = estimate(profile, Layout(1, cp=2), 1e12, 1e12, FREE, recompute=mode)
+    e = estimate(profile, Dims(1, cp=2), 1e12, 1e12, FREE, recompute=mode)
     psi = 4 * profile.params.total
     assert e.traffic == pytest.approx({"dp all_reduce": psi, **traffic})
     assert e.label == f"cp2 {method}" and e.to_dict()["cp_method"] == method
 
 
 def test_ring_at_cp4_and_tp2() -> None:
-    four = estimate(traced(LLAMA, 4, ("none",), cp=4), Layout(1, cp=4), 1e12, 1e12, FREE)
+    four = estimate(traced(LLAMA, 4, ("none",), cp=4), Dims(1, cp=4), 1e12, 1e12, FREE)
     assert four.traffic["cp send"] == pytest.approx(LAYERS * (3 + 7) * KV / 2)
-    tp = estimate(traced(LLAMA, 4, ("none",), cp=2), Layout(1, cp=2, tp=2), 1e12, 1e12, FREE)
+    tp = estimate(traced(LLAMA, 4, ("none",), cp=2), Dims(1, cp=2, tp=2), 1e12, 1e12, FREE)
     assert tp.traffic["cp send"] == pytest.approx(LAYERS * 4 * KV / 2)  # its one kv head
 
 
@@ -87,11 +87,11 @@ def test_gradients_average_and_shard_over_dp_x_cp() -> None:
     profile = traced(LLAMA, 4, ("none",), cp=2)
     psi = 4 * profile.params.total
     slow = Links.given(1, 0)  # 1 GB/s, no latency: bus bytes alone
-    e = estimate(profile, Layout(2, cp=2), 1e12, 1e6, slow)  # a backward hiding everything
+    e = estimate(profile, Dims(2, cp=2), 1e12, 1e6, slow)  # a backward hiding everything
     assert e.traffic["dp all_reduce"] == psi
-    assert slow.seconds({"dp all_reduce": psi}, {"dp all_reduce": 1}, e.layout) == \
+    assert slow.seconds({"dp all_reduce": psi}, {"dp all_reduce": 1}, e.dims) == \
         pytest.approx(psi * 2 * 3 / 4 / 1e9)  # a group of 4
-    zero = estimate(profile, Layout(2, cp=2, zero=2), 1e12, 1e12, FREE)
+    zero = estimate(profile, Dims(2, cp=2, zero=2), 1e12, 1e12, FREE)
     assert (zero.grads, zero.optimizer) == pytest.approx((psi / 4, 2 * psi / 4))
     assert zero.traffic["dp reduce_scatter"] == zero.traffic["dp all_gather"] == psi
 
@@ -101,12 +101,12 @@ def test_the_ring_hides_behind_its_steps_and_the_others_do_not() -> None:
     with no arithmetic every send; the all-gather's and the all-to-all's whole."""
     slow = Links.given(1, 0)
     ring = traced(LLAMA, 4, ("none",), cp=2)
-    hidden = estimate(ring, Layout(1, cp=2), 1e12, 1e3, slow)
+    hidden = estimate(ring, Dims(1, cp=2), 1e12, 1e3, slow)
     assert hidden.comm_s == pytest.approx(LAYERS * KV / 1e9)
-    bare = estimate(ring, Layout(1, cp=2), 1e12, 1e30, slow)
+    bare = estimate(ring, Dims(1, cp=2), 1e12, 1e30, slow)
     dp = 4 * ring.params.total  # over the 2 ranks, not hidden either
     assert bare.comm_s == pytest.approx(LAYERS * 4 * KV / 1e9 + dp / 1e9)
-    gathered = estimate(traced(LLAMA, 4, ("none",), cp=2, method="allgather"), Layout(1, cp=2),
+    gathered = estimate(traced(LLAMA, 4, ("none",), cp=2, method="allgather"), Dims(1, cp=2),
                         1e12, 1e3, slow)
     assert gathered.comm_s == pytest.approx(2 * LAYERS * 2 * KV / 2 / 1e9)  # (n-1)/n each
 
@@ -124,12 +124,13 @@ def test_plan_takes_the_method_asked_where_it_runs() -> None:
 
 
 def test_a_planned_cp_layout_goes_through_json_and_back() -> None:
-    planned = PlannedLayout(Layout(2, tp=2, cp=2), "full", True, cp_method="allgather")
+    planned = PlannedLayout(Dims(2, tp=2, cp=2, sequence_parallel=True, cp_method="allgather"),
+                            "full")
     assert PlannedLayout.from_dict(json.loads(json.dumps(planned.to_dict()))) == planned
     assert str(planned) == "dp2 x cp2 x tp2 allgather sp"
-    assert str(PlannedLayout(Layout(4), cp_method="alltoall")) == "dp4"
-    with pytest.raises(ConfigError, match="cp_method 'zigzag'"):
-        PlannedLayout(Layout(1, cp=2), cp_method="zigzag")
+    assert str(PlannedLayout(Dims(4, cp_method="alltoall"))) == "dp4"
+    with pytest.raises(ConfigError, match="cp_method='zigzag': use one of"):
+        PlannedLayout(Dims(1, cp=2, cp_method="zigzag"))
 
 
 def test_plan_command_lists_cp_layouts(tmp_path) -> None:
@@ -160,10 +161,10 @@ LONG = dataclasses.replace(LLAMA, block_size=256)
 def test_memory_matches_measured_peaks_at_cp2(native: dict) -> None:  # tests/conftest.py
     """Planned against measured peaks of real runs of each method at cp = 2 on 2 ranks,
     within 15%, the busiest rank."""
-    cases = [(LONG, Layout(1, cp=2), 8, mode, method)
+    cases = [(LONG, Dims(1, cp=2), 8, mode, method)
              for mode, method in (("none", "ring"), ("none", "allgather"),
                                   ("none", "alltoall"), ("selective", "ring"))]
-    cases.append((LONG, Layout(1, cp=2, zero=3), 8, "full", "ring"))
+    cases.append((LONG, Dims(1, cp=2, zero=3), 8, "full", "ring"))
     measured = run_ranks(_measure, 2, cases, timeout=200, env=native)
     for i, (cfg, layout, batch, mode, method) in enumerate(cases):
         peak = max(rank[i].train for rank in measured)

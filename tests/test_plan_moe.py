@@ -142,9 +142,9 @@ def test_search_enumerates_ep_and_checks_it() -> None:
     shape = _preset("qwen3-30b-a3b", 4096)
     cluster = Cluster(H100, 2, 8)
     estimates = rank(shape, cluster, 64, recompute=("full",), sequence_parallel=(False,))
-    assert {e.planned.layout.ep for e in estimates} >= {1, 2, 8, 16}
-    assert any(e.fits and e.planned.layout.ep == 16 for e in estimates)
-    with pytest.raises(ConfigError, match="ep=3 does not divide"):
+    assert {e.planned.dims.ep for e in estimates} >= {1, 2, 8, 16}
+    assert any(e.fits and e.planned.dims.ep == 16 for e in estimates)
+    with pytest.raises(ConfigError, match="ep = 3 does not divide"):
         check_layout(shape, cluster, 64, planned_layout(64, 1, 1, 16, ep=3))
     dense = ModelShape(4, 256, 4, 128, 1000, "llama")
     with pytest.raises(ConfigError, match="has none"):
@@ -184,7 +184,7 @@ def test_traced_planner_plans_a_moe_model() -> None:
     profile = profile_model(cfg, 1, ("none",))
     assert profile.params.total == parameter_count(llama_config(cfg))
     assert estimates and all(e.params > 0 for e in estimates)
-    assert any(e.layout.cp == 2 for e in estimates)  # its dense stand-in's tokens halved
+    assert any(e.dims.cp == 2 for e in estimates)  # its dense stand-in's tokens halved
 
 
 MOE_TINY = resolve(ModelConfig(arch="llama", preset="moe-tiny"), 256)
@@ -221,12 +221,12 @@ def test_traced_layouts_take_each_expert_degree(moe_profile) -> None:
 
 
 def test_traced_ep_divides_the_experts_memory_and_zero_shards_them_over_dp(moe_profile) -> None:
-    from dtrain.planner import Layout, Links, estimate
+    from dtrain.planner import Dims, Links, estimate
 
     free = Links.given(1e9, 0)
     experts = _expert_bytes(MOE_TINY)
     whole = 4 * moe_profile.params.total
-    plain = {ep: estimate(moe_profile, Layout(4, ep=ep), 1e12, 1e12, free) for ep in (1, 2, 4)}
+    plain = {ep: estimate(moe_profile, Dims(4, ep=ep), 1e12, 1e12, free) for ep in (1, 2, 4)}
     assert plain[1].params == whole
     for ep in (2, 4):
         assert plain[ep].params == pytest.approx(whole - experts + experts / ep)
@@ -234,16 +234,16 @@ def test_traced_ep_divides_the_experts_memory_and_zero_shards_them_over_dp(moe_p
     # ZeRO shards a rank's E / ep experts over the dp / ep ranks holding them: every
     # expert's state divided by dp, as at ep = 1
     for zero in (1, 2, 3):
-        sharded = [estimate(moe_profile, Layout(4, zero=zero, ep=ep), 1e12, 1e12, free)
+        sharded = [estimate(moe_profile, Dims(4, zero=zero, ep=ep), 1e12, 1e12, free)
                    for ep in (1, 2, 4)]
         assert all(e.optimizer == pytest.approx(2 * whole / 4) for e in sharded)
-    zero2 = estimate(moe_profile, Layout(4, zero=2, ep=2), 1e12, 1e12, free)
+    zero2 = estimate(moe_profile, Dims(4, zero=2, ep=2), 1e12, 1e12, free)
     assert zero2.grads == pytest.approx(whole / 4)
     assert zero2.params == plain[2].params
 
 
 def test_traced_ep_traffic_all_to_all_and_expert_gradients(moe_profile) -> None:
-    from dtrain.planner import Layout, Links, estimate
+    from dtrain.planner import Dims, Links, estimate
 
     free = Links.given(1e9, 0)
     experts = _expert_bytes(MOE_TINY)
@@ -251,40 +251,40 @@ def test_traced_ep_traffic_all_to_all_and_expert_gradients(moe_profile) -> None:
     tokens, k, hidden = 2 * 128, 2, 128  # a micro-batch of 2 sequences
     # dispatch and combine forward, the same two backward, in each of the 4 MoE blocks
     exchanges = tokens * k * hidden * 4 * 2 * 2 * 4
-    ep1 = estimate(moe_profile, Layout(4), 1e12, 1e12, free)
+    ep1 = estimate(moe_profile, Dims(4), 1e12, 1e12, free)
     assert ep1.traffic == {"dp all_reduce": 4 * moe_profile.params.total}
-    ep2 = estimate(moe_profile, Layout(4, ep=2), 1e12, 1e12, free)
+    ep2 = estimate(moe_profile, Dims(4, ep=2), 1e12, 1e12, free)
     assert ep2.traffic == pytest.approx({"dp all_reduce": dense,
                                          "edp all_reduce": experts / 2,
                                          "ep all_to_all": exchanges})
     # ep = dp: each rank's experts are its own, their gradients go nowhere
-    ep4 = estimate(moe_profile, Layout(4, ep=4), 1e12, 1e12, free)
+    ep4 = estimate(moe_profile, Dims(4, ep=4), 1e12, 1e12, free)
     assert "edp all_reduce" not in ep4.traffic and ep4.traffic["ep all_to_all"] == exchanges
-    zero = estimate(moe_profile, Layout(4, zero=1, ep=2), 1e12, 1e12, free).traffic
+    zero = estimate(moe_profile, Dims(4, zero=1, ep=2), 1e12, 1e12, free).traffic
     assert zero["edp reduce_scatter"] == zero["edp all_gather"] == pytest.approx(experts / 2)
-    again = estimate(moe_profile, Layout(4, ep=2), 1e12, 1e12, free, recompute="full")
+    again = estimate(moe_profile, Dims(4, ep=2), 1e12, 1e12, free, recompute="full")
     assert again.traffic["ep all_to_all"] == pytest.approx(exchanges * 6 / 4)
     # a pipeline stage exchanges its own blocks' tokens, for each of its micro-batches
-    stage = estimate(moe_profile, Layout(2, pp=2, microbatches=4, ep=2), 1e12, 1e12, free)
+    stage = estimate(moe_profile, Dims(2, pp=2, microbatches=4, ep=2), 1e12, 1e12, free)
     assert stage.traffic["ep all_to_all"] == pytest.approx(exchanges / 2 * 4)
     # half the blocks with experts: half the exchanges
     half = dataclasses.replace(moe_profile, shape=dataclasses.replace(moe_profile.shape,
                                                                       moe_layers=2))
-    assert estimate(half, Layout(4, ep=2), 1e12, 1e12, free).traffic["ep all_to_all"] == \
+    assert estimate(half, Dims(4, ep=2), 1e12, 1e12, free).traffic["ep all_to_all"] == \
         pytest.approx(exchanges / 2)
 
 
 def test_traced_all_to_all_is_exposed(moe_profile) -> None:
     """The gradients' collectives hide behind a slow backward; the all-to-all does not:
     (ep - 1) / ep of its bytes, at 1 GB/s."""
-    from dtrain.planner import Layout, Links, estimate
+    from dtrain.planner import Dims, Links, estimate
 
     bandwidth = Links.given(1, 0)
     slow = 1e6  # FLOP/s: a backward long enough to hide every gradient collective
     for ep in (2, 4):
-        e = estimate(moe_profile, Layout(4, ep=ep), 1e12, slow, bandwidth)
+        e = estimate(moe_profile, Dims(4, ep=ep), 1e12, slow, bandwidth)
         assert e.comm_s == pytest.approx(e.traffic["ep all_to_all"] * (ep - 1) / ep / 1e9)
-    assert estimate(moe_profile, Layout(4), 1e12, slow, bandwidth).comm_s == 0
+    assert estimate(moe_profile, Dims(4), 1e12, slow, bandwidth).comm_s == 0
 
 
 @pytest.mark.timeout(120)

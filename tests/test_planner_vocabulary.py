@@ -8,7 +8,7 @@ import json
 import pytest
 
 from dtrain.errors import ConfigError
-from dtrain.job_layout import Layout
+from dtrain.mesh import Dims
 from dtrain.models.config import ModelConfig
 from dtrain.models.gpt import GPTConfig
 from dtrain.models.llama import llama_config
@@ -37,16 +37,16 @@ def test_one_model_shape_from_any_config() -> None:
 
 
 def test_a_planned_layout_goes_through_json_and_back() -> None:
-    layout = Layout(2, 2, 2, 1, 4, "interleaved", 2)
-    assert Layout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
-    assert Layout.from_dict({"dp": 4, "tp": 2}) == Layout(4, 2)  # an older checkpoint's
+    layout = Dims(2, 2, 2, 1, 4, "interleaved", 2)
+    assert Dims.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
+    assert Dims.from_dict({"dp": 4, "tp": 2}) == Dims(4, 2)  # an older checkpoint's
     with pytest.raises(ValueError, match="world_size"):
-        Layout.from_dict({**layout.to_dict(), "world_size": 4})
-    planned = PlannedLayout(layout, "selective", True, 8)
+        Dims.from_dict({**layout.to_dict(), "world_size": 4})
+    planned = PlannedLayout(layout.replace(sequence_parallel=True), "selective", 8)
     assert PlannedLayout.from_dict(json.loads(json.dumps(planned.to_dict()))) == planned
     assert str(planned) == "dp2 x tp2 x pp2 (interleaved v2, m=4) zero1 mb8 sp"
     assert cluster_label(planned) == "tp2 x pp2 x dp2 x v2 mb8 zero1 sp"
-    assert str(PlannedLayout(Layout(4))) == "dp4"
+    assert str(PlannedLayout(Dims(4))) == "dp4"
     with pytest.raises(ConfigError, match="recompute 'most'"):
         PlannedLayout(layout, "most")
 
@@ -76,8 +76,8 @@ def _agreed(sent: list[dict | None]) -> list[dict | None]:
 
 
 def test_an_elastic_round_sends_rank_0s_planned_layout() -> None:
-    """What rank 0 planned reaches every rank whole (its Layout's `to_dict()` inside);
+    """What rank 0 planned reaches every rank whole (its Dims's `to_dict()` inside);
     "nothing fits" too."""
-    sent = [PlannedLayout(Layout(1, 1, 3, 0, 6, "interleaved", 2), "full", False).to_dict(),
-            None, PlannedLayout(Layout(3, zero=2), "selective", True).to_dict()]
+    sent = [PlannedLayout(Dims(1, 1, 3, 0, 6, "interleaved", 2), "full").to_dict(),
+            None, PlannedLayout(Dims(3, zero=2), "selective").to_dict()]
     assert run_ranks(_agreed, 2, sent, timeout=60) == [sent, sent]

@@ -14,9 +14,8 @@ import torch
 import zmq
 from torch import nn
 
-from dtrain import ps
+from dtrain import env, ps
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.ft import env
 from tests.cli import dtrain
 from tests.distributed import fork_server
 
@@ -319,7 +318,7 @@ def free_binds(n: int) -> list[str]:
 
 
 def _serve_copy(index: int, binds: list[str], size: int, fault: str) -> None:  # a process
-    if fault:  # this process only (DTRAIN_FAULT: dtrain.ft.faults)
+    if fault:  # this process only (DTRAIN_FAULT: dtrain.faults)
         os.environ[env.FAULT.name] = fault
     server = ps.Server(WORKERS, SECRET, size, index=index, servers=len(binds), bind=binds[index])
     server.set_peers(binds)
@@ -388,11 +387,11 @@ def one_process(steps: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.timeout(90)
 def test_a_killed_server_loses_no_push_with_a_backup() -> None:
-    """replicas=2 on 2 servers: server 0 is SIGKILLed mid-run; server 1, holding the other
+    """copies=2 on 2 servers: server 0 is SIGKILLed mid-run; server 1, holding the other
     copy of its shard, takes over. Every push was applied exactly once on the surviving
     copies (their counters), and sync still equals one process."""
     steps = 8
-    models, stats, _ = train_through_a_kill(ps.Settings("sync", replicas=2, **SGD), servers=2,
+    models, stats, _ = train_through_a_kill(ps.Settings("sync", copies=2, **SGD), servers=2,
                                             victim=0, steps=steps, kill_at=3)
     survivor = stats[1]
     assert survivor["heads"] == [0, 1]  # it took over shard 0
@@ -406,14 +405,14 @@ def test_a_killed_server_loses_no_push_with_a_backup() -> None:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("point", ["push", "relayed"])
 def test_a_push_in_flight_when_its_server_dies_is_applied_once(point: str) -> None:
-    """replicas=2 on 2 servers: server 0 SIGKILLs itself as the first push of clock 3 for
+    """copies=2 on 2 servers: server 0 SIGKILLs itself as the first push of clock 3 for
     its shard reaches it, before relaying it (point "push"), or as server 1 acknowledges
     that relayed push, before server 0 acknowledges the worker ("relayed": the backup has
     it, the worker cannot know). The workers resend their unacknowledged pushes with the
     same id to server 1, which applies each exactly once: a resend it already has from the
     relay is counted as a duplicate and dropped. Sync still equals one process."""
     steps = 6
-    settings = ps.Settings("sync", replicas=2, **SGD)
+    settings = ps.Settings("sync", copies=2, **SGD)
     models, stats, resent = train_through_a_kill(settings, servers=2, victim=0, steps=steps,
                                                  fault=f"kill@{point}=3,rank=0")
     survivor = stats[1]
@@ -434,17 +433,17 @@ def test_a_push_in_flight_when_its_server_dies_is_applied_once(point: str) -> No
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("replicas", [2, 1])
-def test_dtrain_run_survives_a_killed_server_with_a_backup(replicas: int) -> None:
+@pytest.mark.parametrize("copies", [2, 1])
+def test_dtrain_run_survives_a_killed_server_with_a_backup(copies: int) -> None:
     """`dtrain run -n 2 --servers 2`, server 0 SIGKILLed (DTRAIN_FAULT) as the pushes of
     clock 10 arrive. With 2 copies of each shard the job finishes with exit 0 and server 1
     applied each worker's 28 pushes exactly once to both shards; with 1 copy the job
     fails, as before."""
-    result = dtrain("run", "-n", "2", "--servers", "2", EXAMPLE, "--replicas", str(replicas),
+    result = dtrain("run", "-n", "2", "--servers", "2", EXAMPLE, "--copies", str(copies),
                     "--epochs", "1", env={env.FAULT.name: "kill@push=10,rank=0"},
                     timeout=230)
     assert "parameter server 0 was killed by SIGKILL" in result.stderr, result.stderr
-    if replicas == 1:
+    if copies == 1:
         assert result.returncode != 0
         assert "with no backup of its shard" in result.stderr
         assert "error: rank 2 " in result.stderr  # server 0's rank is blamed, not a worker

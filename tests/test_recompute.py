@@ -16,7 +16,7 @@ from dtrain import tensor_parallel as tp
 from dtrain.errors import ConfigError
 from dtrain.models import ModelConfig, build, recompute, resolve
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.models.recompute import activation_checkpointing, checkpoint_modules
+from dtrain.models.recompute import recompute_mode, recompute_modules
 from dtrain.testing import run_threads
 from tests.distributed import run_ranks
 
@@ -77,20 +77,20 @@ def test_modes_equal_no_recomputation_with_dropout(arch: str, mode: str, names: 
         names = ["blocks.0.attn.core", "blocks.0.mlp.act", "blocks.1.attn.core",
                  "blocks.1.mlp.act"]
     plain, recomputed = model_of(arch), model_of(arch)
-    assert activation_checkpointing(recomputed, mode) == names
-    assert activation_checkpointing(recomputed, mode) == names  # again: nothing nests
+    assert recompute_mode(recomputed, mode) == names
+    assert recompute_mode(recomputed, mode) == names  # again: nothing nests
     assert recompute.recomputed_names(recomputed) == names
     assert [n for n, _ in recomputed.named_modules()] == [n for n, _ in plain.named_modules()]
     assert assert_same_training(plain, recomputed, *tokens(0)) > 0
-    assert activation_checkpointing(model_of(arch), "none") == []
+    assert recompute_mode(model_of(arch), "none") == []
 
 
 @pytest.mark.timeout(60)
 def test_custom_patterns_keep_the_outermost_module() -> None:
     plain, recomputed = model_of("llama"), model_of("llama")
-    assert checkpoint_modules(recomputed, ["blocks.*.attn.core"]) == [
+    assert recompute_modules(recomputed, ["blocks.*.attn.core"]) == [
         "blocks.0.attn.core", "blocks.1.attn.core"]
-    names = checkpoint_modules(recomputed, ["blocks.1", "blocks.*.mlp", "blocks.1.mlp.*"])
+    names = recompute_modules(recomputed, ["blocks.1", "blocks.*.mlp", "blocks.1.mlp.*"])
     assert names == ["blocks.0.attn.core", "blocks.0.mlp", "blocks.1"]
     core = recomputed.blocks[1].attn.core  # inside blocks.1 now: its own recomputation undone
     assert not recompute.is_recomputed(core) and "forward" not in vars(core)
@@ -127,7 +127,7 @@ class Net(nn.Module):
 def test_keywords_pass_through_and_a_copy_recomputes_itself() -> None:
     x, y = torch.randn(5, 8), torch.randn(5, 8)
     plain, recomputed = Net(), Net()
-    assert activation_checkpointing(recomputed, "full") == ["layers.0", "layers.1", "layers.2"]
+    assert recompute_mode(recomputed, "full") == ["layers.0", "layers.1", "layers.2"]
     assert assert_same_training(plain, recomputed, x, y) > 0  # gate's gradient included
     recomputed.zero_grad(set_to_none=True)
     twin = copy.deepcopy(recomputed)
@@ -138,7 +138,7 @@ def test_keywords_pass_through_and_a_copy_recomputes_itself() -> None:
 @pytest.mark.timeout(60)
 def test_without_gradients_or_in_eval_the_forward_runs_once(monkeypatch) -> None:
     plain, recomputed = model_of("gpt"), model_of("gpt")
-    activation_checkpointing(recomputed, "full")
+    recompute_mode(recomputed, "full")
     monkeypatch.setattr(recompute, "checkpoint", None)  # calling it would fail
     x, _ = tokens(2)
     with torch.no_grad():
@@ -159,31 +159,31 @@ def test_without_gradients_or_in_eval_the_forward_runs_once(monkeypatch) -> None
 def test_a_pattern_naming_no_module_is_one_clear_error(patterns: list, message: str) -> None:
     model = model_of("gpt")
     with pytest.raises(ConfigError) as info:
-        checkpoint_modules(model, ["blocks.0", *patterns])
-    assert str(info.value) == f"memory.checkpoint_modules: {message}"
+        recompute_modules(model, ["blocks.0", *patterns])
+    assert str(info.value) == f"memory.recompute_modules: {message}"
     assert recompute.recomputed_names(model) == []  # nothing applied before the error
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("model, mode, message", [
-    (lambda: model_of("gpt"), "some", "memory.activation_checkpointing = 'some' is unknown"),
+    (lambda: model_of("gpt"), "some", "memory.recompute = 'some' is unknown"),
     (lambda: nn.Sequential(nn.Linear(2, 2)), "full", "list the modules to recompute in "
-                                                     "[memory] checkpoint_modules"),
+                                                     "[memory] recompute_modules"),
     (lambda: Net(), "selective", "Net has no attention core dtrain can recompute"),
 ])
 def test_a_mode_with_nothing_to_recompute_is_one_clear_error(model, mode: str,
                                                              message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")) as info:
-        activation_checkpointing(model(), mode)
+        recompute_mode(model(), mode)
     assert "\n" not in str(info.value)
 
 
 @pytest.mark.timeout(60)
 def test_apply_reads_the_memory_section() -> None:
-    memory = dtrain.config.MemoryConfig(activation_checkpointing="selective")
+    memory = dtrain.config.MemoryConfig(recompute="selective")
     model = model_of("gpt")
     assert recompute.apply(model, memory) == ["blocks.0.attn.core", "blocks.1.attn.core"]
-    memory.checkpoint_modules = ["blocks.*.mlp"]
+    memory.recompute_modules = ["blocks.*.mlp"]
     assert recompute.apply(model_of("gpt"), memory) == ["blocks.0.mlp", "blocks.1.mlp"]
 
 
@@ -209,18 +209,18 @@ def test_hugging_face_models_equal_no_recomputation(family: str, mode: str) -> N
             configs[family](), attn_implementation=attention), BLOCK)
 
     plain, recomputed = hf_model(), hf_model()
-    names = activation_checkpointing(recomputed, mode)
+    names = recompute_mode(recomputed, mode)
     layers = "hf.model.layers" if family == "llama" else "hf.transformer.h"
     attention = ".self_attn" if family == "llama" else ".attn"
     assert names == [f"{layers}.{i}{attention if mode == 'selective' else ''}" for i in (0, 1)]
-    assert activation_checkpointing(recomputed, mode) == names
+    assert recompute_mode(recomputed, mode) == names
     assert assert_same_training(plain, recomputed, *tokens(3)) > 0
     plain.eval(), recomputed.eval()
     with torch.no_grad():
         torch.testing.assert_close(recomputed(tokens(3)[0]), plain(tokens(3)[0]), **EXACT)
     if mode == "selective":
         with pytest.raises(ConfigError, match="attends with 'eager'"):
-            activation_checkpointing(hf_model("eager"), mode)
+            recompute_mode(hf_model("eager"), mode)
 
 
 # ----------------------------------------------------------------------- layouts
@@ -253,7 +253,7 @@ def train_in(kind: str, base: GPT) -> dict:
     model, rank = copy.deepcopy(base), dtrain.world.current().rank
     if kind == "tp":
         tp.parallelize(model, tp.gpt_plan(CFG), algorithm=ALGORITHM)
-    activation_checkpointing(model, "full")
+    recompute_mode(model, "full")
     half = slice(2 * rank, 2 * rank + 2)  # a data-parallel rank's half of the batch
     if kind.startswith("zero"):
         z = dtrain.ZeRO(model, sgd, stage=int(kind[-1]), bucket_mb=0.01, algorithm=ALGORITHM)

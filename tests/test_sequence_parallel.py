@@ -18,7 +18,7 @@ from dtrain.comm.threads import ThreadGroup
 from dtrain.errors import ConfigError
 from dtrain.models.gpt import GPT, GPTConfig
 from dtrain.models.llama import Llama, LlamaConfig
-from dtrain.models.recompute import checkpoint_modules
+from dtrain.models.recompute import recompute_modules
 from dtrain.testing import run_threads
 from tests.distributed import run_ranks
 
@@ -174,7 +174,7 @@ def recompute_and_no_grad(rank: int, base: nn.Module) -> dict:
     g, out = comm.resolve(None), {}
     for case, names in RECOMPUTED.items():
         model = split(copy.deepcopy(base))
-        checkpoint_modules(model, names)
+        recompute_modules(model, names)
         model(*tokens(0))[1].backward()
         out[case] = tp.full_grads(model)
     gather = model.blocks[0].attn.q_proj.sequence_gather
@@ -386,7 +386,7 @@ def dropout_rank(base: nn.Module) -> dict:
     for case in ("first", "again", "recomputed"):
         model = split(copy.deepcopy(base))
         if case == "recomputed":
-            checkpoint_modules(model, ["blocks.*"])
+            recompute_modules(model, ["blocks.*"])
         masks = {}
         for name in ("drop", "blocks.0.mlp.drop"):
             model.get_submodule(name).register_forward_hook(

@@ -51,7 +51,7 @@ def test_diloco_of_replicas_of_two_ranks_equals_synchronous(
     synchronous data parallelism of the same inside layout."""
     every = short_run(tmp_path, "every", ["-n", "4", *SGD, *inside])
     diloco = short_run(tmp_path, "diloco", ["-n", "4", *SGD, *EVERY_STEP_AS_DILOCO,
-                                            "--set", "sync.replicas=2", *inside])
+                                            "--set", "sync.groups=2", *inside])
     assert banner in diloco[2]
     torch.testing.assert_close(diloco[0], every[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model_of(diloco[1]), model_of(every[1]), rtol=1e-5, atol=1e-6)
@@ -179,10 +179,10 @@ def test_compressed_and_local_runs_converge_near_synchronous(tmp_path: Path) -> 
      "comm.compression_rank = 0 must be positive"),
     (["sync.method='diloco'", "sync.every=0"],
      "sync.every = 0 must be positive"),
-    (["comm.compression='int8'", "parallel.mode='ps'"],
+    (["comm.compression='int8'", "parallel.exchange='ps'"],
      "parameter servers send whole gradients"),
     (["comm.compression='int8'", "parallel.zero=2"], "not ZeRO's reduce-scatter"),
-    (["sync.method='local_sgd'", "sync.replicas=3"], "does not divide 4 ranks"),
+    (["sync.method='local_sgd'", "sync.groups=3"], "does not divide 4 ranks"),
     (["sync.method='diloco'", "sync.outer_momentum=1"], "must be in [0, 1)"),
 ])
 def test_bad_settings_are_one_line(tmp_path: Path, setting: list[str], message: str) -> None:

@@ -16,15 +16,15 @@ from torch.utils._pytree import tree_flatten
 from dtrain import layouts, models
 from dtrain.checkpoint import universal
 from dtrain.checkpoint.universal import MODEL
-from dtrain.config import config_from_dict, layout_of
+from dtrain.config import config_from_dict, dims_of
+from dtrain.data_parallel import DataParallel
+from dtrain.data_parallel.zero import ZeRO
 from dtrain.errors import ConfigError
-from dtrain.job_layout import Split
 from dtrain.mesh import Mesh
 from dtrain.models import init, weights
 from dtrain.models.config import ModelConfig
-from dtrain.parallel.data_parallel import DataParallel
-from dtrain.parallel.zero import ZeRO
 from dtrain.planner import LiveBytes
+from dtrain.split import Split
 from dtrain.testing import run_threads
 from tests.cli import dtrain
 from tests.distributed import run_ranks
@@ -121,13 +121,12 @@ def _held_state(layouts_to_build: dict, folder: str) -> None:
     for name, parallel in layouts_to_build.items():
         config = config_from_dict({**CONFIG, "parallel": {"nproc": world.world_size,
                                                           **parallel}})
-        layout = layout_of(config, world.world_size)
-        mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+        mesh = Mesh(dims_of(config, world.world_size))
         model = skeleton_of(GPT)
-        held = layouts.build(model, mesh, layout, config)
-        pieces, extra = held.state()
+        held = layouts.build(model, mesh, config)
+        pieces, extra = held.saved.state()
         universal.save(Path(folder) / name, 0, pieces, extra, {}, keep_last=1,
-                       group=held.checkpoint_group)
+                       group=held.saved.checkpoint_group)
 
 
 def test_every_layout_builds_the_one_process_weights_in_split_form(tmp_path: Path) -> None:
@@ -154,13 +153,12 @@ def _one_step(shape: dict, whole: bool) -> float:
     config = config_from_dict({"model": shape, "train": {"batch_size": 4},
                                "optimizer": {"name": "sgd", "momentum": 0.0},
                                "parallel": {"nproc": world.world_size, "zero": 3}})
-    layout = layout_of(config, world.world_size)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
+    mesh = Mesh(dims_of(config, world.world_size))
     if whole:  # as before split-form construction: every rank builds the whole model
         model = models.build(models.resolve(config.model, 256))
     else:
         model = skeleton_of(shape)
-    held = layouts.build(model, mesh, layout, config)
+    held = layouts.build(model, mesh, config)
     x = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
     loss = held.forward_backward([(x, x)])
     held.step()

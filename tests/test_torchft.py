@@ -52,7 +52,7 @@ def test_torchft_job_goes_on_after_a_replica_rank_is_killed(tmp_path: Path) -> N
     # the step in flight, when the kill broke its all-reduce (not when it fell between two)
     assert len(thrown) <= 1 and all(r["step"] >= kill_at for r in thrown), thrown
     alone = [r for r in records if r["committed"] and r["time"] > run["killed"]
-             and r["replicas"] == 1]
+             and r["live_replicas"] == 1]
     assert alone, records
     assert alone[0]["time"] - run["killed"] < 30, records
-    assert all(r["replicas"] == 2 for r in records if r["step"] < kill_at), records
+    assert all(r["live_replicas"] == 2 for r in records if r["step"] < kill_at), records

@@ -202,7 +202,7 @@ def test_parameter_server_run_equals_one_process(tmp_path: Path) -> None:
     clips its own gradient, where one process decays matrices only and clips the mean."""
     plain = ["--set", "optimizer.weight_decay=0", "--set", "optimizer.grad_clip=0"]
     one = short_run(tmp_path, "one", ["-n", "1", *plain])
-    two = short_run(tmp_path, "ps", ["-n", "2", *plain, "--set", "parallel.mode='ps'",
+    two = short_run(tmp_path, "ps", ["-n", "2", *plain, "--set", "parallel.exchange='ps'",
                                      "--set", "ps.servers=2", "--set",
                                      "ps.snapshot_every=4"])
     assert "sync parameter-server training with 2 server(s) per machine" in two[2]

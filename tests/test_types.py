@@ -37,9 +37,9 @@ ALLOWED: dict[str, str] = {
         "torch's own untyped API: whatever the intercepted torch function returns",
     "dtrain.models.recompute:_recomputed_forward:return":
         "whatever the recomputed module's forward returns",
-    "dtrain.parallel.data_parallel.wrapper:DataParallel.forward:return":
+    "dtrain.data_parallel.wrapper:DataParallel.forward:return":
         "whatever the wrapped module's forward returns",
-    "dtrain.parallel.zero.wrapper:ZeRO.forward:return":
+    "dtrain.data_parallel.zero.wrapper:ZeRO.forward:return":
         "whatever the wrapped module's forward returns",
     "dtrain.planner.traced.trace:_keep_backward_label.watched:return":
         "whatever the watched autograd function returns",

@@ -1,5 +1,5 @@
-"""Reading the world from each launcher's environment, and the degrees of a Layout (the Mesh
-that lays them out: tests/test_mesh.py)."""
+"""Reading the world from each launcher's environment (the degrees that lay it out, and
+the Mesh: tests/test_mesh.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import torch.distributed as dist
 import dtrain
 from dtrain import agreed_port
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.job_layout import resolve_layout
 from dtrain.world import detect, first_slurm_host
 
 
@@ -170,16 +169,6 @@ def test_port_folder_must_be_private(port_files: Path) -> None:
 def test_malformed_variable_is_named() -> None:
     with pytest.raises(DtrainError, match="WORLD_SIZE='two'"):
         detect({"RANK": "0", "WORLD_SIZE": "two"})
-
-
-def test_layout_errors_say_what_to_change() -> None:
-    assert resolve_layout(8, None, 2, 2).dp == 2
-    with pytest.raises(ConfigError, match="tp\\*pp = 3\\*1 = 3 does not divide the world size 8"):
-        resolve_layout(8, None, 3, 1)
-    with pytest.raises(ConfigError, match="make the product equal 8"):
-        resolve_layout(8, 3, 2, 1)
-    with pytest.raises(ConfigError, match="tp=0 must be a positive integer"):
-        resolve_layout(8, None, 0, 1)
 
 
 def test_single_process_world_runs_collectives() -> None:

@@ -14,7 +14,7 @@ from torch import nn
 import dtrain
 from dtrain import layouts, models
 from dtrain.checkpoint import universal
-from dtrain.config import config_from_dict, layout_of
+from dtrain.config import config_from_dict, dims_of
 from dtrain.errors import DtrainError
 from dtrain.mesh import Mesh
 from dtrain.models import loss_of_output
@@ -393,18 +393,17 @@ def _mixed_layouts(cases: dict[str, dict], folder: str) -> dict[str, dict]:
     out = {}
     for name, parallel in cases.items():
         config = layout_config(world.world_size, parallel)
-        layout = layout_of(config, world.world_size)
-        mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp)
-        held = layouts.build(tiny_gpt(), mesh, layout, config)
+        mesh = Mesh(dims_of(config, world.world_size))
+        held = layouts.build(tiny_gpt(), mesh, config)
         losses, norms = [], []
         for step in range(LAYOUT_STEPS):
             losses.append(held.forward_backward([tokens(step)]).item())
             norms.append(float(held.clip_grad_norm_(LAYOUT_CLIP)))
             held.step()
             held.zero_grad()
-        pieces, extra = held.state()
+        pieces, extra = held.saved.state()
         universal.save(Path(folder) / name, LAYOUT_STEPS, pieces, extra, {}, keep_last=1,
-                       group=held.checkpoint_group)
+                       group=held.saved.checkpoint_group)
         out[name] = {"losses": losses, "norms": norms, "layout": held.describe()}
     return out
 

@@ -21,38 +21,36 @@ _EXPORTS = {
     "ConfigError": "dtrain.errors",
     "DtrainError": "dtrain.errors",
     "LaunchError": "dtrain.errors",
-    "Layout": "dtrain.job_layout",
+    "Dims": "dtrain.mesh",
     "LiveAveraging": "dtrain.ft.live",
     "LiveReplicas": "dtrain.ft.live",
     "Mesh": "dtrain.mesh",
-    "DataParallel": "dtrain.parallel.data_parallel",
+    "DataParallel": "dtrain.data_parallel",
     "ShardedSampler": "dtrain.train.sampler",
     "World": "dtrain.world",
-    "ZeRO": "dtrain.parallel.zero",
+    "ZeRO": "dtrain.data_parallel.zero",
     "init": "dtrain.world",
     "shutdown": "dtrain.world",
 }
 # Every module and subpackage of dtrain, reachable as `dtrain.<name>` on first use.
-_SUBPACKAGES = ("checkpoint", "comm", "config", "context_parallel", "data", "errors", "ft",
-                "import_order",
-                "job_layout", "launch", "layouts", "mesh", "models", "parallel", "pipeline",
-                "planner", "ps", "sizes", "tensor_parallel", "testing", "timeline", "tools",
-                "train", "world")
+_SUBPACKAGES = ("checkpoint", "comm", "config", "context_parallel", "data", "data_parallel",
+                "env", "errors", "faults", "ft", "import_order", "launch", "layouts", "mesh",
+                "models", "pipeline", "planner", "ps", "schema", "sizes", "split", "store",
+                "sync", "tensor_parallel", "testing", "timeline", "tools", "train", "world")
 
 __all__ = [
-    "ConfigError", "DataParallel", "DtrainError", "LaunchError", "Layout", "LiveAveraging",
+    "ConfigError", "DataParallel", "Dims", "DtrainError", "LaunchError", "LiveAveraging",
     "LiveReplicas", "Mesh",
     "ShardedSampler",
     "World", "ZeRO", "init", "shutdown",
 ]
 
 if TYPE_CHECKING:
+    from dtrain.data_parallel import DataParallel
+    from dtrain.data_parallel.zero import ZeRO
     from dtrain.errors import ConfigError, DtrainError, LaunchError
     from dtrain.ft.live import LiveAveraging, LiveReplicas
-    from dtrain.job_layout import Layout
-    from dtrain.mesh import Mesh
-    from dtrain.parallel.data_parallel import DataParallel
-    from dtrain.parallel.zero import ZeRO
+    from dtrain.mesh import Dims, Mesh
     from dtrain.train.sampler import ShardedSampler
     from dtrain.world import World, init, shutdown
 

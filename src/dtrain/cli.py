@@ -16,8 +16,8 @@ import os
 import sys
 from typing import NoReturn
 
+from dtrain import env
 from dtrain.errors import ConfigError, exit_code_of
-from dtrain.ft import env
 
 
 class _Parser(argparse.ArgumentParser):
@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", nargs="+",
                         help="a checkpoints folder (its newest) or one checkpoint; saved with "
-                             "checkpoint.replicate, each host's folder that is left (the "
+                             "checkpoint.copies, each host's folder that is left (the "
                              "first one's newest step is exported)")
     export.add_argument("out", help="output: a .safetensors or .pt file, or a folder with "
                                     "--format hf")

@@ -34,10 +34,10 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 from dtrain import agreed_port
+from dtrain import env as contract
 from dtrain import timeline as timeline_mod
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.ft import env as contract
-from dtrain.ft.store import StoreAddress, prefixed
+from dtrain.store import StoreAddress, prefixed
 from dtrain.timeline import Recorder
 
 DEFAULT_TIMEOUT_S = 180.0

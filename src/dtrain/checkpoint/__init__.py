@@ -8,7 +8,7 @@
 - `dtrain.checkpoint.checkpointable`: `Checkpointable`, what a way of holding a model
   gives the checkpoint code (every dtrain.layouts Holding is one).
 - `dtrain.checkpoint.background`: saves written by a thread while training goes on.
-- `dtrain.checkpoint.copies`: hosts without a shared filesystem (`checkpoint.replicate`):
+- `dtrain.checkpoint.copies`: hosts without a shared filesystem (`checkpoint.copies`):
   each writes its own folder and copies it to others; resume fetches what a host lacks.
 - `dtrain.checkpoint.transfer`: files and JSON between ranks over a process group.
 """

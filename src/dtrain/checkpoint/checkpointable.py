@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 import torch
 
 from dtrain.checkpoint.universal import Checkpoint, Piece
-from dtrain.job_layout import Layout
+from dtrain.mesh import Dims
 
 if TYPE_CHECKING:
     from dtrain.comm.registry import GroupLike
@@ -25,8 +25,8 @@ alone)."""
 class Checkpointable(Protocol):
     """A rank's part of a model held in some layout, as the checkpoint code sees it."""
 
-    layout: Layout
-    """The layout it implements (written into the checkpoint's metadata)."""
+    dims: Dims
+    """The degrees it is laid out by (written into the checkpoint's metadata)."""
     optimizers: list[torch.optim.Optimizer]
     """Its optimizers, one learning-rate scheduler each."""
     checkpoint_group: CheckpointGroup

@@ -1,10 +1,10 @@
 """Checkpoints without a shared filesystem: each host keeps its own folder, and copies.
 
-    copies = HostCopies.open(replicate=1, host=world.node_rank)   # every rank, at the start
+    copies = HostCopies.open(copies=1, host=world.node_rank)   # every rank, at the start
     path = copies.save(folder, step, pieces, extra, meta, keep_last, rank_tensors)
     path = copies.resume(folder)        # every rank: the newest checkpoint the hosts hold
 
-`checkpoint.replicate = K`. Every host runs the same command and has its own disk at the
+`checkpoint.copies = K`. Every host runs the same command and has its own disk at the
 same path (`train.out_dir`); `folder` is the checkpoints folder there. A checkpoint is
 the same universal checkpoint as on a shared folder (dtrain.checkpoint.universal): the
 same file names and checksums, its index.json on every host. Host h's folder holds the
@@ -54,20 +54,20 @@ from dtrain import comm
 from dtrain.checkpoint import atomic, transfer, universal
 from dtrain.errors import ConfigError, DtrainError
 
-Holdings = dict[str, dict[str, Any]]
+HostListing = dict[str, dict[str, Any]]
 """A host's listed checkpoints by step (a string): {"name": its folder's name, "files":
 the index's {file: sha256}, "has": the files present}."""
 
 
-def check_replicate(replicate: int, hosts: int) -> None:
+def check_copies(copies: int, hosts: int) -> None:
     """Refuse more copies than there are other hosts.
 
     Raises:
-        ConfigError: `replicate` > `hosts` - 1.
+        ConfigError: `copies` > `hosts` - 1.
     """
-    if replicate > hosts - 1:
-        raise ConfigError(f"checkpoint.replicate = {replicate} copies each host's checkpoint "
-                          f"files to {replicate} other host(s), and this job has {hosts} "
+    if copies > hosts - 1:
+        raise ConfigError(f"checkpoint.copies = {copies} copies each host's checkpoint "
+                          f"files to {copies} other host(s), and this job has {hosts} "
                           f"host(s): set it to at most {hosts - 1}")
 
 
@@ -83,33 +83,33 @@ class HostCopies:
     Attributes:
         group: the gloo group of every rank that carries the copies, and nothing else.
         hosts: each rank's host (0 .. hosts - 1, by node rank).
-        replicate: how many other hosts get a copy of each host's files.
+        copies: how many other hosts get a copy of each host's files.
     """
 
     group: comm.Group
     hosts: list[int]
-    replicate: int
+    copies: int
 
     @classmethod
-    def open(cls, replicate: int, host: int) -> HostCopies:
+    def open(cls, copies: int, host: int) -> HostCopies:
         """The copies of a job whose rank runs on the host of node rank `host`: makes their
         gloo group (collective over the world: every rank calls it at the same point).
 
         Raises:
-            ConfigError: `replicate` is more than the hosts minus one.
+            ConfigError: `copies` is more than the hosts minus one.
         """
         import torch.distributed as dist
 
         from dtrain.comm.group import timeout_of
 
         if not dist.is_initialized():  # one process: one host
-            check_replicate(replicate, 1)
+            check_copies(copies, 1)
         pg = dist.new_group(backend="gloo", timeout=timeout_of(dist.group.WORLD))
         group = comm.wrap(pg, "gloo")
         nodes = comm.all_gather(torch.tensor([host], dtype=torch.int64), group=group).tolist()
         order = sorted(set(nodes))
-        check_replicate(replicate, len(order))
-        return cls(group, [order.index(n) for n in nodes], replicate)
+        check_copies(copies, len(order))
+        return cls(group, [order.index(n) for n in nodes], copies)
 
     @property
     def host(self) -> int:
@@ -131,8 +131,8 @@ class HostCopies:
         return self.leader(self.host) == self.group.rank
 
     def holders(self, rank: int) -> list[int]:
-        """The hosts whose folders hold `rank`'s files: its own, then the next `replicate`."""
-        return [(self.hosts[rank] + j) % self.count for j in range(self.replicate + 1)]
+        """The hosts whose folders hold `rank`'s files: its own, then the next `copies`."""
+        return [(self.hosts[rank] + j) % self.count for j in range(self.copies + 1)]
 
     def save(self, folder: Path, step: int, pieces: list[universal.Piece],
              extra: dict[str, Any], meta: dict[str, Any], keep_last: int,
@@ -171,7 +171,7 @@ class HostCopies:
             if self.leads:
                 try:
                     path = universal.publish(folder, step, g.size, every[0]["meta"], None, sides,
-                                             {"replicate": self.replicate,
+                                             {"copies": self.copies,
                                               "hosts": self.hosts}).name
                 except (OSError, SafetensorError, ValueError) as exc:
                     error = failed(exc)
@@ -186,7 +186,7 @@ class HostCopies:
 
     def _send_copies(self, tmp: Path, error: str, failed) -> str:
         """Step 2's copies: each rank's two files to the first rank of each of the next
-        `replicate` hosts, in one order on every rank; returns this rank's error (or
+        `copies` hosts, in one order on every rank; returns this rank's error (or
         `error`, or "")."""
         g = self.group
         for rank in range(g.size):
@@ -222,41 +222,41 @@ class HostCopies:
         where = Path(where)
         step = step_of(where.name) if where.name.startswith("step-") else None
         folder = where.parent if step is not None else where
-        mine: Holdings = {}
+        mine: HostListing = {}
         error = ""
         if self.leads:
             try:
-                mine = _holdings(folder)
+                mine = _listing(folder)
             except DtrainError as exc:
                 error = str(exc)
-        held = [e["held"] for e in self._agreed({"error": error, "held": mine})]
-        held = [held[self.leader(h)] for h in range(self.count)]
-        chosen = _newest_whole(held, step, folder)
+        listed = [e["listed"] for e in self._agreed({"error": error, "listed": mine})]
+        listed = [listed[self.leader(h)] for h in range(self.count)]
+        chosen = _newest_whole(listed, step, folder)
         if chosen is None:
             return None
         key = str(chosen)
-        files = next(h[key]["files"] for h in held if key in h and h[key]["files"] is not None)
+        files = next(h[key]["files"] for h in listed if key in h and h[key]["files"] is not None)
         name = f"step-{chosen:08d}"
-        target = folder / held[self.host][key]["name"] if key in held[self.host] \
+        target = folder / listed[self.host][key]["name"] if key in listed[self.host] \
             else universal.unpublished(folder, chosen)
         error = ""
         if self.leads:
             error = _attempt(lambda: _make(target), str)
         self._agreed({"error": error})
         for host in range(self.count):
-            have = set(held[host][key]["has"]) if key in held[host] else set()
+            have = set(listed[host][key]["has"]) if key in listed[host] else set()
             for file in [*sorted(files), universal.INDEX]:
                 if file in have:
                     continue
                 src = min(h for h in range(self.count)
-                          if key in held[h] and file in held[h][key]["has"])
-                error = self._fetch(folder / held[src][key]["name"] / file, self.leader(src),
+                          if key in listed[h] and file in listed[h][key]["has"])
+                error = self._fetch(folder / listed[src][key]["name"] / file, self.leader(src),
                                     host, target / file, files.get(file)) or error
         self._agreed({"error": error})
-        if self.leads and key not in held[self.host]:
+        if self.leads and key not in listed[self.host]:
             error = _attempt(lambda: _list(folder, target, folder / name, chosen), str)
         self._agreed({"error": error})
-        return str(folder / held[self.host][key]["name"] if key in held[self.host]
+        return str(folder / listed[self.host][key]["name"] if key in listed[self.host]
                    else folder / name)
 
     def _fetch(self, source: Path, src: int, host: int, target: Path,
@@ -281,9 +281,9 @@ def _attempt(action, failed) -> str:
     return ""
 
 
-def _holdings(folder: Path) -> Holdings:
+def _listing(folder: Path) -> HostListing:
     """What `folder` (a host's checkpoints folder) lists, and has of each checkpoint."""
-    held: Holdings = {}
+    listing: HostListing = {}
     for entry in atomic.read_index(folder):
         if entry.get("format") != universal.FORMAT:
             continue
@@ -293,33 +293,33 @@ def _holdings(folder: Path) -> Holdings:
         except (OSError, ValueError, KeyError, TypeError):
             files = None
         has = [p.name for p in path.iterdir() if p.is_file()] if path.is_dir() else []
-        held[str(entry["step"])] = {"name": entry["file"], "files": files, "has": has}
-    return held
+        listing[str(entry["step"])] = {"name": entry["file"], "files": files, "has": has}
+    return listing
 
 
-def _newest_whole(held: list[Holdings], step: int | None, folder: Path) -> int | None:
+def _newest_whole(listings: list[HostListing], step: int | None, folder: Path) -> int | None:
     """The newest step (or `step`) whose files, and an index, the hosts hold between them.
 
     Raises:
         DtrainError: `step` is not whole, or some host lists checkpoints and none is whole.
     """
-    listed = sorted({int(s) for h in held for s in h}, reverse=True)
-    if step is None and not listed:
+    steps = sorted({int(s) for h in listings for s in h}, reverse=True)
+    if step is None and not steps:
         return None
     missing = ""
-    for candidate in listed if step is None else [step]:
+    for candidate in steps if step is None else [step]:
         key = str(candidate)
-        indexes = [h[key]["files"] for h in held if key in h and h[key]["files"] is not None]
+        indexes = [h[key]["files"] for h in listings if key in h and h[key]["files"] is not None]
         if not indexes:
             missing = missing or f"{universal.INDEX} of step {candidate}"
             continue
-        has = {f for h in held if key in h for f in h[key]["has"]}
+        has = {f for h in listings if key in h for f in h[key]["has"]}
         lacking = sorted(set(indexes[0]) - has)
         if not lacking:
             return candidate
         missing = missing or f"{lacking[0]} of step {candidate}"
     raise DtrainError(f"no checkpoint in {folder} that the hosts left hold whole: "
-                      f"{missing or f'step {step}'} is on none of them (checkpoint.replicate "
+                      f"{missing or f'step {step}'} is on none of them (checkpoint.copies "
                       "keeps each file on that many hosts beyond its own)")
 
 

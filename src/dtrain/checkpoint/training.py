@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import env
 from dtrain.checkpoint import atomic, background
 from dtrain.checkpoint.background import PendingSave
 from dtrain.checkpoint.checkpointable import Checkpointable, CheckpointGroup
@@ -25,8 +26,7 @@ from dtrain.checkpoint.copies import HostCopies
 from dtrain.checkpoint.universal import FORMAT, Checkpoint
 from dtrain.checkpoint.universal import save as save_pieces
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.ft import env
-from dtrain.job_layout import Layout
+from dtrain.mesh import Dims
 
 
 def resume_spec(resume: str) -> str:
@@ -148,7 +148,7 @@ def _state(held: Checkpointable, schedulers: list, config: dict[str, Any],
     the outer optimizer of replicas: `held.rank_state()`)."""
     pieces, extra = held.state()
     optimizer = schedulers[0].optimizer
-    meta = {"config": config, "layout": held.layout.to_dict(), "aliases": held.aliases(),
+    meta = {"config": config, "layout": held.dims.to_dict(), "aliases": held.aliases(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
                              for g in optimizer.param_groups],
             "scheduler": schedulers[0].state_dict(), "loss_scale": held.loss_scale,
@@ -159,9 +159,10 @@ def _state(held: Checkpointable, schedulers: list, config: dict[str, Any],
     return pieces, extra, json.loads(json.dumps(meta, default=str)), rng
 
 
-def restore(ckpt: Checkpoint, held: Checkpointable, schedulers: list, layout: Layout) -> None:
+def restore(ckpt: Checkpoint, held: Checkpointable, schedulers: list, dims: Dims) -> None:
     """Model, optimizer state, options, schedule and loss scale from `ckpt`; the RNG and
-    the rank's own state too when `layout` on this many ranks is the one that saved it."""
+    the rank's own state too when `dims` lays out its writers as the saver's did (the same
+    ranks write one checkpoint: a sync group's, with the same tp and pp)."""
     held.restore(ckpt)
     for optimizer, scheduler in zip(held.optimizers, schedulers, strict=True):
         for group, options in zip(optimizer.param_groups, ckpt.meta["param_groups"],
@@ -171,8 +172,9 @@ def restore(ckpt: Checkpoint, held: Checkpointable, schedulers: list, layout: La
         scheduler.load_state_dict(ckpt.meta["scheduler"])
     held.loss_scale = ckpt.meta.get("loss_scale", 1.0)
     saved = ckpt.meta["layout"]
-    if ckpt.index["world_size"] == layout.world_size and saved["tp"] == layout.tp \
-            and saved["pp"] == layout.pp:
+    writers = dims.world_size // dims.sync  # a sync group writes its own checkpoints
+    if ckpt.index["world_size"] == writers and saved["tp"] == dims.tp \
+            and saved["pp"] == dims.pp:
         rng = ckpt.rank_tensors(_writer_rank(held.checkpoint_group))
         torch.set_rng_state(rng.pop("cpu"))
         cuda = rng.pop("cuda", None)

@@ -43,10 +43,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from dtrain import faults
 from dtrain.checkpoint import atomic
 from dtrain.errors import DtrainError
-from dtrain.ft import faults
-from dtrain.job_layout import Split
+from dtrain.split import Split
 
 if TYPE_CHECKING:  # comm is imported where save uses it
     from dtrain.comm import GroupLike
@@ -331,7 +331,7 @@ class Checkpoint:
     Args:
         path: a checkpoint folder, or a checkpoints folder (its newest checkpoint).
         also: more folders of the same kind where files it lacks may lie: other hosts'
-            copies of a checkpoint saved with checkpoint.replicate (dtrain.checkpoint.copies).
+            copies of a checkpoint saved with checkpoint.copies (dtrain.checkpoint.copies).
             Their checkpoint of the same step is used.
 
     Raises:
@@ -380,7 +380,8 @@ class Checkpoint:
         copies = self.index.get("copies")
         if not copies:
             return ""
-        return (f" here (saved with checkpoint.replicate = {copies['replicate']}: other "
+        count = copies.get("copies", copies.get("replicate"))  # (an older dtrain's name)
+        return (f" here (saved with checkpoint.copies = {count}: other "
                 "hosts' folders hold it; give them too, as in dtrain export FOLDER "
                 "OTHER_FOLDER... OUT)")
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from dtrain import env
 from dtrain.comm.group import Group
-from dtrain.ft import env
 
 PROBE_BYTES = (4096, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 CALLS = (60, 40, 24, 12, 12)  # calls per point: many where they are cheap, fewer when large

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from dtrain import env
 from dtrain.comm import ops
 from dtrain.comm.group import CollectiveTimeout, Group, Handle
 from dtrain.comm.ops import AVAILABLE
-from dtrain.ft import env
 from dtrain.world import connection_lost
 
 OPS = tuple(AVAILABLE)

@@ -41,8 +41,9 @@ from dtrain.context_parallel.chunks import every_position, positions
 from dtrain.context_parallel.exchange import all_to_all, gather_sequence
 from dtrain.errors import ConfigError
 from dtrain.graph_break import graph_break
+from dtrain.mesh.dims import CP_METHODS
 
-METHODS = ("ring", "allgather", "alltoall")
+METHODS = CP_METHODS  # the mesh's vocabulary: Dims.cp_method is one of them
 Ctx = torch.autograd.function.FunctionCtx
 KV_TAG, GRAD_TAG = 7101, 7102  # the ring's messages: blocks, and their gradients
 

@@ -1,9 +1,11 @@
-"""Fault tolerance in one home.
+"""Fault tolerance: who takes part in each step, and how a job goes on when a rank fails.
 
-    env        the launcher<->rank contract: every DTRAIN_* variable (definitions layer)
-    faults     fault injection for tests and drills (DTRAIN_FAULT)
-    heartbeat  one Heartbeat: counters beaten in a store, silences noticed in seconds
+    membership  who takes part in a step, as the training loop asks it (Fixed, or live)
+    elastic     an elastic job's layout for the ranks each round brings
+    live        live replicas: a failed replica dropped within the step, a replacement
+                taken back without a restart
 
-This package imports none of its modules: its low-layer ones (env, faults, heartbeat) are
-used by modules far below the rest of it, which must not load what sits above them.
+It sits in one layer, above what it keeps alive. What it stands on lives below, each in a
+package of its own: the job's store and heartbeats (dtrain.store), the environment
+contract (dtrain.env), fault injection for drills (dtrain.faults).
 """

@@ -23,11 +23,10 @@ from collections.abc import Callable
 
 import torch
 
-from dtrain import comm
+from dtrain import comm, env
 from dtrain.config import Config, config_from_dict
 from dtrain.data import vocab_of
 from dtrain.errors import ConfigError
-from dtrain.ft import env
 from dtrain.models import resolve
 from dtrain.planner import RECOMPUTE, PlannedLayout, plan, profile_model, recommend
 from dtrain.planner.traced import machine
@@ -70,7 +69,7 @@ def _rank0s_json(world: World, value: object) -> object:
 
 def _said(planned: PlannedLayout) -> str:
     """A planned layout as the banner's note says it ("dp=3, tp=1, pp=1, zero=1")."""
-    layout = planned.layout
+    layout = planned.dims
     parts = [f"dp={layout.dp}", f"tp={layout.tp}", f"pp={layout.pp}"]
     parts += [f"zero={layout.zero}"] if layout.zero else []
     parts += [f"{layout.microbatches} micro-batches"] if layout.pp > 1 else []
@@ -87,7 +86,7 @@ def planned(config: Config, world_size: int, accum: int,
     dc, p = config.data, config.parallel
     shape = resolve(config.model, vocab_of(dc.path, dc.format, dc.tokenizer))
     memory, _ = machine.device_memory(local_ranks)
-    first = RECOMPUTE.index(config.memory.activation_checkpointing)
+    first = RECOMPUTE.index(config.memory.recompute)
     estimates = plan(functools.cache(lambda b: profile_model(shape, b)), world_size, memory,
                      config.train.batch_size, machine.measured_flops(), machine.links(),
                      config.optimizer.name, accum, config.comm.bucket_mb, (p.schedule,),
@@ -131,11 +130,11 @@ def adapt(config: Config, world_size: int, most: int,
         values["train"]["grad_accum"] = accum
         how = "" if keep else f"; tp={p.tp} x pp={p.pp} does not divide it: dropped"
     else:
-        layout = choice.layout
+        layout = choice.dims
         values["parallel"].update(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=layout.zero,
                                   microbatches=layout.microbatches,
                                   sequence_parallel=choice.sequence_parallel)
-        values["memory"]["activation_checkpointing"] = choice.recompute
+        values["memory"]["recompute"] = choice.recompute
         accum = accum if layout.pp == 1 else 1  # a pipeline's micro-batches cut the batch
         values["train"]["grad_accum"] = accum
         how = (f"; tp={p.tp} x pp={p.pp} does not divide it: the planner's best is "
@@ -147,7 +146,7 @@ def adapt(config: Config, world_size: int, most: int,
 
 def _accumulation(config: Config, world_size: int, dp: int, pp: int, most: int) -> int:
     """The least gradient accumulation, from the configured one up, that cuts the global
-    batch evenly over `dp` replicas (of `pp` stages) without a forward larger than with
+    batch evenly over `dp` data-parallel ranks (of `pp` stages) without a forward larger than with
     `most` ranks."""
     p, t = config.parallel, config.train
     dp_most = max(1, most // (p.tp * p.pp))

@@ -15,7 +15,7 @@ import signal
 import time
 from pathlib import Path
 
-from dtrain.ft import env
+from dtrain import env
 
 
 def note_exit_time(rank: int | str) -> None:

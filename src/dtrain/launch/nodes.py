@@ -3,7 +3,7 @@ store (node 0's, or the etcd cluster), and names the machines whose counters sto
 
 A lost machine (powered off, crashed, cut off the network) makes the ranks elsewhere fail
 only as their collectives time out, with nothing that names the machine, and only after
-that timeout (minutes). The launchers' heartbeat (dtrain.ft.heartbeat) notices it within
+that timeout (minutes). The launchers' heartbeat (dtrain.store.heartbeat) notices it within
 seconds instead, and this module names it.
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from dtrain.errors import LaunchError
-from dtrain.ft.heartbeat import Heartbeat
-from dtrain.ft.store import StoreAddress
+from dtrain.store import StoreAddress
+from dtrain.store.heartbeat import Heartbeat
 
 
 class NodeWatch:

@@ -7,7 +7,7 @@ store listen on every interface of the machine, so anyone who can reach it could
 a job; dtrain opens the listening socket itself, bound to the master's address only
 (127.0.0.1 for a one-machine job; there the kernel picks a free port), and hands it over.
 
-With `--rdzv-backend etcd` the store is an etcd cluster instead (dtrain.ft.etcd), and no
+With `--rdzv-backend etcd` the store is an etcd cluster instead (dtrain.store.etcd), and no
 launcher hosts anything: the rounds' state is kept by torch's own etcd backend on the same
 cluster, and every other key by dtrain's etcd store.
 
@@ -33,10 +33,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from dtrain import env
 from dtrain.errors import LaunchError
-from dtrain.ft import env
-from dtrain.ft.store import StoreAddress, prefixed
 from dtrain.launch.nodes import NodeWatch
+from dtrain.store import StoreAddress, prefixed
 
 KEEP_ALIVE_S = 1  # torch's rendezvous keep-alive; a node silent for 3 of them is dropped
 STORE_TIMEOUT_S = 30.0
@@ -99,7 +99,7 @@ def open_store(address: StoreAddress, listen_fd: int | None, timeout_s: float) -
     cluster is first asked whether any member answers, for up to `timeout_s`)."""
     timeout = timedelta(seconds=timeout_s)
     if address.backend == "etcd":
-        from dtrain.ft.etcd import Cluster
+        from dtrain.store.etcd import Cluster
 
         Cluster(address.endpoints, timeout_s).check(timeout_s)
         return address.connect(timeout_s)
@@ -122,7 +122,7 @@ def _backend(address: StoreAddress, store: dist.Store, run_id: str):
         EtcdRendezvousBackend,
     )
 
-    from dtrain.ft.etcd import Cluster
+    from dtrain.store.etcd import Cluster
 
     return EtcdRendezvousBackend(Cluster(address.endpoints, STORE_TIMEOUT_S), run_id,
                                  key_prefix="/dtrain/rendezvous")
@@ -250,12 +250,12 @@ class Rendezvous:
     def _replace(self):
         """Enter a running live job in the place of a node whose heartbeat has stopped,
         waiting up to `join_timeout` for one: its node rank, its ranks, and a new
-        generation of each replica they held (dtrain.launch.replica).
+        generation of each replica they held (dtrain.launch.supervisor).
 
         Raises:
             LaunchError: no node was lost within `join_timeout`.
         """
-        from dtrain.launch.replica import next_generation
+        from dtrain.launch.supervisor import next_generation
 
         job = json.loads(self.store.get(LIVE_JOB))
         attempt, nodes = job["attempt"], job["nodes"]

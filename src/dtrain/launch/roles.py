@@ -15,10 +15,10 @@ from the checkpoint and the servers' snapshots. A worker that exits with an erro
 the job, as in any dtrain run.
 
 A server killed that way does not end the job either when worker 0's settings keep
-backups (`replicas` >= 2, read from the job's store: dtrain.ps.job): the next copy of each
+backups (`copies` >= 2, read from the job's store: dtrain.ps.job): the next copy of each
 of its shards takes over (dtrain.ps.chain) and its role process exits 0 with one line
 naming the lost server. Should every copy of a shard die, the workers stop the job with
-an error naming the shard. With `replicas` = 1 a killed server fails the job (the agent
+an error naming the shard. With `copies` = 1 a killed server fails the job (the agent
 restarts it with restarts left, and servers resume from their snapshots).
 """
 
@@ -29,8 +29,8 @@ import signal
 import subprocess
 import sys
 
+from dtrain import env
 from dtrain.errors import ConfigError, exit_code_of
-from dtrain.ft import env
 from dtrain.launch import bootstrap
 from dtrain.ps import job
 
@@ -97,10 +97,10 @@ def _run_server(index: int) -> int:
     code, killed_by = _supervise([sys.executable, "-u", "-m", "dtrain.launch.roles", SERVE])
     if killed_by is None:
         return _exit_code(code)
-    copies = job.replicas()
+    copies = job.copies()
     if copies < 2:
         print(f"dtrain: parameter server {index} was killed by {killed_by}; with no backup "
-              "of its shard ([ps] replicas = 1) the job stops", file=sys.stderr, flush=True)
+              "of its shard ([ps] copies = 1) the job stops", file=sys.stderr, flush=True)
         return _exit_code(code)
     print(f"dtrain: parameter server {index} was killed by {killed_by}; the next copies of "
           f"its shards take over ({copies} copies of each) and the job goes on",

@@ -12,7 +12,7 @@ there) hosts the job's store at HOST:PORT, where the launchers meet in rounds of
 dynamic rendezvous (dtrain.launch.rendezvous). Each launcher beats on a counter in that
 store (nodes.NodeWatch): a machine that goes silent is noticed within seconds, named in
 the error line, and, in an elastic job, left behind in a new round. With `--rdzv-backend
-etcd` the store is an etcd cluster (dtrain.ft.etcd) and no machine hosts it; with live
+etcd` the store is an etcd cluster (dtrain.store.etcd) and no machine hosts it; with live
 replicas too, the job goes on without any machine it loses, node 0's included.
 """
 
@@ -26,11 +26,11 @@ import tempfile
 import uuid
 from dataclasses import dataclass, field
 
+from dtrain import env as contract
 from dtrain.comm.shm import segment
 from dtrain.errors import ConfigError, LaunchError
-from dtrain.ft import env as contract
-from dtrain.ft.store import StoreAddress, check_backend
 from dtrain.launch import bootstrap, exits, nodes, rendezvous, waker
+from dtrain.store import StoreAddress, check_backend
 
 PREFIX = "[rank${rank}] "
 LIVE_EXIT_WAIT_S = 10  # a live job's launchers wait this long for each other at the end
@@ -65,7 +65,7 @@ class LaunchSpec:
         rdzv_endpoints: the etcd cluster's members.
         run_id: the job's id, the same on every machine (needed with etcd, whose keys
             outlive the job); empty: made from `master`, or random on one machine.
-        live: the ranks are live replicas' (dtrain.launch.replica): a lost machine is not
+        live: the ranks are live replicas' (dtrain.launch.supervisor): a lost machine is not
             a failure, and a launcher that arrives late takes a lost one's place.
     """
 
@@ -229,7 +229,7 @@ def _store_address(spec: LaunchSpec) -> tuple[StoreAddress, int | None]:
     a free port of 127.0.0.1 for one machine; `--master` for several, hosted by
     `--node-rank 0` or, without a node rank, by the first launcher able to listen there."""
     if spec.rdzv_backend == "etcd":
-        from dtrain.ft.etcd import parse_endpoints
+        from dtrain.store.etcd import parse_endpoints
 
         endpoints = tuple(parse_endpoints(spec.rdzv_endpoints))
         if len(endpoints) == 1:

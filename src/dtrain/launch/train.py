@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from dtrain.config import Config, layout_of, load_config, per_rank_batch
+from dtrain import env as contract
+from dtrain.config import Config, dims_of, load_config
 from dtrain.errors import ConfigError
-from dtrain.ft import env as contract
 
 
 def train_command(args: argparse.Namespace) -> None:
@@ -45,7 +45,7 @@ def train_command(args: argparse.Namespace) -> None:
         config.logging.timeline = prepare(config.logging.timeline)
 
     # a bad checkpoint costs no start-up (one host's folder holds only part of a replicated one)
-    if config.checkpoint.resume not in ("", "auto") and not config.checkpoint.replicate:
+    if config.checkpoint.resume not in ("", "auto") and not config.checkpoint.copies:
         from dtrain.train.trainer import open_checkpoint
 
         open_checkpoint(config.checkpoint.resume, config)
@@ -54,11 +54,11 @@ def train_command(args: argparse.Namespace) -> None:
 
     pc = config.parallel
     launched = detect(os.environ).source != "single"
-    if config.checkpoint.replicate and not launched:  # ranks under a launcher check it
-        from dtrain.checkpoint.copies import check_replicate
+    if config.checkpoint.copies and not launched:  # ranks under a launcher check it
+        from dtrain.checkpoint.copies import check_copies
 
-        check_replicate(config.checkpoint.replicate, args.nnodes)
-    alone = pc.nproc == 1 and args.nnodes == 1 and pc.mode != "ps"
+        check_copies(config.checkpoint.copies, args.nnodes)
+    alone = pc.nproc == 1 and args.nnodes == 1 and pc.exchange != "ps"
     if launched or alone:
         from dtrain.train.trainer import train
 
@@ -68,21 +68,21 @@ def train_command(args: argparse.Namespace) -> None:
     from dtrain.launch.runner import LaunchSpec, launch
 
     world_size = config.parallel.nproc * args.nnodes
-    ranks = max(pc.dp, 1) * pc.tp * pc.pp  # of a live replica
     live = config.fault_tolerance.mode == "live"
+    ranks = pc.copy_ranks  # of a live replica
     if live and args.min_nodes < args.nnodes:
-        raise ConfigError("fault_tolerance.mode = \"live\" keeps a fixed set of replica "
-                          f"slots: give --nnodes {args.nnodes} (replicas that die are "
+        raise ConfigError("fault_tolerance.mode = \"live\" keeps a fixed set of live replica "
+                          f"slots: give --nnodes {args.nnodes} (live replicas that die are "
                           "dropped and brought back live), or fault_tolerance.mode = "
                           "\"restart\" for an elastic job")
     if live and world_size % ranks:
         raise ConfigError(f"{world_size} ranks do not make live replicas of dp x tp x pp = "
                           f"{ranks} ranks each: run a multiple of {ranks} ranks")
-    if live:
-        layout_of(config, ranks)  # each replica's, as its ranks check again
-        per_rank_batch(config, world_size // ranks * max(pc.dp, 1))  # over every replica
+    if live:  # each live replica's, as its ranks check again, the batch over all of them
+        dims_of(config, ranks).per_rank_batch(config.train.batch_size,
+                                              config.train.grad_accum, world_size // ranks)
     elif args.min_nodes == args.nnodes:  # (an elastic job's rounds re-derive the layout)
-        layout_of(config, world_size)  # the check every rank makes again
+        dims_of(config, world_size)  # the check every rank makes again
     from dtrain.train.check import check_job
 
     check_job(config)  # a bad corpus or model costs no start-up either
@@ -97,7 +97,7 @@ def train_command(args: argparse.Namespace) -> None:
         raise ConfigError(f"train.out_dir {str(out_dir)!r} is not writable: {exc}") from None
     command = [sys.executable, "-u", "-m", "dtrain.train.worker", str(out_dir / "config.json")]
     nproc, env = pc.nproc, {}
-    if pc.mode == "ps":  # servers beside the workers; they snapshot into the run folder
+    if pc.exchange == "ps":  # servers beside the workers; they snapshot into the run folder
         from dtrain.launch.roles import plan
 
         command, nproc, env = plan(command, pc.nproc, config.ps.servers, args.nnodes,
@@ -106,10 +106,10 @@ def train_command(args: argparse.Namespace) -> None:
     if args.min_nodes < args.nnodes:  # elastic: each round re-derives the layout
         contract.ELASTIC_MAX_RANKS.set(world_size, env)
     restarts = args.max_restarts
-    if live:  # each replica restarted in place, not the whole job
-        from dtrain.launch import replica
+    if live:  # each live replica restarted in place, not the whole job
+        from dtrain.launch import supervisor
 
-        command, restarts = replica.command(args.max_restarts, command), 0
+        command, restarts = supervisor.command(args.max_restarts, command), 0
         contract.LIVE_RANKS.set(ranks, env)
     ft = config.fault_tolerance
     launch(LaunchSpec(

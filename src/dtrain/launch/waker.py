@@ -21,7 +21,7 @@ import signal
 import time
 from pathlib import Path
 
-from dtrain.ft import env
+from dtrain import env
 from dtrain.launch.watch import Watcher
 
 PERIOD_S = 0.5

@@ -25,18 +25,16 @@ from torch import nn
 from dtrain.checkpoint.universal import Checkpoint
 from dtrain.config import Config
 from dtrain.context_parallel import ContextParallel
-from dtrain.job_layout import Layout
+from dtrain.data_parallel.averaging import Averaging
 from dtrain.layouts.data_parallel import Replicated
-from dtrain.layouts.holding import Holding, build_optimizer
+from dtrain.layouts.holding import Holding
 from dtrain.layouts.parameter_server import ParameterServer
 from dtrain.layouts.pipeline import Pipelined
-from dtrain.layouts.synced import Synced
 from dtrain.layouts.zero import Sharded
-from dtrain.mesh import Mesh
+from dtrain.mesh import Dims, Mesh
 from dtrain.models import compiled, context, float8, init, moe, recompute
 from dtrain.models.weights import SlicedWeights
-from dtrain.parallel.averaging import Averaging
-from dtrain.parallel.sync.diloco import DiLoCo
+from dtrain.sync.diloco import DiLoCo
 from dtrain.tensor_parallel.parallelize import sum_headwise_grads
 from dtrain.tensor_parallel.plan_of import check_sequence_parallel, split_model
 from dtrain.tensor_parallel.sequence import apply_sequence_parallel
@@ -45,21 +43,21 @@ HOLDINGS: dict[str, type[Holding]] = {
     "dp": Replicated, "zero": Sharded, "pp": Pipelined, "ps": ParameterServer}
 
 __all__ = ["HOLDINGS", "Holding", "ParameterServer", "Pipelined", "Replicated", "Sharded",
-           "build", "build_optimizer", "kind_of"]
+           "build", "kind_of"]
 
 
-def kind_of(layout: Layout) -> str:
-    """Which Holding implements `layout` (a key of HOLDINGS)."""
-    if layout.mode == "ps":
+def kind_of(dims: Dims) -> str:
+    """Which Holding implements `dims` (a key of HOLDINGS)."""
+    if dims.exchange == "ps":
         return "ps"
-    return "pp" if layout.pp > 1 else "zero" if layout.zero else "dp"
+    return "pp" if dims.pp > 1 else "zero" if dims.zero else "dp"
 
 
-def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
+def build(model: nn.Module, mesh: Mesh, config: Config,
           weights: Checkpoint | SlicedWeights | None = None,
           averaging: Averaging | None = None) -> Holding:
-    """This rank's Holding of `model` (the same whole model on every rank) in `layout`
-    over `mesh`; `config` gives the options (`[parallel]`, `[comm]`, `[sync]`, `[ps]`,
+    """This rank's Holding of `model` (the same whole model on every rank) laid out on
+    `mesh` by its Dims; `config` gives the options (`[parallel]`, `[comm]`, `[sync]`, `[ps]`,
     `[optimizer]`, `[train]`, `[memory]`).
 
     tp > 1 splits `model`'s layers in place first, by its family's plan or `[model]
@@ -78,12 +76,12 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
     initial values for `train.seed`, the same as one process's.
 
     `averaging` (fault tolerance's live replicas hand one: dtrain.ft.live.LiveAveraging)
-    averages gradients over the replicas it chooses at each step: instead of over the mesh's
+    averages gradients over the live replicas it chooses at each step: instead of over the mesh's
     dp group (DataParallel), or after ZeRO's reduction over it, shard by shard.
 
-    A mesh of replicas (`sync.method` = local_sgd or diloco) gives each its own Holding,
-    synchronized with the others' over `mesh.group("dp_replicate")` every `sync.every` steps
-    (dtrain.layouts.synced.Synced around its Holding, dtrain.parallel.sync.diloco), and its own
+    A mesh of sync groups (`sync.method` = local_sgd or diloco) gives each its own Holding,
+    synchronized with the others' over `mesh.group("sync")` every `sync.every` steps by
+    the outer loop it takes (`Holding.sync_with`, dtrain.sync.diloco), and its own
     checkpoints.
 
     Raises:
@@ -95,15 +93,16 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
     skeleton = init.is_skeleton(model)
     if skeleton and weights is None:
         weights = init.Initial(model, config.train.seed)  # the whole model's names and rules
-    sequence = config.parallel.sequence_parallel and layout.tp > 1
+    dims = mesh.dims
+    sequence = dims.sequence_parallel
     if sequence:
         check_sequence_parallel(model)
-    if layout.cp > 1:  # each rank runs its chunks of every sequence
-        context.apply(model, ContextParallel(mesh.group("cp"), config.parallel.cp_method))
-    if layout.tp > 1:
+    if dims.cp > 1:  # each rank runs its chunks of every sequence
+        context.apply(model, ContextParallel(mesh.group("cp"), dims.cp_method))
+    if dims.tp > 1:
         split_model(model, mesh.group("tp"), config.model.tp_plan)
-    if layout.ep > 1:  # each rank keeps its E / ep experts of every MoE layer
-        moe.expert_parallel(model, mesh.group("ep"), mesh.coords["ep"], layout.ep)
+    if dims.ep > 1:  # each rank keeps its E / ep experts of every MoE layer
+        moe.expert_parallel(model, mesh.group("ep"), mesh.coords["ep"], dims.ep)
     fp8_note = ""
     if config.train.float8 != "none":  # before compiling, as torchao recommends
         converted = float8.convert_to_float8(model, config.train.float8)
@@ -112,40 +111,40 @@ def build(model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
     if config.train.compile:  # each block on its own; recomputation then wraps it
         compiled.compile_blocks(model, cache_dir=Path(config.train.out_dir) / "compile_cache")
     recomputed = recompute.apply(model, config.memory)  # split layers, before pp cuts blocks
-    kind = kind_of(layout)
+    kind = kind_of(dims)
     if skeleton and kind in ("dp", "ps"):  # these hold their (tp blocks of the) model whole
         init.allocate(model, mesh.world.device)
-    notes = _notes(config, recomputed, fp8_note)
-    held = HOLDINGS[kind](model, mesh, layout, config, notes=notes,
+    notes = _notes(dims, config, recomputed, fp8_note)
+    held = HOLDINGS[kind](model, mesh, config, notes=notes,
                           **({"averaging": averaging} if averaging else {}))
     if skeleton:
-        held.restore(weights)
-        if layout.tp > 1:  # the allocated parameters of per-head norms sum their gradients
+        held.saved.restore(weights)
+        if dims.tp > 1:  # the allocated parameters of per-head norms sum their gradients
             sum_headwise_grads(model)
     if sequence:  # after allocation: its gradient hooks go on the real parameters
         apply_sequence_parallel(model, mesh.group("tp"))
-    replicas = mesh.size("dp_replicate")
-    if replicas > 1:  # replicas train alone, synchronized every sync.every steps
+    groups = mesh.size("sync")
+    if groups > 1:  # sync groups train alone, synchronized every sync.every steps
         sc = config.sync
-        outer = DiLoCo(held.module, mesh.group("dp_replicate"), sync_every=sc.every,
+        outer = DiLoCo(held.module, mesh.group("sync"), sync_every=sc.every,
                        mode=sc.method, outer_lr=sc.outer_lr, outer_momentum=sc.outer_momentum,
                        streaming=sc.streaming, params=held.synced())
-        note = (f"{replicas} replicas synchronized by {sc.method} every {sc.every} steps"
+        note = (f"{groups} sync groups synchronized by {sc.method} every {sc.every} steps"
                 f"{' (streaming)' if sc.streaming else ''}")
-        # each replica writes checkpoints of its own
-        held = Synced(held, outer, mesh.group("pp", "dp", "cp", "tp"), note)
+        # each sync group writes checkpoints of its own
+        held.sync_with(outer, mesh.group("pp", "dp", "cp", "tp"), note)
     return held
 
 
-def _notes(config: Config, recomputed: list[str], fp8: str) -> tuple[str, ...]:
+def _notes(dims: Dims, config: Config, recomputed: list[str], fp8: str) -> tuple[str, ...]:
     """The banner's words for sequence parallelism, FP8 (`fp8`, if on) and what is
     recomputed."""
-    notes = ["sequence parallel"] if config.parallel.sequence_parallel else []
+    notes = ["sequence parallel"] if dims.sequence_parallel else []
     if fp8:
         notes.append(fp8)
     if recomputed:
-        mode = config.memory.activation_checkpointing
-        what = "modules" if config.memory.checkpoint_modules else \
+        mode = config.memory.recompute
+        what = "modules" if config.memory.recompute_modules else \
             {"full": "blocks", "selective": "attention cores and activations"}[mode]
         notes.append(f"recomputing {len(recomputed)} {what}")
     return tuple(notes)

@@ -3,19 +3,19 @@ DataParallel all-reduces the gradients (dtrain.DataParallel)."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from dtrain.comm import GroupLike
 from dtrain.config import Config
-from dtrain.job_layout import Layout
-from dtrain.layouts.held import Names, Tensors, expert_ranks, replica_ranks
-from dtrain.layouts.holding import Holding, build_optimizer, under
+from dtrain.data_parallel import DataParallel
+from dtrain.data_parallel.averaging import Averaging
+from dtrain.data_parallel.clip import GradPart
+from dtrain.layouts.holding import Holding
+from dtrain.layouts.parts import Names, Tensors, expert_group
+from dtrain.layouts.state import CompressionState, HeldState
 from dtrain.mesh import Mesh
-from dtrain.parallel.averaging import Averaging
-from dtrain.parallel.clip import GradPart
-from dtrain.parallel.data_parallel import DataParallel
-from dtrain.parallel.sync import compression
+from dtrain.optim import build_optimizer
+from dtrain.sync import compression
 
 
 def data_parallel(module: nn.Module, group: GroupLike, config: Config,
@@ -33,44 +33,25 @@ def data_parallel(module: nn.Module, group: GroupLike, config: Config,
                         expert_group=expert_group)
 
 
-def compression_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The compression state (error feedback, warm starts) of every DataParallel inside
-    `module`, as one rank's tensors for its checkpoint file."""
-    wrappers = [m for m in module.modules() if isinstance(m, DataParallel)]
-    return {f"compression/{i}/{k}": v for i, wrapper in enumerate(wrappers)
-            for k, v in wrapper.compression_state().items()}
-
-
-def load_compression_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Continue every DataParallel inside `module` from `compression_state()`'s tensors."""
-    wrappers = [m for m in module.modules() if isinstance(m, DataParallel)]
-    for i, wrapper in enumerate(wrappers):
-        wrapper.load_compression_state(under(state, f"compression/{i}/"))
-
-
 class Replicated(Holding):
     """The model, whole or split over tp, replicated over dp with DataParallel (or over
     the replicas an `averaging` chooses at each step, as live replicas do)."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
+    def __init__(self, model: nn.Module, mesh: Mesh, config: Config,
                  notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
-        self.layout, self.names = layout, Names.of(model, mesh, layout)
+        self.dims, self.names = mesh.dims, Names.of(model, mesh)
         self.notes = notes
-        experts, _ = expert_ranks(mesh)  # edp (x cp)
-        replicas, place = replica_ranks(mesh)  # dp (x cp)
-        self.module = data_parallel(model, replicas, config, averaging, experts)
+        experts = expert_group(mesh)
+        same = mesh.group("dp_cp")  # the ranks holding the same parameters
+        self.module = data_parallel(model, same, config, averaging, experts)
         self.optimizers = [build_optimizer(model.parameters(), config.optimizer)]
-        self.held = [Tensors(self.names, list(model.parameters()), self.optimizers[0],
-                             dp=place)]
+        self.parts = [Tensors(self.names, list(model.parameters()), self.optimizers[0],
+                              dp=mesh.place("dp_cp"))]
+        self.saved = HeldState(self.dims, self.optimizers, self.parts, self.names,
+                               extras=[CompressionState(self.module)])
         self.groups = {"tp": mesh.group("tp"), **({"ep": mesh.group("ep")} if experts else {})}
-        self.loss_group = replicas
+        self.loss_group = same
         self.accum = config.train.grad_accum
 
     def grad_parts(self) -> list[GradPart]:
         return self.module.grad_parts(is_split=self.names.is_split)
-
-    def rank_state(self) -> dict[str, torch.Tensor]:
-        return compression_state(self.module)
-
-    def load_rank_state(self, state: dict[str, torch.Tensor]) -> None:
-        load_compression_state(self.module, state)

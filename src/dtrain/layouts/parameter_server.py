@@ -1,4 +1,4 @@
-"""Parameter-server training: each worker trains a whole replica, pushes its gradients to
+"""Parameter-server training: each worker trains a whole copy of the model, pushes its gradients to
 the servers (dtrain.ps) that hold the model and its optimizer, and pulls the new values.
 No collective runs per step, so asynchronous workers never wait on each other."""
 
@@ -10,11 +10,11 @@ from torch import nn
 
 from dtrain import ps
 from dtrain.config import Config
-from dtrain.job_layout import Layout
-from dtrain.layouts.held import Names, Tensors
+from dtrain.data_parallel.clip import GradPart
 from dtrain.layouts.holding import Holding
+from dtrain.layouts.parts import Names, Tensors
+from dtrain.layouts.state import HeldState
 from dtrain.mesh import Mesh
-from dtrain.parallel.clip import GradPart
 
 
 def ps_settings(config: Config) -> ps.Settings:
@@ -22,31 +22,30 @@ def ps_settings(config: Config) -> ps.Settings:
     o, p = config.optimizer, config.ps
     return ps.Settings(p.consistency, p.staleness if p.consistency == "ssp" else 0,
                        optimizer=o.name, lr=o.lr, momentum=o.momentum, betas=tuple(o.betas),
-                       weight_decay=o.weight_decay, replicas=p.replicas)
+                       weight_decay=o.weight_decay, copies=p.copies)
 
 
 class ParameterServer(Holding):
-    """A worker's replica; its optimizer is remote (step() pushes and pulls, and carries
+    """A worker's copy of the model; its optimizer is remote (step() pushes and pulls, and carries
     the scheduler's learning rate along)."""
 
-    # The first worker writes its replica alone; the optimizer state lives in the
-    # servers' snapshots.
-    checkpoint_group = None
-
-    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
+    def __init__(self, model: nn.Module, mesh: Mesh, config: Config,
                  notes: tuple[str, ...] = ()) -> None:
         # Pushes overlap backward unless the gradient must first be clipped whole.
         self.worker = ps.Worker(model, ps_settings(config),
                                 overlap=config.optimizer.grad_clip == 0)
-        self.layout, self.module, self.names = layout, model, Names(model)
+        self.dims, self.module, self.names = mesh.dims, model, Names(model)
         self.notes = notes
         self.optimizers = [ps.RemoteOptimizer(self.worker)]
-        self.held = [Tensors(self.names, list(model.parameters()))]
+        self.parts = [Tensors(self.names, list(model.parameters()))]
+        # The first worker writes its copy of the model alone; the optimizer state lives
+        # in the servers' snapshots.
+        self.saved = HeldState(self.dims, self.optimizers, self.parts, self.names,
+                               checkpoint_group=None, writes_checkpoint=mesh.world.is_main)
         self.groups = {}  # each worker clips its own gradient
         self.accum = config.train.grad_accum
-        self.writes_checkpoint = mesh.world.is_main
         pc = config.ps
-        copies = f", {pc.replicas} copies of each shard" if pc.replicas > 1 else ""
+        copies = f", {pc.copies} copies of each shard" if pc.copies > 1 else ""
         self._how = (f"{pc.consistency} parameter-server training with {pc.servers} "
                      f"server(s) per machine{copies}")
 
@@ -56,7 +55,7 @@ class ParameterServer(Holding):
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.worker.accumulate()
 
-    def step(self) -> None:
+    def update(self) -> None:
         self.optimizers[0].step()
 
     def zero_grad(self) -> None:
@@ -69,4 +68,4 @@ class ParameterServer(Holding):
         self.worker.close()
 
     def describe(self) -> str:
-        return "; ".join([self.layout.describe(self._how), *self.notes])
+        return "; ".join([self.dims.describe(self._how), *self.notes])

@@ -10,50 +10,54 @@ from torch import nn
 
 from dtrain import pipeline
 from dtrain.config import Config
-from dtrain.job_layout import Layout
-from dtrain.layouts.data_parallel import compression_state, data_parallel, load_compression_state
-from dtrain.layouts.held import Names, Shards, Tensors, expert_ranks, replica_ranks, untrained
-from dtrain.layouts.holding import Batch, Holding, build_optimizer
+from dtrain.data_parallel.averaging import Averaging
+from dtrain.data_parallel.clip import GradPart
+from dtrain.data_parallel.zero import ZeRO
+from dtrain.layouts.data_parallel import data_parallel
+from dtrain.layouts.holding import Batch, Holding
+from dtrain.layouts.parts import Names, Shards, Tensors, expert_group, untrained
+from dtrain.layouts.state import CompressionState, HeldState
 from dtrain.layouts.zero import zero_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
-from dtrain.parallel.averaging import Averaging
-from dtrain.parallel.clip import GradPart
-from dtrain.parallel.zero import ZeRO
+from dtrain.optim import build_optimizer
 
 
 class Pipelined(Holding):
     """This rank's pipeline pieces, each wrapped over dp, driven by the schedule."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
+    def __init__(self, model: nn.Module, mesh: Mesh, config: Config,
                  notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
-        group, (dp, place) = mesh.group("pp"), replica_ranks(mesh)  # dp (x cp)
-        self.layout, self.notes = layout, notes
-        mine = pipeline.pieces_for(pipeline.cut(model, layout.pp * layout.virtual_stages),
+        group, dp, place = mesh.group("pp"), mesh.group("dp_cp"), mesh.place("dp_cp")
+        dims = self.dims = mesh.dims
+        self.notes = notes
+        mine = pipeline.pieces_for(pipeline.cut(model, dims.pp * dims.virtual_stages),
                                    group)
         device = mesh.world.device  # a model built in split form: only my pieces get memory
-        if not layout.zero:
+        if not dims.zero:
             for piece in mine:
                 init.allocate(piece, device)
         tied = pipeline.tied_weights(model, mine, group)
-        self.names = Names.of(model, mesh, layout,
+        self.names = Names.of(model, mesh,
                               skip={id(p) for p, peer in tied if peer < group.rank()})
-        experts, _ = expert_ranks(mesh)  # edp (x cp)
-        if layout.zero:
-            wrapped = [zero_of(piece, dp, config, device, averaging, experts)
+        experts = expert_group(mesh)
+        if dims.zero:
+            wrapped = [zero_of(piece, dp, dims.zero, config, device, averaging, experts)
                        for piece in mine]
             self.optimizers = [z.optimizer for z in wrapped]
-            self.held = [*(Shards(self.names, z) for z in wrapped),
+            self.parts = [*(Shards(self.names, z) for z in wrapped),
                          *untrained(self.names, mine, place, device)]
         else:
             wrapped = [data_parallel(piece, dp, config, averaging, experts) for piece in mine]
             params = list(nn.ModuleList(mine).parameters())
             self.optimizers = [build_optimizer(params, config.optimizer)]
-            self.held = [Tensors(self.names, params, self.optimizers[0],
+            self.parts = [Tensors(self.names, params, self.optimizers[0],
                                  dp=place)]
         self.module = nn.ModuleList(wrapped)
-        self.pipe = pipeline.Pipeline(wrapped, group, microbatches=layout.microbatches,
-                                      schedule=layout.schedule,
+        self.saved = HeldState(dims, self.optimizers, self.parts, self.names,
+                               extras=[CompressionState(self.module)])
+        self.pipe = pipeline.Pipeline(wrapped, group, microbatches=dims.microbatches,
+                                      schedule=dims.schedule,
                                       loss_fn=pipeline.loss_of(model), tied=tied,
                                       extra_loss=pipeline.extra_loss_of(model, mine))
         self.groups = {"dp": dp, "tp": mesh.group("tp"), "pp": group,
@@ -73,12 +77,6 @@ class Pipelined(Holding):
 
     def grad_parts(self) -> list[GradPart]:
         return self.pipe.grad_parts(is_split=self.names.is_split)  # a tied copy counted once
-
-    def rank_state(self) -> dict[str, torch.Tensor]:
-        return compression_state(self.module)
-
-    def load_rank_state(self, state: dict[str, torch.Tensor]) -> None:
-        load_compression_state(self.module, state)
 
     def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.pipe.evaluate(x, y)

@@ -8,27 +8,30 @@ from torch import nn
 
 from dtrain.comm import GroupLike
 from dtrain.config import Config
-from dtrain.job_layout import Layout
-from dtrain.layouts.held import Names, Shards, expert_ranks, replica_ranks, untrained
-from dtrain.layouts.holding import Holding, build_optimizer
+from dtrain.data_parallel.averaging import Averaging
+from dtrain.data_parallel.clip import GradPart
+from dtrain.data_parallel.zero import ZeRO
+from dtrain.layouts.holding import Holding
+from dtrain.layouts.parts import Names, Shards, expert_group, untrained
+from dtrain.layouts.state import HeldState
 from dtrain.mesh import Mesh
 from dtrain.models import init
-from dtrain.parallel.averaging import Averaging
-from dtrain.parallel.clip import GradPart
-from dtrain.parallel.zero import ZeRO
+from dtrain.optim import build_optimizer
 
 
-def zero_of(module: nn.Module, group: GroupLike, config: Config, device: torch.device,
-            averaging: Averaging | None = None, expert_group: GroupLike = None) -> ZeRO:
-    """`module` wrapped in ZeRO over `group` as `[parallel]`, `[comm]` and `[optimizer]`
-    say, each shard also averaged by `averaging` if given, split experts sharded over
-    `expert_group` (the ranks holding the same experts); a module built in split form gets
-    its shards (only) on `device`; `[memory] offload` puts the optimizer shards on the host."""
+def zero_of(module: nn.Module, group: GroupLike, stage: int, config: Config,
+            device: torch.device, averaging: Averaging | None = None,
+            expert_group: GroupLike = None) -> ZeRO:
+    """`module` wrapped in ZeRO at `stage` over `group` as `[parallel]` (its mixed
+    precision), `[comm]` and `[optimizer]` say, each shard also averaged by `averaging` if
+    given, split experts sharded over `expert_group` (the ranks holding the same experts);
+    a module built in split form gets its shards (only) on `device`; `[memory] offload`
+    puts the optimizer shards on the host."""
     pc = config.parallel
     mixed = None if pc.mixed_precision == "fp32" else pc.mixed_precision
     init.allocate_buffers(module, device)
     return ZeRO(module, lambda _: build_optimizer(module.parameters(), config.optimizer),
-                stage=pc.zero, group=group, bucket_mb=config.comm.bucket_mb,
+                stage=stage, group=group, bucket_mb=config.comm.bucket_mb,
                 mixed_precision=mixed, device=device, averaging=averaging,
                 expert_group=expert_group,
                 offload_device="cpu" if config.memory.offload == "optimizer" else None)
@@ -38,19 +41,20 @@ class Sharded(Holding):
     """The model, whole or split over tp, sharded over dp by one ZeRO wrapper (split
     experts over the ranks holding the same experts)."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, layout: Layout, config: Config,
+    def __init__(self, model: nn.Module, mesh: Mesh, config: Config,
                  notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
-        self.layout, self.names = layout, Names.of(model, mesh, layout)
+        self.dims, self.names = mesh.dims, Names.of(model, mesh)
         self.notes = notes
-        experts, _ = expert_ranks(mesh)  # edp (x cp)
-        replicas, place = replica_ranks(mesh)  # dp (x cp)
-        self.module = self.zero = zero_of(model, replicas, config, mesh.world.device,
-                                          averaging, experts)
+        same = mesh.group("dp_cp")  # the ranks holding the same parameters
+        self.module = self.zero = zero_of(model, same, mesh.dims.zero, config,
+                                          mesh.world.device, averaging, expert_group(mesh))
         self.optimizers = [self.zero.optimizer]
-        self.held = [Shards(self.names, self.zero),
-                     *untrained(self.names, [model], place, mesh.world.device)]
-        self.groups = {"dp": replicas, "tp": mesh.group("tp")}  # experts: dp too
-        self.loss_group = replicas
+        self.parts = [Shards(self.names, self.zero),
+                      *untrained(self.names, [model], mesh.place("dp_cp"), mesh.world.device)]
+        self.saved = HeldState(self.dims, self.optimizers, self.parts, self.names,
+                               scaled=self.zero)
+        self.groups = {"dp": same, "tp": mesh.group("tp")}  # experts: dp too
+        self.loss_group = same
         self.accum = config.train.grad_accum
 
     def grad_parts(self) -> list[GradPart]:
@@ -63,14 +67,6 @@ class Sharded(Holding):
         self.zero.backward(loss)  # scales the loss under fp16
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        if self.layout.tp == 1:  # ZeRO's own also skips a step's clip on fp16 overflow
+        if self.dims.tp == 1:  # ZeRO's own also skips a step's clip on fp16 overflow
             return float(self.zero.clip_grad_norm_(max_norm))
         return super().clip_grad_norm_(max_norm)
-
-    @property
-    def loss_scale(self) -> float:
-        return self.zero.loss_scale
-
-    @loss_scale.setter
-    def loss_scale(self, value: float) -> None:
-        self.zero.loss_scale = value

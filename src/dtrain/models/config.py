@@ -14,41 +14,48 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from dtrain.errors import ConfigError
+from dtrain.models.moe.router import RouterName
+from dtrain.schema import non_negative, positive
 
-ARCHS = ("gpt", "llama", "hf", "custom")
+Arch = Literal["gpt", "llama", "hf", "custom"]
+"""The models `dtrain train` builds: dtrain's GPT or Llama, a Hugging Face causal LM, or a
+user's module."""
+ARCHS: tuple[str, ...] = get_args(Arch)
+
 
 
 @dataclass
 class ModelConfig:
-    arch: str = "gpt"
+    arch: Arch = "gpt"
     """gpt (dtrain's GPT-2-style model), llama (dtrain's Llama), hf (a Hugging Face causal
     LM from hf_config or init_from) or custom (your own module from factory)."""
     preset: str = ""
     """A named shape for the built-in models (e.g. "llama-tiny", "llama-3-8b")."""
-    vocab_size: int = 0
+    vocab_size: int = non_negative(0)
     """Number of token ids; 0 takes the data's (256 for bytes)."""
-    block_size: int = 128
+    block_size: int = positive(128)
     """Longest context, in tokens; the training sequences' length."""
-    n_layer: int = 4
+    n_layer: int = positive(4)
     """Transformer blocks."""
-    n_head: int = 4
+    n_head: int = positive(4)
     """Attention heads per block; must divide n_embd."""
-    n_embd: int = 128
+    n_embd: int = positive(128)
     """Width of the residual stream."""
-    n_kv_head: int = 0
+    n_kv_head: int = non_negative(0)
     """Llama: key/value heads (grouped-query attention); 0 means n_head."""
-    ffn_hidden: int = 0
+    ffn_hidden: int = non_negative(0)
     """Llama: the SwiGLU MLP's hidden width; 0 means Llama's rule (8/3 n_embd, rounded up
     to a multiple of 256)."""
-    rope_theta: float = 10000.0
+    rope_theta: float = non_negative(10000.0)
     """Llama: the base of the rotary position embedding."""
-    norm_eps: float = 1e-5
+    norm_eps: float = non_negative(1e-5)
     """Llama: RMSNorm's epsilon."""
     tie_embeddings: bool = True
     """Llama: the output head shares the token embedding's weight (GPT always does)."""
-    dropout: float = 0.0
+    dropout: float = non_negative(0.0)
     """Dropout probability; 0 keeps runs reproducible."""
     hf_config: str = ""
     """arch = "hf": a Hugging Face config.json, or a folder holding one."""
@@ -56,36 +63,41 @@ class ModelConfig:
     """A Hugging Face folder of safetensors weights to start from (arch llama or hf)."""
     factory: str = ""
     """arch = "custom": "package.module:function" returning the nn.Module."""
-    head_dim: int = 0
+    head_dim: int = non_negative(0)
     """Llama: each attention head's width; 0 means n_embd / n_head (Qwen3 sets its own)."""
     qk_norm: bool = False
     """Llama: RMSNorm each query and key head before the rotary embedding (Qwen3)."""
-    n_experts: int = 0
+    n_experts: int = non_negative(0)
     """Llama: routed experts of each mixture-of-experts block; 0 keeps every block dense."""
-    experts_per_token: int = 2
+    experts_per_token: int = positive(2)
     """With n_experts: the experts each token goes to (top-k)."""
-    n_shared_experts: int = 0
+    n_shared_experts: int = non_negative(0)
     """With n_experts: experts every token also passes through (DeepSeek's shared ones)."""
-    moe_inter_size: int = 0
+    moe_inter_size: int = non_negative(0)
     """With n_experts: each expert's hidden width; 0 means ffn_hidden."""
     moe_layers: str = "all"
     """With n_experts: the MoE blocks: "all", "after K" (all but the first K), "every N"
     (blocks N-1, 2N-1, ...: Qwen3-MoE's decoder_sparse_step) or a list like "1,3,5"; the
     others keep the dense MLP."""
-    router: str = "softmax_topk"
+    router: RouterName = "softmax_topk"
     """With n_experts: softmax_topk (Mixtral, Qwen3) or sigmoid_bias (DeepSeek-V3's
     auxiliary-loss-free balancing: a per-expert bias nudged toward even load each step)."""
     norm_topk_prob: bool = True
     """With n_experts: renormalize each token's k routing weights to sum to one."""
-    aux_loss_weight: float = 0.0
+    aux_loss_weight: float = non_negative(0.0)
     """With n_experts: weight of the load-balancing loss added to the training loss; 0 is
     off."""
-    capacity_factor: float = 0.0
+    capacity_factor: float = non_negative(0.0)
     """With n_experts: assignments an expert takes per sequence, as a multiple of an even
     share (later ones are dropped); 0 is dropless."""
     tp_plan: dict[str, str] = field(default_factory=dict)
     """Tensor-parallel plan for a model without a built-in one: module-name pattern ->
     colwise, rowwise, vocab or vocab_loss (dtrain.tensor_parallel.parallelize)."""
+
+    def check(self) -> None:
+        if self.dropout >= 1:
+            raise ConfigError(f"model.dropout = {self.dropout} must be below 1 (a probability)")
+
 
 
 MOE_KEYS = ("n_experts", "experts_per_token", "n_shared_experts", "moe_inter_size",

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +61,9 @@ from torch import nn
 from dtrain.errors import ConfigError
 from dtrain.models.stages import block_lists
 
-RECIPES = ("tensorwise", "rowwise")
+Recipe = Literal["tensorwise", "rowwise"]
+"""torchao's float8 scaling recipes dtrain offers (`[train] float8`)."""
+RECIPES: tuple[str, ...] = get_args(Recipe)
 """The scaling recipes (`[train] float8`): one scale per tensor, or one per row."""
 
 MIN_CAPABILITY = (8, 9)

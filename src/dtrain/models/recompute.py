@@ -7,9 +7,12 @@ its forward again (torch.utils.checkpoint, non-reentrant, with the RNG state of 
 run restored, so dropout draws the same mask and the gradients are exactly those without
 recomputation) and then its backward. The price is one more forward of what is recomputed.
 
-    activation_checkpointing(model, "full")        # every transformer block
-    activation_checkpointing(model, "selective")   # attention's softmax(q k^T) v, SwiGLU
-    checkpoint_modules(model, ["blocks.*.mlp"])    # exactly these modules
+    recompute_mode(model, "full")               # every transformer block
+    recompute_mode(model, "selective")          # attention's softmax(q k^T) v, SwiGLU
+    recompute_modules(model, ["blocks.*.mlp"])  # exactly these modules
+
+`[memory]` (`MemoryConfig`, defined here) says which: `recompute` a mode, or
+`recompute_modules` a list of names.
 
 A module is recomputed by replacing its forward on the instance, not by wrapping it in a
 new parent: module names stay the same (checkpoints, tensor-parallel plans and pipeline
@@ -27,7 +30,8 @@ import functools
 import re
 import types
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -42,29 +46,40 @@ HF_ATTENTION = "dtrain_recomputed_sdpa"
 _ORIGINAL = "_recompute_original_forward"  # the instance attribute holding the forward
 _WITHIN = "_recompute_within"  # instance attribute: the module or one holding it recomputes
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called: their elements are
-_FULL_FIX = ("memory.activation_checkpointing = \"full\"", "list the modules to recompute in "
-             "[memory] checkpoint_modules")
+_FULL_FIX = ("memory.recompute = \"full\"", "list the modules to recompute in "
+             "[memory] recompute_modules")
 
 
 class Mode(enum.Enum):
-    """What `activation_checkpointing` recomputes."""
+    """What `recompute_mode` recomputes."""
 
     NONE = "none"  # nothing
     FULL = "full"  # every transformer block: only each block's input is kept
     SELECTIVE = "selective"  # the attention cores and activations: their insides, not inputs
 
 
-class MemorySettings(Protocol):
-    """The `[memory]` keys `apply` reads (dtrain.config.MemoryConfig has them)."""
+@dataclass
+class MemoryConfig:
+    """The `[memory]` section: what backward recomputes instead of keeping, and where
+    ZeRO's optimizer state lives."""
 
-    activation_checkpointing: str
-    checkpoint_modules: list[str]
+    recompute: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward instead of keeping them: none; full (each
+    transformer block's, keeping only its input); selective (the attention core's and
+    SwiGLU's: large activations, cheap to recompute)."""
+    recompute_modules: list[str] = field(default_factory=list)
+    """Instead of recompute's choice, recompute exactly these modules: dotted names, `*`
+    standing for one name component (e.g. "blocks.*.mlp")."""
+    offload: Literal["none", "optimizer"] = "none"
+    """none; optimizer: keep ZeRO's optimizer state and fp32 master shards in host memory
+    and step the optimizer there, each step's gradient shards copied to the host and the
+    parameters back in the background (ZeRO-Offload; needs parallel.zero >= 1)."""
 
 
-def apply(model: nn.Module, memory: MemorySettings) -> list[str]:
-    """Recompute what `[memory]` asks: the modules of `memory.checkpoint_modules` when it
-    names any, else those of `memory.activation_checkpointing`'s mode. Returns the names
-    of the modules recomputed (see `activation_checkpointing`).
+def apply(model: nn.Module, memory: MemoryConfig) -> list[str]:
+    """Recompute what `[memory]` asks: the modules of `memory.recompute_modules` when it
+    names any, else those of `memory.recompute`'s mode. Returns the names
+    of the modules recomputed (see `recompute_mode`).
 
     Call it on the bare model (no DataParallel or ZeRO prefix in the names), after tensor
     parallelism has split it: the split replaces layers, and with them their forward.
@@ -73,12 +88,12 @@ def apply(model: nn.Module, memory: MemorySettings) -> list[str]:
         ConfigError: an unknown mode, a pattern naming no module, or a model with nothing
             the mode can recompute.
     """
-    if memory.checkpoint_modules:
-        return checkpoint_modules(model, memory.checkpoint_modules)
-    return activation_checkpointing(model, memory.activation_checkpointing)
+    if memory.recompute_modules:
+        return recompute_modules(model, memory.recompute_modules)
+    return recompute_mode(model, memory.recompute)
 
 
-def activation_checkpointing(model: nn.Module, mode: str | Mode) -> list[str]:
+def recompute_mode(model: nn.Module, mode: str | Mode) -> list[str]:
     """Recompute `model`'s activations in backward as `mode` says:
 
     - "none": nothing.
@@ -98,28 +113,28 @@ def activation_checkpointing(model: nn.Module, mode: str | Mode) -> list[str]:
     try:
         mode = Mode(mode)
     except ValueError:
-        raise ConfigError(f"memory.activation_checkpointing = {mode!r} is unknown: use "
+        raise ConfigError(f"memory.recompute = {mode!r} is unknown: use "
                           f"{', '.join(m.value for m in Mode)}") from None
     if mode is Mode.NONE:
         return []
     if mode is Mode.FULL:
-        return checkpoint_modules(model, [f"{name}.*" for name in
+        return recompute_modules(model, [f"{name}.*" for name in
                                           block_lists(model, _FULL_FIX)])
     cores = [name for name, m in model.named_modules()
              if isinstance(m, (AttentionCore, Activation))]
     if cores:
-        return checkpoint_modules(model, cores)
+        return recompute_modules(model, cores)
     from dtrain.models.hf import HFCausalLM
 
     if isinstance(model, HFCausalLM):
         return _recompute_hf_attention(model)
-    raise ConfigError(f"memory.activation_checkpointing = \"selective\": "
+    raise ConfigError(f"memory.recompute = \"selective\": "
                       f"{type(model).__name__} has no attention core dtrain can recompute "
                       "(dtrain.models.stages.AttentionCore): use \"full\", or list modules "
-                      "in [memory] checkpoint_modules")
+                      "in [memory] recompute_modules")
 
 
-def checkpoint_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
+def recompute_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
     """Recompute in backward each module of `model` that `patterns` name: dotted names as
     `model.named_modules()` gives them, where `*` stands for one name component (or part
     of one): "blocks.*", "blocks.*.attn.core". A module inside another one named is left
@@ -154,7 +169,7 @@ def checkpoint_modules(model: nn.Module, patterns: Sequence[str]) -> list[str]:
 
 
 def is_recomputed(module: nn.Module) -> bool:
-    """Whether `module`'s activations are recomputed in backward (by `checkpoint_modules`)."""
+    """Whether `module`'s activations are recomputed in backward (by `recompute_modules`)."""
     return _ORIGINAL in vars(module)
 
 
@@ -218,7 +233,7 @@ def _inside(name: str, outer: str) -> bool:
 
 def _no_match(pattern: str, matched: list[str], modules: dict[str, nn.Module]) -> str:
     """One line: what `pattern` missed and what exists where it went wrong."""
-    where = "memory.checkpoint_modules"
+    where = "memory.recompute_modules"
     if matched:  # only containers
         return (f"{where}: {pattern!r} names {type(modules[matched[0]]).__name__} "
                 f"{matched[0]!r}, which is never called: name its elements, {pattern + '.*'!r}")
@@ -258,21 +273,21 @@ def _recompute_hf_attention(model: nn.Module) -> list[str]:
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.masking_utils import sdpa_mask
     except ImportError:
-        raise ConfigError("memory.activation_checkpointing = \"selective\" for a Hugging "
+        raise ConfigError("memory.recompute = \"selective\" for a Hugging "
                           "Face model needs transformers >= 5 (its AttentionInterface): "
                           "upgrade transformers, or use \"full\"") from None
     hf = model.hf
     # transformers has no public getter for the implementation in use
     current = getattr(hf.config, "_attn_implementation", None)
     if current not in ("sdpa", HF_ATTENTION):
-        raise ConfigError(f"memory.activation_checkpointing = \"selective\": {type(hf).__name__} "
+        raise ConfigError(f"memory.recompute = \"selective\": {type(hf).__name__} "
                           f"attends with {current!r}, and dtrain recomputes only SDPA "
                           "attention: use \"full\"")
     AttentionInterface.register(HF_ATTENTION, _recomputed_sdpa)
     AttentionMaskInterface.register(HF_ATTENTION, sdpa_mask)
     hf.set_attn_implementation(HF_ATTENTION)
     if getattr(hf.config, "_attn_implementation", None) != HF_ATTENTION:
-        raise ConfigError(f"memory.activation_checkpointing = \"selective\": {type(hf).__name__} "
+        raise ConfigError(f"memory.recompute = \"selective\": {type(hf).__name__} "
                           "cannot switch its attention function (it does not use "
                           "transformers' AttentionInterface): use \"full\"")
     return [name for name, m in model.named_modules()

@@ -1,7 +1,7 @@
 """A Hugging Face folder of safetensors weights, read the way a checkpoint is.
 
 `init_from` starts a run from such a folder in any layout: the layouts restore their
-parameters from it exactly as from a dtrain checkpoint (dtrain.layouts.held), through the
+parameters from it exactly as from a dtrain checkpoint (dtrain.layouts.parts), through the
 few calls a checkpoint answers (`tensor`, `names`, `extra`, `path`) and two a checkpoint
 does not (`block`, `rows`), all served by `SlicedWeights` from one slice reader (which
 dtrain.models.init's initial values share). Names are dtrain's (`model/` + the model's
@@ -23,8 +23,8 @@ from safetensors import safe_open
 
 from dtrain.checkpoint.universal import MODEL
 from dtrain.errors import ConfigError
-from dtrain.job_layout import Split
 from dtrain.models.hf_places import HFName, Stacked, Zeros
+from dtrain.split import Split
 
 if TYPE_CHECKING:
     from dtrain.models.config import ModelConfig

@@ -20,7 +20,7 @@ adds the other stage's gradient of a tied parameter to `accumulated_grad(param)`
 `reduce_gradients()`. A piece with an `averaging` of its own (live replicas: a redo over
 the survivors must not wait on a stage still waiting for this one's sends) is driven the
 same way, tied weights or not. A piece with `grad_parts(is_split=, counted=)` (ZeRO,
-DataParallel) gives its gradients to the clip that way (dtrain.parallel.clip).
+DataParallel) gives its gradients to the clip that way (dtrain.data_parallel.clip).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from dtrain import comm
+from dtrain.data_parallel import clip
+from dtrain.data_parallel.clip import GradPart
 from dtrain.errors import ConfigError
-from dtrain.parallel import clip
-from dtrain.parallel.clip import GradPart
 from dtrain.pipeline import schedules
 from dtrain.pipeline.p2p import Channels
 from dtrain.pipeline.pieces import ExtraLoss
@@ -46,7 +46,7 @@ _TIED_TAG = 1
 
 
 def averages_apart(piece: object) -> bool:
-    """Whether `piece` averages over replicas of its own choosing (its `averaging` set, as
+    """Whether `piece` averages over live replicas of its own choosing (its `averaging` set, as
     fault tolerance's live replicas do, dtrain.ft.live): it then reduces after the schedule,
     with `reduce_gradients()`, not inside its last backward, where a redo over the
     survivors would wait on stages still waiting for this one's sends."""
@@ -256,7 +256,7 @@ class Pipeline:
 
     def grad_parts(self, is_split: Callable[[nn.Parameter], bool] | None = None
                    ) -> list[GradPart]:
-        """This rank's gradients as parts of the whole model's norm (dtrain.parallel.clip),
+        """This rank's gradients as parts of the whole model's norm (dtrain.data_parallel.clip),
         after `step`: each piece's own `grad_parts` where it has them (ZeRO's shards are
         summed over "dp"), else its parameters' .grad; over "tp" too where `is_split(param)`.
         A tied parameter counts on the lower stage only."""
@@ -285,7 +285,7 @@ class Pipeline:
         parameter counted once) is at most `max_norm`; returns that norm (collective over
         the pipeline group, and over the data-parallel group of sharded pieces). Pieces
         split by tensor parallelism need the tp group: use `grad_parts(is_split)` with
-        dtrain.parallel.clip."""
+        dtrain.data_parallel.clip."""
         groups = {"pp": self.group}
         dp = next((piece.group for piece in self.pieces if holds_shards(piece)), None)
         if dp is not None:

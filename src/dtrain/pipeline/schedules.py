@@ -20,8 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtrain.errors import ConfigError
+from dtrain.mesh import dims
+from dtrain.mesh.config import ParallelConfig
+from dtrain.models.config import ModelConfig
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = dims.SCHEDULES  # the mesh's vocabulary: Dims.schedule is one of them
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,27 @@ def check(name: str, pp: int, microbatches: int, chunks: int) -> None:
     elif chunks != 1:
         raise ConfigError(f"schedule {name!r} runs one chunk per rank, not {chunks}: use "
                           "'interleaved' for virtual stages")
+
+
+def check_config(parallel: ParallelConfig, model: ModelConfig, grad_accum: int) -> None:
+    """A pipeline's `[parallel]` keys against the model and the run (`train.grad_accum`).
+
+    Raises:
+        ConfigError: more stages than layers, gradient accumulation beside micro-batches,
+            or a schedule that cannot run so.
+    """
+    p = parallel
+    if model.arch == "gpt" and p.pp * p.virtual_stages > model.n_layer:
+        raise ConfigError(f"parallel.pp x parallel.virtual_stages = {p.pp * p.virtual_stages} "
+                          f"stages but the model has {model.n_layer} layers: use at most "
+                          f"{model.n_layer} stages")
+    if grad_accum != 1:
+        raise ConfigError("train.grad_accum with parallel.pp > 1: the pipeline accumulates "
+                          "over parallel.microbatches instead; set train.grad_accum = 1")
+    try:
+        check(p.schedule, p.pp, p.microbatches, p.virtual_stages)
+    except ConfigError as exc:
+        raise ConfigError(f"parallel.schedule = {p.schedule!r}: {exc}") from None
 
 
 def gpipe(pp: int, rank: int, microbatches: int) -> list[Action]:

@@ -9,7 +9,7 @@ Two planners answer in one vocabulary:
 
 Both know a model by its `ModelShape` (dtrain.planner.shape: from a `[model]` section, a
 GPTConfig or a LlamaConfig, or `--model-shape`), answer with a `PlannedLayout`
-(dtrain.planner.planned: a Layout with its recomputation mode, sequence parallelism and
+(dtrain.planner.planned: a Dims with its recomputation mode, sequence parallelism and
 micro-batch size), and share the arithmetic of dtrain.planner.costs (bytes per parameter,
 the pipeline bubble).
 
@@ -17,7 +17,7 @@ the pipeline bubble).
     estimates = plan(lambda b: profile_gpt(cfg, b), devices=8, memory=80e9, batch=64,
                      flops=300e12, links=Links.given(100, 10))
     best, why = recommend(estimates)
-    best.planned                    # its Layout, recomputation, sequence parallelism
+    best.planned                    # its Dims, recomputation, sequence parallelism
 
     shape = parse_shape("layers=80,hidden=12288,heads=96,seq=2048,vocab=51200")
     cluster = Cluster(hardware("a100-80gb"), nodes=192, gpus_per_node=8)
@@ -26,7 +26,7 @@ the pipeline bubble).
 
 from __future__ import annotations
 
-from dtrain.job_layout import Layout
+from dtrain.mesh import Dims
 from dtrain.planner.analytic import Cluster, ClusterEstimate, Hardware, hardware, planned_layout
 from dtrain.planner.analytic import evaluate as evaluate_layout
 from dtrain.planner.analytic import rank as rank_layouts
@@ -40,7 +40,7 @@ from dtrain.planner.traced.profile import Profile, profile_factory, profile_gpt,
 from dtrain.planner.traced.tracker import LiveBytes
 
 __all__ = ["PARAM_BYTES", "RECOMPUTE", "Cluster", "ClusterEstimate", "Estimate", "Hardware",
-           "Layout", "Links", "LiveBytes", "ModelShape", "PlannedLayout", "Profile", "bubble",
+           "Dims", "Links", "LiveBytes", "ModelShape", "PlannedLayout", "Profile", "bubble",
            "choices", "estimate", "evaluate_layout", "hardware", "layouts", "parse_shape",
            "plan", "planned_layout", "profile_factory", "profile_gpt", "profile_model",
            "rank_layouts", "recommend"]

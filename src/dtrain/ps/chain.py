@@ -1,6 +1,6 @@
 """Which servers hold a copy of each shard, and in what order (chain replication).
 
-With `replicas` = R, shard k lives on servers k, k+1, ..., k+R-1 (mod S): server k is its
+With `copies` = R, shard k lives on servers k, k+1, ..., k+R-1 (mod S): server k is its
 primary, the others its backups, in chain order (van Renesse and Schneider, OSDI 2004; the
 parameter server's replication, Li et al., OSDI 2014, section 4.3). The first live server
 of the chain is the head: workers send it their pushes and pulls, it passes each update
@@ -14,19 +14,19 @@ from __future__ import annotations
 from collections.abc import Collection
 
 
-def holders(shard: int, servers: int, replicas: int) -> list[int]:
+def holders(shard: int, servers: int, copies: int) -> list[int]:
     """The servers holding copies of `shard`, primary first."""
-    return [(shard + i) % servers for i in range(replicas)]
+    return [(shard + i) % servers for i in range(copies)]
 
 
-def head(shard: int, servers: int, replicas: int, dead: Collection[int]) -> int | None:
+def head(shard: int, servers: int, copies: int, dead: Collection[int]) -> int | None:
     """The first live holder of `shard` (None: every copy is lost)."""
-    return next((s for s in holders(shard, servers, replicas) if s not in dead), None)
+    return next((s for s in holders(shard, servers, copies) if s not in dead), None)
 
 
-def after(shard: int, server: int, servers: int, replicas: int,
+def after(shard: int, server: int, servers: int, copies: int,
           dead: Collection[int]) -> int | None:
     """The next live holder of `shard` after `server` in its chain (None: `server` is the
     last live copy, the tail)."""
-    chain = holders(shard, servers, replicas)
+    chain = holders(shard, servers, copies)
     return next((s for s in chain[chain.index(server) + 1 :] if s not in dead), None)

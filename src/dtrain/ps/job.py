@@ -2,8 +2,8 @@
 
 The launcher starts W workers and S servers per machine (dtrain.launch.roles) and gives
 every process the job's shared secret. Worker 0 publishes its model's parameter count and
-its settings' `replicas` in the job's rendezvous store (the launcher's role processes read
-the latter to tell a server's death the job survives from one it does not: `replicas`);
+its settings' `copies` in the job's rendezvous store (the launcher's role processes read
+the latter to tell a server's death the job survives from one it does not: `copies`);
 each server waits for the count (its sockets refuse frames larger than
 its shard), binds a free port, publishes its address in the same store, and serves
 (`serve_from_env`: no user code); a worker's `ps.Worker` reads the addresses from the
@@ -18,9 +18,9 @@ import secrets
 
 import torch.distributed as dist
 
+from dtrain import env
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.ft import env
-from dtrain.ft.store import connect
+from dtrain.store import connect
 
 
 def new_secret() -> str:
@@ -57,7 +57,7 @@ def worker_index() -> int:
 
 
 def _store(timeout_s: float) -> dist.Store:
-    """The job's store (node 0's, or the etcd cluster: dtrain.ft.store)."""
+    """The job's store (node 0's, or the etcd cluster: dtrain.store)."""
     if env.RDZV_BACKEND.get() == "c10d":  # outside a job: says which variable is missing
         _need("MASTER_ADDR")
         _need("MASTER_PORT")
@@ -78,10 +78,10 @@ def _addresses(store, n: int, timeout_s: float) -> list[str]:
     return [store.get(_key(f"server/{i}")).decode() for i in range(n)]
 
 
-def server_addresses(numel: int, publish: bool, replicas: int = 1,
+def server_addresses(numel: int, publish: bool, copies: int = 1,
                      timeout_s: float = 120.0) -> list[str]:
     """The job's server addresses in shard order, once every server has published its own;
-    with `publish` (worker 0), first the settings' `replicas` and the model's parameter
+    with `publish` (worker 0), first the settings' `copies` and the model's parameter
     count `numel`, which the servers wait for.
 
     Raises:
@@ -90,7 +90,7 @@ def server_addresses(numel: int, publish: bool, replicas: int = 1,
     n = int(_need(env.PS_SERVERS))
     store = _store(timeout_s)
     if publish:
-        store.set(_key("replicas"), str(replicas))
+        store.set(_key("copies"), str(copies))
         store.set(_key("numel"), str(numel))
     return _addresses(store, n, timeout_s)
 
@@ -122,10 +122,10 @@ def serve_from_env(start_timeout_s: float = 600.0) -> None:
     server.serve()
 
 
-def replicas(timeout_s: float = 30.0) -> int:
+def copies(timeout_s: float = 30.0) -> int:
     """The copies of each shard worker 0's settings asked for (1 if it published none: a
     server that died before the job started is not survivable)."""
     store = _store(timeout_s)
-    if not store.check([_key("replicas")]):
+    if not store.check([_key("copies")]):
         return 1
-    return int(store.get(_key("replicas")))
+    return int(store.get(_key("copies")))

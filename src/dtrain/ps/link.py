@@ -1,7 +1,7 @@
 """Outgoing connections to servers that notice when a server dies.
 
 Workers connect to every server, and a server to the next copy of its shards, with a
-ZeroMQ DEALER whose frames are capped (wire.cap_frames). With backups (`replicas` > 1) a
+ZeroMQ DEALER whose frames are capped (wire.cap_frames). With backups (`copies` > 1) a
 connection is also watched: the kernel closes a killed process's sockets at once, and
 ZeroMQ's heartbeat (a PING every second, 10 s without an answer) closes one to a machine
 that stopped answering, so either way the watcher sees the connection drop and the caller moves on

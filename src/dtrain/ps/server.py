@@ -11,7 +11,7 @@ the consistency model (Li et al., OSDI 2014; Ho et al., NIPS 2013):
            worker's clock is below c - s (s = staleness; s = 0 is lock-step)
 
 A server needs no user code: worker 0's first message carries the initial shard and the
-job's Settings (optimizer, consistency, replicas). The server keeps a clock per worker
+job's Settings (optimizer, consistency, copies). The server keeps a clock per worker
 (the steps it has pushed), logs every answered pull with the clocks then (`answered`, to
 check the staleness bound afterwards), and refuses, logs and survives any malformed,
 forged or out-of-place message; frames larger than a shard's are refused before they are
@@ -21,7 +21,7 @@ the clocks (or, with on_worker_loss="fail", stops the job). With a snapshot fold
 shard copy's values, optimizer state and clocks are saved atomically every K updates, and
 a server started on that folder resumes from the newest snapshots.
 
-With `replicas` R > 1 a server holds its own shard and backup copies of the R-1 shards
+With `copies` R > 1 a server holds its own shard and backup copies of the R-1 shards
 before it (dtrain.ps.chain). As the head of a shard it applies each init, push and stop
 (dtrain.ps.shard), relays it to the next live copy, and acknowledges the worker once that
 copy acknowledged (chain replication; a middle copy relays on the same way). A server that
@@ -41,10 +41,10 @@ from pathlib import Path
 
 import zmq
 
+from dtrain import faults
 from dtrain.checkpoint import atomic
 from dtrain.comm.ops import shard_sizes
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.ft import faults
 from dtrain.ps import chain, link
 from dtrain.ps.shard import Clocks, ShardCopy
 from dtrain.ps.wire import BadMessage, Message, cap_frames, pack, unpack
@@ -74,7 +74,7 @@ class Relay:
 
 
 class Server:
-    """Serve one shard (and, with replicas, backup copies of others) until every worker
+    """Serve one shard (and, with copies, backup copies of others) until every worker
     has stopped or been dropped.
 
     Args:
@@ -143,7 +143,7 @@ class Server:
 
     def set_peers(self, addresses: list[str]) -> None:
         """The addresses of every server of the job, in index order: where this one relays
-        its shards' events when `replicas` > 1."""
+        its shards' events when `copies` > 1."""
         self.peers = list(addresses)
 
     @property
@@ -285,8 +285,8 @@ class Server:
 
     # ------------------------------------------------------------------ replication
     def _next(self, copy: ShardCopy) -> int | None:
-        replicas = copy.settings.replicas if copy.initialized else 1
-        return chain.after(copy.shard, self.index, self.servers, replicas, self.dead)
+        copies = copy.settings.copies if copy.initialized else 1
+        return chain.after(copy.shard, self.index, self.servers, copies, self.dead)
 
     def _replicate(self, upstream: bytes | None, reply: Message, event: Message,
                    copy: ShardCopy) -> None:

@@ -40,7 +40,7 @@ class Settings:
             between steps on a loaded machine. The larger of the two applies to it.
         on_worker_loss: "continue" drops a dead worker from the clocks with a warning and
             trains on with the live ones; "fail" stops the job with an error instead.
-        replicas: copies of each shard, each on a server of its own (dtrain.ps.chain):
+        copies: copies of each shard, each on a server of its own (dtrain.ps.chain):
             with 2 or more, a push is acknowledged once every live copy applied it, and
             when a server dies the next copy of its shard takes over; 1 keeps no backup.
     """
@@ -55,7 +55,7 @@ class Settings:
     worker_timeout: float = 120.0
     start_timeout: float = 60.0
     on_worker_loss: str = "continue"
-    replicas: int = 1
+    copies: int = 1
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCY:
@@ -74,9 +74,9 @@ class Settings:
         if not self.momentum >= 0 or not self.weight_decay >= 0:
             raise ConfigError(f"momentum={self.momentum} and weight_decay={self.weight_decay} "
                               "must not be negative")
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) \
-                or self.replicas < 1:
-            raise ConfigError(f"replicas={self.replicas!r}: give a whole number of copies, 1 or "
+        if isinstance(self.copies, bool) or not isinstance(self.copies, int) \
+                or self.copies < 1:
+            raise ConfigError(f"copies={self.copies!r}: give a whole number of copies, 1 or "
                               "more")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"betas={self.betas}: give two numbers in [0, 1)")

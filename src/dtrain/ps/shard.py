@@ -1,6 +1,6 @@
 """One copy of one shard: its parameters, optimizer, clocks, and what was applied.
 
-A server holds its own shard and, with `Settings.replicas` > 1, backup copies of its
+A server holds its own shard and, with `Settings.copies` > 1, backup copies of its
 neighbours' (dtrain.ps.chain). Every copy of a shard is driven by the same sequence of
 events, in the same order: init (worker 0's seed), push (a worker's gradient for one
 clock), stop (a worker is done) and drop (the head found a worker silent). The state is a

@@ -14,7 +14,7 @@ secret come from the launcher; otherwise pass them. With `overlap=True` a hook o
 parameter sends a server its range the moment the last of its gradients is accumulated,
 so pushes travel while backward still runs on the layers below.
 
-With `Settings.replicas` > 1 every shard has backup copies (dtrain.ps.chain). A worker
+With `Settings.copies` > 1 every shard has backup copies (dtrain.ps.chain). A worker
 watches its connection to each server (dtrain.ps.link); when one drops, it sends what that
 server had not answered, and all that follows, to the shard's next copy, which takes over.
 A resent push carries the same id (this worker, its clock), so a copy that already has it
@@ -56,7 +56,7 @@ class Worker:
 
     Raises:
         DtrainError: no servers given and none found in the job.
-        ConfigError: more replicas in the settings than servers.
+        ConfigError: more copies in the settings than servers.
     """
 
     def __init__(self, model: nn.Module, settings: Settings | None = None,
@@ -69,9 +69,9 @@ class Worker:
         self.rank = job.worker_index() if rank is None else rank
         self.servers = (list(servers) if servers is not None
                         else job.server_addresses(self._offsets[-1], publish=self.rank == 0,
-                                                 replicas=self.settings.replicas))
-        if self.settings.replicas > len(self.servers):
-            raise ConfigError(f"replicas={self.settings.replicas} with {len(self.servers)} "
+                                                 copies=self.settings.copies))
+        if self.settings.copies > len(self.servers):
+            raise ConfigError(f"copies={self.settings.copies} with {len(self.servers)} "
                               "server(s): each copy of a shard needs a server of its own")
         self.secret = job.secret() if secret is None else secret
         self.clock, self.timeout_ms = 0, int(timeout * 1000)
@@ -80,7 +80,7 @@ class Worker:
         self._context = zmq.Context()
         largest = max(hi - lo for lo, hi in self.ranges)
         self._links = [link.connect(self._context, address, largest,
-                                    watch=self.settings.replicas > 1)
+                                    watch=self.settings.copies > 1)
                        for address in self.servers]
         self.dead: set[int] = set()
         """Servers whose connection dropped; their shards go to the next copy."""
@@ -125,9 +125,9 @@ class Worker:
 
     # ------------------------------------------------------------------ messages
     def _head(self, k: int) -> int:
-        head = chain.head(k, len(self.servers), self.settings.replicas, self.dead)
+        head = chain.head(k, len(self.servers), self.settings.copies, self.dead)
         if head is None:
-            holders = chain.holders(k, len(self.servers), self.settings.replicas)
+            holders = chain.holders(k, len(self.servers), self.settings.copies)
             raise DtrainError(f"shard {k} is lost: every server holding a copy of it "
                               f"({', '.join(self.servers[s] for s in holders)}) is gone")
         return head
@@ -145,7 +145,7 @@ class Worker:
         copies of its shards."""
         self.dead.add(s)
         for k, (op, tensor, meta) in list(self._in_flight.items()):
-            if chain.head(k, len(self.servers), self.settings.replicas, self.dead - {s}) == s:
+            if chain.head(k, len(self.servers), self.settings.copies, self.dead - {s}) == s:
                 self._send(k, op, tensor, meta)
                 self.resent_pushes += op == "push"
 

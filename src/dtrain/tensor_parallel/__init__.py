@@ -18,7 +18,7 @@ vocab-parallel cross-entropy; their communication is in `functions` (Megatron's 
 activations between the split layers as 1/tp of the sequence on each rank (`sequence`).
 """
 
-from dtrain.job_layout import Split
+from dtrain.split import Split
 from dtrain.tensor_parallel.functions import (
     SequenceGather,
     copy_to_group,

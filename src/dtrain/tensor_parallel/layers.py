@@ -9,7 +9,7 @@ output projection) communicates once forward and once backward. Under sequence
 parallelism (dtrain.tensor_parallel.sequence) the column-parallel layer all-gathers its
 input from each rank's part of the sequence and the row-parallel one reduce-scatters its
 output back into parts, in place of the two all-reduces. Each layer's `splits`
-says how its parameters are cut (dtrain.job_layout.Split), which is what
+says how its parameters are cut (dtrain.split.Split), which is what
 `parallelize`, the state functions and gradient clipping read.
 
 Built directly, a layer initializes its own block like the torch layer it replaces;
@@ -26,9 +26,9 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.errors import ConfigError
-from dtrain.job_layout import Split
 from dtrain.models.float8 import Matmul
 from dtrain.models.recompute import recomputed_within
+from dtrain.split import Split
 from dtrain.tensor_parallel.functions import (
     SequenceGather,
     copy_to_group,

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from dtrain import comm
+from dtrain.data_parallel.agreement import broadcast_state
 from dtrain.errors import ConfigError
-from dtrain.job_layout import Split
-from dtrain.parallel.agreement import broadcast_state
+from dtrain.split import Split
 from dtrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -33,12 +33,26 @@ from torch import nn
 
 from dtrain import comm
 from dtrain.errors import ConfigError
+from dtrain.mesh.config import ParallelConfig
+from dtrain.models.config import ModelConfig
 from dtrain.models.stages import AttentionCore, Stages
 from dtrain.tensor_parallel.functions import SEQUENCE, SequenceGather, scatter_sequence
 from dtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from dtrain.tensor_parallel.rng import RankRNG, fork_dropouts
 from dtrain.tensor_parallel.summed import SumAtEnd
 from dtrain.tensor_parallel.whole import placements
+
+
+def check_config(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Sequence parallelism cuts each sequence over tp: its length must divide.
+
+    Raises:
+        ConfigError: `model.block_size` does not divide by `parallel.tp`.
+    """
+    if parallel.sequence_parallel and model.block_size % parallel.tp:
+        raise ConfigError(f"parallel.sequence_parallel: model.block_size = {model.block_size} "
+                          f"does not divide by parallel.tp = {parallel.tp}: make it a multiple "
+                          f"of {parallel.tp}")
 
 
 class CutSequence:

@@ -11,7 +11,7 @@ each `.grad` the other ranks' part (the sum less its own): right under gradient
 accumulation, where `.grad` holds earlier backwards' sums already.
 
 DataParallel and ZeRO read `.grad` from hooks while backward goes; they ask
-dtrain.parallel.late_grads whether a gradient is still to be finished, and finish it
+dtrain.data_parallel.late_grads whether a gradient is still to be finished, and finish it
 before reading it at their own end of backward.
 """
 
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from dtrain import comm
+from dtrain.data_parallel import late_grads
 from dtrain.errors import DtrainError
-from dtrain.parallel import late_grads
 
 
 class SumAtEnd:

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from dtrain import comm
-from dtrain.job_layout import Split
-from dtrain.parallel import clip
-from dtrain.parallel.clip import GradPart
+from dtrain.data_parallel import clip
+from dtrain.data_parallel.clip import GradPart
+from dtrain.split import Split
 
 Placement = tuple[Split, comm.Group]
 
@@ -113,7 +113,7 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale gradients so the norm of the whole (unsplit) gradient is at most `max_norm`;
     returns that norm. Split parameters' squares are summed across their group, replicated
-    ones are counted once (collective; dtrain.parallel.clip with parts over "tp" and ()).
+    ones are counted once (collective; dtrain.data_parallel.clip with parts over "tp" and ()).
 
     Raises:
         ValueError: the model's layers use several tensor-parallel groups.

@@ -18,7 +18,7 @@ rate defaults to a matrix multiply timed on this machine; link costs to the cali
 `dtrain bench comm --calibrate` saved (else assumed, and said so).
 
 Activation recomputation and sequence parallelism start from the config's (`[memory]
-activation_checkpointing`, `[parallel] sequence_parallel`); by default (`auto`) a layout
+recompute`, `[parallel] sequence_parallel`); by default (`auto`) a layout
 that does not fit so takes sequence parallelism, then recomputes more (selective, then
 full), whichever fits at the least time. `--recompute MODE` and `--sequence-parallel
 on|off` fix them instead. Context-parallel layouts (`cp2`: dtrain's GPT and Llama without
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", default="auto",
                         choices=("auto", "none", "selective", "full"),
                         help="activation recomputation to plan with (default auto: the "
-                        "config's memory.activation_checkpointing, or more where a layout "
+                        "config's memory.recompute, or more where a layout "
                         "does not fit without)")
     parser.add_argument("--sequence-parallel", default="auto", choices=("auto", "on", "off"),
                         help="sequence parallelism for tp layouts (default auto: the config's "
@@ -108,7 +108,7 @@ def plan_choices(args: argparse.Namespace, config: Config
     if args.recompute != "auto":
         modes: tuple[str, ...] = (args.recompute,)
     else:
-        modes = RECOMPUTE[RECOMPUTE.index(config.memory.activation_checkpointing):]
+        modes = RECOMPUTE[RECOMPUTE.index(config.memory.recompute):]
     if args.sequence_parallel != "auto":
         seq: tuple[bool, ...] = (args.sequence_parallel == "on",)
     else:
@@ -166,10 +166,10 @@ def plan_command(args: argparse.Namespace) -> None:
     if args.model and config.parallel.ep > 1:
         raise ConfigError(f"parallel.ep = {config.parallel.ep} with --model: a model of your "
                           "own is planned with dp and ZeRO only; leave parallel.ep = 1")
-    if config.memory.checkpoint_modules:
-        raise ConfigError("memory.checkpoint_modules is not planned: dtrain plan counts the "
-                          "activation_checkpointing modes (none, selective, full); leave "
-                          "checkpoint_modules out, or plan with --recompute MODE")
+    if config.memory.recompute_modules:
+        raise ConfigError("memory.recompute_modules is not planned: dtrain plan counts the "
+                          "recompute modes (none, selective, full); leave "
+                          "recompute_modules out, or plan with --recompute MODE")
     estimates = plan(trace, devices, memory, batch, flops, links, config.optimizer.name,
                      config.train.grad_accum, config.comm.bucket_mb, schedules, modes, seq,
                      config.parallel.cp_method)
@@ -178,11 +178,11 @@ def plan_command(args: argparse.Namespace) -> None:
                           "--batch a multiple of the device count")
     best, why = recommend(estimates)
     profile = trace(max(1, batch // devices))
-    replicated = next((e for e in estimates if e.fits and e.layout.dp > 1 and e.layout.ep == 1
-                       and e.layout.cp == 1 and not e.layout.zero
-                       and e.layout.mode == "collective"), None)
+    replicated = next((e for e in estimates if e.fits and e.dims.dp > 1 and e.dims.ep == 1
+                       and e.dims.cp == 1 and not e.dims.zero
+                       and e.dims.exchange == "collective"), None)
     options = [] if replicated is None else \
-        sync_options(trace(batch // (replicated.layout.dp * replicated.layout.microbatches)),
+        sync_options(trace(batch // (replicated.dims.dp * replicated.dims.microbatches)),
                      replicated, links)
     sync, sync_why = recommend_sync(options)
     info = {

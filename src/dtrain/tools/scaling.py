@@ -178,13 +178,11 @@ def check_point(opts: Options, mode: str, workers: int, batch: int) -> None:
     Raises:
         ConfigError: the config is invalid, or the workers do not fit its layout or batch.
     """
-    from dtrain.config import load_config, per_rank_batch
-    from dtrain.job_layout import resolve_layout
+    from dtrain.config import dims_of, load_config
 
     config = load_config(opts.config, run_overrides(opts, workers, batch, opts.out))
-    pc = config.parallel
     try:
-        per_rank_batch(config, resolve_layout(workers, None, pc.tp, pc.pp).dp)
+        dims_of(config, workers)
     except ConfigError as exc:
         fix = "choose --workers it divides or another --batch" if mode == "strong" else \
             "choose other --workers or --batch"

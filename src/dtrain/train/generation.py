@@ -1,8 +1,8 @@
 """Generation from a model in split form: every rank holds what it trained with, and no
 rank ever holds the whole model (`dtrain generate`, and `dtrain train`'s final sample).
 
-    held = dtrain.layouts.build(model, mesh, layout, config, weights=Checkpoint(path))
-    ids = generate_held(held, model, mesh, prompt_ids, tokens=200, seed=0,
+    holding = dtrain.layouts.build(model, mesh, config, weights=Checkpoint(path))
+    ids = generate_split(holding, model, mesh, prompt_ids, tokens=200, seed=0,
                         temperature=0.8, vocab_size=shape.vocab_size)
 
 Each step runs one forward of the tokens the KV caches have not seen
@@ -16,7 +16,7 @@ training) and draws the next token from the last position's logits:
 - pp: the token ids enter the first stage and flow through the stages
   (Holding.infer); the last stage draws the token and broadcasts it over the pp group,
   so every stage feeds the same sequence next;
-- dp (and ZeRO over it): every replica computes the same logits and draws the same token.
+- dp (and ZeRO over it): every data-parallel rank computes the same logits and draws the same token.
 
 The draw is dtrain.models.generate.pick_token with one torch.Generator seeded `seed`, the
 one the whole model's path makes: the same seed gives the same text in any layout (the
@@ -37,33 +37,32 @@ from torch import nn
 from dtrain import comm, layouts, models
 from dtrain import world as world_mod
 from dtrain.checkpoint.universal import Checkpoint
-from dtrain.config import Config, config_from_dict, layout_of
+from dtrain.config import Config, config_from_dict, dims_of
 from dtrain.data import Tokenizer, load_tokenizer
 from dtrain.errors import ConfigError, DtrainError, exit_code_of
-from dtrain.job_layout import Layout
 from dtrain.layouts import Holding
-from dtrain.mesh import Mesh
+from dtrain.mesh import Dims, Mesh
 from dtrain.models import init
 from dtrain.models.config import ModelConfig
 from dtrain.models.generate import attach, detach, pick_token, window
 from dtrain.tensor_parallel.functions import gather_last
 
 
-def splits_model(config: Config, layout: Layout) -> bool:
+def splits_model(config: Config, dims: Dims) -> bool:
     """Whether the trainer's final sample generates in split form (no rank builds the
     whole model): a layout that splits it (tp > 1, pp > 1 or ZeRO-3), run on whole
     sequences (cp = 1, no sequence parallelism) by collective ranks with uncompiled
     blocks. Otherwise rank 0 builds the model whole from the checkpoint."""
-    split = layout.tp > 1 or layout.pp > 1 or layout.zero == 3
-    whole_sequences = layout.cp == 1 and not config.parallel.sequence_parallel
-    return (split and whole_sequences and layout.mode != "ps" and not config.train.compile
+    split = dims.tp > 1 or dims.pp > 1 or dims.zero == 3
+    whole_sequences = dims.cp == 1 and not dims.sequence_parallel
+    return (split and whole_sequences and dims.exchange != "ps" and not config.train.compile
             and config.train.float8 == "none")
 
 
 @torch.no_grad()
-def generate_held(held: Holding, model: nn.Module, mesh: Mesh, prompt_ids: list[int],
+def generate_split(holding: Holding, model: nn.Module, mesh: Mesh, prompt_ids: list[int],
                   tokens: int, seed: int, temperature: float, vocab_size: int) -> list[int]:
-    """`prompt_ids` followed by `tokens` sampled tokens, from this rank's `held` of
+    """`prompt_ids` followed by `tokens` sampled tokens, from this rank's `holding` of
     `model` (the model handed to dtrain.layouts.build) over `mesh`, at most
     `model.block_size` tokens seen at once. Collective: every rank of the mesh calls it
     with the same arguments, and every rank returns the same ids.
@@ -76,12 +75,12 @@ def generate_held(held: Holding, model: nn.Module, mesh: Mesh, prompt_ids: list[
     cache = attach(model, staged=mesh.size("pp") > 1)
     generator = torch.Generator(device).manual_seed(seed)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    was_training = held.module.training
-    held.module.eval()
+    was_training = holding.module.training
+    holding.module.eval()
     try:
         for _ in range(tokens):
             fed = window(ids, model.block_size, cache)
-            logits = held.infer(fed)
+            logits = holding.infer(fed)
             if cache is not None:
                 cache.advance(fed.shape[1])
             token = torch.zeros((1, 1), dtype=torch.long, device=device)
@@ -94,7 +93,7 @@ def generate_held(held: Holding, model: nn.Module, mesh: Mesh, prompt_ids: list[
             ids = torch.cat([ids, token], dim=1)
     finally:
         detach(model)
-        held.module.train(was_training)
+        holding.module.train(was_training)
     return ids[0].tolist()
 
 
@@ -151,9 +150,10 @@ def generation_config(ckpt: Checkpoint, overrides: list[tuple[str, str, object]]
     values["parallel"]["nproc"] = nproc
     values["train"]["batch_size"] = nproc  # a multiple of any dp the ranks make
     config = config_from_dict(values)
-    if config.parallel.mode == "ps":
-        raise ConfigError("dtrain generate runs collective ranks: drop parallel.mode = \"ps\"")
-    layout_of(config, nproc)
+    if config.parallel.exchange == "ps":
+        raise ConfigError("dtrain generate runs collective ranks: drop parallel.exchange = "
+                          "\"ps\"")
+    dims_of(config, nproc)
     return config
 
 
@@ -175,13 +175,12 @@ def generate_text(config: Config, checkpoint: str, prompt: str, tokens: int, see
         raise ConfigError(str(exc)) from None
     shape, tokenizer = model_of(ckpt), tokenizer_of(ckpt)
     config.train.batch_size = world.world_size  # one sequence per rank (under a launcher)
-    layout = layout_of(config, world.world_size)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep)
+    mesh = Mesh(dims_of(config, world.world_size))
     torch.manual_seed(config.train.seed)
     model = init.skeleton(lambda: models.build(shape))
-    held = layouts.build(model, mesh, layout, config, weights=ckpt)
+    holding = layouts.build(model, mesh, config, weights=ckpt)
     prompt_ids = tokenizer.encode(prompt) or tokenizer.separator
-    ids = generate_held(held, model, mesh, prompt_ids, tokens, seed, temperature,
+    ids = generate_split(holding, model, mesh, prompt_ids, tokens, seed, temperature,
                         shape.vocab_size)
     return tokenizer.decode(ids)
 

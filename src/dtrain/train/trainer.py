@@ -18,7 +18,6 @@ and finally prints a sample of generated text.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import time
 from collections.abc import Iterator
@@ -27,47 +26,30 @@ from typing import Any
 
 import torch
 
-from dtrain import comm, layouts, models, timeline
+from dtrain import comm, env, faults, layouts, models, timeline
 from dtrain import world as world_mod
 from dtrain.checkpoint import training
 from dtrain.checkpoint.background import PendingSave
 from dtrain.checkpoint.copies import HostCopies
 from dtrain.checkpoint.universal import Checkpoint
-from dtrain.config import (
-    Config,
-    LoggingConfig,
-    OptimizerConfig,
-    layout_of,
-    per_rank_batch,
-    replicas_of,
-)
+from dtrain.config import Config, LoggingConfig, dims_of
 from dtrain.context_parallel import chunks
 from dtrain.data import Tokenizer, TokenSequences, batches, open_data
-from dtrain.ft import elastic, env, faults
+from dtrain.ft import elastic
 from dtrain.ft.live.job import open_live
 from dtrain.ft.membership import Fixed, Membership, RunOver
 from dtrain.layouts import Holding
-from dtrain.layouts.held import replica_ranks
 from dtrain.mesh import Mesh
 from dtrain.models import compiled, init, moe
 from dtrain.models.config import ModelConfig
 from dtrain.models.generate import generate
 from dtrain.models.weights import weights_of
+from dtrain.optim import lr_factor
 from dtrain.train import hardware
-from dtrain.train.generation import generate_held, splits_model
+from dtrain.train.generation import generate_split, splits_model
 from dtrain.train.metrics import Progress
 from dtrain.train.sinks import open_sinks
 from dtrain.train.speed import StepSpeed, flops_per_token
-
-
-def lr_factor(step: int, total: int, cfg: OptimizerConfig) -> float:
-    """Linear warm-up, then cosine decay to `min_lr_ratio` (or constant)."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return 1.0
-    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def mean_over(value: float, group: comm.GroupLike, device: torch.device) -> float:
@@ -79,19 +61,19 @@ def mean_over(value: float, group: comm.GroupLike, device: torch.device) -> floa
 
 
 @torch.no_grad()
-def evaluate(held: Holding, data: TokenSequences, batch_size: int, n_batches: int,
+def evaluate(holding: Holding, data: TokenSequences, batch_size: int, n_batches: int,
              mesh: Mesh, device: torch.device) -> float:
     """Mean loss over the first `n_batches` held-out batches of every dp rank's shard."""
     dp_size, dp_rank = mesh.size("dp"), mesh.coords["dp"]
-    held.module.eval()
+    holding.module.eval()
     stream = batches(data, batch_size * dp_size, dp_size, dp_rank, seed=0, shuffle=False)
     total = 0.0
     for _, (x, y) in zip(range(n_batches), stream, strict=False):
-        total += held.evaluate(chunks_of(x, mesh).to(device),
+        total += holding.evaluate(chunks_of(x, mesh).to(device),
                                chunks_of(y, mesh).to(device)).item()
-    held.module.train()
-    mine = mean_over(total / n_batches, held.loss_group, device)
-    return mean_over(mine, mesh.group("dp_replicate"), device)  # and over the replicas
+    holding.module.train()
+    mine = mean_over(total / n_batches, holding.loss_group, device)
+    return mean_over(mine, mesh.group("sync"), device)  # and over the sync groups
 
 
 def chunks_of(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -135,8 +117,8 @@ class Trainer:
         world = self.world = world_mod.init(backend=backend, timeline=self.own_timeline or None)
         # hosts without a shared folder copy checkpoints over a group of their own, which
         # every rank makes first (dtrain.checkpoint.copies)
-        self.copies = HostCopies.open(config.checkpoint.replicate, world.node_rank) \
-            if config.checkpoint.replicate else None
+        self.host_copies = HostCopies.open(config.checkpoint.copies, world.node_rank) \
+            if config.checkpoint.copies else None
         live = open_live(config, world)  # live replicas: each a world (dtrain.ft.live.job)
         self.note = ""
         most = elastic.max_ranks(world)
@@ -145,22 +127,19 @@ class Trainer:
                                               elastic.agreed(world))
         self.config = config
         tc, mc = config.train, config.model
-        self.layout = layout_of(config, world.world_size)
-        mesh = self.mesh = Mesh(dp=self.layout.dp, tp=self.layout.tp, pp=self.layout.pp,
-                                cp=self.layout.cp,
-                                dp_replicate=replicas_of(config, world.world_size),
-                                ep=self.layout.ep)
-        replicas, replica = mesh.size("dp_replicate"), mesh.coords["dp_replicate"]
-        self.membership: Membership = live or Fixed(replicas, replica)
-        # replicas synchronized every sync.every steps each keep checkpoints of their own
-        self.run_dir = Path(tc.out_dir) / (f"replica-{replica}" if replica else "")
-        if self.copies is not None:  # from this host's folder, filled from the others
+        self.dims = dims_of(config, world.world_size)  # the one place they are worked out
+        mesh = self.mesh = Mesh(self.dims)
+        groups, group = mesh.size("sync"), mesh.coords["sync"]
+        self.membership: Membership = live or Fixed(groups, group)
+        # sync groups, synchronized every sync.every steps, each keep checkpoints of their own
+        self.run_dir = Path(tc.out_dir) / (f"sync-group-{group}" if group else "")
+        if self.host_copies is not None:  # from this host's folder, filled from the others
             spec = training.resume_spec(config.checkpoint.resume)
-            resume_from = spec and self.copies.resume(
+            resume_from = spec and self.host_copies.resume(
                 self.run_dir / "checkpoints" if spec == "auto" else spec)
         else:
             resume_from = training.resume_path(config.checkpoint.resume, self.run_dir)
-        if replicas > 1:
+        if groups > 1:
             resume_from = training.agreed_resume(resume_from, world.device)
         self.resume = open_checkpoint(resume_from, config) if resume_from else None
         self.start = self.resume.step if self.resume is not None else 0
@@ -168,11 +147,12 @@ class Trainer:
         dc = config.data
         self.data = open_data(dc.path, dc.format, dc.tokenizer, dc.max_bytes, dc.val_fraction,
                               mc.block_size)
-        # (data shards, this rank's): the batch splits over the replicas, and the dp in each
-        members = self.membership
-        self.shards = (members.replicas * self.layout.dp,
-                       members.replica * self.layout.dp + mesh.coords["dp"])
-        self.per_rank = per_rank_batch(config, self.shards[0])  # sequences per forward
+        # (data shards, this rank's): the batch splits over the copies of the model that
+        # train together (sync groups or live replicas), and over the dp ranks in each
+        members, dp = self.membership, self.dims.dp
+        self.shards = (members.copies * dp, members.copy * dp + mesh.coords["dp"])
+        self.per_rank = self.dims.per_rank_batch(  # sequences per forward
+            tc.batch_size, tc.grad_accum, live_replicas=members.copies if live else 1)
 
         self.shape = models.resolve(mc, self.data.vocab_size)
         torch.manual_seed(tc.seed)
@@ -181,15 +161,16 @@ class Trainer:
         self.moe = moe.moe_layers(self.model)
         self.weights = weights_of(self.shape, self.model) \
             if self.shape.init_from and self.resume is None else None
-        self.held = layouts.build(self.model, mesh, self.layout, config, weights=self.weights,
-                                  averaging=members.averaging)
+        self.holding = layouts.build(self.model, mesh, config, weights=self.weights,
+                                     averaging=members.averaging)
         self.stream = self._stream_from(self.start)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(
-            o, lambda s: lr_factor(s, tc.steps, config.optimizer)) for o in self.held.optimizers]
+            o, lambda s: lr_factor(s, tc.steps, config.optimizer))
+            for o in self.holding.optimizers]
         if self.resume is not None:  # the options, schedule and RNG too
-            training.restore(self.resume, self.held, self.schedulers, self.layout)
-        self.held.start()
-        members.track(self.held.optimizers[0], self.schedulers[0])
+            training.restore(self.resume, self.holding.saved, self.schedulers, self.dims)
+        self.holding.start()
+        members.track(self.holding.optimizers[0], self.schedulers[0])
 
         self.main = world.is_main and members.first
         self.progress = Progress(tc.steps, config.logging.log_every, enabled=self.main)
@@ -200,11 +181,11 @@ class Trainer:
         peak = hardware.peak_of(config.logging.peak_tflops, world.device) if world.is_main \
             else hardware.Peak(0.0, "rank 0 reports")
         self.speed = StepSpeed(flops_per_token(self.shape, self.n_params), peak,
-                               ranks=world.world_size * (members.replicas if live else 1),
+                               ranks=world.world_size * (members.copies if live else 1),
                                device=world.device, group=None,
                                # asynchronous workers, and live replicas (whose members
                                # change between steps), report their own figures
-                               gather=self.layout.mode != "ps" and live is None,
+                               gather=self.dims.exchange != "ps" and live is None,
                                every=config.logging.log_every)
         self.grad_norm: float | None = None  # the last step's, when clipping is on
         tokenizer_file = self.data.tokenizer.path and str(Path(self.data.tokenizer.path).resolve())
@@ -216,11 +197,11 @@ class Trainer:
     def _stream_from(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         tc = self.config.train
         return batches(self.data.train, tc.batch_size, *self.shards, tc.seed, shuffle=True,
-                       accum=self.held.accum, start=step)
+                       accum=self.holding.accum, start=step)
 
     def _banner(self) -> None:
         world, data, tc = self.world, self.data, self.config.train
-        who = self.membership.describe(f"{world.world_size} rank(s), {self.held.describe()}",
+        who = self.membership.describe(f"{world.world_size} rank(s), {self.holding.describe()}",
                                        world.world_size)
         self.progress.write(f"dtrain: {who}; "
                             f"{describe_model(self.shape, self.model)} {self.n_params / 1e6:.2f}M "
@@ -286,8 +267,8 @@ class Trainer:
                 else:
                     path = self.save(step)
         self.progress.close()
-        self.held.finish_rounds()
-        self.held.close()
+        self.holding.finish_rounds()
+        self.holding.close()
         self.membership.finish()
         self.evaluate(tc.steps)
         if self.start < tc.steps:
@@ -307,17 +288,17 @@ class Trainer:
         it (dtrain.train.generation), else by rank 0 from the checkpoint at `path`, built
         whole there. The same seed and draws either way: the same text."""
         lc = self.config.logging
-        if splits_model(self.config, self.layout) and \
+        if splits_model(self.config, self.dims) and \
                 self.config.fault_tolerance.mode != "live":
             tokenizer = self.data.tokenizer
-            ids = generate_held(self.held, self.model, self.mesh,
+            ids = generate_split(self.holding, self.model, self.mesh,
                                 tokenizer.encode(lc.sample_prompt) or tokenizer.separator,
                                 lc.sample_tokens, seed=0, temperature=0.8,
                                 vocab_size=self.shape.vocab_size)
             text = tokenizer.decode(ids)
         else:
-            if self.copies is not None:  # this host's folder lacks other hosts' files
-                path = Path(self.copies.resume(path))
+            if self.host_copies is not None:  # this host's folder lacks other hosts' files
+                path = Path(self.host_copies.resume(path))
             if self.main:  # from the checkpoint: whole, here
                 text = sample(self.shape, Checkpoint(path), self.data.tokenizer, lc,
                               self.world.device)
@@ -326,25 +307,25 @@ class Trainer:
 
     def step(self) -> float:
         """Forward and backward of one global batch, the optimizer step; the mean loss."""
-        held, device = self.held, self.world.device
+        holding, device = self.holding, self.world.device
         data = []
-        for _ in range(held.accum):
+        for _ in range(holding.accum):
             with timeline.span("data", "data"):
                 data.append(tuple(chunks_of(t, self.mesh).to(device)
                                   for t in next(self.stream)))
-        loss = held.forward_backward(data)
+        loss = holding.forward_backward(data)
         with timeline.span("optimizer", "optimizer"):
             if self.config.optimizer.grad_clip > 0:
-                self.grad_norm = held.clip_grad_norm_(self.config.optimizer.grad_clip)
+                self.grad_norm = holding.clip_grad_norm_(self.config.optimizer.grad_clip)
             if self.membership.applies_step():  # a dropped replica is sent the state anew
-                held.step()
+                holding.step()
                 for scheduler in self.schedulers:
                     scheduler.step()
-            held.zero_grad()
+            holding.zero_grad()
             if self.moe:  # the step's load over the data-parallel (and cp) ranks: biases
-                moe.after_step(self.model, replica_ranks(self.mesh)[0])
-        return mean_over(mean_over(loss.item(), held.loss_group, device),
-                         self.mesh.group("dp_replicate"), device)
+                moe.after_step(self.model, self.mesh.group("dp_cp"))
+        return mean_over(mean_over(loss.item(), holding.loss_group, device),
+                         self.mesh.group("sync"), device)
 
     def _moe_metrics(self) -> dict[str, list[float]]:
         """Each MoE layer's load imbalance (max / mean assignments per expert) and dropped
@@ -358,7 +339,7 @@ class Trainer:
     def evaluate(self, step: int) -> None:
         """The held-out loss at `step`, printed and recorded."""
         with timeline.span("eval", "eval", step=step):
-            loss = evaluate(self.held, self.data.val, self.per_rank,
+            loss = evaluate(self.holding, self.data.val, self.per_rank,
                             self.config.train.eval_batches, self.mesh, self.world.device)
         self.eval_losses.append((step, loss))
         self.progress.write(f"step {step:>5}: held-out loss {loss:.4f}")
@@ -373,8 +354,8 @@ class Trainer:
             return folder
         how = training.save_in_background if background else training.save
         with timeline.span("checkpoint", "checkpoint", step=step):
-            return how(folder, step, self.held, self.schedulers, self.config.to_dict(),
-                       self.config.checkpoint.keep_last, self.described, self.copies)
+            return how(folder, step, self.holding.saved, self.schedulers, self.config.to_dict(),
+                       self.config.checkpoint.keep_last, self.described, self.host_copies)
 
 
 def _write_own_timeline(world: world_mod.World) -> str:

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import env
 from dtrain.comm.group import Done, Handle, OverTorch, TorchGroup
 from dtrain.comm.ops import ReduceOp, shard_sizes
 from dtrain.comm.shm import ShmGroup
-from dtrain.ft import env
 
 
 def host_id() -> str:

@@ -46,12 +46,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import env
 from dtrain.comm.group import CollectiveTimeout, Done, Handle, OverTorch, TorchGroup
 from dtrain.comm.ops import ReduceOp, combine_, shard_offsets
 from dtrain.comm.shm import segment
 from dtrain.comm.shm.flags import Flags
 from dtrain.errors import DtrainError
-from dtrain.ft import env
 
 SLOT = int(env.SHM_SLOT_MB.get() * 2**20) // 64 * 64
 SMALL = 64 << 10  # all_reduce up to this many bytes: one epoch, every rank reduces it all

@@ -18,8 +18,8 @@ import re
 import secrets
 from pathlib import Path
 
+from dtrain import env
 from dtrain.errors import DtrainError
-from dtrain.ft import env
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "dtrain-"

@@ -20,7 +20,7 @@ from dtrain.ft.live.replicas import LiveReplicas, Outcome
 
 
 class LiveAveraging:
-    """Sums over the replicas of each step's quorum (a dtrain.parallel.averaging.Averaging).
+    """Sums over the replicas of each step's quorum (a dtrain.data_parallel.averaging.Averaging).
 
     Args:
         live: this rank's LiveReplicas; call `live.begin_step(step)` before each step's

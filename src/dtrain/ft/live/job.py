@@ -2,12 +2,12 @@
 of `dp x tp x pp` ranks each (one rank by default), kept alive by
 dtrain.ft.live.LiveReplicas.
 
-Under dtrain's launcher each rank runs inside a supervisor (dtrain.launch.replica) that
+Under dtrain's launcher each rank runs inside a supervisor (dtrain.launch.supervisor) that
 restarts it, with the rest of its replica, when one of them dies. The ranks of a replica
 see a world of their own (no default process group spans the replicas: a replacement could
 never join one), in which the layout's tp, pp and ZeRO groups are; each learns its replica
 id and the number of replicas from DTRAIN_LIVE_ID and DTRAIN_LIVE_SLOTS, and meets the
-other replicas through the job's store (dtrain.ft.store: node 0's, or etcd), where
+other replicas through the job's store (dtrain.store: node 0's, or etcd), where
 LiveReplicas forms each step's quorum and, per position in the replica, its gloo group.
 
 The training loop sees them as a `LiveMembership` (a dtrain.ft.membership.Membership).
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
+from dtrain import env
 from dtrain.config import Config
 from dtrain.errors import ConfigError
-from dtrain.ft import env
 from dtrain.ft.live.averaging import LiveAveraging
 from dtrain.ft.live.replicas import LiveReplicas
 from dtrain.ft.membership import RunOver
-from dtrain.ft.store import connect, prefixed
+from dtrain.store import connect, prefixed
 from dtrain.world import World
 
 
@@ -38,7 +38,7 @@ def open_live(config: Config, world: World) -> LiveMembership | None:
         return None
     if not env.LIVE_ID.is_set():
         raise ConfigError("fault_tolerance.mode = \"live\" needs dtrain's launcher (dtrain "
-                          "train -n N, or dtrain run through dtrain.launch.replica): under "
+                          "train -n N, or dtrain run through dtrain.launch.supervisor): under "
                           "another launcher use fault_tolerance.mode = \"restart\"")
     store = prefixed(f"dtrain/live/{env.RUN_ID.get() or ''}/", connect(60.0))
     step_timeout = config.fault_tolerance.step_timeout
@@ -55,7 +55,7 @@ class LiveMembership:
 
     def __init__(self, live: LiveReplicas, step_timeout: float) -> None:
         self.live, self.step_timeout = live, step_timeout
-        self.replicas, self.replica = live.slots, live.replica_id
+        self.copies, self.copy = live.slots, live.replica_id
         self.averaging = LiveAveraging(live)
         self.first = live.replica_id == 0
         self.joined_late = env.LIVE_INCARNATION.get() > 0 or live.replica_id > 0
@@ -88,7 +88,7 @@ class LiveMembership:
         return self.live.committed and bool(members) and self.live.replica_id == min(members)
 
     def step_metrics(self) -> dict[str, int]:
-        return {"replicas": len(self.live.participants)}
+        return {"live_replicas": len(self.live.participants)}
 
     def finish(self) -> None:
         self.live.finish()

@@ -56,13 +56,13 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.errors import DtrainError
-from dtrain.ft.heartbeat import Heartbeat
 from dtrain.ft.live import handover
 from dtrain.ft.live.group import LiveGroup, ReplicaLost
 from dtrain.ft.live.handover import LoadExtra, SaveExtra
 from dtrain.ft.live.rounds import KEEP, forget, gather, rank_key, wait_key
 from dtrain.ft.live.watchdog import Watchdog
-from dtrain.ft.store import prefixed
+from dtrain.store import prefixed
+from dtrain.store.heartbeat import Heartbeat
 
 _STORE_ERRORS = (RuntimeError, dist.DistError, ValueError)  # a store or gloo that gave up
 

@@ -1,5 +1,5 @@
 """The live replicas' watchdog: a quorum's group is aborted as soon as one of its members
-fails or its heartbeat (dtrain.ft.heartbeat) stands still, so that the others, blocked in
+fails or its heartbeat (dtrain.store.heartbeat) stands still, so that the others, blocked in
 a collective on it, fail at once instead of after the group's timeout.
 """
 

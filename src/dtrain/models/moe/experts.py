@@ -26,12 +26,12 @@ from torch import nn
 
 from dtrain import comm, timeline
 from dtrain.comm import GroupLike
-from dtrain.job_layout import Split
+from dtrain.split import Split
 
 EXPERTS = Split(0)
 """How expert parallelism cuts a layer's stacked expert tensors: by expert, along dim 0,
 rank r of n keeping experts [r E / n, (r + 1) E / n) (checkpoints place them the same way,
-dtrain.layouts.held)."""
+dtrain.layouts.parts)."""
 
 _GROUPED: dict[tuple[str, torch.dtype, int, int], bool] = {}
 """(device type, dtype, dim, hidden) -> whether torch._grouped_mm works forward and back."""

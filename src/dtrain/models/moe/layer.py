@@ -21,7 +21,7 @@ between ranks or micro-batches (a run on any layout equals one process):
   (normalized over the experts); 1 when perfectly balanced. The model adds w x its mean
   over sequences and MoE layers to the training loss (`aux_loss`).
 
-Under expert parallelism (`expert_parallel`, dtrain.parallel.experts does it for a
+Under expert parallelism (`expert_parallel`, dtrain.models.moe.expert_parallel does it for a
 model) a rank holds E / ep of the experts; the tokens routed to the others go there and
 back by all-to-all (experts.py).
 

@@ -16,11 +16,15 @@ Two rules (`MoEConfig.router`):
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROUTERS = ("softmax_topk", "sigmoid_bias")
+RouterName = Literal["softmax_topk", "sigmoid_bias"]
+"""How a MoE layer routes tokens (`[model] router`)."""
+ROUTERS: tuple[str, ...] = get_args(RouterName)
 
 
 class Router(nn.Module):

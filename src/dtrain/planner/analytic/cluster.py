@@ -103,7 +103,7 @@ import math
 from dataclasses import dataclass
 
 from dtrain.errors import ConfigError
-from dtrain.job_layout import Layout
+from dtrain.mesh import Dims
 from dtrain.pipeline.schedules import build
 from dtrain.planner.analytic.hardware import Cluster, Hardware
 from dtrain.planner.costs import pipeline_seconds
@@ -130,9 +130,9 @@ def planned_layout(batch: int, tp: int, pp: int, dp: int, zero: int = 0, micro_b
     they are gradient accumulation, as in dtrain's config). `check_layout` says whether
     it can run."""
     m = max(1, batch // max(1, dp * micro_batch)) if pp > 1 else 1
-    layout = Layout(dp, tp, pp, zero, m, "interleaved" if virtual > 1 else "1f1b", virtual,
-                    ep=ep, cp=cp)
-    return PlannedLayout(layout, recompute, sequence_parallel, micro_batch, cp_method)
+    dims = Dims(dp, tp, pp, zero, m, "interleaved" if virtual > 1 else "1f1b", virtual,
+                ep=ep, cp=cp, sequence_parallel=sequence_parallel, cp_method=cp_method)
+    return PlannedLayout(dims, recompute, micro_batch)
 
 
 def cluster_label(planned: PlannedLayout) -> str:
@@ -141,7 +141,7 @@ def cluster_label(planned: PlannedLayout) -> str:
     sequence is split over, and after the options how they attend; ep: the dp GPUs the
     experts are split over, as in `tp1 x pp4 x dp16 ep8`; v: virtual stages; mb:
     sequences per micro-batch)."""
-    layout = planned.layout
+    layout = planned.dims
     experts = f" ep{layout.ep}" if layout.ep > 1 else ""
     parts = [f"tp{layout.tp}", f"pp{layout.pp}", f"dp{layout.dp}{experts}"]
     if layout.cp > 1:
@@ -204,7 +204,7 @@ class ClusterEstimate:
         return cluster_label(self.planned)
 
     def to_dict(self) -> dict:
-        c, layout = self.planned, self.planned.layout
+        c, layout = self.planned, self.planned.dims
         return {"layout": self.label, "tp": layout.tp, "cp": layout.cp, "pp": layout.pp,
                 "dp": layout.dp, "ep": layout.ep, "cp_method": c.cp_method,
                 "zero": layout.zero, "microbatch": c.micro_batch,
@@ -370,7 +370,7 @@ def _layer_forward(shape: ModelShape, c: PlannedLayout, moe: bool, hw: Hardware,
                    soft: Software) -> tuple[float, float]:
     """(all of one layer's forward, its attention core's) in seconds on a tp GPU of a cp
     group for one micro-batch: a dense layer, or with `moe` a MoE layer."""
-    s, h, t, b, cp = shape.seq, shape.hidden, c.layout.tp, c.micro_batch, c.layout.cp
+    s, h, t, b, cp = shape.seq, shape.hidden, c.dims.tp, c.micro_batch, c.dims.cp
     tokens = b * s // cp
     q, kv = shape.attention_width, shape.kv_heads * shape.head_dim
     fp8 = soft.float8  # the blocks' nn.Linear layers; not the router nor routed experts
@@ -381,7 +381,7 @@ def _layer_forward(shape: ModelShape, c: PlannedLayout, moe: bool, hw: Hardware,
         linear_s += (linear_seconds(tokens, width * shape.ffn / t, h, hw, float8=fp8)
                      + linear_seconds(tokens, h, shape.ffn / t, hw, float8=fp8))
     else:  # the router; E / ep local experts of tokens x k x ep / E rows; the shared ones
-        local = shape.experts // c.layout.ep
+        local = shape.experts // c.dims.ep
         rows = tokens * shape.top_k / local
         f, shared = shape.moe_ffn, shape.shared_experts * shape.moe_ffn
         linear_s += gemm_seconds(tokens / t, shape.experts, h, hw)
@@ -399,7 +399,7 @@ def _layer_forward(shape: ModelShape, c: PlannedLayout, moe: bool, hw: Hardware,
 def _per_micro_batch(c: PlannedLayout) -> PlannedLayout:
     """What a micro-batch's time and a layer's activations depend on: `c` without its
     data and pipeline degrees, ZeRO stage and schedule (the key of the caches below)."""
-    layout = c.layout
+    layout = c.dims
     return _micro_key(layout.tp, layout.ep, layout.cp, c.recompute, c.sequence_parallel,
                       c.micro_batch, c.cp_method)
 
@@ -407,7 +407,9 @@ def _per_micro_batch(c: PlannedLayout) -> PlannedLayout:
 @functools.cache
 def _micro_key(tp: int, ep: int, cp: int, recompute: str, sp: bool, micro_batch: int,
                cp_method: str) -> PlannedLayout:
-    return PlannedLayout(Layout(1, tp, ep=ep, cp=cp), recompute, sp, micro_batch, cp_method)
+    # dp_shard = ep: the least data parallelism the experts fit in (no figure here reads it)
+    return PlannedLayout(Dims(ep, tp, ep=ep, cp=cp, sequence_parallel=sp, cp_method=cp_method),
+                         recompute, micro_batch)
 
 
 @functools.cache
@@ -416,8 +418,8 @@ def attention_seconds(shape: ModelShape, c: PlannedLayout, hw: Hardware,
     """One layer's attention core forward on a tp GPU of a cp group for one micro-batch:
     the scores (s x d by d x s) and the weighted sum (s x s by s x d) of its s / cp
     queries (the causal work balanced over cp: two mirrored chunks each)."""
-    s, cp = shape.seq, c.layout.cp
-    heads = c.micro_batch * shape.heads / c.layout.tp
+    s, cp = shape.seq, c.dims.cp
+    heads = c.micro_batch * shape.heads / c.dims.tp
     if soft.flash_attention:  # tiles in on-chip memory, the masked half skipped
         return 2 * 2 * s * s * shape.head_dim * heads / 2 / cp / \
             (hw.peak_flops * hw.gemm_efficiency)
@@ -431,7 +433,7 @@ def _stage_seconds(shape: ModelShape, c: PlannedLayout, layers: int, last: bool,
     micro-batch on one stage of `layers` layers, the MoE layers among them in the model's
     proportion (`c` as `_per_micro_batch` gives it)."""
     hw = cluster.hardware
-    h, t, cp = shape.hidden, c.layout.tp, c.layout.cp
+    h, t, cp = shape.hidden, c.dims.tp, c.dims.cp
     tokens = c.micro_batch * shape.seq // cp
     share = shape.moe_layers / shape.layers
     compute = backward = cp_s = 0.0
@@ -456,7 +458,7 @@ def _stage_seconds(shape: ModelShape, c: PlannedLayout, layers: int, last: bool,
                                              latency, hw, calls)
     exchanges = 4 + (2 if c.recompute == "full" else 0)  # dispatch and combine each way
     ep_s = layers * share * exchanges * all_to_all_seconds(
-        all_to_all_bytes(shape, c.micro_batch, t, cp), c.layout.ep, t * cp, cluster)
+        all_to_all_bytes(shape, c.micro_batch, t, cp), c.dims.ep, t * cp, cluster)
     return compute, tp_s, cp_s, ep_s, backward
 
 
@@ -498,7 +500,7 @@ def context_seconds(shape: ModelShape, c: PlannedLayout, attention_s: float,
     - "alltoall": q, k, v turned from sequence shards into head shards and the output
       back (4 all-to-alls), their gradients in backward (4), 4 more recomputing; exposed.
     """
-    layout = c.layout
+    layout = c.dims
     cp, tp = layout.cp, layout.tp
     if cp == 1:
         return 0.0
@@ -559,7 +561,7 @@ def memory_of(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
     weights, grads, optimizer, activations, reserved and their total on the GPU needing
     the most."""
     soft = soft or Software()
-    m = batch // (c.layout.dp * c.micro_batch)
+    m = batch // (c.dims.dp * c.micro_batch)
     return _memory(shape, c, m, cluster.hardware, _activations(shape, _per_micro_batch(c), soft))
 
 
@@ -571,7 +573,7 @@ def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
     soft = soft or Software()
     hw = cluster.hardware
     check_precision(hw, soft)
-    layout = c.layout
+    layout = c.dims
     pp, v = layout.pp, layout.virtual_stages
     m = batch // (layout.dp * c.micro_batch)
     kinds = _stage_counts(shape.layers, pp, v)
@@ -605,7 +607,7 @@ def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
     else:  # ZeRO 3 gathers the weights for forward and backward of every micro-batch
         per_micro = _grad_seconds(GRAD + 2 * WEIGHT, dense, experts, 1, c, cluster)
         exposed = m * max(0.0, per_micro - slowest)
-    held = dense / _replicas(layout) + experts / _expert_dp(layout) if layout.zero else \
+    held = dense / _dp_cp(layout) + experts / _expert_dp(layout) if layout.zero else \
         dense + experts
     optimizer_s = OPTIMIZER_BYTES * held / _bandwidth(hw)
     step = pipeline + exposed + optimizer_s
@@ -631,19 +633,19 @@ def _flops(shape: ModelShape, recompute: str | None = None) -> float:
 
 
 def _held(shape: ModelShape, layers: int, first: bool, last: bool,
-          layout: Layout) -> tuple[float, float]:
+          layout: Dims) -> tuple[float, float]:
     """(dense, expert) parameters a GPU of a stage holds before ZeRO: the dense ones split
     over tp, the routed experts over ep x tp."""
     dense, experts = _stage_params(shape, layers, first, last, layout.pp)
     return dense / layout.tp, experts / (layout.tp * layout.ep)
 
 
-def _replicas(layout: Layout) -> int:
+def _dp_cp(layout: Dims) -> int:
     """GPUs holding the same dense parameters: dp x cp (cp GPUs hold the whole model)."""
     return layout.dp * layout.cp
 
 
-def _expert_dp(layout: Layout) -> int:
+def _expert_dp(layout: Dims) -> int:
     """GPUs holding the same experts: dp x cp / ep."""
     return layout.dp * layout.cp // layout.ep
 
@@ -654,9 +656,9 @@ def _grad_seconds(per_param: float, dense: float, experts: float, passes: int,
     parameter held: the dense ones over dp x cp (tp apart), the experts' over the
     dp x cp / ep GPUs holding them (tp x ep apart; with cp, counted as if all were as
     near as the cp GPUs, tp apart)."""
-    layout = c.layout
+    layout = c.dims
     apart = layout.tp * (layout.ep if layout.cp == 1 else 1)
-    return _dp_seconds(per_param * dense, passes, _replicas(layout), layout.tp, cluster) + \
+    return _dp_seconds(per_param * dense, passes, _dp_cp(layout), layout.tp, cluster) + \
         _dp_seconds(per_param * experts, passes, _expert_dp(layout), apart, cluster)
 
 
@@ -683,7 +685,7 @@ def _activations(shape: ModelShape, c: PlannedLayout, soft: Software) -> tuple[f
     """(bytes a layer keeps per micro-batch, on average over dense and MoE layers; one
     layer's working set in backward; the last stage's logits; the parameters of the
     largest block, which ZeRO 3 gathers) on a GPU (`c` as `_per_micro_batch` gives it)."""
-    layout = c.layout
+    layout = c.dims
     sp, cp, flash, lean = c.sequence_parallel, layout.cp, soft.flash_attention, soft.lean_norms
     share = shape.moe_layers / shape.layers
     kinds = [(moe, weight) for moe, weight in ((False, 1 - share), (True, share)) if weight]
@@ -711,7 +713,7 @@ def _memory(shape: ModelShape, c: PlannedLayout, m: int, hw: Hardware,
     gradients and optimizer state, and the activations its schedule keeps in flight for
     its own layers (`layers_in_flight`: the first GPU, the last with the logits, and the
     first of the others holding each split of layers, which keeps the most of them)."""
-    layout = c.layout
+    layout = c.dims
     pp = layout.pp
     per_layer, working, logits, block = activations
     # the largest block a ZeRO 3 GPU gathers, twice (the one computing, the next)
@@ -726,7 +728,7 @@ def _memory(shape: ModelShape, c: PlannedLayout, m: int, hw: Hardware,
         weights = WEIGHT * (dense + experts)
         grads = GRAD * (dense + experts)
         state = STATE * (dense + experts)
-        sharded = dense / _replicas(layout) + experts / _expert_dp(layout)
+        sharded = dense / _dp_cp(layout) + experts / _expert_dp(layout)
         if layout.zero >= 1:
             state = STATE * sharded
         if layout.zero >= 2:

@@ -48,7 +48,7 @@ MIN_CHUNK = 128  # tokens: the shortest of a sequence's 2 x cp chunks the search
 
 def check_layout(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout) -> None:
     """Raise a one-line ConfigError if `c` cannot run `shape` on `cluster` at `batch`."""
-    layout = c.layout
+    layout = c.dims
     tp, pp, dp, v, ep = layout.tp, layout.pp, layout.dp, layout.virtual_stages, layout.ep
     cp = layout.cp
     if min(tp, pp, dp, c.micro_batch, v, ep, cp) < 1:
@@ -94,7 +94,7 @@ def check_layout(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayo
 
 def _check_context(shape: ModelShape, c: PlannedLayout) -> None:
     """cp cuts every sequence into 2 x cp chunks; Ulysses splits the heads over it too."""
-    cp, tp = c.layout.cp, c.layout.tp
+    cp, tp = c.dims.cp, c.dims.tp
     if cp == 1:
         return
     if c.cp_method not in CP_METHODS:
@@ -170,11 +170,11 @@ def best_of(shape: ModelShape, cluster: Cluster, batch: int, planned: PlannedLay
     """`planned` with the fastest of the recomputation modes, sequence-parallel settings
     and context-parallel methods asked for (by default every one `context_methods`
     allows) that fits, or the one needing the least memory if none fits."""
-    layout = planned.layout
+    layout = planned.dims
     methods = tuple(dict.fromkeys(cp_methods or context_methods(shape, layout.tp, layout.cp)))
     if soft.flash_attention and "none" in recompute:  # selective keeps as much then, slower
         recompute = tuple(r for r in recompute if r != "selective")
-    options = [dataclasses.replace(planned, recompute=r, sequence_parallel=s)
+    options = [planned.with_options(recompute=r, sequence_parallel=s)
                for r in recompute for s in dict.fromkeys(sequence_parallel)
                if not s or layout.tp > 1] or [dataclasses.replace(planned,
                                                                    recompute=recompute[0])]
@@ -184,7 +184,7 @@ def best_of(shape: ModelShape, cluster: Cluster, batch: int, planned: PlannedLay
     fitting, smallest = [], None
     for option in options:
         for method in _by_speed(shape, option, methods, cluster, soft):
-            choice = dataclasses.replace(option, cp_method=method)
+            choice = option.with_options(cp_method=method)
             memory = memory_of(shape, cluster, batch, choice, soft)
             if memory["total"] <= cluster.hardware.memory:
                 fitting.append((choice, memory))
@@ -201,7 +201,7 @@ def _by_speed(shape: ModelShape, planned: PlannedLayout, methods: tuple[str, ...
     before all-gather on a tie, needing less memory)."""
     if len(methods) == 1:
         return methods
-    layout = planned.layout
+    layout = planned.dims
     return _ordered(shape, layout.tp, layout.cp, planned.micro_batch, planned.recompute,
                     methods, cluster, soft)
 
@@ -212,7 +212,7 @@ def _ordered(shape: ModelShape, tp: int, cp: int, micro_batch: int, recompute: s
     one = planned_layout(micro_batch, tp, 1, 1, 0, micro_batch, 1, recompute, cp=cp)
     attention = attention_seconds(shape, one, cluster.hardware, soft)
     return tuple(sorted(methods, key=lambda k: context_seconds(
-        shape, dataclasses.replace(one, cp_method=k), attention, cluster)))
+        shape, one.with_options(cp_method=k), attention, cluster)))
 
 
 def fastest(estimates: list[ClusterEstimate]) -> ClusterEstimate:

@@ -36,7 +36,7 @@ import itertools
 import math
 from collections.abc import Callable
 
-from dtrain.job_layout import Layout
+from dtrain.mesh import Dims
 from dtrain.planner.traced.estimate import Estimate, estimate
 from dtrain.planner.traced.links import Links
 from dtrain.planner.traced.profile import Profile
@@ -45,7 +45,7 @@ MICROBATCHES = (1, 2, 4)  # pipelines try m = pp times these
 
 
 def layouts(profile: Profile, devices: int, batch: int, accum: int = 1,
-            schedules: tuple[str, ...] = ("1f1b",)) -> list[Layout]:
+            schedules: tuple[str, ...] = ("1f1b",)) -> list[Dims]:
     """Every layout of `devices` ranks the model and a global batch of `batch` allow: a
     mixture of experts' with each expert-parallel degree dividing dp and the experts, and
     each context-parallel degree the model and the sequence allow (not with ep > 1)."""
@@ -62,17 +62,17 @@ def layouts(profile: Profile, devices: int, batch: int, accum: int = 1,
                                                   else [1]):
                     if pp == 1:
                         if batch % (dp * accum) == 0:
-                            found.append(Layout(dp, tp, 1, zero, ep=ep, cp=cp))
+                            found.append(Dims(dp, tp, 1, zero, ep=ep, cp=cp))
                         continue
                     for m in (pp * k for k in MICROBATCHES):
                         if batch % (dp * m):
                             continue
                         for schedule in schedules:
-                            found.append(Layout(dp, tp, pp, zero, m, schedule, ep=ep, cp=cp))
+                            found.append(Dims(dp, tp, pp, zero, m, schedule, ep=ep, cp=cp))
     return found
 
 
-def choices(profile: Profile, layout: Layout, recompute: tuple[str, ...],
+def choices(profile: Profile, layout: Dims, recompute: tuple[str, ...],
             sequence_parallel: tuple[bool, ...], cp_method: tuple[str, ...] = ()
             ) -> list[tuple[str, bool, str]]:
     """The (recomputation mode, sequence parallelism, cp method) triples `layout` can

@@ -26,7 +26,7 @@ whole model, 4 bytes per parameter, whatever the layout (`whole_model`).
 
 from __future__ import annotations
 
-from dtrain.job_layout import Layout
+from dtrain.mesh import Dims
 from dtrain.models import init
 from dtrain.planner.costs import PARAM_BYTES
 from dtrain.planner.traced.profile import Params, ParamTensor
@@ -38,7 +38,7 @@ def group_elements(t: ParamTensor, chunk: int) -> int:
     return min(t.numel, max(1, chunk // row) * row)
 
 
-def piece(t: ParamTensor, layout: Layout) -> float:
+def piece(t: ParamTensor, layout: Dims) -> float:
     """Elements of `t` a rank reads into a buffer of their own beside the group they come
     from: a ZeRO rank's whole tp block of a tensor tp divides (its span is taken from the
     block); nothing otherwise (the rows are copied from the group straight into place)."""
@@ -46,7 +46,7 @@ def piece(t: ParamTensor, layout: Layout) -> float:
         else 0.0
 
 
-def construction_peak(layout: Layout, held: Params, tensors: list[ParamTensor],
+def construction_peak(layout: Dims, held: Params, tensors: list[ParamTensor],
                       chunk: int | None = None) -> float:
     """Bytes a rank peaks at while its share is built: it holds the parameters `held`
     (elements before tp divides them) and fills them from `tensors` one at a time.

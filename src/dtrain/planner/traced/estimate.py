@@ -35,7 +35,7 @@ full gradient, a bucket), ZeRO 3's root unit's full gradient (from the head's ba
 the embedding's) and the block's whose backward is under way.
 
 Activations are the profile's, per micro-batch, with the recomputation mode planned
-(`[memory] activation_checkpointing`: the profile traces each), times the micro-batches a
+(`[memory] recompute`: the profile traces each), times the micro-batches a
 stage holds at once: the most that the schedule (dtrain.pipeline.schedules, the very lists
 the runtime executes) leaves between a forward and its backward, plus what backward adds at
 its peak. Tensor parallelism divides the split part by tp; sequence parallelism also
@@ -94,7 +94,7 @@ import math
 from dataclasses import dataclass, field
 
 from dtrain.errors import ConfigError
-from dtrain.job_layout import Layout
+from dtrain.mesh import Dims
 from dtrain.pipeline.partition import balanced_sizes
 from dtrain.pipeline.schedules import build
 from dtrain.planner.costs import PARAM_BYTES, bubble
@@ -113,10 +113,10 @@ GRADIENT_AXES = ("dp", "edp")
 @dataclass
 class Estimate:
     """One layout's figures for its busiest rank (bytes, seconds), with the recomputation
-    mode, sequence parallelism and cp method they assume; `construction`: the most any of
-    its ranks holds while the layout builds it."""
+    mode they assume (sequence parallelism and the cp method are its Dims');
+    `construction`: the most any of its ranks holds while the layout builds it."""
 
-    layout: Layout
+    dims: Dims
     params: float
     grads: float
     optimizer: float
@@ -127,8 +127,6 @@ class Estimate:
     compute_s: float = 0.0
     comm_s: float = 0.0
     recompute: str = "none"
-    sequence_parallel: bool = False
-    cp_method: str = "ring"
     recompute_s: float = 0.0
     construction: float = 0.0
     grads_in_backward: float | None = None  # of `grads`, what backward's peak holds
@@ -148,8 +146,15 @@ class Estimate:
     def planned(self) -> PlannedLayout:
         """The layout with the recomputation, sequence parallelism and cp method it is
         planned with."""
-        return PlannedLayout(self.layout, self.recompute, self.sequence_parallel,
-                             cp_method=self.cp_method)
+        return PlannedLayout(self.dims, self.recompute)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.dims.sequence_parallel
+
+    @property
+    def cp_method(self) -> str:
+        return self.dims.cp_method
 
     @property
     def label(self) -> str:
@@ -158,7 +163,7 @@ class Estimate:
         return str(self.planned)
 
     def to_dict(self) -> dict:
-        layout = self.layout
+        layout = self.dims
         return {
             "layout": self.label, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
             "ep": layout.ep, "cp": layout.cp, "zero": layout.zero,
@@ -184,7 +189,7 @@ def stage_blocks(profile: Profile, pp: int, chunks: int = 1) -> list[list[int]]:
     return [[sizes[c * pp + r] for c in range(chunks)] for r in range(pp)]
 
 
-def in_flight(layout: Layout, rank: int, per_chunk: list[float]) -> float:
+def in_flight(layout: Dims, rank: int, per_chunk: list[float]) -> float:
     """The most activation bytes the schedule keeps on `rank` between forwards and their
     backwards, chunk `c`'s micro-batch weighing `per_chunk[c]`."""
     if layout.pp == 1:
@@ -204,12 +209,12 @@ class Options:
     optimizer: str = "adamw"
     accum: int = 1
     bucket_mb: float = 25.0
-    recompute: str = "none"  # [memory] activation_checkpointing
+    recompute: str = "none"  # [memory] recompute
     sequence_parallel: bool = False
     cp_method: str = "ring"  # [parallel] cp_method, where cp > 1
 
 
-def estimate(profile: Profile, layout: Layout, memory: float, flops: float, links: Links,
+def estimate(profile: Profile, layout: Dims, memory: float, flops: float, links: Links,
              optimizer: str = "adamw", accum: int = 1, bucket_mb: float = 25.0,
              recompute: str = "none", sequence_parallel: bool = False) -> Estimate:
     """The figures of `layout` for a global batch of
@@ -243,7 +248,7 @@ def estimate(profile: Profile, layout: Layout, memory: float, flops: float, link
     return worst
 
 
-def _exposed_comm_s(figures: _RankFigures, layout: Layout, links: Links,
+def _exposed_comm_s(figures: _RankFigures, layout: Dims, links: Links,
                     backward_s: float, ring_step_s: float) -> float:
     """Communication time not hidden behind arithmetic: the data-parallel gradient
     collectives (dp's, and edp's of split experts) run while backward (`backward_s`) goes
@@ -259,7 +264,7 @@ def _exposed_comm_s(figures: _RankFigures, layout: Layout, links: Links,
     return max(0.0, cost(overlapped) - backward_s) + cost(exposed) + ring
 
 
-def _ring_exposed_s(figures: _RankFigures, layout: Layout, links: Links,
+def _ring_exposed_s(figures: _RankFigures, layout: Dims, links: Links,
                     step_s: float) -> float:
     """The ring's sends not hidden behind its steps' attention (`step_s`: one forward
     step's; backward's are twice as long). Per attention layer and micro-batch: forward's
@@ -279,7 +284,7 @@ class _RankFigures(Estimate):
     calls: dict[str, float] = field(default_factory=dict)
 
 
-def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _RankFigures:
+def _rank(profile: Profile, layout: Dims, rank: int, options: Options) -> _RankFigures:
     # the ranks holding the same parameters: dp x cp (cp splits only the sequences)
     tp, pp, n, ep = layout.tp, layout.pp, layout.dp * layout.cp, layout.ep
     sp = options.sequence_parallel
@@ -322,7 +327,7 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
         if layout.zero == 2:  # the unit under way: its full gradient, till reduce-scattered
             backward = unit
     if layout.zero == 3:
-        # Three whole blocks at most, in a block's backward (dtrain.parallel.zero.wrapper):
+        # Three whole blocks at most, in a block's backward (dtrain.data_parallel.zero.wrapper):
         # gathered, that block and, from its first gradient on, the next (prefetched);
         # alive as full gradients, the block's under way (autograd's own, then its packed
         # buffer as the block ends, when the block itself is freed: the next one gathered,
@@ -336,8 +341,8 @@ def _rank(profile: Profile, layout: Layout, rank: int, options: Options) -> _Ran
         head = flight + figures.head_extra.per_rank(tp, sp)
         if last and head > flight + figures.tail_extra.per_rank(tp, sp) + gathered + under_way:
             params, backward, acts = params - gathered, root, head  # the logits' gradients
-    out = _RankFigures(layout, params, grads, state, acts, recompute=options.recompute,
-                       sequence_parallel=sp, cp_method=options.cp_method,
+    planned = layout.replace(sequence_parallel=sp, cp_method=options.cp_method)
+    out = _RankFigures(planned, params, grads, state, acts, recompute=options.recompute,
                        grads_in_backward=backward)
     out.construction = construction_peak(layout, held, tensors)
     out.traffic, out.calls = _traffic(profile, layout, held, first, last, blocks, options, unit)
@@ -356,7 +361,7 @@ def _per_micro(profile: Profile, figures, first: bool, last: bool,
     return out
 
 
-def _traffic(profile: Profile, layout: Layout, held: Params, first: bool, last: bool,
+def _traffic(profile: Profile, layout: Dims, held: Params, first: bool, last: bool,
              blocks: list[int], options: Options, unit: float):
     """(buffer bytes, calls) per "axis collective" (e.g. "dp all_reduce") in one step of
     a rank holding `held` (before tp and ep divide it)."""
@@ -432,7 +437,7 @@ def _ring_sends(n: int, recompute: str) -> int:
     return _forwards(recompute) * (n - 1) + 2 * n - 1
 
 
-def _context_exchanges(profile: Profile, layout: Layout, options: Options
+def _context_exchanges(profile: Profile, layout: Dims, options: Options
                        ) -> list[tuple[str, float, float]]:
     """(key, buffer bytes, calls) of one attention layer's context-parallel exchanges for
     one micro-batch, forward (again when recomputed) and backward (the module doc)."""
@@ -452,7 +457,7 @@ def _context_exchanges(profile: Profile, layout: Layout, options: Options
     return [("cp all_to_all", (forwards + 1) * exchanged, 4 * (forwards + 1))]
 
 
-def _attention_s(profile: Profile, layout: Layout, flops: float) -> float:
+def _attention_s(profile: Profile, layout: Dims, flops: float) -> float:
     """Seconds of one attention layer's forward on one micro-batch on a rank (its tokens,
     its heads): 2·seq·width per token (see `_compute_s`)."""
     if profile.shape is None:
@@ -461,7 +466,7 @@ def _attention_s(profile: Profile, layout: Layout, flops: float) -> float:
     return 2 * profile.shape.seq * profile.shape.hidden * tokens / layout.tp / flops
 
 
-def _compute_s(profile: Profile, layout: Layout, accum: int, flops: float,
+def _compute_s(profile: Profile, layout: Dims, accum: int, flops: float,
                recompute: str = "none") -> tuple[float, float]:
     """Seconds of arithmetic per step on one rank, the pipeline's idle share included:
     (training's, recomputation's)."""

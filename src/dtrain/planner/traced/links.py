@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from dtrain.comm.collectives import PER_RANK_INPUT
 from dtrain.comm.ops import bus_factor
-from dtrain.job_layout import Layout
+from dtrain.mesh import Dims
 
 DEFAULT_GBPS = 10.0
 DEFAULT_LATENCY_US = 20.0
@@ -67,7 +67,7 @@ class Links:
         return cls(default, figures, source=f"measured: {path} ({backend})")
 
     def seconds(self, traffic: dict[str, float], calls: dict[str, float],
-                layout: Layout) -> float:
+                layout: Dims) -> float:
         """Time of a step's collectives ("axis op" -> bytes, calls) on `layout`."""
         sizes = {"dp": layout.dp * layout.cp, "tp": layout.tp, "pp": 2, "cp": layout.cp,
                  "ep": layout.ep, "edp": layout.dp // layout.ep}

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from dtrain import comm, layouts, models
-from dtrain.config import Config, config_from_dict
+from dtrain.config import Config, config_from_dict, dims_of
 from dtrain.context_parallel import chunks
-from dtrain.job_layout import Layout
-from dtrain.mesh import Mesh
+from dtrain.mesh import Dims, Mesh
 from dtrain.models import init
 from dtrain.models.config import ModelConfig
 from dtrain.models.gpt import GPTConfig
@@ -43,11 +42,11 @@ class Peaks:
     train: int  # over the training steps after the first
 
 
-def run_config(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int,
+def run_config(cfg: GPTConfig | ModelConfig, layout: Dims, batch: int,
                bucket_mb: float = 25.0, recompute: str = "none",
                sequence_parallel: bool = False, cp_method: str = "ring") -> Config:
     """The `dtrain train` config of `cfg` in `layout` with a global batch of `batch`
-    sequences, AdamW, `[memory] activation_checkpointing = recompute`.
+    sequences, AdamW, `[memory] recompute = recompute`.
 
     Raises:
         ConfigError: the options do not go together (sequence parallelism without tp).
@@ -63,7 +62,7 @@ def run_config(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int,
                      "virtual_stages": layout.virtual_stages, "ep": layout.ep,
                      "sequence_parallel": sequence_parallel},
         "comm": {"bucket_mb": bucket_mb},
-        "memory": {"activation_checkpointing": recompute},
+        "memory": {"recompute": recompute},
     })
 
 
@@ -77,7 +76,7 @@ def calibrate(mesh: Mesh) -> None:
                 comm.explain(op, 1 << 20, group)
 
 
-def measured_peaks(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int, steps: int = 3,
+def measured_peaks(cfg: GPTConfig | ModelConfig, layout: Dims, batch: int, steps: int = 3,
                    bucket_mb: float = 25.0, recompute: str = "none",
                    sequence_parallel: bool = False, cp_method: str = "ring") -> Peaks:
     """This rank's peak live tensor bytes while building `cfg`'s model in `layout` from a
@@ -85,13 +84,13 @@ def measured_peaks(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int, ste
     state, with optimizer state; the first step builds that state)."""
     config = run_config(cfg, layout, batch, bucket_mb, recompute, sequence_parallel,
                         cp_method)
-    mesh = Mesh(dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, cp=layout.cp)
+    mesh = Mesh(dims_of(config, layout.world_size))
     calibrate(mesh)
     shape = config.model
     tracker = LiveBytes()
     with tracker:
         model = init.skeleton(lambda: models.build(shape))
-        held = layouts.build(model, mesh, layout, config)
+        held = layouts.build(model, mesh, config)
         build = tracker.peak
         generator = torch.Generator().manual_seed(mesh.coords["dp"])
         per_rank = batch // layout.dp
@@ -107,7 +106,7 @@ def measured_peaks(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int, ste
     return Peaks(build, tracker.peak)
 
 
-def measured_peak(cfg: GPTConfig | ModelConfig, layout: Layout, batch: int, steps: int = 3,
+def measured_peak(cfg: GPTConfig | ModelConfig, layout: Dims, batch: int, steps: int = 3,
                   bucket_mb: float = 25.0, recompute: str = "none",
                   sequence_parallel: bool = False, cp_method: str = "ring") -> int:
     """This rank's steady-state peak live tensor bytes (`measured_peaks(...).train`)."""

@@ -4,7 +4,7 @@ needs with each choice of activation recomputation, traced on fake tensors.
 The planner never allocates the model. It builds it under `FakeTensorMode` (tensors with
 shapes and dtypes but no data), runs one forward and backward of a micro-batch, and
 counts live bytes op by op (dtrain.planner.traced.tracker), with the same kernels a CPU run would
-pick. It does so once per recomputation mode (`[memory] activation_checkpointing`:
+pick. It does so once per recomputation mode (`[memory] recompute`:
 "none", "selective", "full"), with dtrain.models.recompute applied to the traced model as
 dtrain.layouts would apply it. For dtrain's GPT and Llama (any model cut by `Stages`,
 built from a `[model]` section) the trace is of a 2-block model; the figures per block
@@ -214,7 +214,7 @@ class Profile:
             ConfigError: the model has nothing that mode recomputes.
         """
         if recompute not in self.modes:
-            raise ConfigError(f"{self.name}: activation_checkpointing = {recompute!r} recomputes "
+            raise ConfigError(f"{self.name}: recompute = {recompute!r} recomputes "
                               f"nothing of this model: plan {', '.join(self.modes)}")
         return self.modes[recompute]
 
@@ -309,7 +309,7 @@ def _trace_stages(cfg: ModelConfig, b: int, mode: str, cp: int = 1,
     state = [t for p in model.parameters() for t in (p, p.grad)]
     marks = Marks(held=state)
     watch(model, dict(matches(model, plan_of(model))), marks, model.get_submodule(inputs[-1]))
-    recompute.activation_checkpointing(model, mode)
+    recompute.recompute_mode(model, mode)
     blocks[0].register_forward_pre_hook(lambda *_: marks.mark("embed"))
     for i, block in enumerate(blocks):
         block.register_forward_hook(lambda *_, i=i: marks.mark(f"block{i}"))
@@ -439,7 +439,7 @@ def profile_factory(spec: str, micro_batch: int, modes: tuple[str, ...] = RECOMP
                 raise ConfigError(f"--model {spec}: the factory must return (nn.Module, tuple "
                                   "of inputs for one sample)")
             try:
-                recompute.activation_checkpointing(model, mode)
+                recompute.recompute_mode(model, mode)
             except ConfigError:
                 continue  # nothing this mode recomputes: not offered
             figures[mode] = _trace_whole(model, inputs, micro_batch)

@@ -36,7 +36,7 @@ SYNC_EVERY = (10, 50)
 PROGRESS = {"every step": 1.0, "int8": 1.10, "powersgd": 1.25, "local_sgd 10": 1.17,
             "local_sgd 50": 1.04, "diloco 10": 2.0, "diloco 50": 1.52}
 """Steps to the loss one synchronous step reaches: the default job's held-out loss after
-200 steps, reached by each option on 4 ranks as 2 replicas (benchmarks/RESULTS.md,
+200 steps, reached by each option on 4 ranks as 2 sync groups (benchmarks/RESULTS.md,
 "Training over slow links"; DiLoCo with the paper's outer lr 0.7 and momentum 0.9, H=10
 not within 400 steps: 2 stands for it)."""
 
@@ -82,8 +82,8 @@ def powersgd_elements(profile: Profile, tp: int, rank: int = POWERSGD_RANK) -> f
 def sync_options(profile: Profile, e: Estimate, links: Links) -> list[SyncOption]:
     """The options for `e`'s dp axis (none when dp = 1, under ZeRO, or with experts split
     over ep: dtrain compresses no such gradients), every-step first."""
-    layout = e.layout
-    if layout.dp == 1 or layout.zero or layout.mode != "collective" or layout.ep > 1:
+    layout = e.dims
+    if layout.dp == 1 or layout.zero or layout.exchange != "collective" or layout.ep > 1:
         return []
     grads = e.traffic.get("dp all_reduce", 0.0)  # buffer bytes of one step's gradients
     psi, n = grads / PARAM_BYTES, layout.dp

@@ -1,0 +1,70 @@
+"""The sharded optimizer: the factory's optimizer rebuilt over this rank's shard pieces.
+
+The optimizer factory is called once with the module's parameters; it may build parameter
+groups with their own options. `group_index` reads which group each parameter is in, and
+`shard_optimizer` builds the same optimizer class with the same options over the pieces
+of each unit's master shard that fall in each group (an empty placeholder piece keeps a
+group that meets no shard of this rank, so groups stay aligned across ranks).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from dtrain.data_parallel.zero.units import Unit
+from dtrain.errors import DtrainError
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def group_index(template: torch.optim.Optimizer,
+                named: list[tuple[str, nn.Parameter]]) -> dict[int, int]:
+    """id(parameter) -> index of its parameter group in `template`.
+
+    Raises:
+        DtrainError: the template leaves out some of the trainable parameters `named`.
+    """
+    group_of = {id(p): k for k, g in enumerate(template.param_groups) for p in g["params"]}
+    left_out = [n for n, p in named if id(p) not in group_of]
+    if left_out:
+        raise DtrainError(f"ZeRO: the optimizer factory left out trainable parameters "
+                          f"({', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''}); "
+                          "set requires_grad=False on parameters that should not train")
+    return group_of
+
+
+def shard_optimizer(template: torch.optim.Optimizer, units: list[Unit]
+                    ) -> torch.optim.Optimizer:
+    """The template's class and options over this rank's pieces of each parameter group
+    (recorded in each unit's `pieces`)."""
+    pieces: list[list[nn.Parameter]] = [[] for _ in template.param_groups]
+    for unit in units:
+        for group, lo, hi in unit.flat.pieces(unit.rank):
+            piece = nn.Parameter(unit.master[lo:hi])
+            pieces[group].append(piece)
+            unit.pieces.append((group, lo, hi, piece))
+    groups = []
+    for k, options in enumerate(template.param_groups):
+        params = pieces[k] or [empty_piece(units[0].master)]  # keep groups aligned
+        groups.append({**{key: v for key, v in options.items() if key != "params"},
+                       "params": params})
+    accepted = inspect.signature(type(template)).parameters  # defaults may hold more
+    return type(template)(groups, **{k: v for k, v in template.defaults.items()
+                                     if k in accepted})
+
+
+def empty_piece(like: torch.Tensor) -> nn.Parameter:
+    """A parameter of no elements (with an empty gradient), for a group with no piece."""
+    piece = nn.Parameter(like.new_zeros(0))
+    piece.grad = like.new_zeros(0)
+    return piece
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's per-element state tensors."""
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)

@@ -1,0 +1,546 @@
+"""The ZeRO module (dtrain.data_parallel.zero describes the stages and what each rank keeps).
+
+One class, because its forward and backward hooks, its step, its clip and its averaging
+over live replicas all work on the same units: the hooks gather, free and reduce-scatter the
+flat units, the step updates this rank's shards, and the clip takes the global norm over
+them. What stands apart is in modules of its own: the units' tensors and their packing
+(.units), the optimizer rebuilt over this rank's shards (.optimizer), and the state in
+and out, full and sharded (.state_io).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from dtrain import comm
+from dtrain.comm.group import Handle
+from dtrain.data_parallel import clip, late_grads
+from dtrain.data_parallel.agreement import (
+    agreement_device,
+    broadcast_state,
+    broadcast_tensors,
+    check_same_model,
+)
+from dtrain.data_parallel.averaging import Averaging
+from dtrain.data_parallel.buckets import launch_ready
+from dtrain.data_parallel.clip import GradPart
+from dtrain.data_parallel.wrapper import parse_dtype
+from dtrain.data_parallel.zero import state_io as zero_state
+from dtrain.data_parallel.zero.offload import Offload
+from dtrain.data_parallel.zero.optimizer import OptimizerFactory, group_index, shard_optimizer
+from dtrain.data_parallel.zero.optimizer import state_bytes as optimizer_bytes
+from dtrain.data_parallel.zero.units import (
+    IN_FLIGHT,
+    Reducing,
+    Sharding,
+    Unit,
+    build_units,
+    one_dtype,
+    segment,
+    settle,
+    unit_bytes,
+)
+from dtrain.errors import DtrainError
+from dtrain.models.moe import split_experts
+
+GROWTH_INTERVAL = 2000  # fp16: steps without overflow before the loss scale doubles
+ParamTest = Callable[[nn.Parameter], bool]
+
+
+class ZeRO(nn.Module):
+    """Wrap a module and its optimizer so that state is sharded across a group.
+
+    Args:
+        module: the model; parameters and buffers are broadcast from the group's first
+            rank at wrap time.
+        optimizer: a factory `params -> torch.optim.Optimizer` (SGD, Adam, AdamW, ...; any
+            optimizer whose state is per element, shaped like the parameter).
+        stage: 1 (optimizer state), 2 (and gradients) or 3 (and parameters).
+        group: the data-parallel group (e.g. `mesh.group("dp")`); default the world.
+        mixed_precision: "bf16" or "fp16" to compute and communicate in that dtype while
+            the optimizer updates fp32 master weights; fp16 adds dynamic loss scaling
+            (call `model.backward(loss)`). None computes in the parameters' dtype.
+        bucket_mb: size of a unit in stages 1 and 2 (gradients go out unit by unit).
+        units: stage 3: the submodules to gather one at a time, in forward order
+            (default: every element of every nn.ModuleList).
+        algorithm: collective algorithm (see dtrain.comm).
+        device: where the units of a module built on the meta device are allocated
+            (dtrain.models.init; each rank allocates its shards only, values to be
+            restored, e.g. by dtrain.layouts); default the CPU.
+        averaging: when the group is one of several live replicas that change from step to
+            step (dtrain.data_parallel.averaging; fault tolerance, dtrain.ft, hands one):
+            after the reduce-scatter inside the group, each rank's gradient shard
+            is averaged by it with the same shard of the other live replicas (a step it does not
+            count leaves the group's own average).
+        expert_group: under expert parallelism, the ranks of `group` that hold the same
+            experts as this one (`mesh.group("edp")`): the experts each rank holds of the
+            model's MoE layers (dtrain.models.moe.split_experts) are sharded over it, in
+            units of their own, their gradients summed over it and divided by the size of
+            `group` (each expert's gradient already sums the tokens its expert-parallel
+            peers sent it); the rest as always. With `averaging`, each shard is then
+            averaged with the same shard of the other live replicas, which split their experts
+            alike.
+        offload_device: "cpu" to keep the optimizer state (and the fp32 master shards of
+            mixed precision) in host memory and step the optimizer there, each unit's
+            gradient shard copied to the host and its parameters back in the background
+            (dtrain.data_parallel.zero.offload); None (default) keeps them on the module's
+            device.
+
+    Raises:
+        DtrainError: a bad stage or option, ranks with different models, or an optimizer
+            factory that leaves out trainable parameters.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: OptimizerFactory,
+        stage: int = 2,
+        group: comm.GroupLike = None,
+        mixed_precision: torch.dtype | str | None = None,
+        bucket_mb: float = 25.0,
+        units: list[nn.Module] | None = None,
+        algorithm: str = "auto",
+        device: torch.device | str | None = None,
+        averaging: Averaging | None = None,
+        expert_group: comm.GroupLike = None,
+        offload_device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise DtrainError(f"ZeRO stage={stage!r}: use 1, 2 or 3")
+        experts = split_experts(module)
+        if experts and expert_group is None:
+            raise DtrainError("ZeRO of a model whose experts are split (expert parallelism) "
+                              "needs expert_group= (mesh.group(\"edp\"))")
+        if bucket_mb <= 0:
+            raise DtrainError(f"ZeRO bucket_mb={bucket_mb} must be positive")
+        self.module = module
+        self.stage = stage
+        self.algorithm = algorithm
+        self.group = comm.resolve(group)
+        self.rank = self.group.rank
+        self.size = self.group.size
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise DtrainError("ZeRO: the module has no trainable parameters")
+        apart = frozenset(id(p) for p in experts)
+        sharding = Sharding(self.group)
+        if experts:
+            expert_ranks = comm.resolve(expert_group)
+            sharding = Sharding(self.group, apart, expert_ranks,
+                                expert_ranks.size / self.size)
+        if self.size > 1:
+            check_same_model([p for _, p in named], self.group, "ZeRO", algorithm)
+            broadcast_state(module, self.group, algorithm, skip=apart)
+            if experts and sharding.apart_group.size > 1:
+                broadcast_tensors(experts, sharding.apart_group, algorithm)
+        self.param_dtype = one_dtype(named)
+        self.compute_dtype = parse_dtype(mixed_precision) or self.param_dtype
+        self.mixed = self.compute_dtype != self.param_dtype
+        self._scale = 2.0**16 if self.compute_dtype == torch.float16 else 1.0
+        self._good_steps = 0
+        self._overflow: bool | None = None
+
+        template = optimizer([p for _, p in named])
+        group_of = group_index(template, named)
+        name_of = {id(p): n for n, p in named}
+        self.layout = [[name_of[id(p)] for p in g["params"]] for g in template.param_groups]
+        self.shapes = {n: p.shape for n, p in named}
+        # state_dict key -> the trainable parameter it holds (tied weights: several keys)
+        self.alias = {key: name_of[id(p)] for key, p in
+                      module.named_parameters(remove_duplicate=False) if id(p) in name_of}
+        built = build_units(module, named, group_of, stage, units, bucket_mb, sharding,
+                            self.param_dtype, self.compute_dtype,
+                            torch.device(device) if device is not None else None)
+        self.units: list[Unit] = built.units  # in the order their gradients are reduced
+        self._root = built.root  # stage 3: what no unit claims, held from forward to backward
+        self._chain = built.chain  # stage 3: each module's units, in forward order
+        self.offload = None if offload_device is None else \
+            Offload(self.units, stage, torch.device(offload_device))  # before the optimizer
+        self._place = {unit: k for k, units_of in enumerate(self._chain) for unit in units_of}
+        self.optimizer = shard_optimizer(template, self.units)
+        self.averaging = averaging
+        if averaging is not None:
+            averaging.attach(module, self.optimizer)
+        self._sync = True
+        self._finalize_queued = False
+        self._next_launch = 0
+        self._works: list[Reducing] = []  # reduce-scatters in flight, oldest first
+        self._late: list[tuple[Unit, int, torch.Tensor, late_grads.Finisher]] = []
+        self._hooks = [module.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
+        for unit in self.units:
+            for i, p in enumerate(unit.flat.params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    self._grad_hook(unit, unit.flat.offsets[i])))
+        if stage == 3:
+            for k, (unit, *_) in enumerate(self._chain):
+                self._hooks.append(unit.module.register_forward_pre_hook(
+                    lambda m, args, k=k: self._gather_for_forward(k)))
+                self._hooks.append(unit.module.register_forward_hook(
+                    lambda m, args, out, k=k: self._after_forward(k, out)))
+            self._hooks.append(module.register_forward_hook(self._after_root_forward))
+            self._free(self.units)
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        for unit in self.units:
+            unit.reset_backward()
+        self._gather(self._root)
+        if self._chain:
+            self._start_gather(self._chain[0])
+        if self.mixed:
+            cast = lambda t: t.to(self.compute_dtype) if (  # noqa: E731
+                isinstance(t, torch.Tensor) and t.is_floating_point()) else t
+            return tree_map(cast, args), tree_map(cast, kwargs)
+        return None
+
+    def _gather_for_forward(self, k: int) -> None:
+        self._gather(self._chain[k])
+        if k + 1 < len(self._chain):
+            self._start_gather(self._chain[k + 1])  # prefetch while this one computes
+
+    def _after_forward(self, k: int, output: object) -> None:
+        self._free(self._chain[k])
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, k=k: self._before_backward(k))
+
+    def _after_root_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        if not torch.is_grad_enabled():  # no backward follows
+            self._free(self.units)
+        elif self._root:
+            # The root is gathered again for this output's backward, which may come after
+            # other forwards (a pipeline).
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad: self._gather(self._root))
+
+    def _before_backward(self, k: int) -> None:
+        units = self._chain[k]
+        if units[0].backward_started:
+            return
+        for unit in units:
+            unit.backward_started = True
+        self._gather(units)  # the prefetch of the unit before waits for its first gradient
+
+    def _prefetch_before(self, unit: Unit) -> None:
+        """Stage 3, at `unit`'s first gradient: start gathering the units whose backward
+        comes next. Not earlier: while `unit`'s forward is recomputed, the reduce-scatter
+        of the unit after it is still in flight (`_grad_hook`), and a prefetch then would
+        hold a third whole unit beside the two."""
+        k = self._place.get(unit)
+        if k is not None and k > 0:
+            self._start_gather(self._chain[k - 1])
+
+    # ----------------------------------------------------------------- stage 3 gathers
+    def _start_gather(self, units: list[Unit]) -> None:
+        for unit in units:
+            unit.start_gather(self.algorithm)
+
+    def _gather(self, units: list[Unit]) -> None:
+        self._start_gather(units)  # each group's gather in flight before waiting for any
+        for unit in units:
+            unit.gather(self.algorithm)
+
+    def _free(self, units: list[Unit]) -> None:
+        if self.stage == 3:
+            for unit in units:
+                unit.free()
+
+    # ----------------------------------------------------------------- backward
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, with the loss scaled under fp16 mixed precision."""
+        (loss * self._scale if self._scale != 1.0 else loss).backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate unsharded gradients locally, without communication, inside this
+        context; the first backward outside it reduces everything accumulated so far."""
+        previous = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _grad_hook(self, unit: Unit, offset: int):
+        def hook(param: torch.Tensor) -> None:
+            if not self._finalize_queued:
+                self._finalize_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            finisher = late_grads.late(param)
+            if finisher is not None:  # summed over tp at the end of backward: read it then
+                self._late.append((unit, offset, param, finisher))
+                return
+            self._take(unit, offset, param)
+
+        return hook
+
+    def _take(self, unit: Unit, offset: int, param: torch.Tensor) -> None:
+        """Take `param`'s gradient into its unit's (stages 1-2: at once; stage 3: when the
+        unit's last one has come); launch the units complete."""
+        with torch.no_grad():
+            if self.stage < 3:
+                unit.grad_buffer()[offset : offset + param.numel()].add_(
+                    param.grad.reshape(-1))
+                param.grad = None
+            elif unit.pending == len(unit.flat.params):
+                # Stage 3, the unit's first gradient: the reduce-scatter in flight (the
+                # unit before, in backward's order) is waited for, its buffer released,
+                # while this unit's gradients are still few. They stay autograd's own
+                # until the last, packed then into the unit's buffer (`Unit.pack_grads`):
+                # its backward holds them as they come, not a whole buffer from the first.
+                settle(self._works, 0)
+                self._prefetch_before(unit)
+        unit.pending -= 1
+        if unit.pending == 0:
+            if unit not in self._root:  # the root's parameters serve till backward ends
+                self._free([unit])
+            if self.stage == 3:
+                unit.pack_grads()
+            if self._sync:
+                self._launch_ready()
+
+    def _take_late(self) -> None:
+        """The gradients finished at the end of backward (dtrain.data_parallel.late_grads)."""
+        late, self._late = self._late, []
+        for *_, finisher in late:
+            finisher.finish()
+        for unit, offset, param, _ in late:
+            self._take(unit, offset, param)
+
+    def _launch_ready(self) -> None:
+        self._next_launch = launch_ready(self.units, self._next_launch, self._launch)
+
+    def _launch(self, unit: Unit) -> None:
+        work = comm.reduce_scatter(unit.grad, op="avg", group=unit.group, async_op=True,
+                                   algorithm=self.algorithm)
+        self._works.append(Reducing(unit, work, unit.grad))
+        if self.stage >= 2:
+            unit.grad = None  # released once the collective is waited for (`settle`)
+        settle(self._works, IN_FLIGHT if self.stage < 3 else 1)
+
+    @torch.no_grad()
+    def _finalize(self) -> None:
+        """At the end of backward: send what is left, wait, keep each rank's shard."""
+        self._finalize_queued = False
+        self._take_late()
+        self._free(self.units)  # ready for the next backward, with or without a forward
+        if self.stage == 3:  # units some of whose parameters got no gradient
+            for unit in self.units:
+                unit.pack_grads()
+        for unit in self.units:
+            unit.reset_backward()
+        if self._sync:
+            self.reduce_gradients()
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter what backward has not sent yet (everything accumulated under
+        `no_sync`) and keep this rank's shard: what the first backward outside `no_sync`
+        does at its end. For callers that adjust accumulated gradients first (a pipeline
+        summing a tied weight's gradient across stages, via `accumulated_grad`)."""
+        for unit in self.units[self._next_launch :]:
+            unit.grad_buffer()
+            self._launch(unit)
+        settle(self._works, 0)
+        self._next_launch = 0
+        self._overflow = None
+        if self.averaging is not None:  # then each shard over the other live replicas
+            shards = [unit.shard_grad() for unit in self.units]
+            members = self.averaging.finish([self.averaging.start(t) for t in shards], shards)
+            if members:  # 0: the step does not count here, the shards keep the group's
+                for shard in shards:
+                    shard.div_(members)
+
+    def accumulated_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The unsharded gradient of `param` accumulated under `no_sync` (a view; zeros if
+        backward has not reached it)."""
+        for unit in self.units:
+            grad = unit.param_grad(param)
+            if grad is not None:
+                return grad
+        raise DtrainError("ZeRO.accumulated_grad: the parameter is not one of this module's")
+
+    # ----------------------------------------------------------------- step
+    def _has_overflow(self) -> bool:
+        """fp16: whether any rank's gradients hold inf or nan (then the step is skipped)."""
+        if self._scale == 1.0:
+            return False
+        if self._overflow is None:
+            bad = any(not torch.isfinite(u.shard_grad()).all() for u in self.units)
+            flag = torch.tensor([float(bad)],
+                                device=agreement_device([u.shard_grad() for u in self.units]))
+            self._overflow = comm.all_reduce(flag, op="max", group=self.group,
+                                             algorithm=self.algorithm).item() > 0
+            if not self._overflow:
+                for unit in self.units:
+                    unit.shard_grad().mul_(1.0 / self._scale)
+        return self._overflow
+
+    def grad_parts(self, is_split: ParamTest | None = None,
+                   counted: ParamTest | None = None) -> list[GradPart]:
+        """This rank's reduced gradient shards as parts of a global norm (see
+        dtrain.data_parallel.clip), summed over "dp", and over "tp" too where `is_split(param)`
+        (a tensor-parallel block); `counted(param)` False marks a copy another rank counts
+        (a tied weight's second holder). One part per unit without predicates, else one per
+        parameter range. Under fp16 the shards are unscaled first (collective over the
+        group, once per backward); after an overflow they hold inf or nan."""
+        self._has_overflow()
+        parts = []
+        for unit in self.units:
+            if is_split is None and counted is None:
+                parts.append(GradPart(unit.shard_grad(), over=("dp",)))
+                continue
+            for span, param in unit.shard_spans():
+                split = is_split is not None and is_split(param)
+                parts.append(GradPart(segment(unit.shard_grad(), span),
+                                      over=("dp", "tp") if split else ("dp",),
+                                      counted=counted is None or counted(param)))
+        return parts
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global 2-norm is at most `max_norm`; returns the norm
+        before clipping (as torch.nn.utils.clip_grad_norm_ on the unsharded gradients), or
+        inf when fp16 gradients overflowed (the step will be skipped)."""
+        if self._has_overflow():
+            return torch.tensor(float("inf"))
+        norm = clip.clip_grad_norm_(self.grad_parts(), max_norm, groups={"dp": self.group})
+        return torch.tensor(norm, dtype=torch.float32, device=self.units[0].master.device)
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Update this rank's shards, then (stages 1 and 2) all-gather the parameters.
+        Returns False when fp16 overflow skipped the step (the loss scale halves)."""
+        if self._has_overflow():
+            self._scale /= 2
+            self._good_steps = 0
+            return False
+        if self.offload is not None:
+            self.offload.step(self.optimizer)
+        else:
+            self.optimizer.step()
+        if self._scale != 1.0:
+            self._good_steps += 1
+            if self._good_steps % GROWTH_INTERVAL == 0:
+                self._scale *= 2
+        self.refresh_parameters()
+        return True
+
+    @torch.no_grad()
+    def refresh_parameters(self) -> None:
+        """Rebuild the full parameters from every rank's master shard (stages 1 and 2;
+        stage 3 gathers at the next forward): each unit all-gathered straight into `full`,
+        from the master itself where it is `full`'s own shard (an all-gather in place),
+        else from a copy of it, at most `IN_FLIGHT` at a time, so that refreshing holds at
+        most a few shards beyond the parameters, never a second copy of them."""
+        if self.stage == 3:
+            return
+        works: list[tuple[torch.Tensor | None, Any]] = []
+        for unit in self.units:
+            if len(works) == IN_FLIGHT:
+                _finish_gather(*works.pop(0))
+            in_place = unit.master_in_full
+            shard = unit.master if in_place else unit.master.to(unit.full.dtype, copy=True)
+            works.append((None if in_place else shard,
+                          comm.all_gather(shard, group=unit.group, async_op=True,
+                                          algorithm=self.algorithm, out=unit.full)))
+        for shard, work in works:
+            _finish_gather(shard, work)
+
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """The master shards were set from outside the step (a checkpoint, a state_dict):
+        copy them to where the module computes (offloaded: to the device) and rebuild the
+        full parameters (`refresh_parameters`)."""
+        if self.offload is not None:
+            self.offload.publish()
+        self.refresh_parameters()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients of the last step (and any accumulated under no_sync);
+        `set_to_none` also releases the gradient shards until the next backward."""
+        for unit in self.units:
+            if set_to_none:
+                unit.drop_grad_shard()
+            elif unit.grad_shard is not None:
+                unit.grad_shard.zero_()
+            if unit.grad is not None:
+                if self.stage == 1:
+                    unit.grad.zero_()
+                else:
+                    unit.grad = None
+        self._overflow = None
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self._scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self._scale = float(value)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The full (unsharded) state_dict of the wrapped module, in the parameters' own
+        dtype, keys without a wrapper prefix. Collective: call it on every rank."""
+        return zero_state.full_state(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True,
+                        assign: bool = False):
+        """Load a full state_dict (as `state_dict` returns or the unwrapped module's);
+        each rank keeps its shard. Collective."""
+        zero_state.load_full_state(self, state_dict, strict)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The full optimizer state_dict, as the optimizer built by the factory on the
+        unwrapped module would return it. Collective."""
+        return zero_state.full_optimizer_state(self)
+
+    def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full optimizer state_dict (as `optimizer_state_dict` returns)."""
+        zero_state.load_full_optimizer_state(self, state_dict)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shards of the master weights and optimizer state, described per
+        parameter so that a run of any size can load them (`load_sharded_state_dict`)."""
+        return zero_state.sharded_state(self)
+
+    def load_sharded_state_dict(self, shards: list[dict[str, Any]]) -> None:
+        """Load the `sharded_state_dict()` of every rank of a run, whatever its size."""
+        zero_state.load_sharded_state(self, shards)
+
+    # ----------------------------------------------------------------- introspection
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds now: parameters (the module's, as
+        materialized, plus separate master shards), gradients and optimizer state. With
+        offload these count the compute device's tensors only ("master": stage 3's
+        resident shards), and "host_master", "host_grads" and "host_optimizer" what the
+        host keeps."""
+        held = {**unit_bytes(self.units), "optimizer": optimizer_bytes(self.optimizer)}
+        if self.offload is None:
+            return held
+        return {**held, "master": self.offload.device_bytes(), "optimizer": 0,
+                **self.offload.host_bytes(held["optimizer"])}
+
+
+def _finish_gather(copy: torch.Tensor | None, work: Handle) -> None:
+    """Wait for a refresh's all-gather and release its input copy, if any, at once (the
+    finished collective's handle may keep it until the garbage collector finds the
+    handle)."""
+    work.wait()
+    if copy is not None:
+        copy.untyped_storage().resize_(0)

@@ -1,0 +1,82 @@
+"""What each model can be laid out with, checked before any rank starts: experts under
+expert parallelism, sequences under context parallelism, heads under tensor parallelism
+(`check_layout`). The config (dtrain.config) calls it with the model's section as its
+preset fills it.
+"""
+
+from __future__ import annotations
+
+from dtrain.errors import ConfigError
+from dtrain.mesh.config import ParallelConfig
+from dtrain.models.config import ModelConfig, check_moe, check_shape
+from dtrain.models.hf import ROTARY_FAMILY, hf_config_dict, hf_experts
+from dtrain.models.llama import moe_config
+
+
+def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
+    """Whether model `m` (its preset applied) can be laid out as `p` says.
+
+    Raises:
+        ConfigError: in one line naming what to change.
+    """
+    check_shape(m, p.tp)
+    check_experts(m, p)
+    check_context(m, p)
+
+
+def check_experts(m: ModelConfig, p: ParallelConfig) -> None:
+    """Mixture of experts and expert parallelism: what they need and what they work with
+    (so far)."""
+    check_moe(m)
+    experts = m.n_experts if m.arch == "llama" else 0
+    if m.arch == "hf" and p.ep > 1:  # its config.json says (read only when it matters)
+        experts = hf_experts(m)
+    if experts and m.arch == "llama":
+        moe_config(m)  # its rules: top-k within the experts, a known router, ...
+    if experts and p.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel with a mixture-of-experts model is not "
+                          "supported yet: leave sequence_parallel off")
+    if p.ep == 1:
+        return
+    if not experts:
+        raise ConfigError(f"parallel.ep = {p.ep} splits experts, and this model has none: set "
+                          "model.n_experts (dtrain's Llama, model.arch = \"llama\"), or "
+                          "name a Mixtral or Qwen3-MoE config (model.arch = \"hf\")")
+    if experts % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep} does not divide model.n_experts = {experts}: "
+                          "choose an expert-parallel degree that divides it")
+
+
+def check_context(m: ModelConfig, p: ParallelConfig) -> None:
+    """Context parallelism: the models, sequence lengths and options it works with."""
+    if p.cp == 1:
+        return
+    what = f"parallel.cp = {p.cp}"
+    if m.arch not in ("gpt", "llama", "hf") or (
+            m.arch == "hf" and hf_config_dict(m).get("model_type") not in ROTARY_FAMILY):
+        raise ConfigError(f"{what} runs dtrain's GPT and Llama and Hugging Face models of the "
+                          f"Llama family ({', '.join(ROTARY_FAMILY)}), not this model: use "
+                          "parallel.cp = 1")
+    if m.block_size % (2 * p.cp):
+        raise ConfigError(f"{what} cuts each sequence into 2 x cp = {2 * p.cp} chunks, and "
+                          f"model.block_size = {m.block_size} does not divide by "
+                          f"{2 * p.cp}: make it a multiple of {2 * p.cp}")
+    if p.sequence_parallel and (m.block_size // p.cp) % p.tp:
+        raise ConfigError(f"{what} with parallel.sequence_parallel: each rank's "
+                          f"{m.block_size // p.cp} tokens do not divide by parallel.tp = "
+                          f"{p.tp}: make model.block_size a multiple of cp x tp")
+    if m.dropout:
+        raise ConfigError(f"{what} with model.dropout = {m.dropout}: attention dropout is not "
+                          "split over the chunks; set model.dropout = 0")
+    if m.arch == "llama" and m.n_experts and (m.capacity_factor or m.aux_loss_weight):
+        raise ConfigError(f"{what} with model.capacity_factor or model.aux_loss_weight: both "
+                          "are per whole sequence, and a cp rank holds two chunks of each; "
+                          "use a dropless MoE (capacity_factor = 0) balanced by model.router = "
+                          "\"sigmoid_bias\" (aux_loss_weight = 0)")
+    if p.cp_method == "alltoall":
+        heads = m.n_head // p.tp
+        kv = (m.n_kv_head or m.n_head) // p.tp if m.arch == "llama" else heads
+        if heads % p.cp or kv % p.cp:
+            raise ConfigError(f"parallel.cp_method = \"alltoall\" splits each rank's {heads} "
+                              f"query and {kv} key/value heads over cp = {p.cp}, which does not "
+                              "divide them: use cp_method = \"ring\" or \"allgather\"")

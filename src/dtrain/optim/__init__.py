@@ -1,0 +1,12 @@
+"""Optimizers: the `[optimizer]` section, the optimizer it makes, and its learning rate.
+
+    config    OptimizerConfig: name, learning rate, decay, betas, warm-up, schedule, clip
+    build     build_optimizer: the torch optimizer of a layout's parameters
+    schedule  lr_factor: linear warm-up, then cosine decay (or constant)
+"""
+
+from dtrain.optim.build import build_optimizer, decay_groups
+from dtrain.optim.config import OptimizerConfig
+from dtrain.optim.schedule import lr_factor
+
+__all__ = ["OptimizerConfig", "build_optimizer", "decay_groups", "lr_factor"]
