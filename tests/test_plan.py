@@ -253,7 +253,7 @@ def test_recomputation_and_sequence_parallelism_by_hand():
     # a tp=1 layout has no sequence to divide: the same figures either way
     dp = [estimate(profile, Dims(2), 1e12, 1e12, FREE, sequence_parallel=sp) for sp in
           (False, True)]
-    assert dp[0].total == dp[1].total and not dp[1].sequence_parallel
+    assert dp[0].total == dp[1].total and not dp[1].dims.sequence_parallel
 
 
 def test_plan_falls_back_to_recomputation_only_where_a_layout_does_not_fit():
@@ -261,14 +261,14 @@ def test_plan_falls_back_to_recomputation_only_where_a_layout_does_not_fit():
         return traced(DROPPED, b)
 
     roomy = plan(trace, 2, 1e12, 8, 1e10, FREE, recompute=MODES, sequence_parallel=(False, True))
-    assert all(e.recompute == "none" and not e.sequence_parallel for e in roomy)
+    assert all(e.recompute == "none" and not e.dims.sequence_parallel for e in roomy)
     tp2 = next(e for e in roomy if str(e.dims) == "tp2")
     budget = (tp2.total + estimate(trace(8), Dims(1, tp=2), 1e12, 1e10, FREE,
                                    recompute="full", sequence_parallel=True).total) / 2
     tight = {str(e.dims): e for e in plan(trace, 2, budget, 8, 1e10, FREE, recompute=MODES,
                                             sequence_parallel=(False, True))}
     chosen = tight["tp2"]
-    assert chosen.fits and (chosen.recompute, chosen.sequence_parallel) != ("none", False)
+    assert chosen.fits and (chosen.recompute, chosen.dims.sequence_parallel) != ("none", False)
     assert chosen.recompute == "none" or chosen.recompute_s > 0
     assert chosen.step_s >= tp2.step_s
     fixed = plan(trace, 2, budget, 8, 1e10, FREE, recompute="none")

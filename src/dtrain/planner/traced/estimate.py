@@ -149,14 +149,6 @@ class Estimate:
         return PlannedLayout(self.dims, self.recompute)
 
     @property
-    def sequence_parallel(self) -> bool:
-        return self.dims.sequence_parallel
-
-    @property
-    def cp_method(self) -> str:
-        return self.dims.cp_method
-
-    @property
     def label(self) -> str:
         """The layout, with its cp method where cp > 1 and " sp" under sequence
         parallelism (`str(self.planned)`)."""
@@ -169,8 +161,8 @@ class Estimate:
             "ep": layout.ep, "cp": layout.cp, "zero": layout.zero,
             "microbatches": layout.microbatches,
             "schedule": layout.schedule if layout.pp > 1 else None,
-            "recompute": self.recompute, "sequence_parallel": self.sequence_parallel,
-            "cp_method": self.cp_method if layout.cp > 1 else None,
+            "recompute": self.recompute, "sequence_parallel": layout.sequence_parallel,
+            "cp_method": layout.cp_method if layout.cp > 1 else None,
             "memory_bytes": {"params": int(self.params), "grads": int(self.grads),
                              "grads_in_backward": int(self.grads if self.grads_in_backward
                                                       is None else self.grads_in_backward),
