@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.cluster_validation         # prints the markdown tables
 
-The rows that must hold are tests (tests/test_plan_cluster.py: Megatron-LM's Table 1,
+The rows that must hold are tests (tests/planner/test_plan_cluster.py: Megatron-LM's Table 1,
 Korthikanti et al.'s 530B runs and Llama 3 405B's Table 4); this script prints them for
 RESULTS.md with the published runs the cost model does not match, and why.
 """
@@ -10,18 +10,18 @@ RESULTS.md with the published runs the cost model does not match, and why.
 from __future__ import annotations
 
 from dtrain.planner.analytic.hardware import Cluster, hardware
-from dtrain.planner.analytic.search import best_layout, rank
-from dtrain.planner.shape import ModelShape
-from tests.test_plan_cluster import (
+from dtrain.planner.analytic.published import (
     FITTED_ON,
     KORTHIKANTI_530B,
     LLAMA_3_TABLE_4,
     MEGATRON_2021,
     MEGATRON_TABLE_1,
-    _published_layout,
-    _row,
     llama_row,
+    megatron_row,
+    published_layout,
 )
+from dtrain.planner.analytic.search import best_layout, rank
+from dtrain.planner.shape import ModelShape
 
 # Megatron-Turing NLG 530B (Smith et al., 2022, "Using DeepSpeed and Megatron to Train
 # Megatron-Turing NLG 530B", section 2.4): Megatron-DeepSpeed, A100 80GB, tp 8, pp 35,
@@ -34,8 +34,8 @@ def megatron() -> None:
           "| ratio | recommended layout | its step / published layout's |")
     print("|---|---|---|---|---|---|---|---|")
     for i, row in enumerate(MEGATRON_TABLE_1):
-        shape, cluster, params, tp, pp, gpus, batch, tflops = _row(row)
-        ours = _published_layout(shape, cluster, batch, tp, pp)
+        shape, cluster, params, tp, pp, gpus, batch, tflops = megatron_row(row)
+        ours = published_layout(shape, cluster, batch, tp, pp)
         best = rank(shape, cluster, batch, soft=MEGATRON_2021)[0]
         fitted = " (fitted)" if i in FITTED_ON else ""
         print(f"| {params}{fitted} | {shape.parameters() / 1e9:.2f} | {ours.label} | "
@@ -50,7 +50,7 @@ def korthikanti() -> None:
     print("| 530B on 2240 A100s | layout | MFU published | predicted | ratio |")
     print("|---|---|---|---|---|")
     for recompute, sp, mfu in KORTHIKANTI_530B:
-        ours = _published_layout(shape, cluster, 2240, 8, 35, recompute, sp)
+        ours = published_layout(shape, cluster, 2240, 8, 35, recompute, sp)
         what = "sequence parallel + selective" if sp else "full recomputation"
         print(f"| {what} | {ours.label} | {mfu:.1%} | {ours.mfu:.1%} | "
               f"{ours.mfu / mfu:.3f} |")

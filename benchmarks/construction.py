@@ -5,7 +5,7 @@ rank, then laid out).
 
     python benchmarks/construction.py [--write]
 
-Five layouts of one GPT, each in its own spawned world (tests/distributed.py's `run_ranks`,
+Five layouts of one GPT, each in its own spawned world (dtrain.testing's `run_ranks`,
 gloo): tp=2 on 2 ranks; ZeRO-1, ZeRO-2 and ZeRO-3 over 4 ranks; tp2 x pp2 on 4. On every
 rank the peak of live tensor bytes (dtrain.planner.LiveBytes, the CPU's
 max_memory_allocated) from the first line of construction to the end of `layouts.build`,
@@ -44,8 +44,8 @@ from dtrain.models import init
 from dtrain.planner import LiveBytes
 from dtrain.planner.traced.measure import calibrate
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.distributed
-from tests.distributed import run_ranks  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # dtrain.testing.processes
+from dtrain.testing import run_ranks  # noqa: E402
 
 MiB = 2**20
 SHAPE = {"arch": "gpt", "n_layer": 8, "n_head": 8, "n_embd": 512, "block_size": 128}

@@ -6,7 +6,7 @@ alltoall, and the share of the ring's messages hidden behind its compute; torch'
 
     python benchmarks/long_context.py [--cap-mib 64 --seq 4096 --write]
 
-Memory. A probe is one spawned world (memory_cap's `under_cap`: tests/distributed.py's
+Memory. A probe is one spawned world (memory_cap's `under_cap`: src/dtrain/testing/processes.py's
 `run_ranks`, gloo, 1 thread per rank) that builds the Llama and trains it STEPS steps with
 AdamW on one sequence of `seq` tokens, construction included, under
 `dtrain.planner.LiveBytes(limit=cap)` on every rank. The model is built in split form

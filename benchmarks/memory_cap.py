@@ -4,9 +4,9 @@ activation checkpointing, and dtrain tp=2 x ZeRO-3 with sequence parallelism.
 
     python benchmarks/memory_cap.py [--cap-mib 128 --write]
 
-A probe is one spawned world (tests/distributed.py's `run_ranks`, gloo, 1 thread per
+A probe is one spawned world (src/dtrain/testing/processes.py's `run_ranks`, gloo, 1 thread per
 rank) that builds a GPT of `n_layer` blocks (width fixed) and trains it 3 steps with AdamW
-on `--batch` sequences of 64 tokens per model replica, construction included, under
+on `--batch` sequences of 64 tokens per copy of the model, construction included, under
 `dtrain.planner.LiveBytes(limit=cap)` on every rank (the CPU's equivalent of
 `torch.cuda.max_memory_allocated`, raising MemoryError past the cap). n_layer is found by
 growing it until a probe fails (one process: doubling from 4; the others: from 4 times
@@ -57,8 +57,8 @@ from dtrain.models import init
 from dtrain.optim import build_optimizer
 from dtrain.planner import LiveBytes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.distributed
-from tests.distributed import run_ranks  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # dtrain.testing.processes
+from dtrain.testing import run_ranks  # noqa: E402
 
 MiB = 2**20
 WIDTH = {"n_head": 4, "n_embd": 256, "block_size": 64}
@@ -81,11 +81,11 @@ def parameter_count(n_layer: int) -> int:
 
 def config_of(n_layer: int, setup: str, world_size: int, batch: int):
     parallel = PARALLEL.get(setup, {})
-    replicas = world_size // parallel.get("tp", 1)
+    copies = world_size // parallel.get("tp", 1)  # of the model (data parallel)
     return config_from_dict({
         "model": gpt_shape(n_layer),
         "optimizer": {"name": "adamw"},
-        "train": {"batch_size": batch * replicas, "seed": 0},
+        "train": {"batch_size": batch * copies, "seed": 0},
         "parallel": {"nproc": world_size, **parallel},
         "memory": {"recompute": "none" if setup == "one_process" else "full"},
     })
@@ -307,7 +307,7 @@ def search(fits: Callable[[int], bool], start: int, growth: float, what: str) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cap-mib", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=2, help="sequences per model replica")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per copy of the model")
     parser.add_argument("--setups", default=",".join(SETUPS))
     parser.add_argument("--probe", metavar="SETUP:N_LAYER", help="run one probe only")
     parser.add_argument("--contents", action="store_true",
@@ -392,7 +392,7 @@ def section(summary: dict) -> list[str]:
         f" before, {summary['load_after']:.1f} after (shared with other work; the figures are "
         f"bytes, not times, so load does not move them); {summary['minutes']:.0f} min in all.  ",
         f"Model: GPT, width {WIDTH['n_embd']}, {WIDTH['n_head']} heads, vocabulary 256, "
-        f"{summary['batch']} sequences x {SEQUENCE} tokens per model replica, AdamW "
+        f"{summary['batch']} sequences x {SEQUENCE} tokens per copy of the model, AdamW "
         f"(dtrain's `[optimizer]` defaults), {STEPS} steps, construction included; n_layer "
         "searched (one process: doubling from 4; the others: from 4x one process's answer, "
         "in steps of 25%; then bisection), each probe one spawned world. dtrain's collectives "

@@ -1,4 +1,4 @@
-"""dtrain.ps with `replicas = 2`: SIGKILL a server mid-run, many times, and count the pushes.
+"""dtrain.ps with `copies = 2`: SIGKILL a server mid-run, many times, and count the pushes.
 
     python benchmarks/ps_failover.py [--kills 20 --steps 30]
 
@@ -32,7 +32,7 @@ import time
 import torch
 
 from dtrain import ps
-from tests.test_ps import PER_WORKER, SGD, WORKERS, one_process, train_through_a_kill
+from dtrain.testing.ps_drill import PER_WORKER, SGD, WORKERS, one_process, train_through_a_kill
 
 MODES = (("sync", 0), ("ssp", 1), ("async", 0))
 MOMENTS = ("between", "push", "relayed")
@@ -53,7 +53,7 @@ def main() -> None:
         consistency, staleness = MODES[trial % len(MODES)]
         moment = MOMENTS[trial // len(MODES) % len(MOMENTS)]
         victim, kill_at = rng.randrange(args.servers), rng.randrange(1, args.steps - 1)
-        settings = ps.Settings(consistency, staleness, replicas=2, **SGD)
+        settings = ps.Settings(consistency, staleness, copies=2, **SGD)
         if moment == "between":
             models, stats, trial_resent = train_through_a_kill(
                 settings, args.servers, victim, args.steps, kill_at=kill_at)

@@ -11,10 +11,10 @@ since the newest checkpoint). Two ways of recovering:
 - restart: the agent restarts every rank, which resume from the newest checkpoint;
 - elastic: the same with `--nnodes 1:2` on one launcher: nothing changes but the round
   (the path an elastic job's survivors take);
-- live: `[fault_tolerance] mode = "live"`: the other replicas drop rank 1 within the
+- live: `[fault_tolerance] mode = "live"`: the other live replicas drop rank 1 within the
   step and go on; its supervisor starts it again and it recovers from a live peer;
-- live-tp: the same with replicas of two tensor-parallel ranks (`parallel.tp = 2`): the
-  other replica goes on, and rank 1's replica (ranks 0 and 1) is started again whole.
+- live-tp: the same with live replicas of two tensor-parallel ranks (`parallel.tp = 2`):
+  the other live replica goes on, and rank 1's (ranks 0 and 1) is started again whole.
 
 benchmarks/live_recovery.py measures the library's live replicas alone, and the time a
 replacement takes to catch up from a live peer against loading from disk.
@@ -110,7 +110,7 @@ def trial(how: str, folder: Path) -> tuple[float, int]:
             time.sleep(0.05)
         pid = _rank_pid(proc.pid, 1)
         assert pid is not None, "rank 1 not found"
-        if how.startswith("live"):  # the rank runs under its supervisor (launch.replica)
+        if how.startswith("live"):  # the rank runs under its supervisor (launch.supervisor)
             pid = next(iter(children(pid)))
         os.kill(pid, signal.SIGKILL)
         killed = time.time()
@@ -162,7 +162,7 @@ def main() -> None:
     for how, med, low, high, lost in rows:
         what = {"restart": "restart from the newest checkpoint", "elastic": "new elastic round "
                 "from the newest checkpoint", "live": "live: the others go on",
-                "live-tp": "live, replicas of 2 tp ranks: the other goes on"}[how]
+                "live-tp": "live, live replicas of 2 tp ranks: the other goes on"}[how]
         lines.append(f"| {what} | {med:.1f} | {low:.1f} | "
                      f"{high:.1f} | {lost:g} |")
     text = "\n".join(lines) + "\n"

@@ -75,7 +75,7 @@ def progress(args: argparse.Namespace) -> None:
     DATA.mkdir(parents=True, exist_ok=True)
     for method, h in METHODS:
         if method == "dtrain":
-            continue  # the same arithmetic as DDP's (tests/test_data_parallel.py)
+            continue  # the same arithmetic as DDP's (tests/data_parallel/test_data_parallel.py)
         out = DATA / f"progress-{method}-{h}.json"
         cmd = [sys.executable, "-m", "dtrain.cli", "run", "-n", "4",
                *worker_args(method, h, args.steps, 20, out)]

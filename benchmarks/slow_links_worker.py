@@ -10,13 +10,13 @@ trained `--steps` steps on the global batch, one way:
     dtrain     dtrain.DataParallel, fp32 gradients
     powersgd   dtrain.DataParallel(compression="powersgd")
     int8       dtrain.DataParallel(compression="int8")
-    local_sgd  replicas of --replica-ranks ranks (a host's), each data parallel inside,
+    local_sgd  sync groups of --group-ranks ranks (a host's), each data parallel inside,
     diloco     synchronized every --sync-every steps (dtrain.sync.diloco)
 
 Rank 0 writes JSON: each step's seconds (training only: the held-out evaluations every
 `--eval-every` steps are not timed), the held-out losses, and the bytes this rank handed
 to collectives on groups that cross hosts (dtrain.comm.traffic; DDP's, which dtrain does
-not see, as the all-reduce of its gradients; not a replica's ZeRO inside its host).
+not see, as the all-reduce of its gradients; not a sync group's ZeRO inside its host).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Run:
     """The model as a method runs it: forward, step, and the groups whose bytes count."""
 
     def __init__(self, method: str, model: torch.nn.Module, config: Config, steps: int,
-                 sync_every: int, replica_ranks: int, compress_from: int | None) -> None:
+                 sync_every: int, group_ranks: int, compress_from: int | None) -> None:
         self.outer, self.zero, self.groups = None, None, [None]
         warmup = config.optimizer.warmup_steps if compress_from is None else compress_from
         make = lambda params: build_optimizer(params, config.optimizer)  # noqa: E731
@@ -55,11 +55,11 @@ class Run:
         elif method in ("dtrain", "powersgd", "int8"):  # PowerSGD after warm-up, as in train
             self.module = dtrain.DataParallel(model, compression=None if method == "dtrain" else
                                               compression.make(method, start_iter=warmup))
-        else:  # replicas of a host's ranks, ZeRO-1 inside: each rank sends its shard
-            mesh = dtrain.Mesh(sync=dist.get_world_size() // replica_ranks)
+        else:  # sync groups of a host's ranks, ZeRO-1 inside: each rank sends its shard
+            mesh = dtrain.Mesh(sync=dist.get_world_size() // group_ranks)
             self.module = self.zero = dtrain.ZeRO(model, lambda _: make(model.parameters()),
                                                   stage=1, group=mesh.group("dp"))
-            # what crosses hosts: the dp group is inside one replica
+            # what crosses hosts: the dp group is inside one sync group
             self.groups = [mesh.group("sync")]
         self.optimizer = self.zero.optimizer if self.zero else make(model.parameters())
         if method in ("local_sgd", "diloco"):
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--method", choices=METHODS, required=True)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--sync-every", type=int, default=50)
-    parser.add_argument("--replica-ranks", type=int, default=2)
+    parser.add_argument("--group-ranks", type=int, default=2)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--compress-from", type=int, help="PowerSGD's first compressed step "
@@ -105,7 +105,7 @@ def main() -> None:
     torch.manual_seed(tc.seed)
     model = build(resolve(mc, data.vocab_size))
     n = world.world_size
-    run = Run(args.method, model, config, args.steps, args.sync_every, args.replica_ranks,
+    run = Run(args.method, model, config, args.steps, args.sync_every, args.group_ranks,
               args.compress_from)
     stream = batches(data.train, tc.batch_size, n, world.rank, tc.seed, shuffle=True)
     held_out = list(zip(range(args.eval_batches),
@@ -139,7 +139,7 @@ def main() -> None:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, held_out: list) -> float:
-    """The held-out loss of this rank's copy, averaged over every rank (replicas in the
+    """The held-out loss of this rank's copy, averaged over every rank (sync groups in the
     middle of a round hold different copies: their mean loss)."""
     model.eval()
     total = sum(model(x, y)[1].item() for _, (x, y) in held_out) / len(held_out)

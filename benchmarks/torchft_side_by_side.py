@@ -1,14 +1,15 @@
-"""dtrain's live replicas beside torchft's Manager: the same job, one replica's rank
-SIGKILLed at the same step, each side bringing the replica back.
+"""dtrain's live replicas beside torchft's Manager: the same job, one live replica's rank
+SIGKILLed at the same step, each side bringing the live replica back.
 
     python benchmarks/torchft_side_by_side.py [--steps 120 --kill-at 10] [--write]
     python benchmarks/torchft_side_by_side.py --only torchft --steps 30   # one side, quick
 
 The job: dtrain's GPT at 2 layers, 128 wide, blocks of 128 tokens on the default corpus,
 global batch 16, AdamW with dtrain's warm-up and cosine schedule, no gradient clipping,
-seeded alike: 4 ranks on gloo as 2 replicas of 2 ranks. Each side runs once undisturbed
-and once with replica 1's second rank (global rank 3) SIGKILLed once step `kill-at` - 1 is
-recorded (so within step `kill-at`), then started again:
+seeded alike: 4 ranks on gloo as 2 live replicas of 2 ranks (torchft: replica groups).
+Each side runs once undisturbed and once with live replica 1's second rank (global rank 3)
+SIGKILLed once step `kill-at` - 1 is recorded (so within step `kill-at`), then started
+again:
 
 - torchft (0.2): a lighthouse on 127.0.0.1 (the server of `torchft_lighthouse
   --min_replicas 1`, started in this process), two
@@ -376,7 +377,7 @@ def table(report: dict, args: argparse.Namespace) -> list[str]:
         return str(value)
 
     lines = [
-        "## Live replicas beside torchft: one replica's SIGKILL, 2 replicas of 2 ranks",
+        "## Live replicas beside torchft: one live replica's SIGKILL, 2 live replicas of 2 ranks",
         "",
         f"Command: `python benchmarks/torchft_side_by_side.py --steps {args.steps} "
         f"--kill-at {args.kill_at} --write` (torchft {report['torchft_version']}, torch "

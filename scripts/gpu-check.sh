@@ -25,7 +25,7 @@ fi
 } 2>&1 | tee "$OUT/versions.txt"
 
 start=$SECONDS
-timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_gpu.py \
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/gpu/test_gpu.py \
     >"$OUT/gpu-tests.log" 2>&1
 status=$?
 tail -n 40 "$OUT/gpu-tests.log"

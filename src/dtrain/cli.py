@@ -237,7 +237,8 @@ def _run(args: argparse.Namespace) -> None:
                 f"script {args.script!r} not found (run from its folder or give a path)"
             )
         command = [sys.executable, "-u", args.script, *args.args]
-    nproc, env = args.nproc, {}
+    nproc = args.nproc
+    env: dict[str, str] = {}
     if args.servers or args.snapshot_dir or args.snapshot_every:
         from dtrain.launch.roles import plan
 

@@ -1,10 +1,10 @@
 """The contract between dtrain's launcher, its ranks and the user: every `DTRAIN_*`
 environment variable, declared once with its type, default and meaning.
 
-This module is the only one of dtrain that names them (tests/test_ft.py greps the sources
-for it): the others read and write a variable through its `Var` below, so that a reader
-finds every variable, who sets it and who reads it, in one place, and a malformed value
-gets the same one-line error wherever it is read.
+This module is the only one of dtrain that names them (tests/package/test_env_contract.py
+greps the sources for it): the others read and write a variable through its `Var` below,
+so that a reader finds every variable, who sets it and who reads it, in one place, and a
+malformed value gets the same one-line error wherever it is read.
 
     from dtrain import env
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from dtrain.errors import ConfigError
 
@@ -95,7 +95,7 @@ def _var(name: str, parse: Callable[[str], T], default: T, kind: str, meaning: s
     return var
 
 
-VARIABLES: list[Var] = []
+VARIABLES: list[Var[Any]] = []
 """Every variable of the contract, in the order declared below."""
 
 # ------------------------------------------------------------------ set by users

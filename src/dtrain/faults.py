@@ -8,6 +8,7 @@ The variable holds one fault, `ACTION@POINT[=VALUE][,rank=R][,attempt=A]`:
   rank, alive but silent), `exit` (exit code 3), `diverge` (call a collective the other
   ranks do not: a rank whose code took another path).
 - POINT: where dtrain checks for it. `step=K`: as training step K begins (dtrain train);
+  `record=K`: once step K is applied, before its metrics are recorded;
   `save`: inside a checkpoint write, after this rank's data file is written and before the
   checkpoint is published. `push=C` and `relayed=C` are a parameter server's (dtrain.ps):
   `push` as the head of a shard receives a worker's push of clock C, before applying or
@@ -20,7 +21,7 @@ The variable holds one fault, `ACTION@POINT[=VALUE][,rank=R][,attempt=A]`:
   under dtrain's launcher the rendezvous round less one (DTRAIN_ROUND), else torch's
   TORCHELASTIC_RESTART_COUNT.
 
-Unset, each check is one environment lookup. The fault tests (tests/test_faults.py) and the
+Unset, each check is one environment lookup. The fault tests (tests/faults/test_faults.py) and the
 RESULTS table of faults are built on it.
 """
 
@@ -35,7 +36,7 @@ from dtrain import env
 from dtrain.errors import ConfigError
 
 ACTIONS = ("kill", "stop", "exit", "diverge")
-POINTS = ("step", "save", "push", "relayed")
+POINTS = ("step", "record", "save", "push", "relayed")
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def parse(text: str) -> Fault:
     if action not in ACTIONS or not at or point not in POINTS:
         raise ConfigError(f"{env.FAULT.name}={text!r}: expected ACTION@POINT[,rank=R]"
                           f"[,attempt=A] with ACTION one of {', '.join(ACTIONS)} and POINT "
-                          "step=K, save, push=C or relayed=C")
+                          "step=K, record=K, save, push=C or relayed=C")
     options: dict[str, int] = {}
     for item in filter(None, rest.split(",")):
         key, _, number = item.partition("=")
@@ -79,8 +80,9 @@ def at(point: str, value: object = "", server: int | None = None) -> None:
     if fault.point != point or (fault.value and fault.value != str(value)):
         return
     rank = int(os.environ.get("RANK", "0")) if server is None else server
-    if env.LIVE_ID.is_set() and server is None:  # a live replica's rank sees its replica's world
-        rank += env.LIVE_ID.get() * int(os.environ.get("WORLD_SIZE", "1"))
+    live = env.LIVE_ID.get() if server is None else None  # None: unset
+    if live is not None:  # a live replica's rank sees its replica's world
+        rank += live * int(os.environ.get("WORLD_SIZE", "1"))
     attempt = attempt_number()
     if (fault.rank is not None and fault.rank != rank) or fault.attempt != attempt:
         return

@@ -1,7 +1,7 @@
 """The layer order of the package, bottom to top: the one place it is written down.
 
 A module may import modules of its own layer or of a lower one, never a higher one, and
-the imports never form a cycle; tests/test_import_order.py parses every import and enforces
+the imports never form a cycle; tests/package/test_import_order.py parses every import and enforces
 both. A module belongs to the layer of the longest name below that is the module itself or
 a package holding it; the top-level package `dtrain` names its own `__init__` only (else it
 would hold every module, and a module nobody placed would land in the top layer unseen).

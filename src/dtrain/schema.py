@@ -25,9 +25,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from dtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 Bound = Literal["positive", "non_negative"]
 T = TypeVar("T")
@@ -95,7 +98,7 @@ def hints(section: type) -> dict[str, Any]:
     return typing.get_type_hints(section)
 
 
-def check_fields(section: object, name: str) -> None:
+def check_fields(section: DataclassInstance, name: str) -> None:
     """Check `section` (the dataclass of `[name]`): every choice is one of its `Literal`'s
     values, every bound holds, then the section's own `check()` if it has one.
 

@@ -32,6 +32,7 @@ def parse_size(text: str, flag: str = "size") -> int:
     if unit not in UNITS:
         raise ConfigError(f"{flag} {text!r} is not a size in bytes: give a size like 80GB, "
                           "24GiB, 64K or 16M (K, M, G = KiB, MiB, GiB)")
+    assert match is not None  # else unit is None, refused above
     size = float(match.group(1)) * UNITS[unit]
     if size != int(size):
         raise ConfigError(f"{flag} {text!r} is not a size in bytes: not a whole number of "

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from dtrain.errors import ConfigError
 
@@ -51,12 +51,12 @@ def install(active: Recorder | None) -> None:
     _RECORDER = active
 
 
-def part_path(out: str | os.PathLike, rank: int) -> Path:
+def part_path(out: str | os.PathLike[str], rank: int) -> Path:
     """Where rank `rank` writes its own spans before the merge into `out`."""
     return Path(f"{out}.rank-{rank}.json")
 
 
-def prepare(path: str | os.PathLike) -> str:
+def prepare(path: str | os.PathLike[str]) -> str:
     """The absolute form of a timeline path (ranks may run elsewhere), its folder created.
 
     Raises:
@@ -190,7 +190,7 @@ class CommSpan:
         self._recorder._end_comm(self)
 
 
-def span(name: str, cat: str = "user", **args: Any) -> contextlib.AbstractContextManager:
+def span(name: str, cat: str = "user", **args: Any) -> contextlib.AbstractContextManager[None]:
     """Record the body of a `with` block as a span named `name` (category `cat`, `args`
     shown with it) on this rank's timeline; does nothing when no timeline is recorded."""
     active = _RECORDER
@@ -209,20 +209,20 @@ def _write_json(path: Path, value: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def merge(parts: Iterable[str | os.PathLike], out: str | os.PathLike) -> int:
+def merge(parts: Iterable[str | os.PathLike[str]], out: str | os.PathLike[str]) -> int:
     """Join the ranks' part files into the one trace `out`, then delete the parts.
 
     Returns:
         The number of parts merged.
     """
-    parts = [Path(p) for p in parts]
+    paths = [Path(p) for p in parts]
     events: list[dict[str, Any]] = []
-    for part in parts:
-        events += json.loads(part.read_text(encoding="utf-8"))["traceEvents"]
+    for path in paths:
+        events += json.loads(path.read_text(encoding="utf-8"))["traceEvents"]
     _write_json(Path(out), {"traceEvents": events, "displayTimeUnit": "ms"})
-    for part in parts:
-        part.unlink(missing_ok=True)
-    return len(parts)
+    for path in paths:
+        path.unlink(missing_ok=True)
+    return len(paths)
 
 
 def merge_ranks(out: str, ranks: Iterable[int], into: str | None = None) -> int:
@@ -232,13 +232,20 @@ def merge_ranks(out: str, ranks: Iterable[int], into: str | None = None) -> int:
     return merge(parts, into or out) if parts else 0
 
 
-def _load(trace: str | os.PathLike | dict | list) -> list[dict[str, Any]]:
+Trace: TypeAlias = "str | os.PathLike[str] | dict[str, Any] | list[dict[str, Any]]"
+"""A timeline: its file's path, its loaded JSON, or its list of events."""
+
+
+def _load(trace: Trace) -> list[dict[str, Any]]:
     if isinstance(trace, (str, os.PathLike)):
-        trace = json.loads(Path(trace).read_text(encoding="utf-8"))
-    return trace["traceEvents"] if isinstance(trace, dict) else trace
+        loaded = json.loads(Path(trace).read_text(encoding="utf-8"))
+    else:
+        loaded = trace
+    events: list[dict[str, Any]] = loaded["traceEvents"] if isinstance(loaded, dict) else loaded
+    return events
 
 
-def summarize(trace: str | os.PathLike | dict | list) -> dict[int, dict[str, float]]:
+def summarize(trace: Trace) -> dict[int, dict[str, float]]:
     """Seconds each rank spent in each category: {rank: {"step": s, "comm": s, ...}}.
 
     `trace` is a timeline's path, its loaded JSON, or its list of events. Time covered by

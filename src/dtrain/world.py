@@ -22,7 +22,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -102,10 +102,10 @@ class World:
 
 
 _WORLD: World | None = None
-_AT_SHUTDOWN: list = []  # callbacks of layers above that keep per-world state
+_AT_SHUTDOWN: list[Callable[[], object]] = []  # callbacks of layers above, per-world state
 
 
-def at_shutdown(callback) -> None:
+def at_shutdown(callback: Callable[[], object]) -> None:
     """Call `callback()` when the world shuts down (for state tied to its process groups)."""
     if callback not in _AT_SHUTDOWN:
         _AT_SHUTDOWN.append(callback)
@@ -259,7 +259,8 @@ def _init_process_group(world: World, timeout: timedelta) -> World:
                                 world_size=world.world_size, timeout=timeout)
         return world
     where = f"{world.master_addr}:{world.master_port}"
-    how: dict[str, object] = {"init_method": f"tcp://{where}"}
+    init_method: str | None = f"tcp://{where}"
+    agent_store: dist.Store | None = None
     try:
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             # The agent's store outlives a restart, and with it the addresses the previous
@@ -268,13 +269,14 @@ def _init_process_group(world: World, timeout: timedelta) -> World:
             attempt = contract.ATTEMPT.get() or os.environ.get(
                 "TORCHELASTIC_RESTART_COUNT", "0")
             agent = StoreAddress.from_env().connect(timeout.total_seconds())
-            how = {"store": prefixed(f"dtrain/attempt-{attempt}/", agent)}
+            init_method, agent_store = None, prefixed(f"dtrain/attempt-{attempt}/", agent)
         dist.init_process_group(
             _torch_backend(world),
             rank=world.rank,
             world_size=world.world_size,
             timeout=timeout,
-            **how,
+            init_method=init_method,
+            store=agent_store,
         )
     except (RuntimeError, dist.DistError) as exc:
         text = str(exc)

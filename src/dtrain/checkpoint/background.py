@@ -77,7 +77,8 @@ class PendingSave:
     def __init__(self, folder: Path, step: int, write: Callable[[], Path] | None = None,
                  path: Path | None = None) -> None:
         self.folder, self.step = folder, step
-        self._path, self._error, self._seen = path, None, False
+        self._path, self._seen = path, False
+        self._error: Exception | None = None
         self._thread = None
         if write is not None:
             self._thread = threading.Thread(target=self._run, args=(write,), daemon=False,
@@ -113,6 +114,7 @@ class PendingSave:
         if self._error is not None:
             self._seen = True
             raise self._error
+        assert self._path is not None  # given, or set by the writer when it did not fail
         return self._path
 
 

@@ -64,7 +64,8 @@ def agreed_resume(path: str | None, device: torch.device) -> str | None:
     single = bool(path) and Path(str(path)).name.startswith("step-")
     entries = {} if not path or single else {
         e["step"]: e["file"] for e in atomic.read_index(path) if e.get("format") == FORMAT}
-    newest = torch.tensor([Checkpoint(path).step if single else max(entries, default=-1)],
+    newest = torch.tensor([Checkpoint(path).step if single and path else
+                           max(entries, default=-1)],
                           dtype=torch.int64, device=device)
     step = int(comm.all_reduce(newest, op="min").item())
     if step < 0:
@@ -74,6 +75,7 @@ def agreed_resume(path: str | None, device: torch.device) -> str | None:
     if step not in entries:
         raise ConfigError(f"the replicas' newest common checkpoint is step {step}, which "
                           f"{path} no longer keeps: resume from a checkpoint by path")
+    assert path is not None  # entries were read from its index
     return str(Path(path) / entries[step])
 
 

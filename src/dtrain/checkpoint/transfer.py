@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 import torch
 
@@ -34,6 +34,7 @@ CHUNK = 16 << 20
 """The largest message of a file transfer (bytes): what a transfer holds in memory."""
 
 JSON: TypeAlias = "dict[str, object] | list[object] | str | int | float | bool | None"
+_J = TypeVar("_J", bound=JSON)  # every rank's value is of the same kind
 
 
 def send_file(path: Path, dst: int, group: comm.Group) -> int:
@@ -110,7 +111,7 @@ def recv_file(path: Path, src: int, group: comm.Group, sha256: str | None = None
     return size
 
 
-def all_gather_json(value: JSON, group: comm.Group) -> list[JSON]:
+def all_gather_json(value: _J, group: comm.Group) -> list[_J]:
     """Every rank's `value` (JSON), in group rank order: collective over `group`."""
     data = json.dumps(value).encode()
     sizes = comm.all_gather(torch.tensor([len(data)], dtype=torch.int64), group=group)

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
 
@@ -42,6 +42,8 @@ _TIMED = sys.modules[__name__]  # the calls auto's first choice times: these (dt
 
 PER_RANK_INPUT = ("all_gather", "gather")  # the whole buffer is size x the input
 
+_R = TypeVar("_R")  # what a collective's result is: a tensor, or None (barrier, send)
+
 _waits = threading.local()  # per thread: the in-process backend runs one rank per thread
 
 
@@ -64,16 +66,16 @@ def traffic(group: GroupLike = None, reset: bool = False) -> dict[str, int]:
     return counts
 
 
-class Result:
+class Result(Generic[_R]):
     """Handle of an async collective: `wait()` completes it and returns its result."""
 
     def __init__(self, handle: Handle, g: Group, what: str, seq: int,
-                 finish: Callable[[], torch.Tensor | None],
+                 finish: Callable[[], _R],
                  span: CommSpan | None = None) -> None:
         self._handle, self._g, self._what, self._seq, self._finish = handle, g, what, seq, finish
         self._span = span  # its timeline span (dtrain.timeline), ended when it completes
 
-    def wait(self) -> torch.Tensor | None:
+    def wait(self) -> _R:
         begin = time.perf_counter()
         debug.wait_or_diagnose(self._handle, self._g, self._what, self._seq)
         _waits.seconds = waited() + time.perf_counter() - begin
@@ -86,7 +88,7 @@ class Result:
 class _Inline:
     """A synchronous point-to-point algorithm: runs (after queued work) when waited on."""
 
-    def __init__(self, g: Group, job: Callable[[], None]) -> None:
+    def __init__(self, g: Group, job: Callable[[], object]) -> None:
         self._g, self._job = g, job
 
     def wait(self) -> None:
@@ -95,8 +97,7 @@ class _Inline:
 
 def _run(what: str, g: Group, tensor: torch.Tensor, algorithm: str, async_op: bool,
          native: Callable[[], Handle], algorithms: dict[str, Callable[[], None]],
-         finish: Callable[[], torch.Tensor | None], **details: Any
-         ) -> torch.Tensor | Result | None:
+         finish: Callable[[], _R], **details: Any) -> _R | Result[_R]:
     """Choose the algorithm, check consistency, run it on the right thread, and wait."""
     g.seq += 1
     whole = tensor.numel() * tensor.element_size() * (g.size if what in PER_RANK_INPUT else 1)
@@ -129,12 +130,25 @@ def _stacked_shape(tensor: torch.Tensor, size: int) -> tuple[int, ...]:
     return (size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (size,)
 
 
-def _trivial(value: torch.Tensor | None, async_op: bool) -> torch.Tensor | Result | None:
+def _trivial(value: _R, async_op: bool) -> _R | Result[_R]:
     return Result(Done(), None, "", 0, lambda: value) if async_op else value  # type: ignore[arg-type]
 
 
+@overload
+def all_reduce(tensor: torch.Tensor, op: ReduceOp | str = ..., group: GroupLike = ...,
+               async_op: Literal[False] = ..., algorithm: str = ...) -> torch.Tensor: ...
+@overload
+def all_reduce(tensor: torch.Tensor, op: ReduceOp | str = ..., group: GroupLike = ..., *,
+               async_op: Literal[True], algorithm: str = ...) -> Result[torch.Tensor]: ...
+@overload
+def all_reduce(tensor: torch.Tensor, op: ReduceOp | str = ..., group: GroupLike = ...,
+               async_op: bool = ..., algorithm: str = ...
+               ) -> torch.Tensor | Result[torch.Tensor]: ...
+
+
 def all_reduce(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: GroupLike = None,
-               async_op: bool = False, algorithm: str = "auto") -> torch.Tensor | Result:
+               async_op: bool = False, algorithm: str = "auto"
+               ) -> torch.Tensor | Result[torch.Tensor]:
     """Combine `tensor` across the group, in place on every rank; returns `tensor`.
 
     Results are bitwise identical on every rank for every algorithm.
@@ -156,8 +170,20 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: GroupLik
                 lambda: tensor, op=op)
 
 
+@overload
+def broadcast(tensor: torch.Tensor, src: int = ..., group: GroupLike = ...,
+              async_op: Literal[False] = ..., algorithm: str = ...) -> torch.Tensor: ...
+@overload
+def broadcast(tensor: torch.Tensor, src: int = ..., group: GroupLike = ..., *,
+              async_op: Literal[True], algorithm: str = ...) -> Result[torch.Tensor]: ...
+@overload
+def broadcast(tensor: torch.Tensor, src: int = ..., group: GroupLike = ..., async_op: bool = ...,
+              algorithm: str = ...) -> torch.Tensor | Result[torch.Tensor]: ...
+
+
 def broadcast(tensor: torch.Tensor, src: int = 0, group: GroupLike = None,
-              async_op: bool = False, algorithm: str = "auto") -> torch.Tensor | Result:
+              async_op: bool = False, algorithm: str = "auto"
+              ) -> torch.Tensor | Result[torch.Tensor]:
     """Copy group rank `src`'s `tensor` into every rank's `tensor`; returns `tensor`."""
     g = resolve(group)
     if g.size == 1:
@@ -168,9 +194,20 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: GroupLike = None,
                 {"tree": lambda: tree.broadcast(g, flat, src)}, lambda: tensor, root=src)
 
 
+@overload
+def reduce(tensor: torch.Tensor, dst: int = ..., op: ReduceOp | str = ..., group: GroupLike = ...,
+           async_op: Literal[False] = ..., algorithm: str = ...) -> torch.Tensor: ...
+@overload
+def reduce(tensor: torch.Tensor, dst: int = ..., op: ReduceOp | str = ..., group: GroupLike = ...,
+           *, async_op: Literal[True], algorithm: str = ...) -> Result[torch.Tensor]: ...
+@overload
+def reduce(tensor: torch.Tensor, dst: int = ..., op: ReduceOp | str = ..., group: GroupLike = ...,
+           async_op: bool = ..., algorithm: str = ...) -> torch.Tensor | Result[torch.Tensor]: ...
+
+
 def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOp | str = "sum",
            group: GroupLike = None, async_op: bool = False, algorithm: str = "auto"
-           ) -> torch.Tensor | Result:
+           ) -> torch.Tensor | Result[torch.Tensor]:
     """Combine `tensor` across the group into rank `dst`'s `tensor` (others' stay as they were)."""
     g, op = resolve(group), ReduceOp.parse(op)
     if g.size == 1:
@@ -187,9 +224,21 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOp | str = "sum",
                 op=op, root=dst)
 
 
+@overload
+def all_gather(tensor: torch.Tensor, group: GroupLike = ..., async_op: Literal[False] = ...,
+               algorithm: str = ..., out: torch.Tensor | None = ...) -> torch.Tensor: ...
+@overload
+def all_gather(tensor: torch.Tensor, group: GroupLike = ..., *, async_op: Literal[True],
+               algorithm: str = ..., out: torch.Tensor | None = ...) -> Result[torch.Tensor]: ...
+@overload
+def all_gather(tensor: torch.Tensor, group: GroupLike = ..., async_op: bool = ...,
+               algorithm: str = ..., out: torch.Tensor | None = ...
+               ) -> torch.Tensor | Result[torch.Tensor]: ...
+
+
 def all_gather(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = False,
                algorithm: str = "auto", out: torch.Tensor | None = None
-               ) -> torch.Tensor | Result:
+               ) -> torch.Tensor | Result[torch.Tensor]:
     """Concatenate every rank's `tensor` (same shape everywhere) along dim 0, in rank order.
 
     `out`: write the result into this tensor (returned) rather than a new one: contiguous,
@@ -224,9 +273,21 @@ def all_gather(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = F
                 lambda: out)
 
 
+@overload
+def reduce_scatter(tensor: torch.Tensor, op: ReduceOp | str = ..., group: GroupLike = ...,
+                   async_op: Literal[False] = ..., algorithm: str = ...) -> torch.Tensor: ...
+@overload
+def reduce_scatter(tensor: torch.Tensor, op: ReduceOp | str = ..., group: GroupLike = ..., *,
+                   async_op: Literal[True], algorithm: str = ...) -> Result[torch.Tensor]: ...
+@overload
+def reduce_scatter(tensor: torch.Tensor, op: ReduceOp | str = ..., group: GroupLike = ...,
+                   async_op: bool = ..., algorithm: str = ...
+                   ) -> torch.Tensor | Result[torch.Tensor]: ...
+
+
 def reduce_scatter(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: GroupLike = None,
                    async_op: bool = False, algorithm: str = "auto"
-                   ) -> torch.Tensor | Result:
+                   ) -> torch.Tensor | Result[torch.Tensor]:
     """Combine `tensor` across the group; return this rank's shard of the flattened result."""
     g, op = resolve(group), ReduceOp.parse(op)
     flat = _flat(tensor)
@@ -252,8 +313,19 @@ def reduce_scatter(tensor: torch.Tensor, op: ReduceOp | str = "sum", group: Grou
                 lambda: out[: sizes[g.rank]], op=op)
 
 
+@overload
+def scatter(tensor: torch.Tensor, src: int = ..., group: GroupLike = ...,
+            async_op: Literal[False] = ..., algorithm: str = ...) -> torch.Tensor: ...
+@overload
+def scatter(tensor: torch.Tensor, src: int = ..., group: GroupLike = ..., *,
+            async_op: Literal[True], algorithm: str = ...) -> Result[torch.Tensor]: ...
+@overload
+def scatter(tensor: torch.Tensor, src: int = ..., group: GroupLike = ..., async_op: bool = ...,
+            algorithm: str = ...) -> torch.Tensor | Result[torch.Tensor]: ...
+
+
 def scatter(tensor: torch.Tensor, src: int = 0, group: GroupLike = None,
-            async_op: bool = False, algorithm: str = "auto") -> torch.Tensor | Result:
+            async_op: bool = False, algorithm: str = "auto") -> torch.Tensor | Result[torch.Tensor]:
     """Give each rank its shard of rank `src`'s flattened `tensor`.
 
     Every rank passes a tensor of the same shape and dtype; only `src`'s contents matter.
@@ -274,13 +346,26 @@ def scatter(tensor: torch.Tensor, src: int = 0, group: GroupLike = None,
                 lambda: out[: sizes[g.rank]], root=src)
 
 
+@overload
+def gather(tensor: torch.Tensor, dst: int = ..., group: GroupLike = ...,
+           async_op: Literal[False] = ..., algorithm: str = ...) -> torch.Tensor | None: ...
+@overload
+def gather(tensor: torch.Tensor, dst: int = ..., group: GroupLike = ..., *, async_op: Literal[True],
+           algorithm: str = ...) -> Result[torch.Tensor | None]: ...
+@overload
+def gather(tensor: torch.Tensor, dst: int = ..., group: GroupLike = ..., async_op: bool = ...,
+           algorithm: str = ...) -> torch.Tensor | None | Result[torch.Tensor | None]: ...
+
+
 def gather(tensor: torch.Tensor, dst: int = 0, group: GroupLike = None,
-           async_op: bool = False, algorithm: str = "auto") -> torch.Tensor | Result | None:
+           async_op: bool = False, algorithm: str = "auto"
+           ) -> torch.Tensor | None | Result[torch.Tensor | None]:
     """Concatenate every rank's `tensor` along dim 0 on rank `dst`; other ranks get None."""
     g = resolve(group)
     shape = _stacked_shape(tensor, g.size)
     out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device) if g.rank == dst else None
     if g.size == 1:
+        assert out is not None  # a group of one: this rank is dst
         out.copy_(tensor.reshape(shape))
         return _trivial(out, async_op)
     chunks = list(out.view(g.size, -1).unbind(0)) if out is not None else None
@@ -289,9 +374,23 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: GroupLike = None,
                 root=dst)
 
 
+@overload
+def all_to_all(tensor: torch.Tensor, group: GroupLike = ..., async_op: Literal[False] = ...,
+               algorithm: str = ..., send_sizes: list[int] | None = ...,
+               recv_sizes: list[int] | None = ...) -> torch.Tensor: ...
+@overload
+def all_to_all(tensor: torch.Tensor, group: GroupLike = ..., *, async_op: Literal[True],
+               algorithm: str = ..., send_sizes: list[int] | None = ...,
+               recv_sizes: list[int] | None = ...) -> Result[torch.Tensor]: ...
+@overload
+def all_to_all(tensor: torch.Tensor, group: GroupLike = ..., async_op: bool = ...,
+               algorithm: str = ..., send_sizes: list[int] | None = ...,
+               recv_sizes: list[int] | None = ...) -> torch.Tensor | Result[torch.Tensor]: ...
+
+
 def all_to_all(tensor: torch.Tensor, group: GroupLike = None, async_op: bool = False,
                algorithm: str = "auto", send_sizes: list[int] | None = None,
-               recv_sizes: list[int] | None = None) -> torch.Tensor | Result:
+               recv_sizes: list[int] | None = None) -> torch.Tensor | Result[torch.Tensor]:
     """Send shard j of the flattened `tensor` to rank j; return the shards received, in rank order.
 
     Even (no sizes): every rank passes the same number of elements, cut as `shard_sizes`
@@ -382,7 +481,15 @@ def _offsets(sizes: list[int]) -> list[int]:
     return starts
 
 
-def barrier(group: GroupLike = None, async_op: bool = False) -> Result | None:
+@overload
+def barrier(group: GroupLike = ..., async_op: Literal[False] = ...) -> None: ...
+@overload
+def barrier(group: GroupLike = ..., *, async_op: Literal[True]) -> Result[None]: ...
+@overload
+def barrier(group: GroupLike = ..., async_op: bool = ...) -> None | Result[None]: ...
+
+
+def barrier(group: GroupLike = None, async_op: bool = False) -> None | Result[None]:
     """Wait until every rank of the group has reached this call."""
     g = resolve(group)
     if g.size == 1:
@@ -393,8 +500,19 @@ def barrier(group: GroupLike = None, async_op: bool = False) -> Result | None:
                 lambda: None)
 
 
+@overload
+def send(tensor: torch.Tensor, dst: int, group: GroupLike = ..., async_op: Literal[False] = ...,
+         tag: int = ...) -> None: ...
+@overload
+def send(tensor: torch.Tensor, dst: int, group: GroupLike = ..., *, async_op: Literal[True],
+         tag: int = ...) -> Result[None]: ...
+@overload
+def send(tensor: torch.Tensor, dst: int, group: GroupLike = ..., async_op: bool = ...,
+         tag: int = ...) -> None | Result[None]: ...
+
+
 def send(tensor: torch.Tensor, dst: int, group: GroupLike = None, async_op: bool = False,
-         tag: int = 0) -> Result | None:
+         tag: int = 0) -> None | Result[None]:
     """Send `tensor` to group rank `dst` (which must call `recv` with a same-shaped tensor).
     Messages with the same `tag` between two ranks arrive in the order sent."""
     g = resolve(group)
@@ -404,8 +522,19 @@ def send(tensor: torch.Tensor, dst: int, group: GroupLike = None, async_op: bool
     return result if async_op else result.wait()
 
 
+@overload
+def recv(tensor: torch.Tensor, src: int, group: GroupLike = ..., async_op: Literal[False] = ...,
+         tag: int = ...) -> torch.Tensor: ...
+@overload
+def recv(tensor: torch.Tensor, src: int, group: GroupLike = ..., *, async_op: Literal[True],
+         tag: int = ...) -> Result[torch.Tensor]: ...
+@overload
+def recv(tensor: torch.Tensor, src: int, group: GroupLike = ..., async_op: bool = ...,
+         tag: int = ...) -> torch.Tensor | Result[torch.Tensor]: ...
+
+
 def recv(tensor: torch.Tensor, src: int, group: GroupLike = None, async_op: bool = False,
-         tag: int = 0) -> torch.Tensor | Result:
+         tag: int = 0) -> torch.Tensor | Result[torch.Tensor]:
     """Receive into `tensor` the next message with `tag` from group rank `src`; returns
     `tensor`."""
     g = resolve(group)

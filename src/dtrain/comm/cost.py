@@ -11,6 +11,13 @@ way `dtrain bench comm` times them (`time_turns`): taking turns in rounds, the m
 round's mean time per call, on the slowest rank. Those figures are agreed by an allreduce,
 so every rank makes the same choice (ranks choosing differently would deadlock).
 
+A probe is never larger than the message in hand (nor than 4 KiB, the smallest): a call
+of an operation whose tensor has the same size on every rank (SIZE_AGREED) measures the
+probes up to its own size, and a later, larger call measures the next ones, so that
+measuring never holds more memory than the calls it serves (a model being built holds only
+its shards, and an `auto` collective among them probes no 16 MiB tensor). An operation
+whose ranks may hold different sizes (all_to_all) measures every probe at its first call.
+
 `dtrain bench comm --calibrate` measures ahead of time and saves the curves to a file
 (DTRAIN_CALIBRATION, default ~/.cache/dtrain/calibration.json) that later runs load
 instead of measuring.
@@ -40,6 +47,9 @@ PROBE_BYTES = (4096, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 CALLS = (60, 40, 24, 12, 12)  # calls per point: many where they are cheap, fewer when large
 WARMUP = 3  # untimed calls per point first: a process's first calls are slow
 ROUNDS = 6  # the candidates take turns in this many rounds (see `time_turns`)
+SIZE_AGREED = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"})
+"""The operations whose tensor has the same size on every rank of a call: their probes grow
+with the messages, every rank deciding alike without a word."""
 
 
 @dataclass(frozen=True)
@@ -92,12 +102,22 @@ def save_models(models: dict[str, dict[str, Curve]]) -> Path:
     return path
 
 
+def probes(above: int = 0, up_to: int | None = None) -> list[int]:
+    """The probe sizes above `above` bytes that measuring for a message of `up_to` bytes
+    takes: those no larger than it (at least the smallest); every one when None."""
+    ceiling = PROBE_BYTES[-1] if up_to is None else max(up_to, PROBE_BYTES[0])
+    return [b for b in PROBE_BYTES if above < b <= ceiling]
+
+
 def measure(g: Group, op: str, candidates: tuple[str, ...], device: torch.device | str,
-            comm: ModuleType) -> dict[str, Curve]:
-    """Time every candidate of `op` on `g` with `comm`'s calls (a collective call: all
-    ranks must make it)."""
+            comm: ModuleType, sizes: list[int] | None = None) -> dict[str, Curve]:
+    """Time every candidate of `op` on `g` with `comm`'s calls at the probe `sizes` (bytes,
+    of PROBE_BYTES; default all of them). A collective call: all ranks must make it with
+    the same sizes."""
+    sizes = list(PROBE_BYTES) if sizes is None else sizes
+    counts = dict(zip(PROBE_BYTES, CALLS, strict=True))
     seconds: dict[str, list[float]] = {name: [] for name in candidates}
-    for nbytes, count in zip(PROBE_BYTES, CALLS, strict=True):
+    for nbytes, count in ((b, counts[b]) for b in sizes):
         tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         calls = {name: _probe(comm, op, tensor, g, name) for name in candidates}
         for call in calls.values():
@@ -107,8 +127,7 @@ def measure(g: Group, op: str, candidates: tuple[str, ...], device: torch.device
         for name, taken in timed.items():
             seconds[name].append(taken)
     g.release_scratch()  # grown to the largest probe; real messages grow it again as needed
-    return {name: Curve(tuple(zip(PROBE_BYTES, seconds[name], strict=True)))
-            for name in candidates}
+    return {name: Curve(tuple(zip(sizes, seconds[name], strict=True))) for name in candidates}
 
 
 def _probe(comm: ModuleType, op: str, tensor: torch.Tensor, g: Group,
@@ -119,15 +138,30 @@ def _probe(comm: ModuleType, op: str, tensor: torch.Tensor, g: Group,
 
 
 def models(g: Group, op: str, candidates: tuple[str, ...], device: torch.device | str,
-           comm: ModuleType) -> dict[str, Curve]:
-    """The cost lines of `op` on `g`, from the group, the calibration file, or measurement."""
+           comm: ModuleType, nbytes: int | None = None) -> dict[str, Curve]:
+    """The cost lines of `op` on `g`, from the group, the calibration file, or measurement
+    at the probes a message of `nbytes` takes (see the module's docstring; None: every
+    probe), extended as larger messages come."""
     cache = g.cost_models
+    up_to = nbytes if op in SIZE_AGREED else None
     if op not in cache:
         lines = _load_cached(cache_key(g, op))
         if lines is None or set(lines) != set(candidates):
-            lines = measure(g, op, candidates, device, comm)
+            sizes = probes(up_to=up_to)
+            lines = measure(g, op, candidates, device, comm, sizes)
+            g.probed[op] = sizes[-1]
         cache[op] = lines
-    return cache[op]
+        return lines
+    lines = cache[op]
+    if op not in g.probed:  # loaded from a calibration, or given (a traced group's)
+        return lines
+    more = probes(above=g.probed[op], up_to=up_to)
+    if more:  # a larger message than any measured: the probes up to it
+        g.probed[op] = more[-1]
+        added = measure(g, op, candidates, device, comm, more)
+        lines = cache[op] = {name: Curve(lines[name].points + added[name].points)
+                             for name in candidates}
+    return lines
 
 
 def choose(op: str, tensor: torch.Tensor, g: Group, algorithm: str,
@@ -146,8 +180,8 @@ def choose(op: str, tensor: torch.Tensor, g: Group, algorithm: str,
         return algorithm
     if len(available) == 1 or tensor.numel() == 0:  # an empty tensor sends nothing anyway
         return available[0]
-    lines = models(g, op, available, tensor.device, comm)
     nbytes = tensor.numel() * tensor.element_size()
+    lines = models(g, op, available, tensor.device, comm, nbytes)
     return min(available, key=lambda name: lines[name].predict(nbytes))
 
 

@@ -51,8 +51,9 @@ class Done:
 class Then:
     """A handle that runs `after` once, when `handle` has completed (e.g. AVG's division)."""
 
-    def __init__(self, handle: Handle, after: Callable[[], None]) -> None:
-        self._handle, self._after = handle, after
+    def __init__(self, handle: Handle, after: Callable[[], object]) -> None:
+        self._handle = handle
+        self._after: Callable[[], object] | None = after
 
     def wait(self) -> None:
         if self._after is not None:
@@ -83,12 +84,12 @@ class SerialExecutor:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._jobs: queue.Queue[tuple[Callable[[], None], Future] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[Callable[[], object], Future] | None] = queue.Queue()
         self._idle = threading.Condition()
         self._pending = 0
         self._thread: threading.Thread | None = None
 
-    def submit(self, job: Callable[[], None]) -> Future:
+    def submit(self, job: Callable[[], object]) -> Future:
         """Queue `job`; the returned future completes (or raises) when it has run."""
         future = Future()
         with self._idle:
@@ -101,7 +102,7 @@ class SerialExecutor:
         self._jobs.put((job, future))
         return future
 
-    def run(self, job: Callable[[], None]) -> None:
+    def run(self, job: Callable[[], object]) -> None:
         """Run `job` now in this thread, after everything already queued."""
         self.drain()
         job()
@@ -116,6 +117,7 @@ class SerialExecutor:
             self._idle.wait_for(lambda: self._pending == 0)
 
     def _loop(self) -> None:
+        job: Callable[[], object] | None
         while True:
             item = self._jobs.get()
             if item is None:
@@ -172,6 +174,8 @@ class Group:
         self.seq = 0  # collectives issued on this group so far (for diagnostics)
         self.traffic: Counter[str] = Counter()  # op -> bytes this rank sent (dtrain.comm.traffic)
         self.cost_models: dict = {}  # op -> algorithm -> cost curve (dtrain.comm.cost)
+        self.probed: dict[str, int] = {}  # op -> the largest probe measured here so far, for
+        # the ops measured on this group (not loaded or given): dtrain.comm.cost extends them
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def scratch(self, like: torch.Tensor) -> torch.Tensor:
@@ -257,15 +261,21 @@ class TorchGroup(Group):
         if self._through_host(tensor):
             host = tensor.detach().cpu()
             sent = dist.isend(host, dst=self._globals[peer], group=self.pg, tag=tag)
+            assert sent is not None  # None only for a rank outside the group
             return Then(sent, lambda: host)  # the copy lives until the send completes
-        return dist.isend(tensor, dst=self._globals[peer], group=self.pg, tag=tag)
+        work = dist.isend(tensor, dst=self._globals[peer], group=self.pg, tag=tag)
+        assert work is not None  # None only for a rank outside the group
+        return work
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Handle:
         if self._through_host(tensor):
             host = torch.empty_like(tensor, device="cpu")
             received = dist.irecv(host, src=self._globals[peer], group=self.pg, tag=tag)
+            assert received is not None  # None only for a rank outside the group
             return Then(received, lambda: tensor.copy_(host))
-        return dist.irecv(tensor, src=self._globals[peer], group=self.pg, tag=tag)
+        work = dist.irecv(tensor, src=self._globals[peer], group=self.pg, tag=tag)
+        assert work is not None  # None only for a rank outside the group
+        return work
 
     def _through_host(self, tensor: torch.Tensor) -> bool:
         """gloo's point-to-point messages carry host memory only (its collectives take CUDA
@@ -295,9 +305,12 @@ class TorchGroup(Group):
         return store.get(key).decode() if store.check([key]) else None
 
 
-def timeout_of(pg: dist.ProcessGroup) -> timedelta:
+def timeout_of(pg: dist.ProcessGroup | None) -> timedelta:
     """The timeout `pg` was created with (torch keeps it in its backend's options). Groups
-    made with dist.new_group get torch's 30 minutes unless given one: pass the world's."""
+    made with dist.new_group get torch's 30 minutes unless given one: pass the world's
+    (`dist.group.WORLD`, None before the world starts: then the default below)."""
+    if pg is None:
+        return timedelta(seconds=180)
     for device in ("cpu", "cuda"):
         try:
             return pg._get_backend(torch.device(device)).options._timeout

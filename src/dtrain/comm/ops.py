@@ -60,7 +60,7 @@ class ReduceOp(enum.Enum):
             names = ", ".join(o.value for o in cls)
             raise ValueError(f"unknown reduce op {op!r}: use one of {names}") from None
 
-    def to_torch(self) -> dist.ReduceOp:
+    def to_torch(self) -> dist.ReduceOp.RedOpType:
         """The torch op; AVG maps to SUM (dtrain divides itself, gloo has no AVG)."""
         return {
             ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM,
@@ -108,7 +108,8 @@ def same_place(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `a` and `b` are views of the same memory from the same element on (an
     all-gather in place). Asked of the views, not their data pointers, so that it also
     answers for tensors without memory: the meta and fake tensors the planner traces."""
-    return torch._C._is_alias_of(a, b) and a.storage_offset() == b.storage_offset()
+    alias = torch._C._is_alias_of(a, b)  # type: ignore[attr-defined]  # not in torch's stubs
+    return alias and a.storage_offset() == b.storage_offset()
 
 
 def shards(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:

@@ -16,14 +16,14 @@ from typing import TypeAlias
 import torch.distributed as dist
 
 from dtrain import world as world_mod
-from dtrain.comm.group import Group, TorchGroup
+from dtrain.comm.group import Group, OverTorch, TorchGroup
 
 GroupLike: TypeAlias = Group | dist.ProcessGroup | None
 """What a `group=` argument may be: a dtrain Group, a torch process group, or None (the
 world); `resolve` turns each into a Group."""
 
 _thread = threading.local()
-_wrapped: dict[tuple[int, str], Group] = {}
+_wrapped: dict[tuple[int, str], TorchGroup | OverTorch] = {}
 
 
 def set_thread_group(group: Group | None) -> None:
@@ -66,7 +66,7 @@ def wrap(pg: dist.ProcessGroup, backend: str) -> Group:
     return wrapped
 
 
-def _new(pg: dist.ProcessGroup, backend: str) -> Group:
+def _new(pg: dist.ProcessGroup, backend: str) -> TorchGroup | OverTorch:
     below = TorchGroup(pg)
     if backend != "shm" or below.size == 1:
         return below

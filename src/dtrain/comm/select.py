@@ -36,7 +36,8 @@ class AlgorithmChoice:
 
 def measure(g: Group, op: str, candidates: tuple[str, ...],
             device: torch.device | str = "cpu") -> dict[str, Curve]:
-    """Time every candidate of `op` on `g` (a collective call: all ranks must make it)."""
+    """Time every candidate of `op` on `g` at every probe size (a collective call: all ranks
+    must make it)."""
     return cost.measure(g, op, candidates, device, collectives)
 
 
@@ -51,12 +52,12 @@ def explain(op: str, nbytes: int, group=None,
     available = AVAILABLE[op]
     if len(available) == 1:
         return AlgorithmChoice(op, nbytes, available[0], {}, f"{op} has only the native algorithm")
-    lines = cost.models(g, op, available, device, collectives)
+    lines = cost.models(g, op, available, device, collectives, nbytes)
     predicted = {name: lines[name].predict(nbytes) * 1e6 for name in available}
     best = min(predicted, key=predicted.__getitem__)
     runner_up = sorted(predicted.values())[1]
     reason = (f"{best} predicted {predicted[best]:.0f} us for {nbytes} bytes on {g.size} ranks "
               f"({runner_up / max(predicted[best], 1e-9):.2f}x faster than the next best); "
               f"each algorithm's time was measured on this group at "
-              f"{', '.join(str(b) for b in PROBE_BYTES)} bytes and interpolated")
+              f"{', '.join(str(b) for b, _ in lines[best].points)} bytes and interpolated")
     return AlgorithmChoice(op, nbytes, best, predicted, reason)

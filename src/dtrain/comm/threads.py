@@ -25,7 +25,7 @@ class Fabric:
         self.size = size
         self.timeout = timeout
         self._lock = threading.Condition()
-        self._mailboxes: dict[tuple[str, int, int], queue.Queue[torch.Tensor]] = {}
+        self._mailboxes: dict[tuple[str, int, int, int], queue.Queue[torch.Tensor]] = {}
         self._meetings: dict[tuple[str, int], dict[int, Any]] = {}
         self._readers: dict[tuple[str, int], int] = {}
         self.store: dict[str, str] = {}
@@ -148,6 +148,7 @@ class ThreadGroup(Group):
     def _native_gather(self, tensor: torch.Tensor, chunks: list[torch.Tensor] | None, root: int):
         values = self._gather_all(tensor.detach().clone(), "gather")
         if self.rank == root:
+            assert chunks is not None  # the root passes the tensors the pieces land in
             for chunk, value in zip(chunks, values, strict=True):
                 chunk.copy_(value)
 

@@ -31,6 +31,7 @@ missing (another device). The other two methods call torch's scaled_dot_product_
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -213,11 +214,20 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
 
 
+class _RingCtx(Ctx):
+    """_Ring's ctx as its forward fills it (torch types a ctx as a bare FunctionCtx)."""
+
+    saved_tensors: tuple[torch.Tensor, ...]
+    group: comm.Group
+    causal: bool
+    scale: float
+
+
 class _Ring(torch.autograd.Function):
     """Ring attention, forward and backward (see the module doc)."""
 
     @staticmethod
-    def forward(ctx: Ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(ctx: _RingCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 group: comm.Group, causal: bool, scale: float) -> torch.Tensor:
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         fused = _fused(q.device.type, work)
@@ -244,7 +254,7 @@ class _Ring(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx: Ctx, grad: torch.Tensor
+    def backward(ctx: _RingCtx, grad: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
@@ -254,7 +264,8 @@ class _Ring(torch.autograd.Function):
         qw, dout = q.to(work), grad.to(work).contiguous()
         dq = torch.zeros_like(qw)
         block = torch.stack((k, v)).to(work)
-        arriving = None  # the gradient of the block in hand from the ranks before
+        # the gradient of the block in hand from the ranks before
+        arriving: Callable[[], torch.Tensor] | None = None
         for step in range(size):
             pending = _pass_on(block, group, KV_TAG) if step < size - 1 else None
             rows, cols, masked = _part(step, rank, size, local, causal)
@@ -271,11 +282,12 @@ class _Ring(torch.autograd.Function):
             arriving = _pass_on(carried, group, GRAD_TAG)  # on with the block, then home
             if pending is not None:
                 block = pending()
+        assert arriving is not None  # the loop ran at least once (size >= 1)
         dk, dv = arriving().unbind(0)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def _pass_on(t: torch.Tensor, group: comm.Group, tag: int):  # noqa: ANN202
+def _pass_on(t: torch.Tensor, group: comm.Group, tag: int) -> Callable[[], torch.Tensor]:
     """Send `t` to the next rank of the ring and receive the previous rank's into a new
     tensor; returns a callable that waits for both and gives what arrived."""
     size, rank = group.size, group.rank

@@ -17,9 +17,23 @@ from dtrain import comm
 Ctx = torch.autograd.function.FunctionCtx
 
 
+class _GatherCtx(Ctx):
+    """_Gather's ctx as its forward fills it (torch types a ctx as a bare FunctionCtx)."""
+
+    group: comm.Group
+
+
+class _AllToAllCtx(Ctx):
+    """_AllToAll's ctx as its forward fills it."""
+
+    group: comm.Group
+    split: int
+    cat: int
+
+
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    def forward(ctx: _GatherCtx, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
         ctx.group = group
         b, h, t, d = x.shape
         whole = comm.all_gather(x.contiguous(), group=group)
@@ -27,7 +41,7 @@ class _Gather(torch.autograd.Function):
             b, h, group.size * t, d)
 
     @staticmethod
-    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: _GatherCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         group = ctx.group
         b, h, whole, d = grad.shape
         t = whole // group.size
@@ -43,7 +57,7 @@ def gather_sequence(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, group: comm.Group, split: int,
+    def forward(ctx: _AllToAllCtx, x: torch.Tensor, group: comm.Group, split: int,
                 cat: int) -> torch.Tensor:
         ctx.group, ctx.split, ctx.cat = group, split, cat
         parts = torch.stack(x.chunk(group.size, dim=split)).contiguous()
@@ -51,7 +65,8 @@ class _AllToAll(torch.autograd.Function):
         return torch.cat(got.unbind(0), dim=cat)
 
     @staticmethod
-    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: _AllToAllCtx, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor, None, None, None]:
         return _AllToAll.apply(grad, ctx.group, ctx.cat, ctx.split), None, None, None
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dtrain.data.corpus import encode_documents, jsonl_documents, text_documents
-from dtrain.data.sequences import TokenSequences, split
+from dtrain.data.sequences import Tokens, TokenSequences, split
 from dtrain.data.shards import TOKENIZER_FILE, TokenShards, read_index
 from dtrain.data.tokenizer import BYTES, Tokenizer, load_tokenizer
 from dtrain.errors import ConfigError
@@ -98,12 +98,14 @@ def open_data(path: str, format: str = "text", tokenizer: str = BYTES,
             tokens for one sequence on each side; the message names the config key.
     """
     fmt = Format.parse(format)
+    tokens: Tokens
     if fmt is Format.TOKENS:
-        tokens = TokenShards(path)
-        tok = shards_tokenizer(path, tokens.tokenizer, tokens.vocab_size)
-        if not len(tokens):
+        shards = TokenShards(path)
+        tok = shards_tokenizer(path, shards.tokenizer, shards.vocab_size)
+        if not len(shards):
             raise ConfigError(f"data.path {path!r} holds no tokens: run `dtrain data prepare` "
                               "again on a corpus with text")
+        tokens = shards
     else:
         tok = load_tokenizer(tokenizer)
         documents = text_documents(path) if fmt is Format.TEXT else jsonl_documents(path)
@@ -123,5 +125,6 @@ def vocab_of(path: str, format: str = "text", tokenizer: str = BYTES) -> int:
         ConfigError: a bad format, tokenizer, or shard index.
     """
     if Format.parse(format) is Format.TOKENS:
-        return read_index(path)["vocab_size"]
+        vocab_size: int = read_index(path)["vocab_size"]
+        return vocab_size
     return load_tokenizer(tokenizer).vocab_size

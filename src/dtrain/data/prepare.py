@@ -24,6 +24,8 @@ from dtrain.errors import ConfigError
 from dtrain.sizes import parse_size
 
 if TYPE_CHECKING:
+    from multiprocessing.pool import AsyncResult
+
     import numpy as np
 
     from dtrain.data.corpus import Document
@@ -48,7 +50,9 @@ def _encode_chunk(documents: list[Document], tokenizer: Tokenizer | None = None)
     """The ids of `documents` joined by the separator (none before the first)."""
     from dtrain.data.corpus import encode_documents
 
-    return encode_documents(documents, tokenizer or _worker_tokenizer)
+    tok = tokenizer or _worker_tokenizer
+    assert tok is not None  # given, or this worker's (set by _start_worker)
+    return encode_documents(documents, tok)
 
 
 def _chunks(documents: Iterable[tuple[Document | None, int]],
@@ -90,7 +94,7 @@ def _encoded(chunks: Iterable[tuple[list[Document], int]], spec: str, workers: i
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else None)
     with context.Pool(workers, initializer=_start_worker, initargs=(spec,)) as pool:
-        pending: deque = deque()
+        pending: deque[tuple[AsyncResult[np.ndarray], int, int]] = deque()
         for documents, nbytes in chunks:
             pending.append((pool.apply_async(_encode_chunk, (documents,)), len(documents),
                             nbytes))

@@ -24,6 +24,14 @@ class Tokens(Protocol):
     def __getitem__(self, index: slice) -> torch.Tensor | np.ndarray: ...
 
 
+class Sequences(Protocol):
+    """A dataset of (input, target) sequences: `len` and `dataset[i]`."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class View:
     """Tokens `start`..`stop`-1 of a source, sliced without copying it."""
 
@@ -40,7 +48,7 @@ class View:
         return self.source[self.start + start : self.start + stop]
 
 
-class TokenSequences(Dataset):
+class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Non-overlapping windows of `block_size` tokens, each with its next-token targets.
 
     Item i is (tokens[i*B : i*B+B], tokens[i*B+1 : i*B+B+1]) as int64 tensors, B being
@@ -81,7 +89,7 @@ def split(tokens: Tokens, val_fraction: float, block_size: int) -> tuple[View, V
 
 
 def batches(
-    dataset: Dataset, global_batch: int, dp_size: int, dp_rank: int, seed: int, shuffle: bool,
+    dataset: Sequences, global_batch: int, dp_size: int, dp_rank: int, seed: int, shuffle: bool,
     accum: int = 1, start: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless micro-batches of this rank's share of each global batch, from step `start`.
@@ -103,12 +111,14 @@ def batches(
             f"{global_batch}: give more data or a smaller train.batch_size"
         )
     micro = global_batch // accum
-    step, order, epoch = start, None, -1
+    step, epoch = start, -1
+    order: torch.Tensor | None = None
     while True:
         if step // per_epoch != epoch:
             epoch = step // per_epoch
             order = (torch.randperm(len(dataset), generator=torch.Generator().manual_seed(
                 seed + epoch)) if shuffle else torch.arange(len(dataset)))
+        assert order is not None  # drawn at the first step (epoch starts at -1)
         base = (step % per_epoch) * global_batch
         for m in range(accum):
             window = order[base + m * micro : base + (m + 1) * micro][dp_rank::dp_size]

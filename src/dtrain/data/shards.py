@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 from types import TracebackType
+from typing import Any, BinaryIO, TypedDict, overload
 
 import numpy as np
 import torch
@@ -31,8 +32,27 @@ from dtrain.errors import ConfigError
 FORMAT = "dtrain.tokens/1"
 INDEX = "index.json"
 TOKENIZER_FILE = "tokenizer.json"
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype[np.unsignedinteger]] = {"uint16": np.dtype("<u2"),
+                                                   "uint32": np.dtype("<u4")}
 AGAIN = "run `dtrain data prepare` again"
+
+
+class ShardEntry(TypedDict):
+    """One shard of the index: its file and how many tokens it holds."""
+
+    file: str
+    tokens: int
+
+
+class ShardIndex(TypedDict):
+    """The index a ShardWriter writes (index.json)."""
+
+    format: str
+    dtype: str
+    vocab_size: int
+    tokenizer: str
+    tokens: int
+    shards: list[ShardEntry]
 
 
 def choose_dtype(vocab_size: int, dtype: str = "auto") -> str:
@@ -89,8 +109,8 @@ class ShardWriter:
         self._limit = np.iinfo(DTYPES[self.dtype]).max
         self.vocab_size, self.tokenizer, self.shard_size = vocab_size, tokenizer, shard_size
         self.tokens = 0
-        self.shards: list[dict[str, object]] = []
-        self._file = None
+        self.shards: list[ShardEntry] = []
+        self._file: BinaryIO | None = None
         self._finished = False
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.", suffix=".tmp",
@@ -112,28 +132,28 @@ class ShardWriter:
         Raises:
             ConfigError: an id is negative or does not fit the dtype.
         """
-        ids = np.asarray(ids)
-        if ids.size == 0:
+        array = np.asarray(ids)
+        if array.size == 0:
             return
-        low, high = int(ids.min()), int(ids.max())
+        low, high = int(array.min()), int(array.max())
         if low < 0 or high > self._limit:
             bad = low if low < 0 else high
             fix = ("give --dtype uint32" if self.dtype == "uint16" and bad > 0
                    and bad < 1 << 32 else "the tokenizer's ids must lie in 0 .. 2**32 - 1")
             raise ConfigError(f"token id {bad} does not fit the shards' dtype {self.dtype}: "
                               f"{fix}")
-        ids = ids.astype(DTYPES[self.dtype], copy=False)
-        while ids.size:
+        array = array.astype(DTYPES[self.dtype], copy=False)
+        while array.size:
             if self._file is None:
                 name = f"shard-{len(self.shards):05d}.bin"
                 self._file = open(self._tmp / name, "wb")  # closed by _close_shard
                 self.shards.append({"file": name, "tokens": 0})
             shard = self.shards[-1]
-            take = ids[: self.shard_size - shard["tokens"]]
+            take = array[: self.shard_size - shard["tokens"]]
             take.tofile(self._file)
             shard["tokens"] += take.size
             self.tokens += take.size
-            ids = ids[take.size :]
+            array = array[take.size :]
             if shard["tokens"] == self.shard_size:
                 self._close_shard()
 
@@ -142,14 +162,14 @@ class ShardWriter:
             self._file.close()
             self._file = None
 
-    def finish(self) -> dict[str, object]:
+    def finish(self) -> ShardIndex:
         """Write the index and rename the folder into place; return the index.
 
         Raises:
             ConfigError: `out` appeared meanwhile and is not empty.
         """
         self._close_shard()
-        index = {"format": FORMAT, "dtype": self.dtype, "vocab_size": self.vocab_size,
+        index: ShardIndex = {"format": FORMAT, "dtype": self.dtype, "vocab_size": self.vocab_size,
                  "tokenizer": self.tokenizer, "tokens": self.tokens, "shards": self.shards}
         (self._tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
         try:
@@ -167,7 +187,7 @@ class ShardWriter:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def read_index(path: str, key: str = "data.path") -> dict:
+def read_index(path: str, key: str = "data.path") -> dict[str, Any]:
     """The checked `index.json` of a token-shard folder (the shard files are not opened).
 
     Raises:
@@ -252,9 +272,15 @@ class TokenShards:
         return self._length
 
     def _map(self, i: int) -> np.memmap:
-        if self._maps[i] is None:
-            self._maps[i] = np.memmap(self._files[i], dtype=self.dtype, mode="r")
-        return self._maps[i]
+        mapped = self._maps[i]
+        if mapped is None:
+            mapped = self._maps[i] = np.memmap(self._files[i], dtype=self.dtype, mode="r")
+        return mapped
+
+    @overload
+    def __getitem__(self, index: slice) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, index: int) -> int: ...
 
     def __getitem__(self, index: slice | int) -> torch.Tensor | int:
         """Ids `index` (a slice with step 1) as an int64 tensor, or one id as an int."""

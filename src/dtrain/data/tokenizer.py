@@ -41,7 +41,8 @@ class Tokenizer(ABC):
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, with no special tokens added."""
-        return self.encode_document(text).tolist()
+        ids: list[int] = self.encode_document(text).tolist()
+        return ids
 
     @abstractmethod
     def encode_document(self, document: str | bytes) -> np.ndarray:
@@ -95,8 +96,8 @@ class FileTokenizer(Tokenizer):
         self.path = str(file)
         self.name = str(file)
         self.dtype = np.dtype(np.int32)
-        ends = [self._tokenizer.token_to_id(token) for token in END_OF_TEXT]
-        ends = [i for i in ends if i is not None]
+        found = [self._tokenizer.token_to_id(token) for token in END_OF_TEXT]
+        ends = [i for i in found if i is not None]
         self.separator = ends[:1] or self.encode("\n")
 
     def encode_document(self, document: str | bytes) -> np.ndarray:

@@ -4,6 +4,7 @@ state broadcast."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -12,13 +13,13 @@ from dtrain import comm
 from dtrain.errors import DtrainError
 
 
-def agreement_device(tensors: list[torch.Tensor]) -> torch.device:
+def agreement_device(tensors: Sequence[torch.Tensor]) -> torch.device:
     """Where a small tensor that ranks agree on goes: the device of the tensors it is about
     (NCCL carries only CUDA tensors), the CPU for tensors that have none (meta)."""
     return next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
 
 
-def check_same_model(params: list[nn.Parameter], group: comm.Group, who: str,
+def check_same_model(params: Sequence[torch.Tensor], group: comm.Group, who: str,
                      algorithm: str = "auto") -> None:
     """Fail with the first disagreeing rank if ranks' models differ in parameter count or shapes."""
     shapes = ";".join(f"{tuple(p.shape)}{p.dtype}" for p in params)
@@ -49,7 +50,7 @@ def broadcast_state(module: nn.Module, group: comm.Group, algorithm: str = "auto
 
 
 @torch.no_grad()
-def broadcast_tensors(tensors: list[torch.Tensor], group: comm.GroupLike,
+def broadcast_tensors(tensors: Sequence[torch.Tensor], group: comm.GroupLike,
                       algorithm: str = "auto") -> None:
     """Copy the group's first rank's `tensors` into every rank's (those without values
     left alone: meta, or released)."""

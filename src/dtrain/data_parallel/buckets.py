@@ -57,6 +57,7 @@ class Bucket:
         zeros on the parameters' device the first time it is asked for)."""
         if self._buffer is None:
             self._allocate()
+        assert self._buffer is not None  # made by _allocate
         return self._buffer
 
     @property
@@ -158,7 +159,7 @@ def _groups(params: list[nn.Parameter], bucket_bytes: int, grad_dtype: torch.dty
             current[0].device == p.device and current[0].dtype == p.dtype
             and (apart is None or apart(current[0]) == apart(p))
         )
-        if fits and same_kind:
+        if current is not None and fits and same_kind:
             current.append(p)
             size += nbytes
         else:

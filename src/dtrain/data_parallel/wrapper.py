@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -131,7 +131,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.averaging = averaging
         if averaging is None:
-            self.group = comm.resolve(group)
+            self.group: comm.Group | None = comm.resolve(group)
             self.size = self.group.size
         else:
             if group is not None or algorithm != "auto":
@@ -168,7 +168,7 @@ class DataParallel(nn.Module):
             self.compressor is None else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(k))
                        for k, p in enumerate(self._params)]
-        if averaging is None and self.size > 1:
+        if self.group is not None and self.size > 1:  # the group: no averaging
             check_same_model(self._params, self.group, "DataParallel", algorithm)
             broadcast_state(module, self.group, algorithm, skip=self._experts)
             if self.expert_group is not None and self.expert_group.size > 1:
@@ -290,10 +290,11 @@ class DataParallel(nn.Module):
         else:
             for work in self._works:
                 work.wait()
-        for bucket in self._buckets if self.compressor is not None else ():
-            self.compressor.reduce(bucket.index, bucket.grads,
-                                   [p.shape for p in bucket.params], self.group)
-            bucket.present = [1] * len(bucket.params)  # not sent: every parameter gets one
+        if self.compressor is not None:
+            for bucket in self._buckets:
+                self.compressor.reduce(bucket.index, bucket.grads,
+                                       [p.shape for p in bucket.params], self.group)
+                bucket.present = [1] * len(bucket.params)  # not sent: each parameter has one
         for bucket in self._buckets:
             grads = bucket.grads if self.grad_dtype is None else self._cast_back(bucket)
             present = bucket.present if self.compressor is not None else bucket.flags.tolist()
@@ -386,12 +387,15 @@ class DataParallel(nn.Module):
                 for p in self.module.parameters() if p.grad is not None]
 
     # ----------------------------------------------------------------- state
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    # torch overloads state_dict on its `destination`; this forwards every form
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
         """The wrapped module's state dict, without a wrapper prefix."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(
-        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ):
         """Load into the wrapped module (keys as produced by `state_dict`)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

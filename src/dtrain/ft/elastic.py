@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -34,6 +35,8 @@ from dtrain.world import World
 
 SENT_BYTES = 1024
 """Room for a PlannedLayout's JSON as rank 0 sends it (about 250 bytes)."""
+
+_J = TypeVar("_J")  # a JSON value: rank 0's is of the kind every rank passes
 
 Chooser = Callable[[Config, int, int], "PlannedLayout | None"]
 """(config, ranks, gradient accumulation) -> the layout for that many ranks, or None."""
@@ -56,7 +59,7 @@ def _rank0s(world: World, values: list[int]) -> list[int]:
     return sent.tolist()
 
 
-def _rank0s_json(world: World, value: object) -> object:
+def _rank0s_json(world: World, value: _J) -> _J:
     """Rank 0's `value` (plain JSON values) on every rank, as the bytes of its JSON text (a
     collective call; the others' `value` is not read). JSON, never pickle: nothing
     received can run code."""
@@ -64,7 +67,8 @@ def _rank0s_json(world: World, value: object) -> object:
     if len(text) > SENT_BYTES:
         raise ValueError(f"{len(text)} bytes of JSON to send, more than {SENT_BYTES}")
     received = _rank0s(world, list(text.ljust(SENT_BYTES, b" ")))
-    return json.loads(bytes(received).decode())
+    sent: _J = json.loads(bytes(received).decode())
+    return sent
 
 
 def _said(planned: PlannedLayout) -> str:

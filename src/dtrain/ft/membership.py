@@ -35,10 +35,18 @@ class Membership(Protocol):
         first: whether this copy is the one whose rank 0 prints and records the run.
         joined_late: whether this process joined a run already under way (its metrics
             append to what the others wrote).
+        worlds: how many worlds (process groups of their own, each laid out by the mesh)
+            the copies make: 1 when they are all in this one (sync groups), `copies` when
+            each is a world (live replicas). The ranks in the job: the world size times it.
+        steady: whether the same ranks take part in every step, so that the world's ranks
+            may meet after one (to gather their speed, to generate text in split form);
+            False for live replicas, whose worlds may be torn down between steps.
     """
 
     copies: int
     copy: int
+    worlds: int
+    steady: bool
     averaging: Averaging | None
     first: bool
     joined_late: bool
@@ -65,8 +73,18 @@ class Membership(Protocol):
     def writes(self) -> bool:
         """Whether this copy records this step's metrics and writes its checkpoints."""
 
+    def took_over(self) -> bool:
+        """Whether this copy writes the step in place of the previous step's writer, gone
+        since (a live replica killed, perhaps, after that step was applied and before its
+        record was written): the loop then records that step too, if the record lacks it."""
+
     def step_metrics(self) -> dict[str, int]:
         """What the metrics of a step add about who took part."""
+
+    def compare(self) -> dict[str, int]:
+        """After a step, at a checkpoint (a call every copy makes): whether the copies that
+        must hold the same weights do (live replicas: their digests compared, a difference
+        said in a warning); what the step's metrics add."""
 
     def finish(self) -> None:
         """The run is over for this copy: leave (the others finish without waiting)."""
@@ -79,6 +97,8 @@ class Fixed:
     averaging: Averaging | None = None
     first = True
     joined_late = False
+    worlds = 1
+    steady = True
 
     def __init__(self, copies: int = 1, copy: int = 0) -> None:
         self.copies, self.copy = copies, copy
@@ -99,8 +119,14 @@ class Fixed:
     def writes(self) -> bool:
         return True
 
+    def took_over(self) -> bool:
+        return False
+
     def step_metrics(self) -> dict[str, int]:
         return {}
+
+    def compare(self) -> dict[str, int]:
+        return {}  # sync groups differ between synchronizations by design
 
     def finish(self) -> None:
         return None

@@ -66,7 +66,8 @@ def main(target: list[str]) -> None:
         if target[0] == "-m":
             sys.argv = ["-m", *target[2:]]  # the module's file, once found
             _new_main()
-            runpy._run_module_as_main(target[1], alter_argv=True)
+            # runpy's own runner of `python -m` (private: not in typeshed)
+            runpy._run_module_as_main(target[1], alter_argv=True)  # type: ignore[attr-defined]
         else:
             sys.argv = list(target)
             _run_script(target[0])
@@ -92,7 +93,7 @@ def _run_script(path: str) -> None:
         sys.path.insert(0, entry)
     if package:
         _new_main()
-        runpy._run_module_as_main("__main__", alter_argv=False)
+        runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
         return
     where = os.path.abspath(path)
     try:
@@ -105,7 +106,7 @@ def _run_script(path: str) -> None:
     code = compile(source, where, "exec", dont_inherit=True)
     main = _new_main()
     main.__file__ = where
-    main.__cached__ = None
+    main.__cached__ = None  # type: ignore[attr-defined]  # a module attribute typeshed omits
     main.__loader__ = SourceFileLoader("__main__", main.__file__)
     exec(code, main.__dict__)
 
@@ -113,7 +114,7 @@ def _run_script(path: str) -> None:
 def _new_main() -> types.ModuleType:
     """A fresh `__main__` module, in place of this one, for the program to run in."""
     main = types.ModuleType("__main__")
-    main.__builtins__ = builtins
+    main.__builtins__ = builtins  # type: ignore[attr-defined]  # as for __cached__
     main.__annotations__ = {}
     sys.modules["__main__"] = main
     return main

@@ -20,6 +20,13 @@ from dtrain.store import StoreAddress
 from dtrain.store.heartbeat import Heartbeat
 
 
+def node_name(index: int, first: int, nproc: int) -> str:
+    """A machine of a job as the launchers' lines name it: its node rank and its ranks."""
+    last = first + nproc - 1
+    return f"node {index} (rank {first})" if nproc == 1 else \
+        f"node {index} (ranks {first}-{last})"
+
+
 class NodeWatch:
     """Which other machines of the current round are still there.
 
@@ -63,9 +70,7 @@ class NodeWatch:
     def _name(self, node: str) -> str:
         ranks = [n for _, n in self._members]
         index = [m for m, _ in self._members].index(node)
-        first, last = sum(ranks[:index]), sum(ranks[:index + 1]) - 1
-        return f"node {index} (rank {first})" if first == last else \
-            f"node {index} (ranks {first}-{last})"
+        return node_name(index, sum(ranks[:index]), ranks[index])
 
     def _store_lost(self) -> str:
         if self._address.backend == "etcd":

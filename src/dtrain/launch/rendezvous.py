@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from dtrain import env
 from dtrain.errors import LaunchError
-from dtrain.launch.nodes import NodeWatch
+from dtrain.launch.nodes import NodeWatch, node_name
 from dtrain.store import StoreAddress, prefixed
 
 KEEP_ALIVE_S = 1  # torch's rendezvous keep-alive; a node silent for 3 of them is dropped
@@ -264,7 +264,7 @@ class Rendezvous:
         if self.beat is None:
             raise LaunchError("a running live job has no place for a launcher of one machine")
         if self.nproc != int(said[0][1]):
-            raise LaunchError(f"-n {self.nproc}: this live job's machines run {said[0][1]} ranks "
+            raise LaunchError(f"-n {self.nproc}: this live job's machines run {said[0][1]} rank(s) "
                               "each, and a replacement takes a lost one's ranks as they were")
         taken = self.beat.take_a_lost_place(
             [(node, int(n)) for node, n in said], self.join_timeout,
@@ -277,9 +277,8 @@ class Rendezvous:
         first = taken * self.nproc
         for replica in sorted({r // ranks for r in range(first, first + self.nproc)}):
             next_generation(self.store, replica)
-        print(f"dtrain: took the place of lost node {taken} (ranks {first}-"
-              f"{first + self.nproc - 1}) in the running live job; its replicas recover "
-              "from a live peer", flush=True)
+        print(f"dtrain: took the place of lost {node_name(taken, first, self.nproc)} in the "
+              "running live job; its replicas recover from a live peer", flush=True)
         return self._entered(round_store, attempt, taken, said)
 
     def is_closed(self) -> bool:

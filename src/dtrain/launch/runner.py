@@ -259,7 +259,8 @@ def run_agent(spec: LaunchSpec, rdzv: rendezvous.Rendezvous, beat: nodes.NodeWat
         tee = {i: Std.NONE if i == 0 else Std.ALL for i in range(spec.nproc)}
     command = bootstrap.command(spec.command)
     worker = WorkerSpec(role="worker", local_world_size=spec.nproc, entrypoint=command[0],
-                        args=tuple(command[1:]), rdzv_handler=rdzv,
+                        # torch's RendezvousHandler by delegation, not a subclass of it
+                        args=tuple(command[1:]), rdzv_handler=rdzv,  # type: ignore[arg-type]
                         max_restarts=spec.max_restarts, monitor_interval=0.1)
     # torch's agents wait for each other at the end, up to 5 minutes: a live job's lost
     # machines never come
@@ -327,7 +328,9 @@ def _agent_class():
                 return result
             if not self.membership.left(failed):
                 return result
-            if self.membership.elastic and not self.membership.beat.store_lost:
+            beat = self.membership.beat
+            assert beat is not None  # left() is False without one
+            if self.membership.elastic and not beat.store_lost:
                 print(f"dtrain: {self.membership.lost}; going on without it in a new round",
                       file=sys.stderr, flush=True)
                 self.membership.rdzv.membership_changed()

@@ -96,7 +96,8 @@ def train_command(args: argparse.Namespace) -> None:
     except OSError as exc:
         raise ConfigError(f"train.out_dir {str(out_dir)!r} is not writable: {exc}") from None
     command = [sys.executable, "-u", "-m", "dtrain.train.worker", str(out_dir / "config.json")]
-    nproc, env = pc.nproc, {}
+    nproc = pc.nproc
+    env: dict[str, str] = {}
     if pc.exchange == "ps":  # servers beside the workers; they snapshot into the run folder
         from dtrain.launch.roles import plan
 

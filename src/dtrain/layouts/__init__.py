@@ -18,10 +18,12 @@ dp wraps the model or each piece in DataParallel or ZeRO over the remaining axis
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import nn
 
+from dtrain import comm
 from dtrain.checkpoint.universal import Checkpoint
 from dtrain.config import Config
 from dtrain.context_parallel import ContextParallel
@@ -39,7 +41,8 @@ from dtrain.tensor_parallel.parallelize import sum_headwise_grads
 from dtrain.tensor_parallel.plan_of import check_sequence_parallel, split_model
 from dtrain.tensor_parallel.sequence import apply_sequence_parallel
 
-HOLDINGS: dict[str, type[Holding]] = {
+# each kind's class, called as (model, mesh, config, notes=, [averaging=])
+HOLDINGS: dict[str, Callable[..., Holding]] = {
     "dp": Replicated, "zero": Sharded, "pp": Pipelined, "ps": ParameterServer}
 
 __all__ = ["HOLDINGS", "Holding", "ParameterServer", "Pipelined", "Replicated", "Sharded",
@@ -98,7 +101,7 @@ def build(model: nn.Module, mesh: Mesh, config: Config,
     if sequence:
         check_sequence_parallel(model)
     if dims.cp > 1:  # each rank runs its chunks of every sequence
-        context.apply(model, ContextParallel(mesh.group("cp"), dims.cp_method))
+        context.apply(model, ContextParallel(comm.resolve(mesh.group("cp")), dims.cp_method))
     if dims.tp > 1:
         split_model(model, mesh.group("tp"), config.model.tp_plan)
     if dims.ep > 1:  # each rank keeps its E / ep experts of every MoE layer
@@ -118,6 +121,7 @@ def build(model: nn.Module, mesh: Mesh, config: Config,
     held = HOLDINGS[kind](model, mesh, config, notes=notes,
                           **({"averaging": averaging} if averaging else {}))
     if skeleton:
+        assert weights is not None  # given, or the initial weights made above
         held.saved.restore(weights)
         if dims.tp > 1:  # the allocated parameters of per-head norms sum their gradients
             sum_headwise_grads(model)

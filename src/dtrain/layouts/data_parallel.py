@@ -37,6 +37,8 @@ class Replicated(Holding):
     """The model, whole or split over tp, replicated over dp with DataParallel (or over
     the replicas an `averaging` chooses at each step, as live replicas do)."""
 
+    module: DataParallel
+
     def __init__(self, model: nn.Module, mesh: Mesh, config: Config,
                  notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
         self.dims, self.names = mesh.dims, Names.of(model, mesh)

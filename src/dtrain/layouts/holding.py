@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -37,6 +38,10 @@ from dtrain.layouts.state import HeldState, OuterState
 from dtrain.mesh import Dims
 from dtrain.models import loss_of_output
 from dtrain.sync.diloco import DiLoCo
+
+if TYPE_CHECKING:
+    from dtrain.data_parallel import DataParallel
+    from dtrain.data_parallel.zero import ZeRO
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -76,6 +81,9 @@ class Holding:
     notes: tuple[str, ...] = ()
     outer: DiLoCo | None = None
     """The sync groups' outer loop, when the Holding is one of several (`sync_with`)."""
+    lockstep: bool = True
+    """Whether the world's ranks take each step together (False: parameter-server
+    workers, each at its own pace, who never wait on each other)."""
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
@@ -92,9 +100,10 @@ class Holding:
             total = total.to(loss.device) + loss.detach()
         return total
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Inside, backward accumulates without communicating."""
-        return self.module.no_sync()
+        # the kinds that do not override this hold a DataParallel or a ZeRO wrapper
+        return cast("DataParallel | ZeRO", self.module).no_sync()
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -111,7 +120,8 @@ class Holding:
         logits (a pipeline's stages before the last)."""
         with torch.no_grad():
             out = self.module(idx)
-        return getattr(out, "logits", out)
+        logits: torch.Tensor | None = getattr(out, "logits", out)  # a transformers output's
+        return logits
 
     def grad_parts(self) -> list[GradPart]:
         """Every gradient this rank holds, and how it counts toward the global norm (each

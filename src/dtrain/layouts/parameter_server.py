@@ -5,6 +5,7 @@ No collective runs per step, so asynchronous workers never wait on each other.""
 from __future__ import annotations
 
 import contextlib
+from typing import cast
 
 from torch import nn
 
@@ -20,8 +21,9 @@ from dtrain.mesh import Mesh
 def ps_settings(config: Config) -> ps.Settings:
     """The parameter servers' rules from the config (the optimizer runs on the servers)."""
     o, p = config.optimizer, config.ps
+    betas = cast(tuple[float, float], tuple(o.betas))  # two: OptimizerConfig.check
     return ps.Settings(p.consistency, p.staleness if p.consistency == "ssp" else 0,
-                       optimizer=o.name, lr=o.lr, momentum=o.momentum, betas=tuple(o.betas),
+                       optimizer=o.name, lr=o.lr, momentum=o.momentum, betas=betas,
                        weight_decay=o.weight_decay, copies=p.copies)
 
 
@@ -43,6 +45,7 @@ class ParameterServer(Holding):
         self.saved = HeldState(self.dims, self.optimizers, self.parts, self.names,
                                checkpoint_group=None, writes_checkpoint=mesh.world.is_main)
         self.groups = {}  # each worker clips its own gradient
+        self.lockstep = False  # each worker steps at its own pace
         self.accum = config.train.grad_accum
         pc = config.ps
         copies = f", {pc.copies} copies of each shard" if pc.copies > 1 else ""
@@ -52,7 +55,7 @@ class ParameterServer(Holding):
     def grad_parts(self) -> list[GradPart]:
         return [GradPart(p.grad) for p in self.module.parameters() if p.grad is not None]
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.worker.accumulate()
 
     def update(self) -> None:

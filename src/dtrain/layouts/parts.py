@@ -40,6 +40,8 @@ from dtrain.models.moe.experts import EXPERTS
 from dtrain.split import Split
 
 if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
     from dtrain.models.weights import SlicedWeights
 
 
@@ -124,22 +126,23 @@ class Names:
             return (*self.ep, EXPERTS)
         return (0, 1, None)
 
-    def local(self, ckpt: Checkpoint, name: str, p: nn.Parameter) -> torch.Tensor:
+    def local(self, ckpt: Checkpoint | SlicedWeights, name: str, p: nn.Parameter
+              ) -> torch.Tensor:
         """This rank's block of the logical tensor `name` (p's shape)."""
         part, parts, split = self.placement(p)
         if split is None:
             block = ckpt.tensor(name)
-        elif hasattr(ckpt, "block"):  # a source that reads a slice (models.weights)
+        elif _reads_slices(ckpt, "block"):  # a source that reads a slice (models.weights)
             block = ckpt.block(name, split, part, parts)
         else:
             block = split.shard(ckpt.tensor(name), part, parts)
         _check_shape(ckpt, name, block.shape, p)
         return block
 
-    def fill_(self, ckpt: Checkpoint, name: str, p: nn.Parameter) -> None:
+    def fill_(self, ckpt: Checkpoint | SlicedWeights, name: str, p: nn.Parameter) -> None:
         """Copy this rank's block of `name` into `p`; a source that reads slices
         (models.weights) writes it a few rows at a time, never the block whole beside p."""
-        if not hasattr(ckpt, "copy_into"):
+        if not _reads_slices(ckpt, "copy_into"):
             p.copy_(self.local(ckpt, name, p))
             return
         part, parts, split = self.placement(p)
@@ -148,17 +151,23 @@ class Names:
         _check_shape(ckpt, name, shape, p)
         ckpt.copy_into(p, name, split, part, parts)
 
-    def spans(self, ckpt: Checkpoint, name: str, p: nn.Parameter, lo: int, hi: int
-              ) -> Iterator[tuple[int, int, torch.Tensor]]:
+    def spans(self, ckpt: Checkpoint | SlicedWeights, name: str, p: nn.Parameter, lo: int,
+              hi: int) -> Iterator[tuple[int, int, torch.Tensor]]:
         """Elements lo..hi of this rank's block of `name`, flattened (a ZeRO shard's span),
         as (a, b, elements a..b) pieces read in turn; a source that reads rows
         (models.weights) reads only the rows holding them, one group of rows a piece."""
-        if self.placement(p)[2] is not None or not hasattr(ckpt, "rows"):
+        if self.placement(p)[2] is not None or not _reads_slices(ckpt, "rows"):
             yield lo, hi, self.local(ckpt, name, p).reshape(-1)[lo:hi]
             return
         _check_shape(ckpt, name, ckpt.shape(name), p)
         for a, b in ckpt.row_cuts(name, lo, hi):
             yield a, b, ckpt.rows(name, a, b)
+
+
+def _reads_slices(ckpt: Checkpoint | SlicedWeights, method: str) -> TypeIs[SlicedWeights]:
+    """Whether `ckpt` is a source that reads slices of its tensors (models.weights), as its
+    having `method` tells."""
+    return hasattr(ckpt, method)
 
 
 def _check_shape(ckpt: Checkpoint | SlicedWeights, name: str, shape: tuple[int, ...],
@@ -169,7 +178,7 @@ def _check_shape(ckpt: Checkpoint | SlicedWeights, name: str, shape: tuple[int, 
                           "model config")
 
 
-def optimizer_keys(ckpt: Checkpoint) -> dict[str, list[str]]:
+def optimizer_keys(ckpt: Checkpoint | SlicedWeights) -> dict[str, list[str]]:
     """Per logical tensor, the names of its per-element optimizer state in `ckpt`."""
     keys = defaultdict(list)
     for n in ckpt.names(OPTIM):
@@ -207,17 +216,18 @@ class Tensors:
                 continue
             name = names.canonical[id(p)]
             dp = names.sharers(p, self.dp)
-            pieces += pieces_of(MODEL + name, p, *dp, *names.placement(p))
+            part, parts, split = names.placement(p)
+            pieces += pieces_of(MODEL + name, p, *dp, part, parts, split)
             state = self.optimizer.state.get(p, {}) if self.optimizer is not None else {}
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim():
-                    pieces += pieces_of(f"{OPTIM}{name}/{key}", value, *dp,
-                                        *names.placement(p))
+                    pieces += pieces_of(f"{OPTIM}{name}/{key}", value, *dp, part, parts,
+                                        split)
                 elif value is not None:
                     scalars.setdefault(name, {})[key] = _scalar(value)
 
     @torch.no_grad()
-    def restore(self, ckpt: Checkpoint) -> None:
+    def restore(self, ckpt: Checkpoint | SlicedWeights) -> None:
         """Set the parameters (and optimizer state) from `ckpt`, whatever its layout."""
         names, scalars, keys = self.names, ckpt.extra.get("scalars", {}), optimizer_keys(ckpt)
         for p in self.params:
@@ -269,7 +279,7 @@ class Shards:
                                           *names.placement(p)) for lo, _, values in segs]
 
     @torch.no_grad()
-    def restore(self, ckpt: Checkpoint) -> None:
+    def restore(self, ckpt: Checkpoint | SlicedWeights) -> None:
         """Set this rank's shards (and their optimizer state) from `ckpt`."""
         names, own = self.names, self._own()
         scalars, keys = ckpt.extra.get("scalars", {}), optimizer_keys(ckpt)
@@ -289,7 +299,7 @@ class Shards:
         zero_state.load_segments(self.zero, params, state, group_scalars, None)
 
 
-class _Spans(Mapping):
+class _Spans(Mapping[str, Iterator[tuple[int, int, torch.Tensor]]]):
     """Parameter name -> its [(lo, hi, its elements lo..hi)], read as iterated and not
     kept: restoring a shard holds one piece of one parameter's span at a time, not a
     second copy of it."""

@@ -10,6 +10,7 @@ from torch import nn
 
 from dtrain import pipeline
 from dtrain.config import Config
+from dtrain.data_parallel import DataParallel
 from dtrain.data_parallel.averaging import Averaging
 from dtrain.data_parallel.clip import GradPart
 from dtrain.data_parallel.zero import ZeRO
@@ -26,6 +27,8 @@ from dtrain.optim import build_optimizer
 class Pipelined(Holding):
     """This rank's pipeline pieces, each wrapped over dp, driven by the schedule."""
 
+    module: nn.ModuleList
+
     def __init__(self, model: nn.Module, mesh: Mesh, config: Config,
                  notes: tuple[str, ...] = (), averaging: Averaging | None = None) -> None:
         group, dp, place = mesh.group("pp"), mesh.group("dp_cp"), mesh.place("dp_cp")
@@ -41,6 +44,7 @@ class Pipelined(Holding):
         self.names = Names.of(model, mesh,
                               skip={id(p) for p, peer in tied if peer < group.rank()})
         experts = expert_group(mesh)
+        wrapped: list[ZeRO] | list[DataParallel]
         if dims.zero:
             wrapped = [zero_of(piece, dp, dims.zero, config, device, averaging, experts)
                        for piece in mine]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from dtrain.data_parallel import DataParallel
 from dtrain.layouts.parts import Names, Part, collect
 from dtrain.mesh import Dims
 from dtrain.sync.diloco import DiLoCo
+
+if TYPE_CHECKING:
+    from dtrain.models.weights import SlicedWeights
 
 
 class RankExtra(Protocol):
@@ -86,7 +89,7 @@ class HeldState:
         """This rank's pieces of the logical tensors and the optimizer scalars."""
         return collect(self.parts)
 
-    def restore(self, ckpt: Checkpoint) -> None:
+    def restore(self, ckpt: Checkpoint | SlicedWeights) -> None:
         """Set this rank's parameters and optimizer state from `ckpt`, whatever layout
         saved it."""
         for part in self.parts:

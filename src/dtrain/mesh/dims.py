@@ -51,6 +51,7 @@ servers instead (`exchange = "ps"`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -286,7 +287,8 @@ class Dims:
         """
         degrees: dict[str, int | None] = {a.value: values.pop(a, 1) for a in AXES}
         degrees["dp_shard"] = dp_shard
-        return cls(**_fit(world_size, degrees), **values)
+        # _fit's keys are the degrees' fields, every one an int
+        return cls(**_fit(world_size, degrees), **values)  # type: ignore[arg-type]
 
     @classmethod
     def of(cls, parallel: ParallelConfig, world_size: int, sync_groups: int | None = None
@@ -462,5 +464,11 @@ class Dims:
         return dims
 
     def replace(self, **changes: Any) -> Dims:
-        """These Dims with `changes` (validated anew)."""
-        return dataclasses.replace(self, **changes)
+        """These Dims with `changes` (validated anew; remembered, Dims being immutable:
+        the planners' searches ask for the same few variants of each layout many times)."""
+        return _replaced(self, tuple(sorted(changes.items())))
+
+
+@functools.lru_cache(maxsize=4096)
+def _replaced(dims: Dims, changes: tuple[tuple[str, Any], ...]) -> Dims:
+    return dataclasses.replace(dims, **dict(changes))

@@ -106,7 +106,9 @@ class Mesh:
         key = tuple(members)
         if key not in self._by_members:
             if len(members) == self.world.world_size:
-                self._by_members[key] = dist.group.WORLD
+                world = dist.group.WORLD
+                assert world is not None  # the world this mesh was built on is started
+                self._by_members[key] = world
             else:
                 # Only the members create (and synchronize on) their own group.
                 self._by_members[key] = dist.new_group(

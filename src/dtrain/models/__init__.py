@@ -18,7 +18,7 @@ instead. A model that names its parts (`Stages`) can be cut into pipeline stages
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -101,9 +101,10 @@ def hf_names(cfg: ModelConfig, model: nn.Module | None = None
 
         return built_in_names(cfg)
     if cfg.arch == "hf":
+        from dtrain.models.hf import HFCausalLM
         from dtrain.models.hf import hf_names as wrapped_names
 
-        return wrapped_names(model)
+        return wrapped_names(cast(HFCausalLM, model))  # what build_hf made of cfg
     raise ConfigError("a custom model has no Hugging Face form")
 
 

@@ -29,7 +29,7 @@ import os
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -61,10 +61,12 @@ def compile_blocks(model: nn.Module, backend: str = "inductor",
         os.environ[CACHE_ENV] = str(Path(cache_dir).resolve())
     names = []
     for list_name in block_lists(model, _BLOCKS_FIX):
-        for index, block in enumerate(model.get_submodule(list_name)):
+        blocks = cast(nn.ModuleList, model.get_submodule(list_name))  # what block_lists names
+        for index, block in enumerate(blocks):
             names.append(f"{list_name}.{index}")
             if not is_compiled(block):
-                forward = block.forward.__func__  # the function, taking the block first
+                # a bound method: its function, taking the block first
+                forward = block.forward.__func__  # type: ignore[attr-defined]
                 setattr(block, _COMPILED, forward)
                 block.forward = types.MethodType(_compiled(forward, backend), block)
     return names

@@ -71,5 +71,5 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if dropout:
         raise DtrainError("attention dropout under context parallelism: set the model's "
                           "attention_dropout to 0")
-    cp: ContextParallel = module.context
+    cp: ContextParallel = module.context  # type: ignore[assignment]  # set by _apply_hf
     return cp.attention(query, key, value, causal=True, scale=scaling).transpose(1, 2), None

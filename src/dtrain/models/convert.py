@@ -103,9 +103,10 @@ def _llama_family(llama: LlamaConfig) -> str:
     return "mixtral"
 
 
-def _gpt_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
-    names = {"wte.weight": ("transformer.wte.weight", False),
-             "wpe.weight": ("transformer.wpe.weight", False)}
+def _gpt_names(cfg: ModelConfig) -> dict[str, tuple[HFName, bool]]:
+    names: dict[str, tuple[HFName, bool]] = {
+        "wte.weight": ("transformer.wte.weight", False),
+        "wpe.weight": ("transformer.wpe.weight", False)}
     block = {"ln1": ("ln_1", False), "attn.qkv": ("attn.c_attn", True),
              "attn.proj": ("attn.c_proj", True), "ln2": ("ln_2", False),
              "mlp.fc": ("mlp.c_fc", True), "mlp.proj": ("mlp.c_proj", True)}

@@ -131,7 +131,8 @@ def float8_layers(model: nn.Module) -> tuple[list[str], list[str]]:
     Raises:
         ConfigError: the model keeps no blocks in an nn.ModuleList.
     """
-    chosen, skipped = [], []
+    chosen: list[str] = []
+    skipped: list[str] = []
     for list_name in block_lists(model, _BLOCKS_FIX):
         for name, module in model.get_submodule(list_name).named_modules(prefix=list_name):
             if not (type(module) is nn.Linear or _splits_by_matmul(module)):

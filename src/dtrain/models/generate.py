@@ -52,7 +52,8 @@ def attach(model: nn.Module, staged: bool = False) -> KVCache | None:
     cache = KVCache([LayerCache() for _ in cores])
     for core, layer in zip(cores, cache.layers, strict=True):
         core.cache = layer
-    model.kv_cache = cache
+    # an attribute of the model's class (StagedLM, HFCausalLM), not a submodule
+    model.kv_cache = cache  # type: ignore[assignment]
     return cache
 
 
@@ -61,7 +62,7 @@ def detach(model: nn.Module) -> None:
     for core in _cores(model):
         core.cache = None
     if getattr(model, "kv_cache", None) is not None:
-        model.kv_cache = None
+        model.kv_cache = None  # type: ignore[assignment]  # as in attach
 
 
 def window(ids: torch.Tensor, block_size: int, cache: KVCache | None) -> torch.Tensor:

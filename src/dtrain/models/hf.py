@@ -42,7 +42,7 @@ from dtrain.models.kv_cache import KVCache
 from dtrain.models.moe import MoE, MoEConfig
 
 if TYPE_CHECKING:  # transformers is optional: imported where arch "hf" needs it
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedModel
 
 
 class Family(enum.Enum):
@@ -274,7 +274,7 @@ class HFCausalLM(nn.Module):
         block_size: the longest sequence it will see (dtrain's `[model] block_size`).
     """
 
-    def __init__(self, hf: nn.Module, block_size: int) -> None:
+    def __init__(self, hf: PreTrainedModel, block_size: int) -> None:
         super().__init__()
         self.hf = hf
         self.block_size = block_size

@@ -31,7 +31,7 @@ import re
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from torch.utils.checkpoint import checkpoint
 
 from dtrain.errors import ConfigError
 from dtrain.models.stages import Activation, AttentionCore, block_lists
+
+if TYPE_CHECKING:
+    from dtrain.models.hf import HFCausalLM
 
 HF_ATTENTION = "dtrain_recomputed_sdpa"
 """The name under which transformers' SDPA attention, recomputed, is registered."""
@@ -266,7 +269,7 @@ def _recomputed_sdpa(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[Any,
     return checkpoint(functools.partial(sdpa, **kwargs), module, *args, use_reentrant=False)
 
 
-def _recompute_hf_attention(model: nn.Module) -> list[str]:
+def _recompute_hf_attention(model: HFCausalLM) -> list[str]:
     """"selective" for a Hugging Face model: switch its attention function from SDPA to
     `_recomputed_sdpa`, registered with transformers as HF_ATTENTION (with SDPA's masks)."""
     try:

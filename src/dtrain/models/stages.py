@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypedDict, cast, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,14 @@ from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.models.kv_cache import KVCache, LayerCache
 
+
 # torch 2.5 and later attend grouped queries to their key/value head without copies.
+class _GQA(TypedDict, total=False):
+    """SDPA's grouped-query flag, passed only where torch has it (2.5 on)."""
+
+    enable_gqa: bool
+
+
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
@@ -61,6 +68,11 @@ class StagedLM(nn.Module):
     `block_size` (the longest input) and the stage methods."""
 
     block_size: int
+    loss_fn: nn.Module
+    # the stage methods (stage_block has a default below), which the subclasses define
+    stage_parts: Callable[[], tuple[list[str], str, list[str]]]
+    stage_in: Callable[[torch.Tensor], torch.Tensor]
+    stage_out: Callable[[torch.Tensor], torch.Tensor]
     context: ContextParallel | None = None
     """Context parallelism (dtrain.models.context.apply): the inputs are this rank's chunks
     of each sequence, whose positions are the global ones."""
@@ -81,7 +93,7 @@ class StagedLM(nn.Module):
             raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds "
                              f"block_size={self.block_size}")
         x = self.stage_in(idx)
-        for block in self.get_submodule(self.stage_parts()[1]):
+        for block in cast(nn.ModuleList, self.get_submodule(self.stage_parts()[1])):
             x = self.stage_block(block, x)
         logits = self.stage_out(x)
         if targets is None:
@@ -141,7 +153,7 @@ class AttentionCore(nn.Module):
         group = q.shape[1] // k.shape[1]
         if group > 1 and not _SDPA_GQA:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        gqa = {"enable_gqa": True} if group > 1 and _SDPA_GQA else {}
+        gqa: _GQA = {"enable_gqa": True} if group > 1 and _SDPA_GQA else {}
         if before == 0:
             with self._dropout_rng(drop, q.device):
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True,

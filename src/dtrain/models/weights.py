@@ -222,6 +222,7 @@ class HFWeights(SlicedWeights):
 
     def _file_slice(self, hf_name: str) -> TensorSlice:
         stored = self._stored(hf_name)
+        assert stored is not None  # asked only of the names the files hold
         file = self.files[stored]
         if file not in self._open:
             self._open[file] = safe_open(str(file), framework="pt")

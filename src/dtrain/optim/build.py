@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,4 +25,5 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimizerConfig
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     optimizer = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-    return optimizer(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+    betas = cast(tuple[float, float], tuple(cfg.betas))  # two: OptimizerConfig.check
+    return optimizer(groups, lr=cfg.lr, betas=betas)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -41,6 +42,8 @@ from dtrain.pipeline.p2p import Channels
 from dtrain.pipeline.pieces import ExtraLoss
 from dtrain.pipeline.schedules import Action
 from dtrain.timeline import span
+
+_Piece = TypeVar("_Piece", bound=nn.Module)  # a pipeline piece, of whatever module class
 
 _TIED_TAG = 1
 
@@ -337,7 +340,7 @@ def full_state_dict(whole: nn.Module, mine: Sequence[nn.Module],
     return out
 
 
-def pieces_for(pieces: Sequence[nn.Module], group: comm.GroupLike = None) -> list[nn.Module]:
+def pieces_for(pieces: Sequence[_Piece], group: comm.GroupLike = None) -> list[_Piece]:
     """This rank's pieces of a model cut into `pp * v` pieces: piece `c * pp + rank` for
     each chunk c (one chunk per rank when there are pp pieces)."""
     g = comm.resolve(group)

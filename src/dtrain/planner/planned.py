@@ -63,11 +63,13 @@ class PlannedLayout:
 
     def with_options(self, recompute: str | None = None, sequence_parallel: bool | None = None,
                      cp_method: str | None = None) -> PlannedLayout:
-        """This layout planned with other options (those given)."""
-        dims = self.dims.replace(
-            sequence_parallel=self.sequence_parallel if sequence_parallel is None
-            else sequence_parallel,
-            cp_method=self.cp_method if cp_method is None else cp_method)
+        """This layout planned with other options (those given). The Dims are made anew
+        only when an option of theirs changes (the planners' searches call this for every
+        option of every layout they weigh)."""
+        changed = {name: value for name, value in (("sequence_parallel", sequence_parallel),
+                                                   ("cp_method", cp_method))
+                   if value is not None and value != getattr(self.dims, name)}
+        dims = self.dims.replace(**changed) if changed else self.dims
         return PlannedLayout(dims, self.recompute if recompute is None else recompute,
                              self.micro_batch)
 

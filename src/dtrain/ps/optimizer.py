@@ -11,6 +11,9 @@ travels with every push, and the servers apply it to their own optimizer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import overload
+
 import torch
 
 from dtrain.ps.worker import Worker
@@ -28,9 +31,18 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.worker = worker
         worker.lr_of = lambda: self.param_groups[0]["lr"]
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure=None) -> None:  # noqa: D102 - torch's signature
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """The worker's push-then-pull; `closure`, when given, first recomputes the loss,
+        which is returned, as torch's optimizers return it."""
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
+                loss = closure()
         self.worker.step()
+        return loss

@@ -19,7 +19,7 @@ import hashlib
 import hmac
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import zmq
@@ -75,7 +75,8 @@ def pack(secret: bytes, message: Message) -> list[Any]:
     if message.tensor is not None:
         t = message.tensor.detach().contiguous().view(-1)
         head["dtype"], head["numel"] = _NAMES[t.dtype], t.numel()
-        payload = memoryview(t.view(torch.uint8).numpy())
+        # an ndarray exports the buffer protocol (numpy's stubs say so from Python 3.12 on)
+        payload = memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]
     if message.error:
         head["error"] = message.error
     if message.meta is not None:
@@ -87,7 +88,7 @@ def pack(secret: bytes, message: Message) -> list[Any]:
     return [header, _mac(secret, header, payload), payload]
 
 
-def _is_integer(value: object) -> bool:
+def _is_integer(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import zmq
@@ -91,7 +91,8 @@ class Worker:
         before acknowledging them."""
         self.sent_bytes = self.received_bytes = 0
         self._accumulating = False
-        self.lr_of = None  # a callable giving the lr to send with each push (RemoteOptimizer)
+        # a callable giving the lr to send with each push (RemoteOptimizer)
+        self.lr_of: Callable[[], float] | None = None
         self._hooks = []
         if overlap:
             self._touches = [self._servers_of(i) for i in range(len(self.params))]
@@ -188,6 +189,7 @@ class Worker:
                 socket, monitor = self._links[s]
                 if socket in ready:
                     answer = self._read(s, op)
+                    assert answer.shard is not None  # _read checked it was asked
                     answers[answer.shard] = answer
                     del self._in_flight[answer.shard]
                 elif monitor is not None and monitor in ready and link.gone(monitor):
@@ -253,13 +255,17 @@ class Worker:
     def pull(self) -> None:
         """Fetch the current parameters into the model (waiting as the consistency says)."""
         answers = self._exchange("pull")
+        tensors: list[torch.Tensor] = []
+        for a in answers:
+            assert a.tensor is not None  # the servers answer a pull with the values
+            tensors.append(a.tensor)
         if self.rank != 0:  # worker 0's length was checked by the servers at init
-            lengths = [a.tensor.numel() for a in answers]
+            lengths = [t.numel() for t in tensors]
             if lengths != [hi - lo for lo, hi in self.ranges]:
                 raise DtrainError(f"worker {self.rank}'s model does not match worker 0's: the "
                                   f"servers hold shards of {lengths} values, this model "
                                   f"{[hi - lo for lo, hi in self.ranges]}")
-        flat = torch.cat([a.tensor for a in answers])
+        flat = torch.cat(tensors)
         for i, p in enumerate(self.params):
             p.copy_(flat[self._offsets[i] : self._offsets[i + 1]].view_as(p))
         self.clock = max(self.clock, *(a.clock for a in answers))

@@ -85,6 +85,11 @@ class _Bucket:
                             strict=True):
             p.copy_(piece.view_as(p))
 
+    def anchored(self) -> torch.Tensor:
+        """The anchor, which DiLoCo mode sets on every bucket."""
+        assert self.anchor is not None  # DiLoCo mode
+        return self.anchor
+
     def comm_bytes(self, mode: SyncMode) -> int:
         """Bytes of the buffer one synchronization all-reduces."""
         itemsize = 4 if mode is SyncMode.DILOCO else self.params[0].element_size()
@@ -165,7 +170,7 @@ class DiLoCo:
         self.sync_every = sync_every
         self.streaming = streaming
         self.algorithm = algorithm
-        self.params = list(params) if params is not None else \
+        self.params: list[torch.Tensor] = list(params) if params is not None else \
             [p for p in module.parameters() if p.requires_grad]
         self._inner_step = 0
         self._round_step = 0
@@ -183,7 +188,7 @@ class DiLoCo:
         for bucket in self._buckets if diloco else ():
             bucket.anchor = bucket.flat()
         self._outer = torch.optim.SGD(
-            [b.anchor for b in self._buckets], lr=outer_lr, momentum=outer_momentum,
+            [b.anchored() for b in self._buckets], lr=outer_lr, momentum=outer_momentum,
             nesterov=outer_momentum > 0) if diloco else None
 
     @torch.no_grad()
@@ -237,7 +242,8 @@ class DiLoCo:
         diloco = self.mode is SyncMode.DILOCO
         sent = [b.flat() for b in self._buckets] if diloco or self.streaming else None
         if diloco:
-            reduced = [b.anchor - flat for b, flat in zip(self._buckets, sent, strict=True)]
+            assert sent is not None  # taken above in DiLoCo mode
+            reduced = [b.anchored() - flat for b, flat in zip(self._buckets, sent, strict=True)]
         else:  # the parameters themselves, in their own dtype
             reduced = [torch.cat([p.detach().reshape(-1) for p in b.params])
                        for b in self._buckets]
@@ -250,12 +256,13 @@ class DiLoCo:
         """Finish `sync`: the new global parameters, plus any progress made since sending."""
         sync.wait()
         if self.mode is SyncMode.DILOCO:
+            assert self._outer is not None  # made in DiLoCo mode
             for bucket, delta in zip(self._buckets, sync.reduced, strict=True):
-                bucket.anchor.grad = delta
+                bucket.anchored().grad = delta
             self._outer.step()
             for bucket in self._buckets:
-                bucket.anchor.grad = None
-            reached = [b.anchor for b in self._buckets]
+                bucket.anchored().grad = None
+            reached = [b.anchored() for b in self._buckets]
         else:
             reached = sync.reduced
         for k, (bucket, base) in enumerate(zip(self._buckets, reached, strict=True)):

@@ -74,6 +74,42 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: comm.Group,
     return part.view(front.shape[0] // group.size, *front.shape[1:]).movedim(0, dim)
 
 
+class _GroupCtx(FunctionCtx):
+    """The ctx of a Function whose backward communicates over `group` with `algorithm`
+    (torch types a ctx as a bare FunctionCtx)."""
+
+    group: comm.Group
+    algorithm: str
+
+
+class _GatherCtx(FunctionCtx):
+    """Gather's ctx: the dimension and group its backward cuts this rank's block by."""
+
+    dim: int
+    group: comm.Group
+
+
+class _ScatterCtx(_GroupCtx):
+    """Scatter's ctx: its backward gathers along `dim`."""
+
+    dim: int
+
+
+class _ReduceScatterCtx(_GroupCtx):
+    """ReduceScatterSequence's ctx."""
+
+    regather: Regather | None
+
+
+class _GatheredLinearCtx(FunctionCtx):
+    """GatheredLinear's ctx as its forward fills it."""
+
+    saved_tensors: tuple[torch.Tensor, ...]
+    needs_input_grad: tuple[bool, ...]
+    again: Regather
+    has_bias: bool
+
+
 class CopyToGroup(torch.autograd.Function):
     """Identity in forward, all-reduce (sum) of the gradient in backward: Megatron's `f`.
 
@@ -82,13 +118,13 @@ class CopyToGroup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, group: comm.Group, algorithm: str
+    def forward(ctx: _GroupCtx, x: torch.Tensor, group: comm.Group, algorithm: str
                 ) -> torch.Tensor:
         ctx.group, ctx.algorithm = group, algorithm
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: _GroupCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _all_reduce(grad, ctx.group, ctx.algorithm), None, None
 
 
@@ -114,13 +150,13 @@ class Gather(torch.autograd.Function):
     tensor's gradient is the same on every rank)."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, dim: int, group: comm.Group,
+    def forward(ctx: _GatherCtx, x: torch.Tensor, dim: int, group: comm.Group,
                 algorithm: str) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _gather(x, dim, group, algorithm)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: _GatherCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _own_block(grad, ctx.dim, ctx.group), None, None, None
 
 
@@ -128,13 +164,13 @@ class Scatter(torch.autograd.Function):
     """Keep this rank's block of `dim` in forward; all-gather it in backward."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, dim: int, group: comm.Group,
+    def forward(ctx: _ScatterCtx, x: torch.Tensor, dim: int, group: comm.Group,
                 algorithm: str) -> torch.Tensor:
         ctx.dim, ctx.group, ctx.algorithm = dim, group, algorithm
         return _own_block(x, dim, group)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: _ScatterCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _gather(grad, ctx.dim, ctx.group, ctx.algorithm), None, None, None
 
 
@@ -145,13 +181,13 @@ class GatherSequence(torch.autograd.Function):
     ranks is the whole of it, and each rank keeps its own part's."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, group: comm.Group, algorithm: str
+    def forward(ctx: _GroupCtx, x: torch.Tensor, group: comm.Group, algorithm: str
                 ) -> torch.Tensor:
         ctx.group, ctx.algorithm = group, algorithm
         return _gather(x, SEQUENCE, group, algorithm)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: _GroupCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _reduce_scatter(grad, SEQUENCE, ctx.group, ctx.algorithm), None, None
 
 
@@ -166,18 +202,21 @@ class ReduceScatterSequence(torch.autograd.Function):
     carries it too, stacked with the gradient: one call for both."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, group: comm.Group, algorithm: str,
+    def forward(ctx: _ReduceScatterCtx, x: torch.Tensor, group: comm.Group, algorithm: str,
                 regather: Regather | None) -> torch.Tensor:
         ctx.group, ctx.algorithm, ctx.regather = group, algorithm, regather
         return _reduce_scatter(x, SEQUENCE, group, algorithm)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        part = ctx.regather.wanted() if ctx.regather is not None else None
-        if part is None or part.shape != grad.shape or part.dtype != grad.dtype:
+    def backward(ctx: _ReduceScatterCtx, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor, None, None, None]:
+        regather = ctx.regather
+        part = regather.wanted() if regather is not None else None
+        if (regather is None or part is None or part.shape != grad.shape
+                or part.dtype != grad.dtype):
             return _gather(grad, SEQUENCE, ctx.group, ctx.algorithm), None, None, None
         both = _gather(torch.stack((grad, part)), SEQUENCE + 1, ctx.group, ctx.algorithm)
-        ctx.regather.fill(both[1])
+        regather.fill(both[1])
         return both[0], None, None, None
 
 
@@ -258,7 +297,7 @@ class Regather:
         self._part = weakref.ref(part)  # the layers keep it for backward, not this
         self._taken = 0
         self._whole: torch.Tensor | None = None
-        self._pending: Result | None = None
+        self._pending: Result[torch.Tensor] | None = None
 
     def wanted(self) -> torch.Tensor | None:
         """The part to gather, if layers will still take the whole and it is not here or on
@@ -284,6 +323,7 @@ class Regather:
         """The whole sequence `part` is this rank's part of (waiting for the gather)."""
         self.start(part)
         if self._whole is None:
+            assert self._pending is not None  # start() has just begun the gather
             stacked = self._pending.wait()
             self._pending = None
             pieces = stacked.view(self.group.size, *part.shape)
@@ -307,7 +347,7 @@ class GatheredLinear(torch.autograd.Function):
     then the weight gradient reads it."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, part: torch.Tensor, whole: torch.Tensor,
+    def forward(ctx: _GatheredLinearCtx, part: torch.Tensor, whole: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor | None, again: Regather
                 ) -> torch.Tensor:
         ctx.save_for_backward(part, weight)
@@ -316,7 +356,7 @@ class GatheredLinear(torch.autograd.Function):
         return F.linear(whole, weight, bias)
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor
+    def backward(ctx: _GatheredLinearCtx, grad: torch.Tensor
                  ) -> tuple[None, torch.Tensor | None, torch.Tensor | None,
                             torch.Tensor | None, None]:
         part, weight = ctx.saved_tensors

@@ -87,9 +87,8 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.sequence_gather = sequence_gather
         local = per_rank(out_features, self.group.size, "output features", chunks)
-        kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(local, in_features, **kw))
-        self.bias = nn.Parameter(torch.empty(local, **kw)) if bias else None
+        self.weight = nn.Parameter(torch.empty(local, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(local, device=device, dtype=dtype)) if bias else None
         self.splits = {"weight": Split(0, chunks), "bias": Split(0, chunks)}
         self.matmul: Matmul = F.linear  # x A^T (+ b) of this rank's block (FP8: float8)
         _uniform_(self.weight, in_features)
@@ -155,9 +154,9 @@ class RowParallelLinear(nn.Module):
         """Set by apply_sequence_parallel: the gather of the column-parallel layers before
         this one, whose input its backward all-gather brings back whole too."""
         local = per_rank(in_features, self.group.size, "input features")
-        kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features, local, **kw))
-        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, local, device=device, dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias
+                     else None)
         self.splits = {"weight": Split(1)}
         self.matmul: Matmul = F.linear  # x A^T of this rank's block (FP8: float8)
         _uniform_(self.weight, in_features)
@@ -206,7 +205,8 @@ class VocabParallelEmbedding(nn.Module):
         self.splits = {"weight": Split(0)}
         self.padding_idx = padding_idx
         here = padding_idx is not None and self.first <= padding_idx < self.first + local
-        self.local_padding_idx = padding_idx - self.first if here else None
+        self.local_padding_idx = (padding_idx - self.first if here and padding_idx is not None
+                                  else None)
         nn.init.normal_(self.weight)
         if here:
             with torch.no_grad():

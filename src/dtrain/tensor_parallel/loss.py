@@ -22,10 +22,19 @@ from torch.autograd.function import FunctionCtx
 from dtrain import comm
 
 
+class _CrossEntropyCtx(FunctionCtx):
+    """_VocabParallelCrossEntropy's ctx as its forward fills it (torch types a ctx as a
+    bare FunctionCtx)."""
+
+    saved_tensors: tuple[torch.Tensor, ...]
+    dtype: torch.dtype
+    consumed: bool
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, logits: torch.Tensor, target: torch.Tensor, group: comm.Group,
-                algorithm: str, ignore_index: int) -> torch.Tensor:
+    def forward(ctx: _CrossEntropyCtx, logits: torch.Tensor, target: torch.Tensor,
+                group: comm.Group, algorithm: str, ignore_index: int) -> torch.Tensor:
         z = logits.float()
         width = z.shape[-1]
         first = group.rank * width
@@ -48,7 +57,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: _CrossEntropyCtx, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, ...]:
         if ctx.consumed:
             raise RuntimeError("vocab_parallel_cross_entropy: backward runs once per forward "
                                "(it turns the saved softmax into the gradient in place)")

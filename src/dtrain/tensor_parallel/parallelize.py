@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -39,11 +40,15 @@ from dtrain.tensor_parallel.layers import (
 )
 from dtrain.tensor_parallel.loss import VocabParallelCrossEntropy
 
+_M = TypeVar("_M", bound=nn.Module)
 
-def _expect(name: str, module: nn.Module, kind: type, style: str) -> None:
+
+def _expect(name: str, module: nn.Module, kind: type[_M], style: str) -> _M:
+    """`module`, which must be a `kind`."""
     if not isinstance(module, kind):
         raise ConfigError(f"plan: {name} is {type(module).__name__}, but {style!r} applies to "
                           f"{kind.__name__}")
+    return module
 
 
 def _refuse(name: str, style: str, what: str) -> None:
@@ -65,7 +70,7 @@ class Colwise:
 
     def build(self, name: str, module: nn.Module, group: comm.Group,
               algorithm: str) -> nn.Module:
-        _expect(name, module, nn.Linear, "colwise")
+        module = _expect(name, module, nn.Linear, "colwise")
         if self.heads and self.heads % group.size:
             raise ConfigError(f"tp={group.size} does not divide the {self.heads} attention heads "
                               f"of {name}: choose a tensor-parallel degree that divides "
@@ -85,7 +90,7 @@ class Rowwise:
 
     def build(self, name: str, module: nn.Module, group: comm.Group,
               algorithm: str) -> nn.Module:
-        _expect(name, module, nn.Linear, "rowwise")
+        module = _expect(name, module, nn.Linear, "rowwise")
         return RowParallelLinear(module.in_features, module.out_features,
                                  bias=module.bias is not None,
                                  input_is_parallel=self.input_is_parallel, group=group,
@@ -99,7 +104,7 @@ class Vocab:
 
     def build(self, name: str, module: nn.Module, group: comm.Group,
               algorithm: str) -> nn.Module:
-        _expect(name, module, nn.Embedding, "vocab")
+        module = _expect(name, module, nn.Embedding, "vocab")
         if module.max_norm is not None or module.sparse:
             _refuse(name, "vocab", "max_norm or sparse gradients")
         return VocabParallelEmbedding(module.num_embeddings, module.embedding_dim,
@@ -130,7 +135,8 @@ class Headwise:
 
     def build(self, name: str, module: nn.Module, group: comm.Group,
               algorithm: str) -> nn.Module:
-        module.headwise = SumOverGroup(group, algorithm)
+        # a plain attribute of the module (its gradient hook), not a submodule
+        module.headwise = SumOverGroup(group, algorithm)  # type: ignore[assignment]
         return module
 
 
@@ -154,7 +160,7 @@ class VocabLoss:
 
     def build(self, name: str, module: nn.Module, group: comm.Group,
               algorithm: str) -> nn.Module:
-        _expect(name, module, nn.CrossEntropyLoss, "vocab_loss")
+        module = _expect(name, module, nn.CrossEntropyLoss, "vocab_loss")
         if module.weight is not None or module.label_smoothing:
             _refuse(name, "vocab_loss", "class weights or label smoothing")
         return VocabParallelCrossEntropy(group, module.ignore_index, module.reduction,

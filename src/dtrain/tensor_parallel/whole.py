@@ -15,7 +15,7 @@ it. The results load into the plain model with `load_state_dict`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -52,7 +52,7 @@ def _whole(block: torch.Tensor, where: Placement) -> torch.Tensor:
     return split.join(list(stacked.view(group.size, *block.shape).unbind(0)))
 
 
-def _gather_named(tensors: Iterator[tuple[str, torch.Tensor]],
+def _gather_named(tensors: Iterable[tuple[str, torch.Tensor]],
                   where: dict[str, Placement]) -> dict[str, torch.Tensor]:
     """Whole tensors by name; a tensor under two names (tied) is gathered once."""
     done: dict[int, torch.Tensor] = {}
@@ -120,12 +120,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """
     where = _by_tensor(model)
     params = [p for p in model.parameters() if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
+    grads = [p.grad for p in params if p.grad is not None]  # one for each of params
+    device = grads[0].device if grads else torch.device("cpu")
     groups = {id(where[id(p)][1]): where[id(p)][1] for p in params if id(p) in where}
     if len(groups) > 1:
         raise ValueError("clip_grad_norm_: the model's layers use different tensor-parallel "
                          "groups; parallelize it with one group")
-    parts = [GradPart(p.grad, over=("tp",) if id(p) in where else ()) for p in params]
+    parts = [GradPart(grad, over=("tp",) if id(p) in where else ())
+             for p, grad in zip(params, grads, strict=True)]
     tp = {"tp": next(iter(groups.values()))} if groups else {}  # none: nothing is split
     norm = clip.clip_grad_norm_(parts, max_norm, tp, device)
     return torch.tensor(norm, dtype=torch.float32, device=device)

@@ -255,6 +255,7 @@ def bench(opts: Options) -> list[Record]:
     for backend in opts.backends:
         pg = dist.group.WORLD if backend == world.backend else dist.new_group(
             backend="gloo" if backend == "shm" else backend, timeout=timeout_of(dist.group.WORLD))
+        assert pg is not None  # the world, started above
         group = comm.wrap(pg, backend)
         device = _device(backend, world.local_rank)
         show(f"# dtrain bench comm: {group.size} ranks, {backend}, float32 (op sum, root 0), "

@@ -79,7 +79,8 @@ def generate_split(holding: Holding, model: nn.Module, mesh: Mesh, prompt_ids: l
     holding.module.eval()
     try:
         for _ in range(tokens):
-            fed = window(ids, model.block_size, cache)
+            # every dtrain model has block_size (StagedLM, HFCausalLM, a custom one's own)
+            fed = window(ids, model.block_size, cache)  # type: ignore[arg-type]
             logits = holding.infer(fed)
             if cache is not None:
                 cache.advance(fed.shape[1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -91,6 +92,16 @@ class MetricsLog:
         if path and enabled:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self.file = open(path, "a" if resumed else "w", encoding="utf-8")  # see close()
+
+    def has(self, step: int) -> bool:
+        """Whether the file's last records (its last 64 KiB, whoever appended them) hold
+        one of `step`."""
+        if self.file is None:
+            return False
+        with open(self.file.name, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - (64 << 10)))
+            tail = f.read().decode("utf-8", errors="replace")
+        return any(line.startswith(f'{{"step": {step},') for line in tail.splitlines())
 
     def write(self, record: dict[str, Any]) -> None:
         if self.file is not None:

@@ -23,11 +23,15 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dtrain.config import Config, LoggingConfig
 from dtrain.errors import ConfigError
 from dtrain.train.metrics import MetricsLog
+
+if TYPE_CHECKING:  # both optional: imported when a run logs to them
+    from torch.utils.tensorboard import SummaryWriter
+    from wandb import Run
 
 Value = float | int | str | list[float] | dict[str, int]
 """What a record holds: numbers, a list per MoE layer, or a few words."""
@@ -75,6 +79,9 @@ class JsonLines:
     def record(self, step: int, values: Mapping[str, Value]) -> None:
         self.log.write({"step": step, **values})
 
+    def has(self, step: int) -> bool:
+        return self.log.has(step)
+
     def close(self) -> None:
         self.log.close()
 
@@ -83,7 +90,8 @@ class TensorBoard:
     """TensorBoard event files in `folder`, written by torch.utils.tensorboard."""
 
     def __init__(self, folder: Path) -> None:
-        self.folder, self.writer = folder, None
+        self.folder = folder
+        self.writer: SummaryWriter | None = None
 
     def record(self, step: int, values: Mapping[str, Value]) -> None:
         if self.writer is None:
@@ -105,7 +113,8 @@ class WandB:
     def __init__(self, folder: Path, mode: str, project: str, config: dict[str, object],
                  say: Callable[[str], None]) -> None:
         self.folder, self.mode, self.project, self.config = folder, mode, project, config
-        self.say, self.run = say, None
+        self.say = say
+        self.run: Run | None = None
 
     def record(self, step: int, values: Mapping[str, Value]) -> None:
         if self.run is None:
@@ -113,7 +122,9 @@ class WandB:
 
             self.folder.mkdir(parents=True, exist_ok=True)
             # console="off": wandb leaves stdout alone (the progress lines are dtrain's)
-            self.run = wandb.init(project=self.project, dir=str(self.folder), mode=self.mode,
+            # "offline" or "online" (no sink is made for "off")
+            self.run = wandb.init(project=self.project, dir=str(self.folder),
+                                  mode=self.mode,  # type: ignore[arg-type]
                                   config=self.config,
                                   settings=wandb.Settings(silent=True, console="off"))
             where = "synced to wandb.ai" if self.mode == "online" else \
@@ -127,10 +138,16 @@ class WandB:
 
 
 class Sinks:
-    """Every sink of a run, fed together."""
+    """Every sink of a run, fed together; the JSON-lines file first."""
 
     def __init__(self, sinks: list[Sink]) -> None:
         self.sinks = sinks
+
+    def has(self, step: int) -> bool:
+        """Whether the JSON-lines file holds a record of `step` (another process's too:
+        a live replica's that wrote the steps before)."""
+        first = self.sinks[0]
+        return isinstance(first, JsonLines) and first.has(step)
 
     def record(self, step: int, values: Mapping[str, Value]) -> None:
         """Send `values` of `step` to every sink."""

@@ -18,11 +18,12 @@ and finally prints a sample of generated text.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -48,7 +49,7 @@ from dtrain.optim import lr_factor
 from dtrain.train import hardware
 from dtrain.train.generation import generate_split, splits_model
 from dtrain.train.metrics import Progress
-from dtrain.train.sinks import open_sinks
+from dtrain.train.sinks import Value, open_sinks
 from dtrain.train.speed import StepSpeed, flops_per_token
 
 
@@ -107,7 +108,9 @@ class Trainer:
     `evaluate()` and `save()` every so often.
 
     Who takes part in each step is fault tolerance's answer (`membership`, a
-    dtrain.ft.membership.Membership): every replica, or the live ones.
+    dtrain.ft.membership.Membership): every sync group, or the live replicas. The Trainer
+    never asks which layout or which kind of membership it has: the Holding and the
+    Membership say what differs for it (`lockstep`, `worlds`, `steady`).
     """
 
     def __init__(self, config: Config, metrics_path: str = "") -> None:
@@ -152,7 +155,7 @@ class Trainer:
         members, dp = self.membership, self.dims.dp
         self.shards = (members.copies * dp, members.copy * dp + mesh.coords["dp"])
         self.per_rank = self.dims.per_rank_batch(  # sequences per forward
-            tc.batch_size, tc.grad_accum, live_replicas=members.copies if live else 1)
+            tc.batch_size, tc.grad_accum, live_replicas=members.worlds)
 
         self.shape = models.resolve(mc, self.data.vocab_size)
         torch.manual_seed(tc.seed)
@@ -181,13 +184,14 @@ class Trainer:
         peak = hardware.peak_of(config.logging.peak_tflops, world.device) if world.is_main \
             else hardware.Peak(0.0, "rank 0 reports")
         self.speed = StepSpeed(flops_per_token(self.shape, self.n_params), peak,
-                               ranks=world.world_size * (members.copies if live else 1),
+                               ranks=world.world_size * members.worlds,
                                device=world.device, group=None,
                                # asynchronous workers, and live replicas (whose members
                                # change between steps), report their own figures
-                               gather=self.dims.exchange != "ps" and live is None,
+                               gather=self.holding.lockstep and members.steady,
                                every=config.logging.log_every)
-        self.grad_norm: float | None = None  # the last step's, when clipping is on
+        self.grad_norm = 0.0  # the last step's, before clipping (recorded every step)
+        self.recorded: tuple[int, dict[str, Value]] | None = None  # the last step's record
         tokenizer_file = self.data.tokenizer.path and str(Path(self.data.tokenizer.path).resolve())
         self.described = {"model": dataclasses.asdict(self.shape), "tokenizer": tokenizer_file,
                           **model_meta(self.model)}
@@ -249,19 +253,27 @@ class Trainer:
             self.progress.step(step, step_loss, tokens_per_step / elapsed, figures)
             if straggler:
                 self.progress.write(straggler)
+            every = config.checkpoint.every
+            checkpoint = bool(every) and step % every == 0 and step < tc.steps
+            compared = self.membership.compare() if checkpoint else {}
+            record: dict[str, Value] = {
+                "time": time.time(), "loss": step_loss,
+                # a float: dtrain's learning rates are not tensors
+                "lr": self.schedulers[0].get_last_lr()[0],  # type: ignore[dict-item]
+                "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed, **figures,
+                "grad_norm": self.grad_norm, **self.membership.step_metrics(), **compared,
+                **self._moe_metrics()}
+            faults.at("record", step)
             if self.membership.writes():
-                clipped = {} if self.grad_norm is None else {"grad_norm": self.grad_norm}
-                self.metrics.record(step, {"time": time.time(), "loss": step_loss,
-                                           "lr": self.schedulers[0].get_last_lr()[0],
-                                           "step_time_s": elapsed,
-                                           "tokens_per_s": tokens_per_step / elapsed,
-                                           **figures, **clipped,
-                                           **self.membership.step_metrics(),
-                                           **self._moe_metrics()})
+                before = self.recorded
+                if self.membership.took_over() and before is not None and \
+                        before[0] == step - 1 and not self.metrics.has(before[0]):
+                    self.metrics.record(*before)  # the writer gone may not have
+                self.metrics.record(step, record)
+            self.recorded = (step, record)
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                 self.evaluate(step)
-            every = config.checkpoint.every
-            if every and step % every == 0 and step < tc.steps:
+            if checkpoint:
                 if config.checkpoint.background:
                     self.save(step, background=True)
                 else:
@@ -288,22 +300,24 @@ class Trainer:
         it (dtrain.train.generation), else by rank 0 from the checkpoint at `path`, built
         whole there. The same seed and draws either way: the same text."""
         lc = self.config.logging
-        if splits_model(self.config, self.dims) and \
-                self.config.fault_tolerance.mode != "live":
+        if splits_model(self.config, self.dims) and self.membership.steady:
             tokenizer = self.data.tokenizer
             ids = generate_split(self.holding, self.model, self.mesh,
-                                tokenizer.encode(lc.sample_prompt) or tokenizer.separator,
-                                lc.sample_tokens, seed=0, temperature=0.8,
-                                vocab_size=self.shape.vocab_size)
-            text = tokenizer.decode(ids)
+                                 tokenizer.encode(lc.sample_prompt) or tokenizer.separator,
+                                 lc.sample_tokens, seed=0, temperature=0.8,
+                                 vocab_size=self.shape.vocab_size)
+            text, how = tokenizer.decode(ids), f" (in split form: {self.dims})"
         else:
             if self.host_copies is not None:  # this host's folder lacks other hosts' files
-                path = Path(self.host_copies.resume(path))
+                resumed = self.host_copies.resume(path)
+                assert resumed is not None  # a checkpoint of this run, which a host holds
+                path = Path(resumed)
+            how = ""
             if self.main:  # from the checkpoint: whole, here
                 text = sample(self.shape, Checkpoint(path), self.data.tokenizer, lc,
                               self.world.device)
         if self.main:
-            self.progress.write("sample:\n" + text)
+            self.progress.write(f"sample{how}:\n" + text)
 
     def step(self) -> float:
         """Forward and backward of one global batch, the optimizer step; the mean loss."""
@@ -311,12 +325,15 @@ class Trainer:
         data = []
         for _ in range(holding.accum):
             with timeline.span("data", "data"):
-                data.append(tuple(chunks_of(t, self.mesh).to(device)
-                                  for t in next(self.stream)))
+                x, y = next(self.stream)
+                data.append((chunks_of(x, self.mesh).to(device),
+                             chunks_of(y, self.mesh).to(device)))
         loss = holding.forward_backward(data)
         with timeline.span("optimizer", "optimizer"):
-            if self.config.optimizer.grad_clip > 0:
-                self.grad_norm = holding.clip_grad_norm_(self.config.optimizer.grad_clip)
+            # the global norm before clipping, every step: a wrong divisor over any axis
+            # shows in it whatever the optimizer (Adam's update is blind to a scale)
+            clip = self.config.optimizer.grad_clip
+            self.grad_norm = holding.clip_grad_norm_(clip if clip > 0 else math.inf)
             if self.membership.applies_step():  # a dropped replica is sent the state anew
                 holding.step()
                 for scheduler in self.schedulers:
@@ -346,6 +363,11 @@ class Trainer:
         if self.membership.writes():
             self.metrics.record(step, {"eval_loss": loss})
 
+    @overload
+    def save(self, step: int, background: Literal[False] = ...) -> Path: ...
+    @overload
+    def save(self, step: int, background: bool) -> Path | PendingSave: ...
+
     def save(self, step: int, background: bool = False) -> Path | PendingSave:
         """The checkpoint of `step`: its folder, or in the background (training goes on
         while it is written) its PendingSave (dtrain.checkpoint.background)."""
@@ -362,6 +384,7 @@ def _write_own_timeline(world: world_mod.World) -> str:
     """Write the timeline of a job no dtrain launcher merges (`dtrain train` as one process,
     or under torchrun or srun): each rank its part, then rank 0 merges the parts it can
     see (all of them on one host or a shared filesystem). Returns the timeline's path."""
+    assert world.timeline is not None  # the world was started with one (own_timeline)
     out = world.timeline.out
     world_mod.close_timeline()  # a one-process world writes the whole file right away
     if world.source != "single":

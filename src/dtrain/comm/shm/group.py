@@ -57,8 +57,9 @@ SLOT = int(env.SHM_SLOT_MB.get() * 2**20) // 64 * 64
 SMALL = 64 << 10  # all_reduce up to this many bytes: one epoch, every rank reduces it all
 _LINE = Flags.LINE
 
-_FIRST = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.MAX: torch.maximum,
-          ReduceOp.MIN: torch.minimum, ReduceOp.PROD: torch.mul}
+_FIRST: dict[ReduceOp, Callable[..., torch.Tensor]] = {
+    ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.MAX: torch.maximum,
+    ReduceOp.MIN: torch.minimum, ReduceOp.PROD: torch.mul}
 
 
 def reduce_into(out: torch.Tensor, parts: Sequence[torch.Tensor], op: ReduceOp) -> None:
@@ -134,7 +135,7 @@ class ShmGroup(OverTorch):
             ]
         return typed
 
-    def _step(self, write: Callable[[int], None] | None, need: Sequence[int] | None) -> int:
+    def _step(self, write: Callable[[int], object] | None, need: Sequence[int] | None) -> int:
         """One epoch: wait for the parity to be free, write, announce, wait for `need`
         (None: every rank). Returns the parity whose slots now hold the data."""
         epoch = self._epoch + 1
@@ -250,7 +251,10 @@ class ShmGroup(OverTorch):
         for start in range(0, flat.numel(), per):
             piece = flat[start : start + per]
             m = piece.numel()
-            p = self._step(lambda p, piece=piece, m=m: slots[me][p][:m].copy_(piece), None)
+            def write(p: int, piece: torch.Tensor = piece, m: int = m) -> None:
+                slots[me][p][:m].copy_(piece)
+
+            p = self._step(write, None)
             for k in range(n):
                 rows[k, start : start + m].copy_(slots[k][p][:m])
 

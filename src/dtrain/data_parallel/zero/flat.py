@@ -13,7 +13,9 @@ group's own options (lr, weight decay).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
+import torch
 from torch import nn
 
 
@@ -74,11 +76,13 @@ class FlatUnit:
         return out
 
 
-def split_by_size(named: list[tuple[str, nn.Parameter]], max_bytes: int
-                  ) -> list[list[tuple[str, nn.Parameter]]]:
+_T = TypeVar("_T", bound=torch.Tensor)  # parameters, or any tensors
+
+
+def split_by_size(named: list[tuple[str, _T]], max_bytes: int) -> list[list[tuple[str, _T]]]:
     """Consecutive runs of parameters of about `max_bytes` each, never mixing dtypes or
     devices (a parameter larger than the cap gets a run of its own)."""
-    runs: list[list[tuple[str, nn.Parameter]]] = []
+    runs: list[list[tuple[str, _T]]] = []
     size = 0
     for name, p in named:
         nbytes = p.numel() * p.element_size()

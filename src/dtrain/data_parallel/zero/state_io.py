@@ -23,6 +23,7 @@ old shards overlap them.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,9 @@ if TYPE_CHECKING:
 
 FORMAT = "dtrain.zero/1"
 Segments = dict[str, list[tuple[int, int, torch.Tensor]]]  # name -> (lo, hi, values)
+# Segments as they are read: any mapping, its pieces any iterable (dtrain.layouts.parts
+# reads them on demand)
+SegmentsIn = Mapping[str, Iterable[tuple[int, int, torch.Tensor]]]
 
 
 def per_element_keys(z: ZeRO) -> tuple[list[str], list[dict[str, torch.Tensor]]]:
@@ -180,7 +184,7 @@ def _merge(shards: list[dict[str, Any]]) -> tuple[Segments, dict[str, Segments]]
     return params, state
 
 
-def _fill(unit: Unit, segments: Segments, out: torch.Tensor) -> None:
+def _fill(unit: Unit, segments: SegmentsIn, out: torch.Tensor) -> None:
     """Copy into `out` (laid out like the unit's shard) the elements `segments` hold."""
     lo, hi = unit.flat.shard(unit.rank)
     for span in unit.flat.spans(lo, hi):
@@ -197,7 +201,7 @@ def _fill(unit: Unit, segments: Segments, out: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def load_segments(z: ZeRO, params: Segments, state: dict[str, Segments] | None,
+def load_segments(z: ZeRO, params: SegmentsIn, state: dict[str, Segments] | None,
                   scalars: list[dict[str, torch.Tensor]] | None,
                   param_groups: list[dict[str, Any]] | None) -> None:
     """Set master weights (and optimizer state) from per-parameter segments."""
@@ -216,15 +220,15 @@ def load_segments(z: ZeRO, params: Segments, state: dict[str, Segments] | None,
                 **{key: shards[key][lo:hi].to(piece.dtype).clone() for key in shards},
             }
     if state is not None:  # empty placeholder pieces carry the group's scalars too
-        for k, group in enumerate(z.optimizer.param_groups):
-            for piece in group["params"]:
+        for k, param_group in enumerate(z.optimizer.param_groups):
+            for piece in param_group["params"]:
                 if piece.numel() == 0:
                     z.optimizer.state[piece] = {
                         **{key: v.clone() for key, v in scalars[k].items()},
                         **{key: piece.detach().clone() for key in state}}
     if param_groups is not None:
-        for group, options in zip(z.optimizer.param_groups, param_groups, strict=True):
-            group.update(options)
+        for param_group, options in zip(z.optimizer.param_groups, param_groups, strict=True):
+            param_group.update(options)
     z.publish_masters()
 
 
@@ -256,7 +260,7 @@ def whole(tensors: dict[str, torch.Tensor], names: list[str]) -> Segments:
 
 
 @torch.no_grad()
-def load_full_state(z: ZeRO, state_dict: dict[str, Any], strict: bool = True) -> None:
+def load_full_state(z: ZeRO, state_dict: Mapping[str, Any], strict: bool = True) -> None:
     """Load a full state_dict (the unwrapped module's keys); each rank keeps its shard.
 
     Raises:

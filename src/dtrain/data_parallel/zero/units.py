@@ -82,7 +82,7 @@ class Unit:
         """Whether `master` is `full`'s own part (made as a view of it where no copy is
         needed): then it holds no memory of its own, and the refresh all-gathers in
         place. Asked of the storage, which stage 3 may have released."""
-        return torch._C._is_alias_of(self.master, self.full)
+        return torch._C._is_alias_of(self.master, self.full)  # type: ignore[attr-defined]  # not in torch's stubs
 
     def shard_grad(self) -> torch.Tensor:
         """The gradient shard, created (zero) on first use; the pieces' .grad view it
@@ -270,8 +270,11 @@ class Sharding:
         group and the scale of each."""
         out: list[tuple[Named, comm.Group, float]] = []
         for name, p in named:
-            group, scale = (self.apart_group, self.apart_scale) if id(p) in self.apart \
-                else (self.group, 1.0)
+            if id(p) in self.apart:
+                assert self.apart_group is not None  # given with `apart`
+                group, scale = self.apart_group, self.apart_scale
+            else:
+                group, scale = self.group, 1.0
             if out and out[-1][1] is group:
                 out[-1][0].append((name, p))
             else:

@@ -11,7 +11,7 @@ and out, full and sharded (.state_io).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -139,8 +139,8 @@ class ZeRO(nn.Module):
         if self.size > 1:
             check_same_model([p for _, p in named], self.group, "ZeRO", algorithm)
             broadcast_state(module, self.group, algorithm, skip=apart)
-            if experts and sharding.apart_group.size > 1:
-                broadcast_tensors(experts, sharding.apart_group, algorithm)
+            if experts and expert_ranks.size > 1:  # the sharding's apart_group
+                broadcast_tensors(experts, expert_ranks, algorithm)
         self.param_dtype = one_dtype(named)
         self.compute_dtype = parse_dtype(mixed_precision) or self.param_dtype
         self.mixed = self.compute_dtype != self.param_dtype
@@ -181,6 +181,7 @@ class ZeRO(nn.Module):
                     self._grad_hook(unit, unit.flat.offsets[i])))
         if stage == 3:
             for k, (unit, *_) in enumerate(self._chain):
+                assert unit.module is not None  # stage 3: each unit's submodule
                 self._hooks.append(unit.module.register_forward_pre_hook(
                     lambda m, args, k=k: self._gather_for_forward(k)))
                 self._hooks.append(unit.module.register_forward_hook(
@@ -292,6 +293,7 @@ class ZeRO(nn.Module):
         unit's last one has come); launch the units complete."""
         with torch.no_grad():
             if self.stage < 3:
+                assert param.grad is not None  # taken from its accumulate-grad hook
                 unit.grad_buffer()[offset : offset + param.numel()].add_(
                     param.grad.reshape(-1))
                 param.grad = None
@@ -324,9 +326,11 @@ class ZeRO(nn.Module):
         self._next_launch = launch_ready(self.units, self._next_launch, self._launch)
 
     def _launch(self, unit: Unit) -> None:
-        work = comm.reduce_scatter(unit.grad, op="avg", group=unit.group, async_op=True,
+        grad = unit.grad
+        assert grad is not None  # launched once its gradients are all in
+        work = comm.reduce_scatter(grad, op="avg", group=unit.group, async_op=True,
                                    algorithm=self.algorithm)
-        self._works.append(Reducing(unit, work, unit.grad))
+        self._works.append(Reducing(unit, work, grad))
         if self.stage >= 2:
             unit.grad = None  # released once the collective is waited for (`settle`)
         settle(self._works, IN_FLIGHT if self.stage < 3 else 1)
@@ -457,8 +461,8 @@ class ZeRO(nn.Module):
             works.append((None if in_place else shard,
                           comm.all_gather(shard, group=unit.group, async_op=True,
                                           algorithm=self.algorithm, out=unit.full)))
-        for shard, work in works:
-            _finish_gather(shard, work)
+        for gathered, work in works:
+            _finish_gather(gathered, work)
 
     @torch.no_grad()
     def publish_masters(self) -> None:
@@ -494,12 +498,15 @@ class ZeRO(nn.Module):
         self._scale = float(value)
 
     # ----------------------------------------------------------------- state
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    # torch overloads state_dict on its `destination`; this forwards every form
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
         """The full (unsharded) state_dict of the wrapped module, in the parameters' own
         dtype, keys without a wrapper prefix. Collective: call it on every rank."""
         return zero_state.full_state(self)
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True,
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False):
         """Load a full state_dict (as `state_dict` returns or the unwrapped module's);
         each rank keeps its shard. Collective."""

@@ -31,13 +31,14 @@ class LiveAveraging:
         self.live = live
 
     def attach(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.live.track(module=module, **({"optimizer": optimizer} if optimizer else {}))
+        self.live.track(module=module, optimizer=optimizer if optimizer else None)
 
     def start(self, buffer: torch.Tensor) -> Handle:
         if self.live.group is None:
             raise DtrainError("live replicas: call live.begin_step(step) before each step's "
                               "backward")
         sent = buffer.clone()
+        work: Handle
         try:
             work = comm.all_reduce(sent, group=self.live.group, async_op=True,
                                    algorithm="native")

@@ -11,6 +11,7 @@ replica never runs code that came over the network.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import zlib
 from collections.abc import Callable
@@ -83,6 +84,39 @@ def transfer(tracked: Tracked, group: comm.Group, src: int, post: Callable[[str]
 def module_tensors(module: nn.Module) -> list[torch.Tensor]:
     """The module's parameters and buffers, in registration order (the wire order)."""
     return [t.data for t in (*module.parameters(), *module.buffers())]
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 22  # elements widened to int64 at a time
+
+
+@torch.no_grad()
+def digest(module: nn.Module) -> str:
+    """A fingerprint of the module's trained parameters (those that take gradients), bit
+    for bit: equal parameters give equal digests on any device and in any process; a
+    changed element, or elements moved within a tensor, change it (but for a collision of
+    two weighted 64-bit sums per tensor).
+
+    Each tensor's bits, as integers, are summed plain and weighted by position (integer
+    sums: exact, whatever the order of a reduction), chunk by chunk so that the widened
+    copy stays small; one transfer to the host at the end. Buffers and parameters that
+    take no gradient are left out: a live replica's may be its own (a router's balancing
+    bias moves by its own replica's load)."""
+    sums = []
+    for p in (p for p in module.parameters() if p.requires_grad):
+        bits = p.detach().reshape(-1).view(_BITS[p.element_size()])
+        weights = torch.arange(1, min(bits.numel(), _CHUNK) + 1, device=bits.device)
+        plain = torch.zeros((), dtype=torch.int64, device=bits.device)
+        weighted = torch.zeros((), dtype=torch.int64, device=bits.device)
+        for lo in range(0, bits.numel(), _CHUNK):
+            part = bits[lo:lo + _CHUNK].long()
+            plain += part.sum()
+            weighted += (part * (weights[:part.numel()] + lo)).sum()
+        sums += [plain, weighted]
+    if not sums:
+        return "empty"
+    values = torch.stack(sums).cpu().tolist()
+    return f"{hashlib.blake2b(repr(values).encode(), digest_size=8).hexdigest()}/{len(values) // 2}"
 
 
 def signature(tensors: list[torch.Tensor]) -> str:

@@ -15,13 +15,16 @@ The training loop sees them as a `LiveMembership` (a dtrain.ft.membership.Member
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from dtrain import env
 from dtrain.config import Config
+from dtrain.data_parallel.averaging import Averaging
 from dtrain.errors import ConfigError
 from dtrain.ft.live.averaging import LiveAveraging
-from dtrain.ft.live.replicas import LiveReplicas
+from dtrain.ft.live.replicas import Comparison, LiveReplicas
 from dtrain.ft.membership import RunOver
 from dtrain.store import connect, prefixed
 from dtrain.world import World
@@ -42,7 +45,9 @@ def open_live(config: Config, world: World) -> LiveMembership | None:
                           "another launcher use fault_tolerance.mode = \"restart\"")
     store = prefixed(f"dtrain/live/{env.RUN_ID.get() or ''}/", connect(60.0))
     step_timeout = config.fault_tolerance.step_timeout
-    live = LiveReplicas(store, env.LIVE_ID.get(), env.LIVE_SLOTS.get(),
+    live_id, slots = env.LIVE_ID.get(), env.LIVE_SLOTS.get()
+    assert live_id is not None and slots is not None  # set together by dtrain's launcher
+    live = LiveReplicas(store, live_id, slots,
                         step_timeout=step_timeout, heartbeat_timeout=min(2.0, step_timeout),
                         position=world.rank, positions=world.world_size)
     return LiveMembership(live, step_timeout)
@@ -56,9 +61,11 @@ class LiveMembership:
     def __init__(self, live: LiveReplicas, step_timeout: float) -> None:
         self.live, self.step_timeout = live, step_timeout
         self.copies, self.copy = live.slots, live.replica_id
-        self.averaging = LiveAveraging(live)
+        self.worlds, self.steady = live.slots, False  # each live replica a world of its own
+        self.averaging: Averaging | None = LiveAveraging(live)  # as Membership declares it
         self.first = live.replica_id == 0
         self.joined_late = env.LIVE_INCARNATION.get() > 0 or live.replica_id > 0
+        self._writer: int | None = None  # the previous step's, if this replica applied it
 
     def track(self, optimizer: torch.optim.Optimizer,
               scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
@@ -71,6 +78,7 @@ class LiveMembership:
         return f"{self.live.slots} live {each} (step timeout {self.step_timeout:g}s)"
 
     def begin_step(self, step: int) -> int:
+        self._writer = self._first_holder() if self.live.committed else None
         try:
             return self.live.begin_step(step)
         except RunOver:  # the others finished while this one waited to rejoin
@@ -82,14 +90,56 @@ class LiveMembership:
 
     def writes(self) -> bool:
         """Whether this replica records the step and writes its checkpoint: the first of the
-        quorum that committed it. A replica dropped from the step (no quorum, its state
+        quorum that committed it among those that held the state before it (a replacement
+        sent the state in this step has no record of the step before, which its writer may
+        have to write: `took_over`). A replica dropped from the step (no quorum, its state
         stale until it recovers) does not, though it would be the first of an empty one."""
-        members = self.live.members
-        return self.live.committed and bool(members) and self.live.replica_id == min(members)
+        return self.live.committed and self.live.replica_id == self._first_holder()
+
+    def _first_holder(self) -> int | None:
+        """The first replica of the quorum that held the state when it formed (every
+        member, when none did: the job's first step)."""
+        held = self.live.continuing or self.live.members
+        return min(held) if held else None
+
+    def took_over(self) -> bool:
+        """Whether this replica writes the step in place of the previous step's writer,
+        which is gone from it: killed, perhaps, after that step was applied and before its
+        record was written."""
+        return (self.writes() and self._writer is not None
+                and self._writer != self.live.replica_id
+                and self._writer not in self.live.continuing)
 
     def step_metrics(self) -> dict[str, int]:
         return {"live_replicas": len(self.live.participants)}
 
+    def compare(self) -> dict[str, int]:
+        """`same_weights`: how many of the step's live replicas hold the first one's
+        parameters at every position (on the rank that compares)."""
+        seen = self.live.compare_weights()
+        if seen is None:
+            return {}
+        _warn(seen)
+        return {"same_weights": len(seen.same)}
+
     def finish(self) -> None:
+        """Compare the live replicas' final weights (one line), then leave."""
+        seen = self.live.compare_weights()
+        if seen is not None:
+            _warn(seen)
+            if not seen.other and len(seen.same) > 1:
+                gone = f" ({len(seen.silent)} left before comparing)" if seen.silent else ""
+                print(f"dtrain: the {len(seen.same)} live replicas end with the same weights"
+                      f"{gone}", flush=True)
         self.live.finish()
         self.live.close()
+
+
+def _warn(seen: Comparison) -> None:
+    """One line per live replica whose weights differ from the first one's."""
+    for replica, positions in seen.other.items():
+        where = ", ".join(map(str, positions))
+        print(f"dtrain: warning: step {seen.step}: live replica {replica} holds other weights "
+              f"than live replica {seen.first} (at rank {where} of the replica): the state it "
+              "holds is not the one the others train; its gradients are averaged in anyway",
+              file=sys.stderr, flush=True)

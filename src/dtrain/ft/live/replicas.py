@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,20 @@ class Quorum:
     group: int  # the round whose group it uses (a new one when it differs from the last)
     kind: str  # "step" (a step begins, joiners admitted) or "redo" (within a step)
     incarnations: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The weights of a step's live replicas, as its first member saw them (`compare_weights`):
+    who holds the same parameters as it at every position (itself included), who other
+    ones (and at which positions), and who gave no digest within the step timeout (gone
+    since the step)."""
+
+    step: int
+    first: int
+    same: tuple[int, ...]
+    other: dict[int, tuple[int, ...]]
+    silent: tuple[int, ...]
 
 
 class LiveReplicas:
@@ -134,12 +148,14 @@ class LiveReplicas:
         self.start_timeout = start_timeout
         self.join_timeout = join_timeout
         self._root = store
-        self._store = prefixed("live/", store.clone())
-        self._beats = Heartbeat(lambda: prefixed("live/", store.clone()),
+        # dist.Store.clone(), which torch's stubs leave out (as below)
+        self._store = prefixed("live/", store.clone())  # type: ignore[attr-defined]
+        self._beats = Heartbeat(lambda: prefixed("live/", store.clone()),  # type: ignore[attr-defined]
                                 str(replica_id * positions + position), 0.5, prefix="hb/",
                                 members=map(str, range(slots * positions)),
                                 name=f"dtrain-live-heartbeat-{self._me}")
-        self._watchdog = Watchdog(prefixed("live/", store.clone()), self._silent_for,
+        self._watchdog = Watchdog(prefixed("live/", store.clone()),  # type: ignore[attr-defined]
+                                  self._silent_for,
                                   self._me, heartbeat_timeout)
         self._incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.tracked = handover.Tracked()
@@ -174,6 +190,14 @@ class LiveReplicas:
         return () if self._quorum is None else tuple(self._quorum.members)
 
     @property
+    def continuing(self) -> tuple[int, ...]:
+        """Replica ids of the current quorum that held its state when it formed (not sent
+        it in this quorum: they applied the step before it, with the others)."""
+        if self._quorum is None:
+            return ()
+        return tuple(i for i in self._quorum.members if i not in self._quorum.recovering)
+
+    @property
     def participants(self) -> tuple[int, ...]:
         """Replica ids whose gradients the last committed step averaged."""
         return self.history[max(self.history)] if self.history else ()
@@ -192,7 +216,11 @@ class LiveReplicas:
             if quorum.group == self._group_round and not quorum.recovering:
                 self._connect(quorum)  # the same replicas as last step: the same group
                 break
-            ok = self._attempt(lambda q=quorum: (self._connect(q), self._transfer(q)))
+            def join(q: Quorum = quorum) -> None:
+                self._connect(q)
+                self._transfer(q)
+
+            ok = self._attempt(join)
             verdict = self._vote(ok, strict=True)
             if verdict["commit"] and ok:
                 self._has_state = True
@@ -222,9 +250,52 @@ class LiveReplicas:
             quorum = self._form("redo", self.step if self.step is not None else -1)
             if quorum is None:
                 return Outcome.DROPPED
-            if self._attempt(lambda q=quorum: self._connect(q)):
+            def connect(q: Quorum = quorum) -> None:
+                self._connect(q)
+
+            if self._attempt(connect):
                 return Outcome.REDO
             ok = False
+
+    def compare_weights(self) -> Comparison | None:
+        """Whether the live replicas of the step just committed hold the same weights: each
+        rank of each posts a digest of its parameters (handover.digest) under the step; the
+        step's first member, at position 0, reads them all, waiting up to `step_timeout`
+        for each while it beats, and says who differs. A call every member of the step
+        makes (it never blocks the others); None except on that rank, and on a replica
+        that was dropped from the step or tracks no module.
+
+        A replacement sent the wrong state (another position's experts, a stale copy)
+        shows here at the next comparison, instead of as a run that drifts unseen."""
+        if not self.committed or self.step is None or self.tracked.module is None:
+            return None
+        members = self.history[self.step]
+        step = self.step
+
+        def key(rank: str) -> str:
+            return f"w/{step}/{rank}"
+
+        self._store.set(key(self._me), handover.digest(self.tracked.module))
+        if self._me != rank_key(members[0], 0):
+            return None
+        ranks = self._ranks(list(members))
+        found = gather(self._store, key, ranks, time.monotonic() + self.step_timeout, None,
+                       alive=self._alive)
+        for rank in found:
+            self._store.delete_key(key(rank))
+        mine = {p: found.get(rank_key(self.replica_id, p)) for p in range(self.positions)}
+        same, other, silent = [], {}, []
+        for replica in members:
+            theirs = {p: found.get(rank_key(replica, p)) for p in range(self.positions)}
+            differ = tuple(p for p in range(self.positions)
+                           if None not in (theirs[p], mine[p]) and theirs[p] != mine[p])
+            if differ:
+                other[replica] = differ
+            elif None in theirs.values():
+                silent.append(replica)
+            else:
+                same.append(replica)
+        return Comparison(step, self.replica_id, tuple(same), other, tuple(silent))
 
     def finish(self) -> None:
         """Say the run is over: a replica still waiting to join stops (RunFinished)."""
@@ -239,6 +310,11 @@ class LiveReplicas:
             self.group = None
 
     # ------------------------------------------------------------------ rounds
+    @overload
+    def _form(self, kind: Literal["step"], step: int) -> Quorum: ...
+    @overload
+    def _form(self, kind: Literal["redo"], step: int) -> Quorum | None: ...
+
     def _form(self, kind: str, step: int) -> Quorum | None:
         """Take part in rounds until one includes this replica (kind "redo": only the next
         one; None when it left this replica out)."""
@@ -307,7 +383,7 @@ class LiveReplicas:
         for i in range(self.slots):
             posts = [arrived.get(r) for r in self._ranks([i])]
             if all(posts):
-                parts = [json.loads(post) for post in posts]
+                parts = [json.loads(post) for post in posts if post]  # every one: all(posts)
                 said[i] = {"state": all(q["state"] for q in parts), "step": parts[0]["step"],
                            "incarnation": "|".join(q["incarnation"] for q in parts)}
                 said[i]["state"] &= all(q["step"] == parts[0]["step"] for q in parts)
@@ -324,7 +400,8 @@ class LiveReplicas:
         same = (last is not None and members == last.members and not recovering
                 and not self._broken)
         quorum = Quorum(round=g, members=members, recovering=recovering, source=source,
-                        step=step, group=last.group if same else g, kind=kind,
+                        step=step, group=last.group if same and last is not None else g,
+                        kind=kind,
                         incarnations={str(i): said[i]["incarnation"] for i in members})
         self._store.compare_set(f"r/{g}/d", "", json.dumps(asdict(quorum)))
 
@@ -346,7 +423,8 @@ class LiveReplicas:
         missing = len(votes) < len(ranks)
         proposal = {"commit": not failed and not (strict and missing),
                     "broken": failed or missing}
-        verdict = json.loads(self._store.compare_set(f"r/{g}/c{n}", "", json.dumps(proposal)))
+        verdict: dict[str, bool] = json.loads(
+            self._store.compare_set(f"r/{g}/c{n}", "", json.dumps(proposal)))
         self._broken = verdict["broken"]
         return verdict
 
@@ -385,7 +463,8 @@ class LiveReplicas:
             self._watchdog.watch(quorum.round, quorum.members, self.group)
             return
         self._retire()
-        rendezvous = self._root.clone()  # a failed wait may leave a connection unusable
+        # a failed wait may leave a connection unusable (clone: not in torch's stubs)
+        rendezvous = self._root.clone()  # type: ignore[attr-defined]
         timeout = timedelta(seconds=self.step_timeout)
         rendezvous.set_timeout(timeout)
         where = f"q{quorum.group}/p{self.position}"  # each position reduces on its own

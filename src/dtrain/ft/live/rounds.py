@@ -35,10 +35,11 @@ def rank_key(replica: int, position: int) -> str:
 
 
 def gather(store: dist.Store, key_of: Callable[[str], str], ranks: list[str],
-           deadline: float, decided: str, alive: Callable[[str], bool] | None = None,
+           deadline: float, decided: str | None, alive: Callable[[str], bool] | None = None,
            until: Callable[[dict[str, str]], bool] | None = None) -> dict[str, str]:
     """The values of key_of(r) for those `ranks` that post one before the deadline (and
-    while `alive(r)`, if given), or before `decided` exists, or `until` says enough."""
+    while `alive(r)`, if given), or before `decided` exists (if given), or `until` says
+    enough."""
     found: dict[str, str] = {}
     pending, pause = list(ranks), 0.0002
     while True:
@@ -52,7 +53,7 @@ def gather(store: dist.Store, key_of: Callable[[str], str], ranks: list[str],
                 found[r] = store.get(key_of(r)).decode()
         pending = [r for r in pending if r not in found and (alive is None or alive(r))]
         if (not pending or time.monotonic() > deadline or (until and until(found))
-                or store.check([decided])):
+                or (decided is not None and store.check([decided]))):
             return found
         time.sleep(pause)
         pause = min(2 * pause, 0.01)

@@ -116,18 +116,26 @@ class Experts(nn.Module):
         return grouped_matmul(F.silu(gate) * up, self.down_proj, counts)
 
 
+class _AllToAllCtx(torch.autograd.function.FunctionCtx):
+    """_AllToAll's ctx as its forward fills it (torch types a ctx as a bare FunctionCtx)."""
+
+    group: GroupLike
+    send: list[int]
+    recv: list[int]
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows sent in blocks of `send` rows to each rank, received in blocks of `recv`;
     backward sends the gradients back the opposite way."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, group: GroupLike,
+    def forward(ctx: _AllToAllCtx, x: torch.Tensor, group: GroupLike,
                 send: list[int], recv: list[int]) -> torch.Tensor:
         ctx.group, ctx.send, ctx.recv = group, send, recv
         return exchange(x, group, send, recv)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    def backward(ctx: _AllToAllCtx, grad: torch.Tensor
                  ) -> tuple[torch.Tensor, None, None, None]:
         return exchange(grad.contiguous(), ctx.group, ctx.recv, ctx.send), None, None, None
 

@@ -131,7 +131,8 @@ def planned_layout(batch: int, tp: int, pp: int, dp: int, zero: int = 0, micro_b
     it can run."""
     m = max(1, batch // max(1, dp * micro_batch)) if pp > 1 else 1
     dims = Dims(dp, tp, pp, zero, m, "interleaved" if virtual > 1 else "1f1b", virtual,
-                ep=ep, cp=cp, sequence_parallel=sequence_parallel, cp_method=cp_method)
+                ep=ep, cp=cp, sequence_parallel=sequence_parallel,
+                cp_method=cp_method)  # type: ignore[arg-type]  # Dims checks it: CP_METHODS
     return PlannedLayout(dims, recompute, micro_batch)
 
 
@@ -408,8 +409,9 @@ def _per_micro_batch(c: PlannedLayout) -> PlannedLayout:
 def _micro_key(tp: int, ep: int, cp: int, recompute: str, sp: bool, micro_batch: int,
                cp_method: str) -> PlannedLayout:
     # dp_shard = ep: the least data parallelism the experts fit in (no figure here reads it)
-    return PlannedLayout(Dims(ep, tp, ep=ep, cp=cp, sequence_parallel=sp, cp_method=cp_method),
-                         recompute, micro_batch)
+    dims = Dims(ep, tp, ep=ep, cp=cp, sequence_parallel=sp,
+                cp_method=cp_method)  # type: ignore[arg-type]  # Dims checks it: CP_METHODS
+    return PlannedLayout(dims, recompute, micro_batch)
 
 
 @functools.cache
@@ -427,11 +429,13 @@ def attention_seconds(shape: ModelShape, c: PlannedLayout, hw: Hardware,
             + gemm_seconds(s // cp, shape.head_dim, s, hw, heads))
 
 
+@functools.cache
 def _stage_seconds(shape: ModelShape, c: PlannedLayout, layers: int, last: bool,
                    cluster: Cluster, soft: Software) -> tuple[float, float, float, float, float]:
     """(compute, tp communication, cp exchanges, ep all-to-all, backward compute) of one
     micro-batch on one stage of `layers` layers, the MoE layers among them in the model's
-    proportion (`c` as `_per_micro_batch` gives it)."""
+    proportion (`c` as `_per_micro_batch` gives it: the key of its cache, which the
+    searches hit for every data and pipeline degree, ZeRO stage and schedule)."""
     hw = cluster.hardware
     h, t, cp = shape.hidden, c.dims.tp, c.dims.cp
     tokens = c.micro_batch * shape.seq // cp

@@ -137,6 +137,7 @@ def hardware(name: str, overrides: dict[str, str] | None = None) -> Hardware:
         ConfigError: an unknown preset, an unreadable file, an unknown key or a bad value.
     """
     key = ALIASES.get(name.lower(), name.lower())
+    values: dict[str, str]
     if key in PRESETS:
         base, values = PRESETS[key], {}
     elif name.endswith(".toml"):
@@ -145,7 +146,9 @@ def hardware(name: str, overrides: dict[str, str] | None = None) -> Hardware:
         raise ConfigError(f"--hardware {name!r} is unknown: use one of "
                           f"{', '.join(PRESETS)}, or a .toml cluster file")
     values.update(overrides or {})
-    return dataclasses.replace(base, **{k: _value(k, v) for k, v in values.items()})
+    # _value refuses a key that is not one of Hardware's numeric fields
+    return dataclasses.replace(base, **{k: _value(k, v)  # type: ignore[arg-type]
+                                        for k, v in values.items()})
 
 
 def _from_file(path: Path) -> tuple[Hardware, dict[str, str]]:

@@ -191,8 +191,11 @@ def best_of(shape: ModelShape, cluster: Cluster, batch: int, planned: PlannedLay
                 break
             if smallest is None or memory["total"] < smallest[1]["total"]:
                 smallest = (choice, memory)
+    if not fitting:  # none fits: the one needing the least memory
+        assert smallest is not None  # the options were measured, none fitting
+        fitting = [smallest]
     return fastest([evaluate(shape, cluster, batch, c, soft, memory)
-                    for c, memory in fitting or [smallest]])
+                    for c, memory in fitting])
 
 
 def _by_speed(shape: ModelShape, planned: PlannedLayout, methods: tuple[str, ...],

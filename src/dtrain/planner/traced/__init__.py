@@ -68,7 +68,9 @@ def layouts(profile: Profile, devices: int, batch: int, accum: int = 1,
                         if batch % (dp * m):
                             continue
                         for schedule in schedules:
-                            found.append(Dims(dp, tp, pp, zero, m, schedule, ep=ep, cp=cp))
+                            found.append(Dims(dp, tp, pp, zero, m,
+                                              schedule,  # type: ignore[arg-type]  # Dims checks it
+                                              ep=ep, cp=cp))
     return found
 
 
