@@ -10,7 +10,7 @@ SIGKILLs the last replica at a random moment of a step, then starts a replacemen
 id. Reported:
 
 - recovery: seconds from the SIGKILL to the end of the survivors' first step that went
-  on without the dead replica (median and range over trials);
+  on without the dead live replica (median and range over trials);
 - steps lost: steps missing from, or repeated in, the survivors' record (must be 0);
 - catch-up: seconds in the replacement's first `begin_step` (waiting for the next step to
   begin, plus receiving model, optimizer state, step and extra from a live peer), against

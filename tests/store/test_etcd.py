@@ -73,9 +73,10 @@ def test_the_store_answers_every_call_torch_and_dtrain_make(cluster: EtcdCluster
     # its prefix and a key with "/")
     assert dist.PrefixStore("q", store).add("k", 1) == 1 and store.get("q/k") == b"1"
 
-    written = []  # when the late write happened
-    threading.Timer(0.3, lambda: (_store(cluster).set("late", "1"),
-                                  written.append(time.monotonic()))).start()
+    written = []  # when the late write began (noted before it: the get may wake before the
+    # writer's set returns)
+    threading.Timer(0.3, lambda: (written.append(time.monotonic()),
+                                  _store(cluster).set("late", "1"))).start()
     assert store.get("late") == b"1"  # blocked until the write (a watch), then woken by it
     returned = time.monotonic()
     assert written and written[0] <= returned  # (no bound on how soon: speed is not tested)
