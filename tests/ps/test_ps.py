@@ -184,17 +184,22 @@ def test_a_silent_worker_is_dropped_and_the_others_finish() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_that_starts_late_is_not_taken_for_a_silent_one() -> None:
-    """Worker 1 sends its first message well after worker_timeout (a slow start on a loaded
-    machine): the silence rule counts start_timeout for it, so it is not dropped."""
+@pytest.mark.parametrize("late", ["first message", "first push"])
+def test_a_worker_that_starts_late_is_not_taken_for_a_silent_one(late: str) -> None:
+    """Worker 1 sends its first message, or its first push (its first step: the first
+    forward and backward, compiling), well after worker_timeout (a slow start on a loaded
+    machine) while worker 0 finishes: the silence rule counts start_timeout for it until
+    it has pushed a step, so it is not dropped."""
     servers = start_servers(1)
     settings = ps.Settings("async", worker_timeout=2.0, start_timeout=30.0, **SGD)
 
     def work(rank: int, m: nn.Module) -> int:
-        if rank:
+        if rank and late == "first message":
             time.sleep(3.0)  # the late start itself is what this test is about
         worker = ps.Worker(m, settings, [servers[0].address], rank, SECRET, timeout=20)
         worker.start()
+        if rank and late == "first push":
+            time.sleep(3.0)
         for step in range(4):
             nn.functional.cross_entropy(m(batch(step)[0]), batch(step)[1]).backward()
             worker.step()

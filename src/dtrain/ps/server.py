@@ -16,7 +16,8 @@ job's Settings (optimizer, consistency, copies). The server keeps a clock per wo
 check the staleness bound afterwards), and refuses, logs and survives any malformed,
 forged or out-of-place message; frames larger than a shard's are refused before they are
 read (wire.cap_frames). A worker silent for `worker_timeout` while the others wait on it
-(or, one never heard from, for `start_timeout` since the server started) is dropped from
+(or, one that has pushed no step yet, for `start_timeout`: its start-up and first step,
+counted from the server's start or its first message) is dropped from
 the clocks (or, with on_worker_loss="fail", stops the job). With a snapshot folder each
 shard copy's values, optimizer state and clocks are saved atomically every K updates, and
 a server started on that folder resumes from the newest snapshots.
@@ -396,8 +397,8 @@ class Server:
             now, timeout = time.monotonic(), copy.settings.worker_timeout
             for w in sorted(live):
                 silent = now - self._heard.get(w, self._started)
-                allowed = (timeout if w in self._heard
-                           else max(timeout, copy.settings.start_timeout))
+                started = w in self._heard and copy.clocks.of[w] > 0  # a step pushed
+                allowed = timeout if started else max(timeout, copy.settings.start_timeout)
                 if silent <= allowed or w in waiting:
                     continue
                 if copy.settings.on_worker_loss == "fail":

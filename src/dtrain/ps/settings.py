@@ -35,9 +35,10 @@ class Settings:
             betas for adam/adamw).
         worker_timeout: seconds a worker may stay silent while others wait on it (or
             while it is the last one the servers wait for) before it counts as dead.
-        start_timeout: the same for a worker the servers have not heard from yet: starting
-            one (importing torch, building its model) can take far longer than a silence
-            between steps on a loaded machine. The larger of the two applies to it.
+        start_timeout: the same for a worker that has pushed no step yet: starting one
+            (importing torch, building its model) and its first step (the first
+            forward and backward, compiling) can take far longer than a silence between
+            steps on a loaded machine. The larger of the two applies to it.
         on_worker_loss: "continue" drops a dead worker from the clocks with a warning and
             trains on with the live ones; "fail" stops the job with an error instead.
         copies: copies of each shard, each on a server of its own (dtrain.ps.chain):
