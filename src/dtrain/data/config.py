@@ -15,12 +15,30 @@ from dtrain.schema import positive
 @dataclass
 class DataConfig:
     path: str = ""
-    """A text file or a folder of them, a JSON-lines file or folder (format = "jsonl"), or
-    a folder of token shards (format = "tokens"); empty means the Python standard
-    library's .py files."""
-    format: Literal["text", "jsonl", "tokens"] = "text"
-    """text (files read whole), jsonl (a "text" field per line) or tokens (shards written
-    by `dtrain data prepare`: memory-mapped, read lazily)."""
+    """A text file or a folder of them, a JSON-lines file or folder (formats jsonl, chat,
+    prompt_completion), or a folder of token shards (format = "tokens"); empty means the
+    Python standard library's .py files."""
+    format: Literal["text", "jsonl", "chat", "prompt_completion", "tokens"] = "text"
+    """text (files read whole), jsonl (a "text" field per line), chat (a "messages" list
+    per line, rendered by the chat template), prompt_completion ("prompt" and
+    "completion" fields per line) or tokens (shards written by `dtrain data prepare`:
+    memory-mapped, read lazily)."""
+    packing: Literal["auto", "stream", "block_causal", "pad"] = "auto"
+    """How documents become rows: stream (joined, cut into windows, attending across
+    documents), block_causal (whole documents packed into rows, none seeing another,
+    positions from 0 in each), pad (one document per row, padded); auto streams text and
+    packs chat, prompt_completion and shards with loss masks (block_causal)."""
+    train_on: Literal["auto", "assistant", "completion", "all"] = "auto"
+    """Which tokens are targets of the loss: assistant (every assistant turn of a
+    conversation), completion (a conversation's last assistant turn, or a pair's
+    completion), all; auto is assistant for chat, completion for prompt_completion, all
+    for text."""
+    too_long: Literal["auto", "split", "truncate", "refuse"] = "auto"
+    """A document longer than model.block_size when packed: split into rows, truncate, or
+    refuse; auto splits text and truncates records and shards with loss masks."""
+    chat_template: str = ""
+    """The chat template (a .jinja file or the template itself); empty: the tokenizer's
+    own, from the tokenizer_config.json or chat_template.jinja beside its tokenizer.json."""
     tokenizer: str = "bytes"
     """bytes (one token per byte, 256 ids) or the path of a Hugging Face tokenizer.json;
     with format = "tokens" the shards' own index names it."""

@@ -173,8 +173,16 @@ def encode_documents(documents: Iterable[Document], tokenizer: Tokenizer,
     joined by b"\\n", cut at `max_bytes`. A subword tokenizer gives fewer tokens than
     bytes, so its stream holds roughly `max_bytes` bytes of text.
     """
+    return encode_with_starts(documents, tokenizer, max_bytes)[0]
+
+
+def encode_with_starts(documents: Iterable[Document], tokenizer: Tokenizer,
+                       max_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`encode_documents`, and where each document starts in it (int64, one offset per
+    document and one past the end): document i's range holds the separator after it."""
     separator = np.asarray(tokenizer.separator, dtype=tokenizer.dtype)
     pieces: list[np.ndarray] = []
+    lengths: list[int] = []
     budget = max_bytes
     for document in documents:
         if budget is not None:
@@ -184,9 +192,17 @@ def encode_documents(documents: Iterable[Document], tokenizer: Tokenizer,
             budget -= size
         if pieces:
             pieces.append(separator)
+            lengths[-1] += len(separator)
         pieces.append(tokenizer.encode_document(document))
+        lengths.append(len(pieces[-1]))
     ids = np.concatenate(pieces) if pieces else np.zeros(0, dtype=tokenizer.dtype)
-    return ids if max_bytes is None else ids[:max_bytes]
+    starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    if max_bytes is not None:
+        ids = ids[:max_bytes]
+        starts = np.minimum(starts, len(ids))
+        starts = starts[: np.searchsorted(starts, len(ids)) + 1]
+    return ids, starts
 
 
 def read_corpus(path: str, max_bytes: int) -> bytes:

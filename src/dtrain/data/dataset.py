@@ -1,12 +1,18 @@
 """A training job's data from its `[data]` config: tokens, tokenizer, train and held-out
-sequences.
+rows.
 
 - format "text": text files (a file, a folder, or the stdlib when data.path is empty),
   encoded with data.tokenizer; at most data.max_bytes of text is read.
 - format "jsonl": the "text" field of each line of a .jsonl file or folder, likewise.
+- format "chat": conversations, a {"messages": [...]} per line of a .jsonl file or folder,
+  rendered by the chat template, the assistant's turns their targets (dtrain.data.chat).
+- format "prompt_completion": {"prompt", "completion"} per line, the completion the target.
 - format "tokens": a folder written by `dtrain data prepare`, memory-mapped and read
   lazily; data.max_bytes does not apply. Its tokenizer is the one its index names (the
-  shards were encoded with it), whatever data.tokenizer says.
+  shards were encoded with it), whatever data.tokenizer says, and so are its targets.
+
+Rows are cut as data.packing says (dtrain.data.packing): windows of a stream, or whole
+documents packed or padded into rows. "auto" streams text and packs records.
 """
 
 from __future__ import annotations
@@ -15,10 +21,15 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from dtrain.data.corpus import encode_documents, jsonl_documents, text_documents
-from dtrain.data.sequences import Tokens, TokenSequences, split
+from dtrain.data.chat import ChatTemplate, TrainOn
+from dtrain.data.config import DataConfig
+from dtrain.data.corpus import encode_with_starts, jsonl_documents, text_documents
+from dtrain.data.documents import Documents, Encoded, Kind, record_documents
+from dtrain.data.packing import PackedRows, Packing, TooLong
+from dtrain.data.sequences import Tokens, TokenSequences, View, split
 from dtrain.data.shards import TOKENIZER_FILE, TokenShards, read_index
 from dtrain.data.tokenizer import BYTES, Tokenizer, load_tokenizer
 from dtrain.errors import ConfigError
@@ -29,7 +40,15 @@ class Format(Enum):
 
     TEXT = "text"
     JSONL = "jsonl"
+    CHAT = "chat"
+    PROMPT_COMPLETION = "prompt_completion"
     TOKENS = "tokens"
+
+    @property
+    def records(self) -> Kind | None:
+        """The kind of record a line holds, for the formats with loss masks."""
+        return {Format.CHAT: Kind.CHAT, Format.PROMPT_COMPLETION: Kind.PROMPT_COMPLETION
+                }.get(self)
 
     @classmethod
     def parse(cls, value: str, key: str = "data.format") -> Format:
@@ -48,12 +67,15 @@ class Format(Enum):
 
 @dataclass
 class Data:
-    """A job's data: training and held-out sequences, and the tokenizer that made them."""
+    """A job's data: training and held-out rows, the tokenizer that made them, and what
+    was made of the documents on the way (`notes`, for the banner)."""
 
-    train: TokenSequences
-    val: TokenSequences
+    train: TokenSequences | PackedRows
+    val: TokenSequences | PackedRows
     tokenizer: Tokenizer
     vocab_size: int
+    packing: Packing = Packing.STREAM
+    notes: tuple[str, ...] = ()
 
 
 def shards_tokenizer(shards_path: str, name: str, vocab_size: int,
@@ -81,40 +103,159 @@ def shards_tokenizer(shards_path: str, name: str, vocab_size: int,
 
 def open_data(path: str, format: str = "text", tokenizer: str = BYTES,
               max_bytes: int = 4_000_000, val_fraction: float = 0.05,
-              block_size: int = 256) -> Data:
-    """Read (or map) the data at `path`, split it, and cut it into sequences.
+              block_size: int = 256, packing: str = "auto", train_on: str = "auto",
+              too_long: str = "auto", chat_template: str = "") -> Data:
+    """Read (or map) the data at `path`, split it, and cut it into rows.
 
     Args:
         path: data.path: text file or folder (empty: the stdlib), JSONL file or folder,
             or token-shard folder.
-        format: data.format: "text", "jsonl" or "tokens".
+        format: data.format: "text", "jsonl", "chat", "prompt_completion" or "tokens".
         tokenizer: data.tokenizer: "bytes" or a tokenizer.json (not used for "tokens").
-        max_bytes: data.max_bytes: text read at most (not used for "tokens").
-        val_fraction: the held-out share of the tokens, taken at the end.
-        block_size: tokens per sequence.
+        max_bytes: data.max_bytes: text read at most (text and jsonl).
+        val_fraction: the held-out share of the tokens (of the documents when packed),
+            taken at the end.
+        block_size: positions per row.
+        packing, train_on, too_long, chat_template: the `[data]` keys of those names
+            (dtrain.data.config.DataConfig).
 
     Raises:
-        ConfigError: a bad format, tokenizer or path, no text, bad shards, or too few
-            tokens for one sequence on each side; the message names the config key.
+        ConfigError: a bad format, tokenizer, path, record or combination of keys, no
+            text, bad shards, or too few tokens for one row on each side; the message
+            names the config key.
     """
     fmt = Format.parse(format)
+    kind = fmt.records
+    targets = train_on_of(fmt, train_on)
     tokens: Tokens
+    flags: Tokens | None = None
+    starts: np.ndarray | None = None
+    notes: list[str] = []
     if fmt is Format.TOKENS:
         shards = TokenShards(path)
         tok = shards_tokenizer(path, shards.tokenizer, shards.vocab_size)
         if not len(shards):
             raise ConfigError(f"data.path {path!r} holds no tokens: run `dtrain data prepare` "
                               "again on a corpus with text")
-        tokens = shards
+        tokens, flags, starts = shards, shards.targets, shards.document_starts()
+    elif kind is not None:
+        tok = load_tokenizer(tokenizer)
+        template = ChatTemplate.find(tokenizer, chat_template) if kind is Kind.CHAT or \
+            chat_template else _template_if_any(tokenizer)
+        encoded = record_documents(path, kind, tok, template, targets)
+        if encoded.without_targets:
+            notes.append(f"{encoded.without_targets} record(s) without a target token skipped")
+        tokens, flags, starts = torch.from_numpy(encoded.ids), _flags(encoded), encoded.starts
     else:
         tok = load_tokenizer(tokenizer)
         documents = text_documents(path) if fmt is Format.TEXT else jsonl_documents(path)
-        tokens = torch.from_numpy(encode_documents(documents, tok, max_bytes))
+        ids, starts = encode_with_starts(documents, tok, max_bytes)
+        tokens = torch.from_numpy(ids)
         if not len(tokens):
             raise ConfigError(f"data.path {path!r} holds no text")
-    train, val = split(tokens, val_fraction, block_size)
-    return Data(TokenSequences(train, block_size), TokenSequences(val, block_size), tok,
-                tok.vocab_size)
+    how = _packing(packing, fmt, flags is not None)
+    if how is Packing.STREAM:
+        train, val = split(tokens, val_fraction, block_size)
+        train_flags = val_flags = None
+        if flags is not None:
+            train_flags = View(flags, train.start, train.stop)
+            val_flags = View(flags, val.start, val.stop)
+        return Data(TokenSequences(train, block_size, train_flags),
+                    TokenSequences(val, block_size, val_flags), tok, tok.vocab_size, how,
+                    tuple(notes))
+    if starts is None:
+        raise ConfigError(f"data.path {path!r} was prepared before token shards kept their "
+                          f"documents: run `dtrain data prepare` again to pack it "
+                          f"(data.packing = {how.value!r}), or set data.packing = \"stream\"")
+    cut = _too_long(too_long, flags is not None)
+    every = Documents(tokens, starts, flags)
+    rows = [PackedRows(part, block_size, how, cut) for part in every.split(val_fraction)]
+    if rows[0].cut:
+        notes.append(f"{rows[0].cut} document(s) longer than {block_size} + 1 tokens "
+                     f"{'split' if cut is TooLong.SPLIT else 'truncated'}")
+    notes.append(f"{how.value} packing: {len(every):,} documents in {len(rows[0]):,} "
+                 f"training rows, {rows[0].padding():.1%} padding")
+    for name, part in zip(("training", "held-out"), rows, strict=True):
+        if not len(part):
+            raise ConfigError(f"the data's {name} part holds no document of two tokens or "
+                              "more: give more data")
+    return Data(rows[0], rows[1], tok, tok.vocab_size, how, tuple(notes))
+
+
+def data_of(dc: DataConfig, block_size: int) -> Data:
+    """`open_data` of a job's `[data]` section."""
+    return open_data(dc.path, dc.format, dc.tokenizer, dc.max_bytes, dc.val_fraction,
+                     block_size, dc.packing, dc.train_on, dc.too_long, dc.chat_template)
+
+
+def _flags(encoded: Encoded) -> torch.Tensor | None:
+    return None if encoded.targets is None else torch.from_numpy(encoded.targets)
+
+
+def _template_if_any(tokenizer: str) -> ChatTemplate | None:
+    """The tokenizer's own chat template when it has one (prompt/completion pairs of
+    messages need it; of strings, not)."""
+    try:
+        return ChatTemplate.find(tokenizer)
+    except ConfigError:
+        return None
+
+
+def train_on_of(fmt: Format, value: str, key: str = "data.train_on") -> TrainOn:
+    """data.train_on for `fmt`: auto is the assistant's turns for chat, the completion
+    for prompt_completion, every token for the rest.
+
+    Raises:
+        ConfigError: an unknown value, or one the format has no such tokens for.
+    """
+    if value not in ("auto", "assistant", "completion", "all"):
+        raise ConfigError(f"{key} = {value!r} is unknown: give auto, assistant, "
+                          "completion or all")
+    if fmt is Format.CHAT:
+        return "assistant" if value == "auto" else value  # type: ignore[return-value]
+    if fmt is Format.PROMPT_COMPLETION:
+        if value == "assistant":
+            raise ConfigError(f'{key} = "assistant" needs chat data: for '
+                              'prompt_completion give "completion" or "all"')
+        return "completion" if value == "auto" else value  # type: ignore[return-value]
+    if value not in ("auto", "all"):
+        where = ("its targets were chosen by `dtrain data prepare --train-on`"
+                 if fmt is Format.TOKENS else "every token of text is a target")
+        raise ConfigError(f"{key} = {value!r} needs chat or prompt_completion data, "
+                          f"not data.format = {fmt.value!r} ({where}): remove it or set it to "
+                          '"all"')
+    return "all"
+
+
+def _packing(value: str, fmt: Format, masked: bool) -> Packing:
+    """data.packing: auto streams text and packs records (`block_causal`).
+
+    Raises:
+        ConfigError: an unknown value.
+    """
+    if value == "auto":
+        return Packing.BLOCK_CAUSAL if fmt.records is not None or masked else Packing.STREAM
+    try:
+        return Packing(value)
+    except ValueError:
+        names = ", ".join(repr(p.value) for p in Packing)
+        raise ConfigError(f"data.packing = {value!r} is unknown: give auto, {names}") from None
+
+
+def _too_long(value: str, records: bool) -> TooLong:
+    """data.too_long: auto splits text documents and truncates records (a conversation cut
+    in two loses its prompt).
+
+    Raises:
+        ConfigError: an unknown value.
+    """
+    if value == "auto":
+        return TooLong.TRUNCATE if records else TooLong.SPLIT
+    try:
+        return TooLong(value)
+    except ValueError:
+        raise ConfigError(f"data.too_long = {value!r} is unknown: give auto, split, truncate "
+                          "or refuse") from None
 
 
 def vocab_of(path: str, format: str = "text", tokenizer: str = BYTES) -> int:

@@ -6,7 +6,9 @@ A token source is anything sliceable with `len`: a tensor or array of ids, `Toke
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -24,12 +26,65 @@ class Tokens(Protocol):
     def __getitem__(self, index: slice) -> torch.Tensor | np.ndarray: ...
 
 
+IGNORE = -100
+"""The target of a position that has no loss (torch's cross-entropy ignore_index)."""
+
+
 class Sequences(Protocol):
-    """A dataset of (input, target) sequences: `len` and `dataset[i]`."""
+    """A dataset of training rows: `len`, `dataset[i]` (inputs, targets) or (inputs,
+    targets, positions), and `targets_in(rows)`: how many positions of those rows are
+    targets, None when every position of every row is one."""
 
     def __len__(self) -> int: ...
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]: ...
+
+    def targets_in(self, rows: list[int]) -> int | None: ...
+
+
+@dataclass
+class Batch:
+    """Rows of a step's batch, as a rank feeds them to its model.
+
+    Unpacks as `x, y = batch`. With documents packed into rows (dtrain.data.packing),
+    `positions` holds each token's place in its document, and with targets that are not
+    every position (`IGNORE` in `targets`: loss masks, padding), `targets_in_step` is how
+    many positions of the whole global step are targets: the loss is their mean, so a
+    rank's share weighs by its own count (`weight`).
+    """
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor | None = None
+    targets_in_step: int | None = None
+    weight: float | None = None
+    """This batch's loss (a mean over its own targets) times `weight` is its part of the
+    step's mean over all targets (`shared`); None: the plain mean is."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield self.inputs
+        yield self.targets
+
+    def shared(self, shares: int) -> Batch:
+        """The batch weighed as one of `shares` whose mean losses are averaged in a step
+        (dp x cp x accumulation, over every copy of the model): its targets x shares /
+        the step's, set where not every position is a target."""
+        if self.targets_in_step is None:
+            return self
+        mine = int((self.targets != IGNORE).sum())
+        return dataclasses.replace(self, weight=mine * shares / max(1, self.targets_in_step))
+
+    def map(self, f: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        """The batch with `f` applied to each tensor (a rank's chunks, a device)."""
+        return dataclasses.replace(self, inputs=f(self.inputs), targets=f(self.targets),
+                                   positions=None if self.positions is None
+                                   else f(self.positions))
+
+    def model_kwargs(self) -> dict[str, torch.Tensor | float]:
+        """What a model's forward takes beside inputs and targets for this batch
+        (dtrain.models.stages.StagedLM.forward): `positions`, `weight`, where set."""
+        given = {"positions": self.positions, "weight": self.weight}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 class View:
@@ -52,12 +107,15 @@ class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Non-overlapping windows of `block_size` tokens, each with its next-token targets.
 
     Item i is (tokens[i*B : i*B+B], tokens[i*B+1 : i*B+B+1]) as int64 tensors, B being
-    `block_size`; the last token of one window is the first target of the next.
+    `block_size`; the last token of one window is the first target of the next. With
+    `targets` (a flag per token), a target whose flag is 0 is `IGNORE`.
     """
 
-    def __init__(self, tokens: Tokens, block_size: int) -> None:
+    def __init__(self, tokens: Tokens, block_size: int, targets: Tokens | None = None
+                 ) -> None:
         self.tokens = tokens
         self.block_size = block_size
+        self.targets = targets
 
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.block_size)
@@ -65,7 +123,20 @@ class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = i * self.block_size
         chunk = torch.as_tensor(self.tokens[start : start + self.block_size + 1]).long()
-        return chunk[:-1], chunk[1:]
+        if self.targets is None:
+            return chunk[:-1], chunk[1:]
+        wanted = self._wanted(i)
+        return chunk[:-1], chunk[1:].masked_fill(~wanted, IGNORE)
+
+    def _wanted(self, i: int) -> torch.Tensor:
+        assert self.targets is not None
+        start = i * self.block_size
+        return torch.as_tensor(self.targets[start + 1 : start + self.block_size + 1]).bool()
+
+    def targets_in(self, rows: list[int]) -> int | None:
+        if self.targets is None:
+            return None
+        return sum(int(self._wanted(i).sum()) for i in rows)
 
 
 def split(tokens: Tokens, val_fraction: float, block_size: int) -> tuple[View, View]:
@@ -91,7 +162,7 @@ def split(tokens: Tokens, val_fraction: float, block_size: int) -> tuple[View, V
 def batches(
     dataset: Sequences, global_batch: int, dp_size: int, dp_rank: int, seed: int, shuffle: bool,
     accum: int = 1, start: int = 0,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+) -> Iterator[Batch]:
     """Endless micro-batches of this rank's share of each global batch, from step `start`.
 
     Every epoch draws one permutation (the same on every rank, from `seed` and the epoch)
@@ -100,6 +171,8 @@ def batches(
     dp_size-th sequence of each, starting at r. Step k's global batch is therefore the same
     set of sequences whatever the number of ranks, so a run resumed in another layout
     continues on the data it would have seen, and `start` skips to step `start` directly.
+    Each micro-batch is a `Batch`; where not every position is a target, it counts the
+    targets of the whole global batch (each rank reads the flags of every row of it).
 
     Raises:
         ConfigError: the dataset holds less than one global batch.
@@ -120,8 +193,10 @@ def batches(
                 seed + epoch)) if shuffle else torch.arange(len(dataset)))
         assert order is not None  # drawn at the first step (epoch starts at -1)
         base = (step % per_epoch) * global_batch
+        total = dataset.targets_in(order[base : base + global_batch].tolist())
         for m in range(accum):
             window = order[base + m * micro : base + (m + 1) * micro][dp_rank::dp_size]
-            xs, ys = zip(*(dataset[i] for i in window.tolist()), strict=True)
-            yield torch.stack(xs), torch.stack(ys)
+            x, y, *positions = [torch.stack(f) for f in zip(
+                *(dataset[i] for i in window.tolist()), strict=True)]
+            yield Batch(x, y, positions[0] if positions else None, total)
         step += 1

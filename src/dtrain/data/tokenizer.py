@@ -52,6 +52,21 @@ class Tokenizer(ABC):
     def decode(self, ids: list[int]) -> str:
         """The text of `ids` (special tokens such as the separator are kept)."""
 
+    def encode_spans(self, text: str, spans: list[tuple[int, int]]
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of `text` (special tokens in it recognised, none added) and, for each,
+        whether any of its characters lies in one of `spans` ([start, end) character
+        offsets): a conversation's ids and loss mask (dtrain.data.chat)."""
+        ids, starts, ends = self.offsets(text)
+        marked = np.zeros(len(ids), dtype=bool)
+        for start, end in spans:
+            marked |= (starts < end) & (ends > start)
+        return ids, marked
+
+    @abstractmethod
+    def offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ids of `text` and each one's [start, end) character offsets in it."""
+
 
 class ByteTokenizer(Tokenizer):
     """One token per byte of UTF-8: ids 0..255, documents joined by b"\\n"."""
@@ -66,6 +81,14 @@ class ByteTokenizer(Tokenizer):
     def encode_document(self, document: str | bytes) -> np.ndarray:
         data = document.encode("utf-8") if isinstance(document, str) else document
         return np.frombuffer(data, dtype=np.uint8)
+
+    def offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ids = self.encode_document(text)
+        # the character each byte belongs to: a character of k bytes covers k ids
+        widths = np.fromiter((len(c.encode("utf-8")) for c in text), dtype=np.int64,
+                             count=len(text))
+        chars = np.repeat(np.arange(len(text)), widths)
+        return ids, chars, chars + 1
 
     def decode(self, ids: list[int]) -> str:
         # A model may have more ids than bytes (vocab_size above 256): those decode to nothing.
@@ -106,6 +129,11 @@ class FileTokenizer(Tokenizer):
             text = text.decode("utf-8", errors="replace")
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return np.asarray(ids, dtype=self.dtype)
+
+    def offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        spans = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=self.dtype), spans[:, 0], spans[:, 1]
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)

@@ -32,6 +32,7 @@ from torch import nn
 from dtrain import timeline
 from dtrain.checkpoint.checkpointable import CheckpointGroup
 from dtrain.comm import GroupLike
+from dtrain.data.sequences import Batch
 from dtrain.data_parallel.clip import GradPart, clip_grad_norm_
 from dtrain.layouts.parts import Part
 from dtrain.layouts.state import HeldState, OuterState
@@ -43,12 +44,13 @@ if TYPE_CHECKING:
     from dtrain.data_parallel import DataParallel
     from dtrain.data_parallel.zero import ZeRO
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def model_loss(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The loss of a model for (inputs, targets): its (logits, loss) or its `.loss`."""
-    return loss_of_output(module(x, y))
+def model_loss(module: nn.Module, batch: Batch | tuple[torch.Tensor, torch.Tensor]
+               ) -> torch.Tensor:
+    """The loss of a model for a batch (inputs, targets, and where given packed documents'
+    positions and the loss's weight): its (logits, loss) or its `.loss`."""
+    if isinstance(batch, Batch):
+        return loss_of_output(module(batch.inputs, batch.targets, **batch.model_kwargs()))
+    return loss_of_output(module(*batch))
 
 
 class Holding:
@@ -86,15 +88,16 @@ class Holding:
     workers, each at its own pace, who never wait on each other)."""
 
     # ------------------------------------------------------------------ one step
-    def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
+    def forward_backward(self, batches: Sequence[Batch | tuple[torch.Tensor, torch.Tensor]]
+                         ) -> torch.Tensor:
         """Forward and backward of one step's batches (gradients accumulate, and ranks
         communicate after the last only); returns this rank's mean loss (0-d tensor)."""
         total = torch.zeros(())
-        for i, (x, y) in enumerate(batches):
+        for i, batch in enumerate(batches):
             quiet = contextlib.nullcontext() if i == len(batches) - 1 else self.no_sync()
             with quiet:
                 with timeline.span("forward", "forward"):
-                    loss = model_loss(self.module, x, y).float() / len(batches)
+                    loss = model_loss(self.module, batch).float() / len(batches)
                 with timeline.span("backward", "backward"):
                     self.backward(loss)
             total = total.to(loss.device) + loss.detach()
@@ -108,10 +111,10 @@ class Holding:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, batch: Batch | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The loss of one held-out batch (no gradients)."""
         with torch.no_grad():
-            return model_loss(self.module, x, y)
+            return model_loss(self.module, batch)
 
     def infer(self, idx: torch.Tensor) -> torch.Tensor | None:
         """The logits of token ids `idx` (batch, time), every rank passing the same, one

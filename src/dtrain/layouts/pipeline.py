@@ -10,12 +10,14 @@ from torch import nn
 
 from dtrain import pipeline
 from dtrain.config import Config
+from dtrain.data.sequences import Batch
 from dtrain.data_parallel import DataParallel
 from dtrain.data_parallel.averaging import Averaging
 from dtrain.data_parallel.clip import GradPart
 from dtrain.data_parallel.zero import ZeRO
+from dtrain.errors import DtrainError
 from dtrain.layouts.data_parallel import data_parallel
-from dtrain.layouts.holding import Batch, Holding
+from dtrain.layouts.holding import Holding
 from dtrain.layouts.parts import Names, Shards, Tensors, expert_group, untrained
 from dtrain.layouts.state import CompressionState, HeldState
 from dtrain.layouts.zero import zero_of
@@ -68,10 +70,12 @@ class Pipelined(Holding):
                        **({"ep": mesh.group("ep")} if experts else {})}
         self.loss_group = dp
 
-    def forward_backward(self, batches: Sequence[Batch]) -> torch.Tensor:
+    def forward_backward(self, batches: Sequence[Batch | tuple[torch.Tensor, torch.Tensor]]
+                         ) -> torch.Tensor:
         """The pipeline accumulates its micro-batches itself: one batch per step (its
         forwards and backwards interleave, with spans of their own)."""
-        (x, y), = batches
+        (batch,) = batches
+        x, y = _plain(batch)
         return self.pipe.step(x, y).detach()
 
     def synchronized(self) -> None:
@@ -82,8 +86,25 @@ class Pipelined(Holding):
     def grad_parts(self) -> list[GradPart]:
         return self.pipe.grad_parts(is_split=self.names.is_split)  # a tied copy counted once
 
-    def evaluate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.pipe.evaluate(x, y)
+    def evaluate(self, batch: Batch | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.pipe.evaluate(*_plain(batch))
 
     def infer(self, idx: torch.Tensor) -> torch.Tensor | None:
         return self.pipe.infer(idx)  # the logits on the last stage's rank
+
+
+def _plain(batch: Batch | tuple[torch.Tensor, torch.Tensor]
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of a batch the pipeline can run: one whose every position is a
+    target and whose rows hold one sequence each (`dtrain train` refuses the others
+    with pp before it starts: dtrain.train.check).
+
+    Raises:
+        DtrainError: packed documents or a loss weight.
+    """
+    if isinstance(batch, Batch) and batch.model_kwargs():
+        raise DtrainError("a pipeline runs rows of one sequence whose every token is a "
+                          "target: use data.packing = \"stream\" and data without loss "
+                          "masks with pp > 1")
+    x, y = batch
+    return x, y

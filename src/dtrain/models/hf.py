@@ -35,8 +35,9 @@ import torch
 from torch import nn
 
 from dtrain.context_parallel import ContextParallel, positions_of
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, DtrainError
 from dtrain.models.config import ModelConfig
+from dtrain.models.documents import document_mask, weighted
 from dtrain.models.hf_places import HFName, expert_places
 from dtrain.models.kv_cache import KVCache
 from dtrain.models.moe import MoE, MoEConfig
@@ -288,12 +289,21 @@ class HFCausalLM(nn.Module):
         self.train()
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None, weight: float | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits, or (logits, loss) with targets; `positions` and `weight` as dtrain's
+        own models take them (dtrain.models.stages.StagedLM.forward): packed documents
+        are given to transformers as their `position_ids` and a 4-D block-causal mask."""
         # No labels: transformers would shift them, and dtrain's targets are already the
         # next tokens.
         where = {} if self.context is None else {  # this rank's chunks' global positions
             "position_ids": self.context.positions(idx.shape[1], idx.device)[None]}
+        if positions is not None:
+            if self.context is not None or self.kv_cache is not None:
+                raise DtrainError("packed documents (positions) under context parallelism "
+                                  "or with a KV cache: pack with data.packing = \"pad\"")
+            where = {"position_ids": positions, "attention_mask": document_mask(positions)}
         if self.kv_cache is not None:  # generation: transformers' own cache, kept in ours
             if self.kv_cache.hf is None:
                 self.kv_cache.hf = _transformers().DynamicCache()
@@ -302,7 +312,8 @@ class HFCausalLM(nn.Module):
         logits = self.hf(input_ids=idx, use_cache=False, **where).logits
         if targets is None:
             return logits
-        return logits, self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss = self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, weighted(loss, weight, logits)
 
     def after_split(self, tp_size: int) -> None:
         """Fix what counts whole heads once tensor parallelism has split the layers across

@@ -227,9 +227,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """`rope`: the (cos, sin) of x's positions, computed once per forward by the model
-        (computed here when not given)."""
+        (computed here when not given); `mask`: packed documents' attention mask
+        (dtrain.models.documents)."""
         # Head counts and time from the projections' outputs: under tensor parallelism a rank
         # holds only its own query and key/value heads (dtrain.tensor_parallel.llama_plan),
         # and under sequence parallelism x is this rank's part of the sequence, which the
@@ -244,7 +246,7 @@ class Attention(nn.Module):
                                                         x.device, q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        return self.o_proj(self.core(q, k, v).transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(self.core(q, k, v, mask).transpose(1, 2).reshape(b, t, -1))
 
 
 class SwiGLU(Activation):
@@ -278,8 +280,9 @@ class Block(nn.Module):
         self.mlp = MoE(cfg.moe, cfg.n_embd) if moe and cfg.moe is not None else MLP(cfg)
 
     def forward(self, x: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -320,7 +323,7 @@ class Llama(StagedLM):
         return self.embed(idx)
 
     def stage_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return block(x, self._rope(x))
+        return block(x, self._rope(x), self.attention_mask)
 
     def stage_out(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(x))
@@ -336,9 +339,13 @@ class Llama(StagedLM):
         the blocks that follow (every block of a forward shares them)."""
         t = x.shape[1] * self.sequence_parts
         offset = self.kv_cache.length if self.kv_cache is not None else 0
-        key = (t, x.device, x.dtype, type(x), id(self.context), offset)  # fake: not real
+        key = (t, x.device, x.dtype, type(x), id(self.context), offset,  # fake: not real
+               self.documents is not None and self.documents_given)
         if self._rope_cache[0] != key:
             head_dim = self.cfg.head_size
-            self._rope_cache = (key, rotary(t, head_dim, self.cfg.rope_theta, x.device,
-                                            x.dtype, self.positions(t, x.device)))
+            cos, sin = rotary(t, head_dim, self.cfg.rope_theta, x.device, x.dtype,
+                              self.positions(t, x.device).reshape(-1))
+            if self.documents is not None:  # each row its own positions: (batch, 1, t, d)
+                cos, sin = (z.view(-1, 1, t, head_dim) for z in (cos, sin))
+            self._rope_cache = (key, (cos, sin))
         return self._rope_cache[1]

@@ -29,6 +29,7 @@ from torch import nn
 
 from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import ConfigError, DtrainError
+from dtrain.models.documents import document_mask, weighted
 from dtrain.models.kv_cache import KVCache, LayerCache
 
 
@@ -79,19 +80,49 @@ class StagedLM(nn.Module):
     kv_cache: KVCache | None = None
     """Generation's cache (dtrain.models.generate.attach): the inputs are the tokens after
     the `kv_cache.length` it holds, whose positions start there."""
+    documents: torch.Tensor | None = None
+    """The last forward's rows of packed documents: each token's place in its document
+    (batch, time); None: one sequence per row (dtrain.models.documents)."""
+    attention_mask: torch.Tensor | None = None
+    """The block-causal mask of `documents`, which the blocks pass to their attention."""
+    documents_given: int = 0
+    """How many forwards were given documents: what a cache of per-position values
+    (Llama's rotary angles) keys on, as the rows change with every one."""
 
     def positions(self, t: int, device: torch.device) -> torch.Tensor:
         """The positions of the `t` tokens the blocks see (dtrain.context_parallel.
-        positions_of), after those a KV cache holds."""
+        positions_of), after those a KV cache holds; of packed documents, their own
+        places (batch, time)."""
+        if self.documents is not None:
+            return self.documents
         at = positions_of(self.context, t, device)
         return at if self.kv_cache is None else at + self.kv_cache.length
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None, weight: float | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits of `idx` (batch, time), or (logits, loss) with `targets`.
+
+        Args:
+            positions: rows of packed documents: each token's place in its document
+                (attention stays inside each; dtrain.models.documents).
+            weight: the loss's share of the step's (dtrain.data.sequences.Batch.weight):
+                the model's own loss is the mean over its targets times it.
+
+        Raises:
+            ValueError: a longer sequence than block_size.
+            DtrainError: documents under context parallelism or with a KV cache.
+        """
         if idx.shape[1] > self.block_size:
             raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds "
                              f"block_size={self.block_size}")
+        if positions is not None and (self.context is not None or self.kv_cache is not None):
+            raise DtrainError("packed documents (positions) under context parallelism or "
+                              "with a KV cache: pack with data.packing = \"pad\"")
+        self.documents = positions
+        self.documents_given += positions is not None
+        self.attention_mask = None if positions is None else document_mask(positions)
         x = self.stage_in(idx)
         for block in cast(nn.ModuleList, self.get_submodule(self.stage_parts()[1])):
             x = self.stage_block(block, x)
@@ -99,6 +130,7 @@ class StagedLM(nn.Module):
         if targets is None:
             return logits
         loss = self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        loss = weighted(loss, weight, logits)
         extra = self.extra_loss()
         return logits, loss if extra is None else loss + extra
 
@@ -140,7 +172,10 @@ class AttentionCore(nn.Module):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q to k and v, causal, or as `mask` (batch, 1, time, time) allows
+        (packed documents' block-causal mask, dtrain.models.documents)."""
         drop = self.dropout if self.training else 0.0
         if self.context is not None:
             if drop:
@@ -156,7 +191,8 @@ class AttentionCore(nn.Module):
         gqa: _GQA = {"enable_gqa": True} if group > 1 and _SDPA_GQA else {}
         if before == 0:
             with self._dropout_rng(drop, q.device):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True,
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=drop,
+                                                      is_causal=mask is None, attn_mask=mask,
                                                       **gqa)
         # New token i sits at position before + i: it sees every key up to there (SDPA's
         # is_causal would align the queries with the first keys instead).

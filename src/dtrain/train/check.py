@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dtrain import models
 from dtrain.config import Config
-from dtrain.data import open_data, vocab_of
+from dtrain.data import vocab_of
+from dtrain.data.dataset import Data, data_of
+from dtrain.data.packing import Packing
+from dtrain.errors import ConfigError
 from dtrain.models import init, recompute
 from dtrain.tensor_parallel.parallelize import matches
 from dtrain.tensor_parallel.plan_of import check_sequence_parallel, plan_of
@@ -25,8 +28,9 @@ def check_job(config: Config) -> None:
     check_dependencies(config.logging)
     dc = config.data
     if dc.path:  # the stdlib default is known good; a user's corpus is read once here
-        vocab = open_data(dc.path, dc.format, dc.tokenizer, dc.max_bytes, dc.val_fraction,
-                          config.model.block_size).vocab_size
+        data = data_of(dc, config.model.block_size)
+        check_rows(data, config)
+        vocab = data.vocab_size
     else:
         vocab = vocab_of(dc.path, dc.format, dc.tokenizer)
     shape = models.resolve(config.model, vocab)
@@ -36,3 +40,27 @@ def check_job(config: Config) -> None:
     if config.parallel.sequence_parallel:
         check_sequence_parallel(model)
     recompute.apply(model, config.memory)  # modules that do not exist, a mode it lacks
+
+
+def check_rows(data: Data, config: Config) -> None:
+    """Whether the layout and the model can train on the data's rows: packed documents
+    need the model to take their positions and every attention to see their masks, and a
+    loss over some positions only needs the model to weigh its own.
+
+    Raises:
+        ConfigError: the combination is not supported yet, naming what to change.
+    """
+    packed = data.packing is Packing.BLOCK_CAUSAL
+    masked = data.train.targets_in([0]) is not None
+    p = config.parallel
+    if packed and p.cp > 1:
+        raise ConfigError('data.packing = "block_causal" with parallel.cp > 1 is not '
+                          'supported yet: set data.packing = "pad" or parallel.cp = 1')
+    if (packed or masked) and p.pp > 1:
+        raise ConfigError("packed documents and loss masks with parallel.pp > 1 are not "
+                          'supported yet: set parallel.pp = 1 (or train text with '
+                          'data.packing = "stream")')
+    if (packed or masked) and config.model.arch == "custom":
+        raise ConfigError("packed documents and loss masks need a model that takes "
+                          "positions= and weight= (dtrain's GPT and Llama, arch = \"hf\"): "
+                          'a custom module trains text with data.packing = "stream"')

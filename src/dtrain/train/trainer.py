@@ -35,7 +35,9 @@ from dtrain.checkpoint.copies import HostCopies
 from dtrain.checkpoint.universal import Checkpoint
 from dtrain.config import Config, LoggingConfig, dims_of
 from dtrain.context_parallel import chunks
-from dtrain.data import Tokenizer, TokenSequences, batches, open_data
+from dtrain.data import Tokenizer, batches
+from dtrain.data.dataset import data_of
+from dtrain.data.sequences import Batch, Sequences
 from dtrain.ft import elastic
 from dtrain.ft.live.job import open_live
 from dtrain.ft.membership import Fixed, Membership, RunOver
@@ -47,6 +49,7 @@ from dtrain.models.generate import generate
 from dtrain.models.weights import weights_of
 from dtrain.optim import lr_factor
 from dtrain.train import hardware
+from dtrain.train.check import check_rows
 from dtrain.train.generation import generate_split, splits_model
 from dtrain.train.metrics import Progress
 from dtrain.train.sinks import Value, open_sinks
@@ -62,25 +65,30 @@ def mean_over(value: float, group: comm.GroupLike, device: torch.device) -> floa
 
 
 @torch.no_grad()
-def evaluate(holding: Holding, data: TokenSequences, batch_size: int, n_batches: int,
+def evaluate(holding: Holding, data: Sequences, batch_size: int, n_batches: int,
              mesh: Mesh, device: torch.device) -> float:
-    """Mean loss over the first `n_batches` held-out batches of every dp rank's shard."""
+    """Mean loss over the first `n_batches` held-out batches of every dp rank's shard:
+    over their targets, where not every position is one (each batch's mean weighed by
+    its share of all the batches' targets)."""
     dp_size, dp_rank = mesh.size("dp"), mesh.coords["dp"]
     holding.module.eval()
     stream = batches(data, batch_size * dp_size, dp_size, dp_rank, seed=0, shuffle=False)
-    total = 0.0
-    for _, (x, y) in zip(range(n_batches), stream, strict=False):
-        total += holding.evaluate(chunks_of(x, mesh).to(device),
-                               chunks_of(y, mesh).to(device)).item()
+    taken = [on_rank(batch, mesh, device) for _, batch in zip(range(n_batches), stream,
+                                                               strict=False)]
+    total = sum(holding.evaluate(batch).item() for batch in taken)
     holding.module.train()
-    mine = mean_over(total / n_batches, holding.loss_group, device)
+    mine = mean_over(total / len(taken), holding.loss_group, device)
     return mean_over(mine, mesh.group("sync"), device)  # and over the sync groups
 
 
-def chunks_of(t: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """This rank's chunks of each sequence of `t` (batch, time): all of it, or under
-    context parallelism its two of 2 x cp (dtrain.context_parallel.chunks)."""
-    return chunks.shard(t, mesh.coords["cp"], mesh.size("cp"))
+def on_rank(batch: Batch, mesh: Mesh, device: torch.device, shares: int | None = None
+            ) -> Batch:
+    """This rank's chunks of each row of `batch` (all of it, or under context parallelism
+    its two of 2 x cp: dtrain.context_parallel.chunks) on `device`, weighed as one of
+    `shares` batch shares of a step (the data shards x cp x accumulation; None: cp x
+    the batches a held-out pass averages, which `batches` cuts from one global count)."""
+    mine = batch.map(lambda t: chunks.shard(t, mesh.coords["cp"], mesh.size("cp")).to(device))
+    return mine.shared(shares if shares is not None else mesh.size("cp") * mesh.size("dp"))
 
 
 def open_checkpoint(path: str, config: Config) -> Checkpoint:
@@ -148,8 +156,8 @@ class Trainer:
         self.start = self.resume.step if self.resume is not None else 0
 
         dc = config.data
-        self.data = open_data(dc.path, dc.format, dc.tokenizer, dc.max_bytes, dc.val_fraction,
-                              mc.block_size)
+        self.data = data_of(dc, mc.block_size)
+        check_rows(self.data, config)
         # (data shards, this rank's): the batch splits over the copies of the model that
         # train together (sync groups or live replicas), and over the dp ranks in each
         members, dp = self.membership, self.dims.dp
@@ -198,7 +206,7 @@ class Trainer:
         self.losses: list[float] = []
         self.eval_losses: list[tuple[int, float]] = []
 
-    def _stream_from(self, step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _stream_from(self, step: int) -> Iterator[Batch]:
         tc = self.config.train
         return batches(self.data.train, tc.batch_size, *self.shards, tc.seed, shuffle=True,
                        accum=self.holding.accum, start=step)
@@ -216,6 +224,8 @@ class Trainer:
             self.progress.write(f"dtrain: {world.describe()}")
         if self.note:
             self.progress.write(self.note)
+        for note in data.notes:
+            self.progress.write(f"data: {note}")
         self.progress.write(self.speed.describe())
         if self.resume is not None:
             self.progress.write(f"resumed from {self.resume.path} (step {self.start})")
@@ -323,11 +333,10 @@ class Trainer:
         """Forward and backward of one global batch, the optimizer step; the mean loss."""
         holding, device = self.holding, self.world.device
         data = []
+        shares = self.shards[0] * self.dims.cp * holding.accum
         for _ in range(holding.accum):
             with timeline.span("data", "data"):
-                x, y = next(self.stream)
-                data.append((chunks_of(x, self.mesh).to(device),
-                             chunks_of(y, self.mesh).to(device)))
+                data.append(on_rank(next(self.stream), self.mesh, device, shares))
         loss = holding.forward_backward(data)
         with timeline.span("optimizer", "optimizer"):
             # the global norm before clipping, every step: a wrong divisor over any axis
