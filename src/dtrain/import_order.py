@@ -12,7 +12,7 @@ from __future__ import annotations
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("definitions", ("dtrain.errors", "dtrain.sizes", "dtrain.split", "dtrain.schema",
                      "dtrain.import_order",
-                     "dtrain.env", "dtrain.graph_break")),
+                     "dtrain.env", "dtrain.graph_break", "dtrain.masks")),
     ("timeline", ("dtrain.timeline",)),
     ("world", ("dtrain.world", "dtrain.agreed_port", "dtrain.store")),
     ("collectives", ("dtrain.comm",)),

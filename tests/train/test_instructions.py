@@ -107,18 +107,26 @@ def dtrain_rank() -> int:
 
 
 HF = "hf"
-LLAMA = {"arch": "llama", "preset": "llama-tiny", "n_layer": 2, "n_embd": 32}
-MOE = {**LLAMA, "preset": "moe-tiny", "moe_inter_size": 32, "capacity_factor": 0.0,
-       "aux_loss_weight": 0.0}
+LLAMA = {"arch": "llama", "preset": "llama-tiny", "n_layer": 4, "n_embd": 32}
+MOE = {**LLAMA, "preset": "moe-tiny", "n_layer": 2, "moe_inter_size": 32,
+       "capacity_factor": 0.0, "aux_loss_weight": 0.0}
 CASES = {  # name: (model, packing, [parallel])
     "dp": (HF, "block_causal", {}),
     "dp, accumulation": (HF, "block_causal", {"grad_accum": 2}),
     "ZeRO-3": (HF, "block_causal", {"zero": 3}),
     "tp": (HF, "block_causal", {"tp": 2}),
     "tp + sp (dtrain's Llama)": ("llama", "block_causal", {"tp": 2, "sequence_parallel": True}),
+    "cp ring": (HF, "block_causal", {"cp": 2}),
+    "cp all-gather (dtrain's Llama)": ("llama", "block_causal",
+                                       {"cp": 2, "cp_method": "allgather"}),
+    "cp all-to-all": (HF, "block_causal", {"cp": 2, "cp_method": "alltoall"}),
     "cp ring (pad)": (HF, "pad", {"cp": 2}),
-    "cp all-to-all (pad)": (HF, "pad", {"cp": 2, "cp_method": "alltoall"}),
     "ep": ("moe", "block_causal", {"ep": 2}),
+    "pp, 1f1b": (HF, "block_causal", {"pp": 2, "microbatches": 2}),
+    "pp, interleaved (dtrain's Llama)": ("llama", "block_causal",
+                                         {"pp": 2, "microbatches": 2, "virtual_stages": 2,
+                                          "schedule": "interleaved"}),
+    "pp (pad)": (HF, "pad", {"pp": 2, "microbatches": 4}),
 }
 
 

@@ -21,6 +21,14 @@ ways to attend over the whole sequence (`METHODS`):
   another all-to-all turns the output back. The query and key/value heads must divide
   by the group size.
 
+Packed documents (dtrain.models.documents) follow the chunks: given each local token's
+place in its document (its `positions`), a query at global position i whose
+document began at i - p attends to the keys at global positions j with i - p <= j <= i,
+whatever rank holds them. The ring skips a block in which no local query sees a key, and
+computes the others under that mask (by the plain formulas, the fused kernel taking no
+mask); all-gather builds the same mask against the gathered keys; all-to-all gathers the
+positions of the whole sequence and builds the block-causal mask over it.
+
 The ring computes its blocks in float32 (float64 inputs in float64) and returns the input
 dtype: each block by torch's fused CPU attention, which returns the log-sum-exp the merge
 needs, and whose backward takes the whole attention's output and log-sum-exp (so a block's
@@ -42,6 +50,7 @@ from dtrain.context_parallel.chunks import every_position, positions
 from dtrain.context_parallel.exchange import all_to_all, gather_sequence
 from dtrain.errors import ConfigError
 from dtrain.graph_break import graph_break
+from dtrain.masks import document_mask, visible_keys
 from dtrain.mesh.dims import CP_METHODS
 
 METHODS = CP_METHODS  # the mesh's vocabulary: Dims.cp_method is one of them
@@ -81,35 +90,43 @@ class ContextParallel:
 
     @graph_break
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  causal: bool = True, scale: float | None = None) -> torch.Tensor:
+                  causal: bool = True, scale: float | None = None,
+                  documents: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q k^T * scale) v over the whole sequence for this rank's queries
         (batch, heads, 2c, dim); k and v may have fewer heads (grouped-query attention).
+        `documents`: each local token's place in its packed document (batch, 2c), which
+        then bounds what it sees (see the module doc).
 
         Raises:
             ConfigError: "alltoall" with heads that do not divide by the group size.
         """
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        if documents is not None and self.size == 1:
+            return _sdpa(q, k, v, False, scale, document_mask(documents))
         if self.size == 1:
             return _sdpa(q, k, v, causal, scale)
+        starts = None
+        if documents is not None:  # each query's document's first global position
+            starts = self.positions(q.shape[2], q.device)[None, :] - documents
         if self.method == "ring":
-            return _Ring.apply(q, k, v, self.group, causal, scale)
+            return _Ring.apply(q, k, v, self.group, causal, scale, starts)
         if self.method == "allgather":
-            return self._allgather(q, k, v, causal, scale)
-        return self._alltoall(q, k, v, causal, scale)
+            return self._allgather(q, k, v, causal, scale, starts)
+        return self._alltoall(q, k, v, causal, scale, documents)
 
     def _allgather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                   scale: float) -> torch.Tensor:
+                   scale: float, starts: torch.Tensor | None) -> torch.Tensor:
         k, v = gather_sequence(k, self.group), gather_sequence(v, self.group)
         mask = None
         if causal:
             local = q.shape[2]
             keys = every_position(local, self.size, q.device)
-            mask = keys[None, :] <= self.positions(local, q.device)[:, None]
+            mask = visible_keys(self.positions(local, q.device), keys, starts)
         k, v = _expand(k, q.shape[1]), _expand(v, q.shape[1])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
     def _alltoall(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  scale: float) -> torch.Tensor:
+                  scale: float, documents: torch.Tensor | None = None) -> torch.Tensor:
         for what, heads in (("query", q.shape[1]), ("key/value", k.shape[1])):
             if heads % self.size:
                 raise ConfigError(f"parallel.cp_method = \"alltoall\" splits the heads over "
@@ -121,7 +138,13 @@ class ContextParallel:
         order = every_position(local, self.size, q.device).argsort()
         back = order.argsort()
         q, k, v = (t[:, :, order] for t in (q, k, v))
-        out = _sdpa(q, k, v, causal, scale)[:, :, back]
+        mask = None
+        if documents is not None:  # the whole sequence's places, in order
+            every = comm.all_gather(documents.contiguous(), group=self.group)
+            whole = every.view(self.size, *documents.shape).permute(1, 0, 2).reshape(
+                documents.shape[0], -1)[:, order]
+            mask = document_mask(whole)
+        out = _sdpa(q, k, v, causal and mask is None, scale, mask)[:, :, back]
         return all_to_all(out, self.group, split=2, cat=1)
 
 
@@ -146,9 +169,9 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-          scale: float) -> torch.Tensor:
+          scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, _expand(k, q.shape[1]), _expand(v, q.shape[1]),
-                                          is_causal=causal, scale=scale)
+                                          is_causal=causal, scale=scale, attn_mask=mask)
 
 
 def _part(step: int, rank: int, size: int, local: int, causal: bool
@@ -180,9 +203,13 @@ def _fused(device_type: str, dtype: torch.dtype) -> bool:
             and all(hasattr(torch.ops.aten, k) for k in kernels))
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """q k^T * scale, the upper triangle -inf when `causal` (the plain formulas)."""
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
+            visible: torch.Tensor | None = None) -> torch.Tensor:
+    """q k^T * scale, the upper triangle -inf when `causal`, or what `visible` hides
+    (the plain formulas)."""
     s = q @ k.transpose(-2, -1) * scale
+    if visible is not None:
+        return s.masked_fill(~visible, float("-inf"))
     if not causal:
         return s
     return s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
@@ -190,26 +217,29 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-             fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's attention output and log-sum-exp per query (k and v have q's heads)."""
-    if fused:
+             fused: bool, visible: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and log-sum-exp per query (k and v have q's heads); a
+    query that sees no key of the block gets 0 and a log-sum-exp of -inf."""
+    if fused and visible is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale)
         return out, lse
-    s = _scores(q, k, causal, scale)
+    s = _scores(q, k, causal, scale, visible)
     lse = s.logsumexp(-1)
-    return torch.exp(s - lse[..., None]) @ v, lse
+    return (torch.exp(s - lse[..., None]) @ v).nan_to_num(0.0), lse
 
 
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, fused: bool
+              out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float, fused: bool,
+              visible: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block's share of the q, k and v gradients, given the whole attention's output
     and log-sum-exp for these queries (so each block's probabilities are final ones)."""
-    if fused:
+    if fused and visible is None:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
+    p = torch.exp(_scores(q, k, causal, scale, visible) - lse[..., None])
     ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
 
@@ -221,6 +251,19 @@ class _RingCtx(Ctx):
     group: comm.Group
     causal: bool
     scale: float
+    starts: torch.Tensor | None
+
+
+def _block_mask(starts: torch.Tensor | None, step: int, rank: int, size: int, local: int,
+                rows: slice, cols: slice, device: torch.device) -> torch.Tensor | None:
+    """Which of the block's keys (`cols` of the block in hand at `step`) the local queries
+    `rows` see, with documents' `starts`: (batch, 1, rows, cols); None without."""
+    if starts is None:
+        return None
+    owner = (rank - step) % size
+    queries = positions(local, rank, size, device)[rows]
+    keys = positions(local, owner, size, device)[cols]
+    return visible_keys(queries, keys, starts[:, rows])
 
 
 class _Ring(torch.autograd.Function):
@@ -228,7 +271,8 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: _RingCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                group: comm.Group, causal: bool, scale: float) -> torch.Tensor:
+                group: comm.Group, causal: bool, scale: float,
+                starts: torch.Tensor | None = None) -> torch.Tensor:
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         fused = _fused(q.device.type, work)
         size, rank, local, heads = group.size, group.rank, q.shape[2], q.shape[1]
@@ -239,23 +283,31 @@ class _Ring(torch.autograd.Function):
         for step in range(size):
             pending = _pass_on(block, group, KV_TAG) if step < size - 1 else None
             rows, cols, masked = _part(step, rank, size, local, causal)
+            visible = _block_mask(starts, step, rank, size, local, rows, cols, q.device)
+            if visible is not None and not visible.any():  # no query sees this block
+                if pending is not None:
+                    block = pending()
+                continue
             with timeline.span("cp ring step", "cp", step=step, backward=False):
                 kb, vb = (_expand(t[:, :, cols], heads) for t in block.unbind(0))
-                part_out, part_lse = _forward(qw[:, :, rows], kb, vb, masked, scale, fused)
+                part_out, part_lse = _forward(qw[:, :, rows], kb, vb, masked, scale, fused,
+                                              visible)
                 merged = torch.logaddexp(lse[:, :, rows], part_lse)
+                # -inf - -inf: neither part has seen a key yet, and both weigh nothing
                 out[:, :, rows] = (
-                    out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
-                    + part_out * torch.exp(part_lse - merged)[..., None])
+                    out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).nan_to_num(0.0)[
+                        ..., None]
+                    + part_out * torch.exp(part_lse - merged).nan_to_num(0.0)[..., None])
                 lse[:, :, rows] = merged
             if pending is not None:
                 block = pending()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.causal, ctx.scale, ctx.starts = group, causal, scale, starts
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: _RingCtx, grad: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
         size, rank, local, heads = group.size, group.rank, q.shape[2], q.shape[1]
@@ -269,22 +321,24 @@ class _Ring(torch.autograd.Function):
         for step in range(size):
             pending = _pass_on(block, group, KV_TAG) if step < size - 1 else None
             rows, cols, masked = _part(step, rank, size, local, causal)
-            with timeline.span("cp ring step", "cp", step=step, backward=True):
-                kb, vb = (_expand(t[:, :, cols], heads) for t in block.unbind(0))
-                dq_part, dk, dv = _backward(dout[:, :, rows], qw[:, :, rows], kb, vb,
-                                            out[:, :, rows], lse[:, :, rows], masked, scale,
-                                            fused)
-                dq[:, :, rows] += dq_part
-                mine_grad = torch.zeros_like(block)
-                mine_grad[0][:, :, cols] = _fold(dk, kv_heads)
-                mine_grad[1][:, :, cols] = _fold(dv, kv_heads)
+            visible = _block_mask(ctx.starts, step, rank, size, local, rows, cols, q.device)
+            mine_grad = torch.zeros_like(block)
+            if visible is None or visible.any():  # else no query saw this block
+                with timeline.span("cp ring step", "cp", step=step, backward=True):
+                    kb, vb = (_expand(t[:, :, cols], heads) for t in block.unbind(0))
+                    dq_part, dk, dv = _backward(dout[:, :, rows], qw[:, :, rows], kb, vb,
+                                                out[:, :, rows], lse[:, :, rows], masked,
+                                                scale, fused, visible)
+                    dq[:, :, rows] += dq_part
+                    mine_grad[0][:, :, cols] = _fold(dk, kv_heads)
+                    mine_grad[1][:, :, cols] = _fold(dv, kv_heads)
             carried = mine_grad if arriving is None else arriving() + mine_grad
             arriving = _pass_on(carried, group, GRAD_TAG)  # on with the block, then home
             if pending is not None:
                 block = pending()
         assert arriving is not None  # the loop ran at least once (size >= 1)
         dk, dv = arriving().unbind(0)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def _pass_on(t: torch.Tensor, group: comm.Group, tag: int) -> Callable[[], torch.Tensor]:

@@ -10,12 +10,11 @@ from torch import nn
 
 from dtrain import pipeline
 from dtrain.config import Config
-from dtrain.data.sequences import Batch
+from dtrain.data.sequences import IGNORE, Batch
 from dtrain.data_parallel import DataParallel
 from dtrain.data_parallel.averaging import Averaging
 from dtrain.data_parallel.clip import GradPart
 from dtrain.data_parallel.zero import ZeRO
-from dtrain.errors import DtrainError
 from dtrain.layouts.data_parallel import data_parallel
 from dtrain.layouts.holding import Holding
 from dtrain.layouts.parts import Names, Shards, Tensors, expert_group, untrained
@@ -75,8 +74,7 @@ class Pipelined(Holding):
         """The pipeline accumulates its micro-batches itself: one batch per step (its
         forwards and backwards interleave, with spans of their own)."""
         (batch,) = batches
-        x, y = _plain(batch)
-        return self.pipe.step(x, y).detach()
+        return self.pipe.step(*self._arguments(batch)).detach()
 
     def synchronized(self) -> None:
         for piece in self.module:
@@ -87,24 +85,25 @@ class Pipelined(Holding):
         return self.pipe.grad_parts(is_split=self.names.is_split)  # a tied copy counted once
 
     def evaluate(self, batch: Batch | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self.pipe.evaluate(*_plain(batch))
+        return self.pipe.evaluate(*self._arguments(batch))
+
+    def _arguments(self, batch: Batch | tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                              list[float] | None]:
+        """The pipeline's (inputs, targets, positions, weights) of a batch: its packed
+        documents' positions, and where not every position is a target each
+        micro-batch's weight, its share of the batch's (`Batch.weight` x its targets /
+        the batch's), so the loss stays the mean over the step's targets."""
+        if not isinstance(batch, Batch):
+            x, y = batch
+            return x, y, None, None
+        weights = None
+        if batch.weight is not None:
+            counts = [int((t != IGNORE).sum()) for t in batch.targets.chunk(
+                self.pipe.microbatches)]
+            weights = [batch.weight * n / max(1, sum(counts)) for n in counts]
+        return batch.inputs, batch.targets, batch.positions, weights
 
     def infer(self, idx: torch.Tensor) -> torch.Tensor | None:
         return self.pipe.infer(idx)  # the logits on the last stage's rank
 
-
-def _plain(batch: Batch | tuple[torch.Tensor, torch.Tensor]
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of a batch the pipeline can run: one whose every position is a
-    target and whose rows hold one sequence each (`dtrain train` refuses the others
-    with pp before it starts: dtrain.train.check).
-
-    Raises:
-        DtrainError: packed documents or a loss weight.
-    """
-    if isinstance(batch, Batch) and batch.model_kwargs():
-        raise DtrainError("a pipeline runs rows of one sequence whose every token is a "
-                          "target: use data.packing = \"stream\" and data without loss "
-                          "masks with pp > 1")
-    x, y = batch
-    return x, y

@@ -21,7 +21,7 @@ from torch import nn
 
 from dtrain.context_parallel import ContextParallel
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.models.hf import Family, HFCausalLM
+from dtrain.models.hf import HF_DOCUMENTS, Family, HFCausalLM
 from dtrain.models.stages import AttentionCore, StagedLM
 
 HF_ATTENTION = "dtrain_context_parallel"
@@ -72,4 +72,7 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         raise DtrainError("attention dropout under context parallelism: set the model's "
                           "attention_dropout to 0")
     cp: ContextParallel = module.context  # type: ignore[assignment]  # set by _apply_hf
-    return cp.attention(query, key, value, causal=True, scale=scaling).transpose(1, 2), None
+    given = kwargs.get("position_ids") if kwargs.get(HF_DOCUMENTS) else None
+    documents = given if isinstance(given, torch.Tensor) else None  # packed documents'
+    return cp.attention(query, key, value, causal=True, scale=scaling,
+                        documents=documents).transpose(1, 2), None

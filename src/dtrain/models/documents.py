@@ -1,30 +1,44 @@
-"""Rows of several documents: attention that stays inside each, and a loss share.
-
-    mask = document_mask(positions)         # (batch, 1, time, time), True: may attend
+"""Rows of several documents, as a model's forward is given them: what its attention
+and positions need (`Documents`), and its loss's share of the step's (`weighted`).
 
 A packed row (dtrain.data.packing) gives each token its place in its own document,
-`positions` (batch, time), 0 where a document starts. Query i may attend to key j when
-j <= i and no document starts in (j, i]: causal attention cut at every document
-boundary, so packed documents train as if each were alone in its row (their rotary or
-learned positions are those `positions` too). On CPU the mask is a dense boolean tensor
-for scaled_dot_product_attention, time x time per row.
+`positions` (batch, time), 0 where a document starts; attention stays inside each
+document (dtrain.masks), so packed documents train as if each were alone in its row, and
+their rotary or learned positions are those `positions` too. On CPU the mask is a dense
+boolean tensor for scaled_dot_product_attention, time x time per row; under context
+parallelism the ranks' attention builds its own from the positions.
 
 `weighted` scales a model's mean loss over its own targets to its share of a step's mean
-over all targets (dtrain.data.sequences.Batch.weight).
+over all targets (dtrain.data.sequences.Batch.shared).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from dtrain.masks import document_mask
 
-def document_mask(positions: torch.Tensor) -> torch.Tensor:
-    """The block-causal mask of rows whose documents restart at position 0: (batch, 1,
-    time, time) bool, True where query i may attend to key j."""
-    document = (positions == 0).cumsum(dim=-1)
-    t = positions.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
-    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+
+@dataclass(frozen=True)
+class Documents:
+    """The packed documents of a forward's rows, passed down to every attention.
+
+    Attributes:
+        positions: each of the rows' tokens' place in its document (batch, time): under
+            context parallelism, of this rank's chunks.
+        mask: the block-causal mask (batch, 1, time, time); None under context
+            parallelism, whose attention builds its own from `positions`.
+    """
+
+    positions: torch.Tensor
+    mask: torch.Tensor | None
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, context_parallel: bool) -> Documents:
+        return cls(positions, None if context_parallel else document_mask(positions))
+
 
 
 def weighted(loss: torch.Tensor, weight: float | None, logits: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.models.documents import Documents
 from dtrain.models.stages import AttentionCore, StagedLM
 
 
@@ -42,7 +43,7 @@ class CausalSelfAttention(nn.Module):
         self.core = AttentionCore(cfg.dropout)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         # Heads and time from qkv's output: under tensor parallelism a rank holds only its
         # own heads (Q, K and V split by heads), and under sequence parallelism x is this
         # rank's part of the sequence, which qkv gathers whole.
@@ -50,7 +51,7 @@ class CausalSelfAttention(nn.Module):
         b, t = qkv.shape[:2]
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2)
                    for z in qkv.chunk(3, dim=2))
-        return self.proj(self.core(q, k, v, mask).transpose(1, 2).reshape(b, t, -1))
+        return self.proj(self.core(q, k, v, documents).transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -72,9 +73,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask`: packed documents' attention mask (dtrain.models.documents)."""
-        x = x + self.attn(self.ln1(x), mask)
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """`documents`: the rows' packed documents (dtrain.models.documents)."""
+        x = x + self.attn(self.ln1(x), documents)
         return x + self.mlp(self.ln2(x))
 
 
@@ -112,7 +113,7 @@ class GPT(StagedLM):
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def stage_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return block(x, self.attention_mask)
+        return block(x, self.documents)
 
     def stage_out(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))

@@ -37,7 +37,7 @@ from torch import nn
 from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.models.config import ModelConfig
-from dtrain.models.documents import document_mask, weighted
+from dtrain.models.documents import Documents, weighted
 from dtrain.models.hf_places import HFName, expert_places
 from dtrain.models.kv_cache import KVCache
 from dtrain.models.moe import MoE, MoEConfig
@@ -266,6 +266,11 @@ def _convert_conv1d(root: nn.Module, prefix: str) -> set[str]:
     return converted
 
 
+HF_DOCUMENTS = "dtrain_documents"
+"""The keyword that tells dtrain's context-parallel attention (dtrain.models.context) that
+transformers' position_ids are packed documents' own."""
+
+
 class HFCausalLM(nn.Module):
     """A Hugging Face causal LM (the submodule `hf`) returning logits, or (logits, loss)
     given next-token targets.
@@ -286,6 +291,7 @@ class HFCausalLM(nn.Module):
         self.loss_fn = nn.CrossEntropyLoss()  # a module, so tensor parallelism can swap it
         self.context: ContextParallel | None = None  # dtrain.models.context.apply sets it
         self.kv_cache: KVCache | None = None  # dtrain.models.generate.attach sets it
+        self.documents: Documents | None = None  # the last forward's packed documents
         self.train()
 
     def forward(
@@ -297,13 +303,8 @@ class HFCausalLM(nn.Module):
         are given to transformers as their `position_ids` and a 4-D block-causal mask."""
         # No labels: transformers would shift them, and dtrain's targets are already the
         # next tokens.
-        where = {} if self.context is None else {  # this rank's chunks' global positions
-            "position_ids": self.context.positions(idx.shape[1], idx.device)[None]}
-        if positions is not None:
-            if self.context is not None or self.kv_cache is not None:
-                raise DtrainError("packed documents (positions) under context parallelism "
-                                  "or with a KV cache: pack with data.packing = \"pad\"")
-            where = {"position_ids": positions, "attention_mask": document_mask(positions)}
+        self.use_documents(positions)
+        where = self._where(idx.shape[1], idx.device)
         if self.kv_cache is not None:  # generation: transformers' own cache, kept in ours
             if self.kv_cache.hf is None:
                 self.kv_cache.hf = _transformers().DynamicCache()
@@ -314,6 +315,33 @@ class HFCausalLM(nn.Module):
             return logits
         loss = self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         return logits, weighted(loss, weight, logits)
+
+    def use_documents(self, positions: torch.Tensor | None) -> None:
+        """Make the next forwards (or pipeline stages) run rows of packed documents at
+        `positions` (None: one sequence per row).
+
+        Raises:
+            DtrainError: documents with a KV cache (generation runs one sequence).
+        """
+        if positions is not None and self.kv_cache is not None:
+            raise DtrainError("packed documents (positions) with a KV cache: generation "
+                              "runs one sequence per row")
+        self.documents = None if positions is None else Documents.of(
+            positions, self.context is not None)
+
+    def _where(self, t: int, device: torch.device) -> dict[str, torch.Tensor | bool]:
+        """What transformers is told of the positions: this rank's chunks' global ones
+        under context parallelism; of packed documents, their own and their mask (under
+        context parallelism, their own, which dtrain's attention reads: `HF_DOCUMENTS`)."""
+        if self.documents is not None:
+            if self.context is not None:
+                return {"position_ids": self.documents.positions, HF_DOCUMENTS: True}
+            assert self.documents.mask is not None  # built without context parallelism
+            return {"position_ids": self.documents.positions,
+                    "attention_mask": self.documents.mask}
+        if self.context is not None:
+            return {"position_ids": self.context.positions(t, device)[None]}
+        return {}
 
     def after_split(self, tp_size: int) -> None:
         """Fix what counts whole heads once tensor parallelism has split the layers across
@@ -353,17 +381,23 @@ class HFCausalLM(nn.Module):
         if self.family is Family.ROTARY:
             return self.hf.model.embed_tokens(idx)
         body = self.hf.transformer
-        positions = positions_of(self.context, idx.shape[1], idx.device)
+        positions = self._where(idx.shape[1], idx.device).get("position_ids")
+        if positions is None:
+            positions = positions_of(None, idx.shape[1], idx.device)
         return body.drop(body.wte(idx) + body.wpe(positions))
 
     def stage_block(self, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        where = self._where(h.shape[1], h.device)
+        mask = where.pop("attention_mask", None)
         if self.family is Family.ROTARY:
-            positions = positions_of(self.context, h.shape[1], h.device)[None]
+            positions = where.get("position_ids")
+            if positions is None:
+                positions = positions_of(None, h.shape[1], h.device)[None]
             rotary = self.hf.model.rotary_emb(h, positions)
-            out = block(h, attention_mask=None, position_ids=positions,
-                        position_embeddings=rotary)
+            out = block(h, attention_mask=mask, position_embeddings=rotary,
+                        **{**where, "position_ids": positions})
         else:
-            out = block(h, attention_mask=None)
+            out = block(h, attention_mask=mask)
         return out[0] if isinstance(out, tuple) else out  # older transformers return tuples
 
     def stage_out(self, h: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig, moe_layer_indices
+from dtrain.models.documents import Documents
 from dtrain.models.moe import Experts, MoE, MoEConfig, Router, aux_loss
 from dtrain.models.stages import Activation, AttentionCore, StagedLM
 
@@ -228,9 +229,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                documents: Documents | None = None) -> torch.Tensor:
         """`rope`: the (cos, sin) of x's positions, computed once per forward by the model
-        (computed here when not given); `mask`: packed documents' attention mask
+        (computed here when not given); `documents`: the rows' packed documents
         (dtrain.models.documents)."""
         # Head counts and time from the projections' outputs: under tensor parallelism a rank
         # holds only its own query and key/value heads (dtrain.tensor_parallel.llama_plan),
@@ -246,7 +247,7 @@ class Attention(nn.Module):
                                                         x.device, q.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        return self.o_proj(self.core(q, k, v, mask).transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(self.core(q, k, v, documents).transpose(1, 2).reshape(b, t, -1))
 
 
 class SwiGLU(Activation):
@@ -281,8 +282,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, mask)
+                documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -323,7 +324,7 @@ class Llama(StagedLM):
         return self.embed(idx)
 
     def stage_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return block(x, self._rope(x), self.attention_mask)
+        return block(x, self._rope(x), self.documents)
 
     def stage_out(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(x))

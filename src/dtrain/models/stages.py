@@ -29,7 +29,7 @@ from torch import nn
 
 from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.models.documents import document_mask, weighted
+from dtrain.models.documents import Documents, weighted
 from dtrain.models.kv_cache import KVCache, LayerCache
 
 
@@ -80,11 +80,9 @@ class StagedLM(nn.Module):
     kv_cache: KVCache | None = None
     """Generation's cache (dtrain.models.generate.attach): the inputs are the tokens after
     the `kv_cache.length` it holds, whose positions start there."""
-    documents: torch.Tensor | None = None
-    """The last forward's rows of packed documents: each token's place in its document
-    (batch, time); None: one sequence per row (dtrain.models.documents)."""
-    attention_mask: torch.Tensor | None = None
-    """The block-causal mask of `documents`, which the blocks pass to their attention."""
+    documents: Documents | None = None
+    """The last forward's packed documents (their positions and mask), which the blocks
+    pass to their attention; None: one sequence per row (dtrain.models.documents)."""
     documents_given: int = 0
     """How many forwards were given documents: what a cache of per-position values
     (Llama's rotary angles) keys on, as the rows change with every one."""
@@ -94,7 +92,7 @@ class StagedLM(nn.Module):
         positions_of), after those a KV cache holds; of packed documents, their own
         places (batch, time)."""
         if self.documents is not None:
-            return self.documents
+            return self.documents.positions
         at = positions_of(self.context, t, device)
         return at if self.kv_cache is None else at + self.kv_cache.length
 
@@ -112,17 +110,12 @@ class StagedLM(nn.Module):
 
         Raises:
             ValueError: a longer sequence than block_size.
-            DtrainError: documents under context parallelism or with a KV cache.
+            DtrainError: documents with a KV cache.
         """
         if idx.shape[1] > self.block_size:
             raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds "
                              f"block_size={self.block_size}")
-        if positions is not None and (self.context is not None or self.kv_cache is not None):
-            raise DtrainError("packed documents (positions) under context parallelism or "
-                              "with a KV cache: pack with data.packing = \"pad\"")
-        self.documents = positions
-        self.documents_given += positions is not None
-        self.attention_mask = None if positions is None else document_mask(positions)
+        self.use_documents(positions)
         x = self.stage_in(idx)
         for block in cast(nn.ModuleList, self.get_submodule(self.stage_parts()[1])):
             x = self.stage_block(block, x)
@@ -133,6 +126,20 @@ class StagedLM(nn.Module):
         loss = weighted(loss, weight, logits)
         extra = self.extra_loss()
         return logits, loss if extra is None else loss + extra
+
+    def use_documents(self, positions: torch.Tensor | None) -> None:
+        """Make the next stages' forwards run rows of packed documents at `positions`
+        (None: one sequence per row); forward calls it, a pipeline stage too.
+
+        Raises:
+            DtrainError: documents with a KV cache (generation runs one sequence).
+        """
+        if positions is not None and self.kv_cache is not None:
+            raise DtrainError("packed documents (positions) with a KV cache: generation "
+                              "runs one sequence per row")
+        self.documents = None if positions is None else Documents.of(
+            positions, self.context is not None)
+        self.documents_given += positions is not None
 
     def stage_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return block(x)
@@ -173,15 +180,17 @@ class AttentionCore(nn.Module):
         self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of q to k and v, causal, or as `mask` (batch, 1, time, time) allows
-        (packed documents' block-causal mask, dtrain.models.documents)."""
+                documents: Documents | None = None) -> torch.Tensor:
+        """Attention of q to k and v, causal, or inside each of the rows' packed
+        `documents` (dtrain.models.documents)."""
         drop = self.dropout if self.training else 0.0
         if self.context is not None:
             if drop:
                 raise DtrainError("attention dropout under context parallelism: set the "
                                   "model's dropout to 0")
-            return self.context.attention(q, k, v)
+            return self.context.attention(
+                q, k, v, documents=None if documents is None else documents.positions)
+        mask = None if documents is None else documents.mask
         before = 0
         if self.cache is not None:
             k, v, before = self.cache.extend(k, v)

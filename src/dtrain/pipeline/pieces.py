@@ -49,8 +49,21 @@ class Piece(nn.Module):
         _place(self, blocks_name, nn.ModuleDict({str(i): every[i] for i in blocks}))
         self._model = (model,)  # a tuple: the whole model is not a submodule of the piece
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The piece's stages on `x` (token ids into the first piece, hidden states into
+        the others); `positions`: the micro-batch's packed documents, which every piece's
+        blocks need (dtrain.models.documents).
+
+        Raises:
+            ConfigError: packed documents for a model that cannot take them.
+        """
         model = self._model[0]
+        use = getattr(model, "use_documents", None)
+        if use is not None:
+            use(positions)
+        elif positions is not None:
+            raise ConfigError(f"{type(model).__name__} takes no packed documents: give it "
+                              "use_documents(positions), or use data.packing = \"stream\"")
         if self.first:
             x = model.stage_in(x)
         for block in self.held_blocks:

@@ -37,6 +37,7 @@ from dtrain import comm
 from dtrain.data_parallel import clip
 from dtrain.data_parallel.clip import GradPart
 from dtrain.errors import ConfigError
+from dtrain.models.documents import weighted
 from dtrain.pipeline import schedules
 from dtrain.pipeline.p2p import Channels
 from dtrain.pipeline.pieces import ExtraLoss
@@ -118,6 +119,8 @@ class Pipeline:
                        or any(averages_apart(p) for p in self.pieces))
         self.timeline, self.events = timeline, []
         self.peak_live = 0
+        self._micro_positions: list[torch.Tensor] | None = None  # this step's, if packed
+        self._weights: Sequence[float] | None = None
         first = next((p for piece in self.pieces for p in piece.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._channels = Channels(self.group, self.device)
@@ -151,17 +154,31 @@ class Pipeline:
 
     # ------------------------------------------------------------------ step
     def step(self, inputs: torch.Tensor | None = None,
-             targets: torch.Tensor | None = None) -> torch.Tensor:
+             targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+             weights: Sequence[float] | None = None) -> torch.Tensor:
         """Forward and backward of the batch; gradients accumulate in the pieces'
-        parameters. Returns the mean loss (a 0-d tensor) on every rank."""
-        return self._run(self.actions, inputs, targets, backward=True)
+        parameters. Returns the mean loss (a 0-d tensor) on every rank.
+
+        Args:
+            positions: rows of packed documents (dtrain.models.documents): each token's
+                place in its document, the whole batch's, which every stage is given
+                micro-batch by micro-batch (`Piece.forward`).
+            weights: each micro-batch's loss weight in place of 1 / micro-batches (the
+                mean over the targets of the batch, where micro-batches hold different
+                numbers of targets: dtrain.layouts.pipeline).
+        """
+        return self._run(self.actions, inputs, targets, backward=True, positions=positions,
+                         weights=weights)
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor | None = None,
-                 targets: torch.Tensor | None = None) -> torch.Tensor:
-        """The mean loss of the batch, forwards only."""
+                 targets: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                 weights: Sequence[float] | None = None) -> torch.Tensor:
+        """The mean loss of the batch, forwards only (`positions` and `weights` as
+        `step` takes them)."""
         order = schedules.forward_only(self.pp, self.microbatches, self.chunks)
-        return self._run(order, inputs, targets, backward=False)
+        return self._run(order, inputs, targets, backward=False, positions=positions,
+                         weights=weights)
 
     @torch.no_grad()
     def infer(self, inputs: torch.Tensor) -> torch.Tensor | None:
@@ -183,9 +200,14 @@ class Pipeline:
         return out
 
     def _run(self, actions: list[Action], inputs: torch.Tensor | None,
-             targets: torch.Tensor | None, backward: bool) -> torch.Tensor:
+             targets: torch.Tensor | None, backward: bool,
+             positions: torch.Tensor | None = None,
+             weights: Sequence[float] | None = None) -> torch.Tensor:
         micro_in = self._split(inputs, "input") if self._needs("input") else None
         micro_tg = self._split(targets, "target") if self._needs("target") else None
+        self._micro_positions = None if positions is None else self._split(positions,
+                                                                           "position")
+        self._weights = weights
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         self.events, self.peak_live = [], 0
@@ -223,9 +245,15 @@ class Pipeline:
         else:
             inp = self._channels.recv((self.rank - 1) % self.pp, _tag("act", chunk))
             inp.requires_grad_(backward and inp.is_floating_point())
-        out = self.pieces[chunk](inp)
+        if self._micro_positions is None:
+            out = self.pieces[chunk](inp)
+        else:
+            out = self.pieces[chunk](inp, positions=self._micro_positions[action.micro])
         if self._is_last(chunk):
-            return self.loss_fn(out, micro_tg[action.micro]) / self.microbatches, inp
+            loss = self.loss_fn(out, micro_tg[action.micro])
+            if self._weights is None:
+                return loss / self.microbatches, inp
+            return weighted(loss, self._weights[action.micro], out), inp
         self._channels.send(out, (self.rank + 1) % self.pp,
                             _tag("act", chunk + (self.rank == self.pp - 1)))
         return out, inp

@@ -52,14 +52,6 @@ def check_rows(data: Data, config: Config) -> None:
     """
     packed = data.packing is Packing.BLOCK_CAUSAL
     masked = data.train.targets_in([0]) is not None
-    p = config.parallel
-    if packed and p.cp > 1:
-        raise ConfigError('data.packing = "block_causal" with parallel.cp > 1 is not '
-                          'supported yet: set data.packing = "pad" or parallel.cp = 1')
-    if (packed or masked) and p.pp > 1:
-        raise ConfigError("packed documents and loss masks with parallel.pp > 1 are not "
-                          'supported yet: set parallel.pp = 1 (or train text with '
-                          'data.packing = "stream")')
     if (packed or masked) and config.model.arch == "custom":
         raise ConfigError("packed documents and loss masks need a model that takes "
                           "positions= and weight= (dtrain's GPT and Llama, arch = \"hf\"): "
