@@ -140,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
                                                        "the tokenizer's separator)")
     generate.add_argument("--tokens", type=int, default=200, metavar="T",
                           help="tokens to generate (default 200)")
+    generate.add_argument("--chat", action="store_true",
+                          help="the prompt is a user's message, rendered by the run's chat "
+                               "template; stop at its end of turn and print the answer")
     generate.add_argument("--seed", type=int, default=0, metavar="S",
                           help="seed of the sampling generator (default 0)")
     generate.add_argument("--temperature", type=float, default=0.8, metavar="X",

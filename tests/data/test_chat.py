@@ -125,3 +125,23 @@ def test_the_mask_follows_characters_not_bytes(tmp_path: Path) -> None:
     ids, targets = encode_chat(conversation, found, load_tokenizer("bytes"))
     assert bytes(ids[targets].tolist()).decode() == "ü<|im_end|>"
     assert np.count_nonzero(targets) == len("ü<|im_end|>".encode())
+
+
+@pytest.mark.parametrize("template, end", [(CHATML, "<|im_end|>"), (LLAMA3, "<|eot_id|>")],
+                         ids=["chatml", "llama3"])
+def test_a_chat_prompt_and_the_end_of_its_answer(tmp_path: Path, template: str,
+                                                 end: str) -> None:
+    """`dtrain generate --chat`'s prompt: the user's message with the generation prompt,
+    as transformers renders it; and the token that ends an answer."""
+    from transformers import PreTrainedTokenizerFast
+
+    from dtrain.data.chat import chat_prompt
+
+    file = make_chat_tokenizer(tmp_path / "tok", template)
+    tok = load_tokenizer(str(file))
+    ids, stop = chat_prompt(ChatTemplate.find(str(file)), tok, "Capital of France?")
+    theirs = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "tok"))
+    asked = [{"role": "user", "content": "Capital of France?"}]
+    want = theirs.apply_chat_template(asked, tokenize=True, add_generation_prompt=True,
+                                      return_dict=True)["input_ids"]
+    assert ids == list(want) and stop == tok.encode(end)[0]

@@ -90,7 +90,8 @@ def _train(runs: list[tuple[str, dict, bool]]) -> dict[str, dict[str, list[float
             summary = Trainer(config_from_dict(values)).run()
         rows = [json.loads(line) for line in
                 Path(values["logging"]["metrics"]).read_text().splitlines()]
-        out[name] = {key: [r[key] for r in rows if "loss" in r] for key in ("loss", "grad_norm")}
+        out[name] = {key: [r[key] for r in rows if "loss" in r]
+                     for key in ("loss", "grad_norm", "target_tokens", "padding")}
         if dtrain_rank() == 0:
             from safetensors.torch import load_file
 
@@ -157,6 +158,9 @@ def test_chat_sft_in_every_layout_equals_one_process(tmp_path: Path) -> None:
 
 
 def _assert_same(got: dict, want: dict, name: str) -> None:
+    """Every step's loss, gradient norm, target tokens and padding; the final weights."""
+    assert got["target_tokens"] == want["target_tokens"] and min(want["target_tokens"]) > 0
+    assert got["padding"] == want["padding"] and 0 <= max(want["padding"]) < 1
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6,
                                    msg=lambda m, k=key: f"{name} {k}: {m}")

@@ -178,6 +178,25 @@ class ChatTemplate:
                               f"({exc}): fix the conversation or give {FIX}") from exc
 
 
+def chat_prompt(template: ChatTemplate, tokenizer: Tokenizer, text: str
+                ) -> tuple[list[int], int | None]:
+    """The ids of a one-message conversation from the user, `text`, with the generation
+    prompt after it (what a model trained on the template answers), and the template's
+    end-of-turn id (the first token the template writes after an assistant's content:
+    where an answer stops), None if it writes nothing there.
+
+    Raises:
+        ConfigError: the template refused the conversation.
+    """
+    asked = [{"role": "user", "content": text}]
+    prompt = template.render(asked, add_generation_prompt=True)
+    mark = "\x00dtrain\x00"  # content no template alters, to find what follows it
+    turn = template.render([*asked, {"role": "assistant", "content": mark}])
+    after = turn[turn.find(mark) + len(mark):] if mark in turn else ""
+    ends = tokenizer.encode(after) if after.strip() else []
+    return tokenizer.encode(prompt), ends[0] if ends else None
+
+
 def check_messages(value: object, where: str) -> list[Message]:
     """`value` as a conversation: a non-empty list of {"role", "content"} with known roles.
 

@@ -147,6 +147,10 @@ class PackedRows(Dataset[tuple[torch.Tensor, ...]]):
             return x, y
         return x, y, positions
 
+    def filled_in(self, rows: list[int]) -> int:
+        """How many positions of `rows` hold a document (not padding)."""
+        return sum(int(self.size[piece]) for i in rows for piece in self.rows[i])
+
     def targets_in(self, rows: list[int]) -> int:
         """How many positions of `rows` are targets (the loss's denominator)."""
         total = 0

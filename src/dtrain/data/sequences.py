@@ -41,6 +41,9 @@ class Sequences(Protocol):
 
     def targets_in(self, rows: list[int]) -> int | None: ...
 
+    def filled_in(self, rows: list[int]) -> int | None:
+        """How many positions of `rows` are not padding; None when none is."""
+
 
 @dataclass
 class Batch:
@@ -57,6 +60,8 @@ class Batch:
     targets: torch.Tensor
     positions: torch.Tensor | None = None
     targets_in_step: int | None = None
+    filled_in_step: int | None = None
+    """How many positions of the whole global step are not padding (None: all)."""
     weight: float | None = None
     """This batch's loss (a mean over its own targets) times `weight` is its part of the
     step's mean over all targets (`shared`); None: the plain mean is."""
@@ -138,6 +143,9 @@ class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             return None
         return sum(int(self._wanted(i).sum()) for i in rows)
 
+    def filled_in(self, rows: list[int]) -> int | None:
+        return None
+
 
 def split(tokens: Tokens, val_fraction: float, block_size: int) -> tuple[View, View]:
     """Split into (train, held-out) views at the end; both must hold at least one sequence.
@@ -193,10 +201,11 @@ def batches(
                 seed + epoch)) if shuffle else torch.arange(len(dataset)))
         assert order is not None  # drawn at the first step (epoch starts at -1)
         base = (step % per_epoch) * global_batch
-        total = dataset.targets_in(order[base : base + global_batch].tolist())
+        rows = order[base : base + global_batch].tolist()
+        total, filled = dataset.targets_in(rows), dataset.filled_in(rows)
         for m in range(accum):
             window = order[base + m * micro : base + (m + 1) * micro][dp_rank::dp_size]
             x, y, *positions = [torch.stack(f) for f in zip(
                 *(dataset[i] for i in window.tolist()), strict=True)]
-            yield Batch(x, y, positions[0] if positions else None, total)
+            yield Batch(x, y, positions[0] if positions else None, total, filled)
         step += 1

@@ -8,6 +8,7 @@ model in the layout `--set parallel.*` asks for; rank 0 prints the text.
 
     dtrain generate out/checkpoints --prompt "def " --tokens 200
     dtrain generate out/checkpoints --prompt "def " -n 2 --set parallel.tp=2
+    dtrain generate out/checkpoints --chat --prompt "What is two plus two?"
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def generate_command(args: argparse.Namespace) -> None:
         from dtrain.world import current
 
         text = generate_text(config, str(ckpt.path), args.prompt, args.tokens, args.seed,
-                             args.temperature)
+                             args.temperature, args.chat)
         if current().is_main:
             print(text, flush=True)
         return
@@ -63,7 +64,8 @@ def generate_command(args: argparse.Namespace) -> None:
         job = Path(folder) / "generate.json"
         job.write_text(json.dumps({"config": config.to_dict(), "checkpoint": str(ckpt.path),
                                    "prompt": args.prompt, "tokens": args.tokens,
-                                   "seed": args.seed, "temperature": args.temperature}))
+                                   "seed": args.seed, "temperature": args.temperature,
+                                   "chat": args.chat}))
         launch(LaunchSpec(command=[sys.executable, "-u", "-m", "dtrain.train.generation",
                                    str(job)],
                           nproc=args.nproc, nnodes=1, min_nodes=1, node_rank=None,

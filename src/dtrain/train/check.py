@@ -43,15 +43,20 @@ def check_job(config: Config) -> None:
 
 
 def check_rows(data: Data, config: Config) -> None:
-    """Whether the layout and the model can train on the data's rows: packed documents
-    need the model to take their positions and every attention to see their masks, and a
-    loss over some positions only needs the model to weigh its own.
+    """Whether the layout and the model can train on the data's rows: enough held-out rows
+    for an evaluation batch; packed documents and loss masks need a model that takes
+    their positions and weighs its loss.
 
     Raises:
         ConfigError: the combination is not supported yet, naming what to change.
     """
     packed = data.packing is Packing.BLOCK_CAUSAL
     masked = data.train.targets_in([0]) is not None
+    evaluated = config.train.batch_size // config.train.grad_accum
+    if len(data.val) < evaluated:
+        raise ConfigError(f"the data's held-out part holds {len(data.val)} rows, fewer than "
+                          f"one evaluation batch of {evaluated}: raise data.val_fraction or "
+                          "give more data")
     if (packed or masked) and config.model.arch == "custom":
         raise ConfigError("packed documents and loss masks need a model that takes "
                           "positions= and weight= (dtrain's GPT and Llama, arch = \"hf\"): "

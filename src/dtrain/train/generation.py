@@ -39,6 +39,8 @@ from dtrain import world as world_mod
 from dtrain.checkpoint.universal import Checkpoint
 from dtrain.config import Config, config_from_dict, dims_of
 from dtrain.data import Tokenizer, load_tokenizer
+from dtrain.data.chat import ChatTemplate, chat_prompt
+from dtrain.data.tokenizer import BYTES
 from dtrain.errors import ConfigError, DtrainError, exit_code_of
 from dtrain.layouts import Holding
 from dtrain.mesh import Dims, Mesh
@@ -61,11 +63,13 @@ def splits_model(config: Config, dims: Dims) -> bool:
 
 @torch.no_grad()
 def generate_split(holding: Holding, model: nn.Module, mesh: Mesh, prompt_ids: list[int],
-                  tokens: int, seed: int, temperature: float, vocab_size: int) -> list[int]:
-    """`prompt_ids` followed by `tokens` sampled tokens, from this rank's `holding` of
-    `model` (the model handed to dtrain.layouts.build) over `mesh`, at most
-    `model.block_size` tokens seen at once. Collective: every rank of the mesh calls it
-    with the same arguments, and every rank returns the same ids.
+                  tokens: int, seed: int, temperature: float, vocab_size: int,
+                  stop: int | None = None) -> list[int]:
+    """`prompt_ids` followed by `tokens` sampled tokens (fewer if `stop` is drawn, which
+    ends them), from this rank's `holding` of `model` (the model handed to
+    dtrain.layouts.build) over `mesh`, at most `model.block_size` tokens seen at once.
+    Collective: every rank of the mesh calls it with the same arguments, and every rank
+    returns the same ids.
 
     Raises:
         ConfigError: the model runs under context or sequence parallelism.
@@ -92,6 +96,8 @@ def generate_split(holding: Holding, model: nn.Module, mesh: Mesh, prompt_ids: l
                 token = pick_token(last, generator, temperature)
             comm.broadcast(token, src=mesh.size("pp") - 1, group=pp)
             ids = torch.cat([ids, token], dim=1)
+            if stop is not None and int(token) == stop:  # every rank drew the same
+                break
     finally:
         detach(model)
         holding.module.train(was_training)
@@ -159,14 +165,16 @@ def generation_config(ckpt: Checkpoint, overrides: list[tuple[str, str, object]]
 
 
 def generate_text(config: Config, checkpoint: str, prompt: str, tokens: int, seed: int,
-                  temperature: float) -> str:
+                  temperature: float, chat: bool = False) -> str:
     """This rank's part of `dtrain generate`: build the checkpoint's model in split form
     in the config's layout over this process's world, restore its weights, generate, and
-    return the text (every rank the same).
+    return the text (every rank the same). With `chat`, the prompt is a user's message
+    rendered by the run's chat template (dtrain.data.chat.chat_prompt), generation stops
+    at the template's end of turn, and the text is the answer alone.
 
     Raises:
         ConfigError: a damaged checkpoint, a layout that does not fit, a model it cannot
-            split so.
+            split so; with `chat`, a run whose tokenizer has no chat template.
     """
     backend = None if config.comm.backend == "auto" else config.comm.backend
     world = world_mod.init(backend=backend)
@@ -180,10 +188,18 @@ def generate_text(config: Config, checkpoint: str, prompt: str, tokens: int, see
     torch.manual_seed(config.train.seed)
     model = init.skeleton(lambda: models.build(shape))
     holding = layouts.build(model, mesh, config, weights=ckpt)
-    prompt_ids = tokenizer.encode(prompt) or tokenizer.separator
+    stop = None
+    if chat:
+        template = ChatTemplate.find(tokenizer.path or BYTES, config.data.chat_template)
+        prompt_ids, stop = chat_prompt(template, tokenizer, prompt)
+    else:
+        prompt_ids = tokenizer.encode(prompt) or tokenizer.separator
     ids = generate_split(holding, model, mesh, prompt_ids, tokens, seed, temperature,
-                        shape.vocab_size)
-    return tokenizer.decode(ids)
+                         shape.vocab_size, stop)
+    if not chat:
+        return tokenizer.decode(ids)
+    answer = ids[len(prompt_ids):]
+    return tokenizer.decode(answer[:-1] if answer and answer[-1] == stop else answer)
 
 
 def main(argv: list[str]) -> int:
@@ -194,7 +210,7 @@ def main(argv: list[str]) -> int:
 
     def run() -> None:
         text = generate_text(config_from_dict(job["config"]), job["checkpoint"], job["prompt"],
-                             job["tokens"], job["seed"], job["temperature"])
+                             job["tokens"], job["seed"], job["temperature"], job["chat"])
         if world_mod.current().is_main:
             print(text, flush=True)
 

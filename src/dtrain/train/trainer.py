@@ -205,6 +205,7 @@ class Trainer:
                           **model_meta(self.model)}
         self.losses: list[float] = []
         self.eval_losses: list[tuple[int, float]] = []
+        self.step_rows: Batch | None = None  # the last step's first micro-batch
 
     def _stream_from(self, step: int) -> Iterator[Batch]:
         tc = self.config.train
@@ -272,7 +273,7 @@ class Trainer:
                 "lr": self.schedulers[0].get_last_lr()[0],  # type: ignore[dict-item]
                 "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed, **figures,
                 "grad_norm": self.grad_norm, **self.membership.step_metrics(), **compared,
-                **self._moe_metrics()}
+                **self._moe_metrics(), **self._token_metrics(tokens_per_step, elapsed)}
             faults.at("record", step)
             if self.membership.writes():
                 before = self.recorded
@@ -337,6 +338,7 @@ class Trainer:
         for _ in range(holding.accum):
             with timeline.span("data", "data"):
                 data.append(on_rank(next(self.stream), self.mesh, device, shares))
+        self.step_rows = data[0]  # its counts of targets and padding are the step's
         loss = holding.forward_backward(data)
         with timeline.span("optimizer", "optimizer"):
             # the global norm before clipping, every step: a wrong divisor over any axis
@@ -352,6 +354,17 @@ class Trainer:
                 moe.after_step(self.model, self.mesh.group("dp_cp"))
         return mean_over(mean_over(loss.item(), holding.loss_group, device),
                          self.mesh.group("sync"), device)
+
+    def _token_metrics(self, positions: int, elapsed: float) -> dict[str, Value]:
+        """Where not every position is a target: the step's target tokens (the loss's
+        count), their rate, and the share of its positions that were padding."""
+        rows = self.step_rows
+        if rows is None or rows.targets_in_step is None:
+            return {}
+        filled = positions if rows.filled_in_step is None else rows.filled_in_step
+        return {"target_tokens": rows.targets_in_step,
+                "target_tokens_per_s": rows.targets_in_step / elapsed,
+                "padding": round(1 - filled / positions, 6)}
 
     def _moe_metrics(self) -> dict[str, list[float]]:
         """Each MoE layer's load imbalance (max / mean assignments per expert) and dropped
