@@ -36,6 +36,11 @@ class DataConfig:
     too_long: Literal["auto", "split", "truncate", "refuse"] = "auto"
     """A document longer than model.block_size when packed: split into rows, truncate, or
     refuse; auto splits text and truncates records and shards with loss masks."""
+    column: str = ""
+    """The field of a JSON line or a dataset's row that holds the text (jsonl) or the
+    conversation (chat); empty: "text" and "messages"."""
+    split: str = "train"
+    """The split of a saved Hugging Face dataset with several (dataset_dict.json)."""
     chat_template: str = ""
     """The chat template (a .jinja file or the template itself); empty: the tokenizer's
     own, from the tokenizer_config.json or chat_template.jinja beside its tokenizer.json."""

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dtrain.data.tables import field, is_table, table_rows
 from dtrain.data.tokenizer import ByteTokenizer, Tokenizer
 from dtrain.errors import ConfigError
 
@@ -113,9 +114,12 @@ def text_documents(path: str, key: str = "data.path") -> Iterator[bytes]:
             yield data
 
 
-def jsonl_documents(path: str, key: str = "data.path") -> Iterator[str]:
+def jsonl_documents(path: str, key: str = "data.path", column: str = "",
+                    split: str = "train") -> Iterator[str]:
     """The "text" field of each line of a JSONL file, or of the `*.jsonl` files of a folder
-    (recursively, in sorted order); blank lines are skipped.
+    (recursively, in sorted order); blank lines are skipped. A Hugging Face dataset
+    folder or parquet files give their rows' `column` ("text" by default; a saved
+    dataset's `split`: dtrain.data.tables).
 
     Raises:
         ConfigError: the path is empty or does not exist, a file cannot be read, or a line
@@ -123,10 +127,30 @@ def jsonl_documents(path: str, key: str = "data.path") -> Iterator[str]:
     """
     if not path:
         raise ConfigError(f'{key} is empty: data.format = "jsonl" needs a .jsonl file or a '
-                          "folder of them")
+                          "folder of them, or a Hugging Face dataset")
+    if is_table(path):
+        for row, where, _ in table_rows(path, split, key):
+            yield _text_field(row, column or "text", where)
+        return
     for file in corpus_files(path, key, suffix=JSONL):
         for text, _ in _jsonl_lines(file, key, path):
             yield text
+
+
+def _text_field(row: dict[str, object], column: str, where: str) -> str:
+    text = field(row, column, where, "each document's text")
+    if not isinstance(text, str):
+        raise ConfigError(f"{where}: its {column!r} field is not a string: give data.column "
+                          "(or --column) the field that holds the text")
+    return text
+
+
+def table_documents(path: str, column: str = "", split: str = "train", key: str = "input"
+                    ) -> Iterator[tuple[Document | None, int]]:
+    """The texts of a table's rows (`column`, "text" by default), each with its share of
+    the table's bytes: `input_documents` of a Hugging Face dataset or parquet files."""
+    for row, where, size in table_rows(path, split, key):
+        yield _text_field(row, column or "text", where), size
 
 
 def input_documents(listings: list[tuple[str, list[Path]]], key: str = "input",

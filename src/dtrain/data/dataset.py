@@ -29,7 +29,8 @@ from dtrain.data.config import DataConfig
 from dtrain.data.corpus import encode_with_starts, jsonl_documents, text_documents
 from dtrain.data.documents import Documents, Encoded, Kind, record_documents
 from dtrain.data.packing import PackedRows, Packing, TooLong
-from dtrain.data.sequences import Tokens, TokenSequences, View, split
+from dtrain.data.sequences import Tokens, TokenSequences, View
+from dtrain.data.sequences import split as hold_out
 from dtrain.data.shards import TOKENIZER_FILE, TokenShards, read_index
 from dtrain.data.tokenizer import BYTES, Tokenizer, load_tokenizer
 from dtrain.errors import ConfigError
@@ -104,7 +105,8 @@ def shards_tokenizer(shards_path: str, name: str, vocab_size: int,
 def open_data(path: str, format: str = "text", tokenizer: str = BYTES,
               max_bytes: int = 4_000_000, val_fraction: float = 0.05,
               block_size: int = 256, packing: str = "auto", train_on: str = "auto",
-              too_long: str = "auto", chat_template: str = "") -> Data:
+              too_long: str = "auto", chat_template: str = "", column: str = "",
+              split: str = "train") -> Data:
     """Read (or map) the data at `path`, split it, and cut it into rows.
 
     Args:
@@ -116,8 +118,8 @@ def open_data(path: str, format: str = "text", tokenizer: str = BYTES,
         val_fraction: the held-out share of the tokens (of the documents when packed),
             taken at the end.
         block_size: positions per row.
-        packing, train_on, too_long, chat_template: the `[data]` keys of those names
-            (dtrain.data.config.DataConfig).
+        packing, train_on, too_long, chat_template, column, split: the `[data]` keys of
+            those names (dtrain.data.config.DataConfig).
 
     Raises:
         ConfigError: a bad format, tokenizer, path, record or combination of keys, no
@@ -142,20 +144,22 @@ def open_data(path: str, format: str = "text", tokenizer: str = BYTES,
         tok = load_tokenizer(tokenizer)
         template = ChatTemplate.find(tokenizer, chat_template) if kind is Kind.CHAT or \
             chat_template else _template_if_any(tokenizer)
-        encoded = record_documents(path, kind, tok, template, targets)
+        encoded = record_documents(path, kind, tok, template, targets, column=column,
+                                   split=split)
         if encoded.without_targets:
             notes.append(f"{encoded.without_targets} record(s) without a target token skipped")
         tokens, flags, starts = torch.from_numpy(encoded.ids), _flags(encoded), encoded.starts
     else:
         tok = load_tokenizer(tokenizer)
-        documents = text_documents(path) if fmt is Format.TEXT else jsonl_documents(path)
+        documents = text_documents(path) if fmt is Format.TEXT else jsonl_documents(
+            path, column=column, split=split)
         ids, starts = encode_with_starts(documents, tok, max_bytes)
         tokens = torch.from_numpy(ids)
         if not len(tokens):
             raise ConfigError(f"data.path {path!r} holds no text")
     how = _packing(packing, fmt, flags is not None)
     if how is Packing.STREAM:
-        train, val = split(tokens, val_fraction, block_size)
+        train, val = hold_out(tokens, val_fraction, block_size)
         train_flags = val_flags = None
         if flags is not None:
             train_flags = View(flags, train.start, train.stop)
@@ -185,7 +189,8 @@ def open_data(path: str, format: str = "text", tokenizer: str = BYTES,
 def data_of(dc: DataConfig, block_size: int) -> Data:
     """`open_data` of a job's `[data]` section."""
     return open_data(dc.path, dc.format, dc.tokenizer, dc.max_bytes, dc.val_fraction,
-                     block_size, dc.packing, dc.train_on, dc.too_long, dc.chat_template)
+                     block_size, dc.packing, dc.train_on, dc.too_long, dc.chat_template,
+                     dc.column, dc.split)
 
 
 def _flags(encoded: Encoded) -> torch.Tensor | None:

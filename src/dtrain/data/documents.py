@@ -33,6 +33,7 @@ from dtrain.data.chat import (
 )
 from dtrain.data.corpus import JSONL, corpus_files
 from dtrain.data.sequences import Tokens, View
+from dtrain.data.tables import field, is_table, table_rows
 from dtrain.data.tokenizer import Tokenizer
 from dtrain.errors import ConfigError
 
@@ -124,18 +125,22 @@ class Documents:
         return Documents(View(self.tokens, a, b), self.starts[first : last + 1] - a, targets)
 
 
-def records(path: str, key: str = "data.path"
+def records(path: str, key: str = "data.path", split: str = "train"
             ) -> Iterator[tuple[dict[str, object], str, int]]:
     """Each JSON object of a .jsonl file or a folder's .jsonl files (recursively, sorted),
     with where it is ("file:line") and its line's size in bytes; blank lines skipped.
-    Lines are read one at a time.
+    Lines are read one at a time. A Hugging Face dataset folder or parquet files give
+    their rows instead (dtrain.data.tables; a saved dataset's `split`).
 
     Raises:
         ConfigError: the path is missing, a file cannot be read, or a line is no object.
     """
     if not path:
         raise ConfigError(f"{key} is empty: chat and prompt_completion data is a .jsonl file "
-                          "or a folder of them")
+                          "or a folder of them, or a Hugging Face dataset")
+    if is_table(path):
+        yield from table_rows(path, split, key)
+        return
     for file in corpus_files(path, key, suffix=JSONL):
         try:
             with file.open("rb") as lines:
@@ -157,20 +162,18 @@ def records(path: str, key: str = "data.path"
 
 
 def encode_record(record: dict[str, object], kind: Kind, tokenizer: Tokenizer,
-                  template: ChatTemplate | None, train_on: TrainOn, where: str
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """One record's ids and targets: a {"messages": [...]} conversation, or a
-    {"prompt", "completion"} pair.
+                  template: ChatTemplate | None, train_on: TrainOn, where: str,
+                  column: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """One record's ids and targets: a {"messages": [...]} conversation (the field
+    `column` names, "messages" by default), or a {"prompt", "completion"} pair.
 
     Raises:
         ConfigError: the fields it needs are missing or malformed (naming `where`).
     """
     if kind is Kind.CHAT:
-        if "messages" not in record:
-            raise ConfigError(f'{where}: no "messages" field: a chat row is '
-                              '{"messages": [{"role": "user", "content": "..."}, ...]}')
+        messages = field(record, column or "messages", where, "each conversation")
         assert template is not None  # found before reading (ChatTemplate.find)
-        return encode_chat(check_messages(record["messages"], where), template, tokenizer,
+        return encode_chat(check_messages(messages, where), template, tokenizer,
                            train_on, where=where)
     if "prompt" not in record or "completion" not in record:
         raise ConfigError(f'{where}: a prompt_completion row needs "prompt" and "completion"'
@@ -180,17 +183,20 @@ def encode_record(record: dict[str, object], kind: Kind, tokenizer: Tokenizer,
 
 
 def record_documents(path: str, kind: Kind, tokenizer: Tokenizer, template: ChatTemplate | None,
-                     train_on: TrainOn, key: str = "data.path") -> Encoded:
-    """The records of `path` encoded as documents with their targets; a record with no
-    target token is skipped and counted (`Encoded.without_targets`).
+                     train_on: TrainOn, key: str = "data.path", column: str = "",
+                     split: str = "train") -> Encoded:
+    """The records of `path` encoded as documents with their targets (`column` and
+    `split` as `records` and `encode_record` take them); a record with no target token
+    is skipped and counted (`Encoded.without_targets`).
 
     Raises:
         ConfigError: see `records` and `encode_record`; no record with a target at all.
     """
     pieces: list[tuple[np.ndarray, np.ndarray | None]] = []
     skipped = 0
-    for record, where, _ in records(path, key):
-        ids, targets = encode_record(record, kind, tokenizer, template, train_on, where)
+    for record, where, _ in records(path, key, split):
+        ids, targets = encode_record(record, kind, tokenizer, template, train_on, where,
+                                     column)
         if not targets[1:].any():  # the first token is never predicted
             skipped += 1
             continue

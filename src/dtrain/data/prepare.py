@@ -72,6 +72,7 @@ class Encoder:
     template: tuple[str, str, str] | None = None
     train_on: TrainOn = "all"
     max_length: int = 0
+    column: str = ""
 
     def open(self) -> tuple[Tokenizer, ChatTemplate | None]:
         from dtrain.data.chat import ChatTemplate
@@ -98,7 +99,7 @@ class Encoder:
             assert isinstance(item, tuple)  # records, by kind
             record, where = item
             ids, targets = encode_record(record, self.kind, tokenizer, template,
-                                         self.train_on, where)
+                                         self.train_on, where, self.column)
             if self.max_length and len(ids) > self.max_length:
                 ids, targets = ids[: self.max_length], targets[: self.max_length]
                 truncated += 1
@@ -174,7 +175,8 @@ def _encoded(chunks: Iterable[tuple[list[Item], int]], encoder: Encoder, workers
 def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
             shard_size: int = 100_000_000, workers: int = 0, dtype: str = "auto",
             progress: bool = True, format: str = "text", chat_template: str = "",
-            train_on: str = "auto", max_length: int = 0) -> dict[str, object]:
+            train_on: str = "auto", max_length: int = 0, column: str = "",
+            split: str = "train") -> dict[str, object]:
     """Tokenize text files, folders and JSONL files into a token-shard folder `out`.
 
     Text (`format` "text"): a file ending in .jsonl gives one document per line (its
@@ -195,7 +197,9 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
         dtype: auto (uint16 for at most 65,536 ids, else uint32), uint16 or uint32.
         progress: show a progress bar (bytes read) on stderr.
         format: text, chat or prompt_completion.
-        chat_template, train_on: as `[data]`'s keys of those names.
+        chat_template, train_on, column, split: as `[data]`'s keys of those names (an
+            input may be a Hugging Face dataset folder or parquet files:
+            dtrain.data.tables).
         max_length: cut records to this many tokens (0: keep them whole).
 
     Returns:
@@ -210,9 +214,10 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
     """
     from tqdm import tqdm
 
-    from dtrain.data.corpus import corpus_files, input_documents
+    from dtrain.data.corpus import corpus_files
     from dtrain.data.dataset import Format, train_on_of
     from dtrain.data.shards import ShardWriter
+    from dtrain.data.tables import is_table
 
     if not inputs:
         raise ConfigError("no INPUT given: name the text files, folders or .jsonl files to "
@@ -224,7 +229,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
     workers = workers or os.cpu_count() or 1
     fmt = Format(format)
     encoder = Encoder(tokenizer, fmt.records, None, train_on_of(fmt, train_on, "--train-on"),
-                      max_length)
+                      max_length, column)
     if fmt.records is not None:
         found = _template(tokenizer, chat_template, required=fmt.records.value == "chat")
         if found is not None:
@@ -232,14 +237,15 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
     tok, _ = encoder.open()
     listings = [(given, corpus_files(given, key="input")) for given in inputs]
     total = sum(file.stat().st_size for _, files in listings for file in files)
+    tables = {given for given in inputs if is_table(given)}
     name = "bytes" if tok.path is None else Path(tok.path).name
     documents_read = bytes_read = targets = skipped = truncated = 0
     with (ShardWriter(out, tok.vocab_size, name, tok.path, shard_size, dtype,
                       targets=fmt.records is not None) as writer,
           tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                desc="tokenizing", disable=not progress) as bar):
-        chunks = _chunks(input_documents(listings) if fmt.records is None
-                         else _record_items(inputs))
+        chunks = _chunks(_text_items(listings, tables, column, split) if fmt.records is None
+                         else _record_items(inputs, split))
         for piece, items, nbytes in _encoded(chunks, encoder, workers):
             if fmt.records is None and items and documents_read:  # as between documents
                 writer.write(tok.separator)
@@ -279,19 +285,34 @@ def _template(tokenizer: str, given: str, required: bool) -> ChatTemplate | None
         return None
 
 
-def _record_items(inputs: list[str]) -> Iterator[tuple[Item | None, int]]:
-    """The records of every input (.jsonl files and folders of them), with their sizes."""
+def _record_items(inputs: list[str], split: str) -> Iterator[tuple[Item | None, int]]:
+    """The records of every input (.jsonl files and folders of them, or tables), with
+    their sizes."""
     from dtrain.data.documents import records
 
     for given in inputs:
-        for record, where, nbytes in records(given, key="input"):
+        for record, where, nbytes in records(given, key="input", split=split):
             yield (record, where), nbytes
+
+
+def _text_items(listings: list[tuple[str, list[Path]]], tables: set[str], column: str,
+                split: str) -> Iterator[tuple[Item | None, int]]:
+    """The text documents of every input: a table's rows' `column`, the files of the
+    others (dtrain.data.corpus.input_documents)."""
+    from dtrain.data.corpus import input_documents, table_documents
+
+    for given, files in listings:
+        if given in tables:
+            yield from table_documents(given, column, split)
+        else:
+            yield from input_documents([(given, files)])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Define `dtrain data prepare`'s arguments on `parser`."""
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="text files, folders (read recursively) or .jsonl files")
+                        help="text files, folders (read recursively), .jsonl files, or "
+                             "Hugging Face datasets (save_to_disk folders, parquet files)")
     parser.add_argument("out", metavar="OUT",
                         help="the shard folder to write (must not exist, or be empty)")
     parser.add_argument("--tokenizer", default="bytes", metavar="T",
@@ -313,6 +334,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "auto: assistant turns for chat, the completion for pairs)")
     parser.add_argument("--max-length", type=int, default=0, metavar="N",
                         help="cut records to N tokens (default 0: keep them whole)")
+    parser.add_argument("--column", default="", metavar="C",
+                        help="the field of a JSON line or a dataset's row holding the text "
+                             "or the conversation (default: text, or messages for chat)")
+    parser.add_argument("--split", default="train", metavar="S",
+                        help="the split of a saved Hugging Face dataset (default train)")
     parser.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto",
                         help="token dtype of the shards (default auto: uint16 up to 65,536 "
                              "ids, else uint32)")
@@ -333,7 +359,7 @@ def run(args: argparse.Namespace) -> None:
     summary = prepare(args.inputs, args.out, args.tokenizer, shard_size, args.workers,
                       args.dtype, progress=sys.stderr.isatty(), format=args.format,
                       chat_template=args.chat_template, train_on=args.train_on,
-                      max_length=args.max_length)
+                      max_length=args.max_length, column=args.column, split=args.split)
     print(f"dtrain: wrote {summary['tokens']:,} tokens of {summary['documents']:,} documents "
           f"in {summary['shards']} {summary['dtype']} shards to {summary['out']} (tokenizer "
           f"{summary['tokenizer']}, vocabulary {summary['vocab_size']:,})")
