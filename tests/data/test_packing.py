@@ -173,6 +173,18 @@ def test_the_mask_is_causal_inside_each_document_only() -> None:
                 assert mask[row, 0, i, j] == (j <= i and document[i] == document[j])
 
 
+def test_flex_attentions_mask_is_the_dense_one() -> None:
+    """The mask_mod the CUDA path gives flex attention marks what the dense mask does
+    (torch's own create_mask evaluates it, on the CPU)."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from dtrain.masks import same_document
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3], [*range(7), 0, 1, 2]])
+    dense = create_mask(same_document(positions), 2, 1, 10, 10, device="cpu")
+    assert torch.equal(dense, document_mask(positions))
+
+
 def test_prepared_chat_shards_give_the_rows_the_jsonl_gives(tmp_path: Path) -> None:
     file = make_chat_tokenizer(tmp_path / "tok")
     path = write_chat_jsonl(tmp_path / "c.jsonl", CONVERSATIONS * 7)

@@ -384,3 +384,33 @@ def test_two_processes_sharing_one_gpu_over_gloo_average_like_ddp(peer: str) -> 
     for got in run_ranks(_data_parallel_grads, 2, "fp32", peer, timeout=120,
                          env={"DTRAIN_BACKEND": "gloo"}):
         torch.testing.assert_close(got, want)
+
+
+def test_packed_documents_under_flex_attention_equal_the_dense_mask() -> None:
+    """On CUDA dtrain's Llama attends over packed documents with flex attention's block
+    mask: the loss and every gradient equal those under the dense boolean mask (fp32)."""
+    from dtrain.masks import document_block_mask, document_mask
+    from dtrain.models.documents import Documents
+
+    torch.manual_seed(0)
+    model = models.build(models.resolve(ModelConfig(**{**LLAMA, "block_size": 256}), 256))
+    model = model.cuda()
+    lengths = [37, 120, 3, 96]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    x = torch.randint(0, 256, (1, 256), device="cuda")
+    y = torch.randint(0, 256, (1, 256), device="cuda")
+    results = []
+    for mask in (document_block_mask(positions), document_mask(positions)):
+        model.zero_grad()
+        model.documents = Documents(positions, mask)  # the stages read it, as forward sets
+        model.documents_given += 1
+        h = model.stage_in(x)
+        for block in model.blocks:
+            h = model.stage_block(block, h)
+        loss = nn.functional.cross_entropy(model.stage_out(h)[0], y[0])
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (flex_loss, flex_grads), (dense_loss, dense_grads) = results
+    torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-5)
+    for a, b in zip(flex_grads, dense_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)

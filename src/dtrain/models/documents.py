@@ -5,7 +5,8 @@ A packed row (dtrain.data.packing) gives each token its place in its own documen
 `positions` (batch, time), 0 where a document starts; attention stays inside each
 document (dtrain.masks), so packed documents train as if each were alone in its row, and
 their rotary or learned positions are those `positions` too. On CPU the mask is a dense
-boolean tensor for scaled_dot_product_attention, time x time per row; under context
+boolean tensor for scaled_dot_product_attention, time x time per row; on CUDA, dtrain's
+own attention takes flex attention's block mask instead (dtrain.masks); under context
 parallelism the ranks' attention builds its own from the positions.
 
 `weighted` scales a model's mean loss over its own targets to its share of a step's mean
@@ -15,10 +16,14 @@ over all targets (dtrain.data.sequences.Batch.shared).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from dtrain.masks import document_mask
+from dtrain.masks import document_block_mask, document_mask, flex_available
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 @dataclass(frozen=True)
@@ -28,16 +33,25 @@ class Documents:
     Attributes:
         positions: each of the rows' tokens' place in its document (batch, time): under
             context parallelism, of this rank's chunks.
-        mask: the block-causal mask (batch, 1, time, time); None under context
-            parallelism, whose attention builds its own from `positions`.
+        mask: the block-causal mask: dense (batch, 1, time, time), or on CUDA flex
+            attention's BlockMask; None under context parallelism, whose attention
+            builds its own from `positions`.
     """
 
     positions: torch.Tensor
-    mask: torch.Tensor | None
+    mask: torch.Tensor | BlockMask | None
 
     @classmethod
-    def of(cls, positions: torch.Tensor, context_parallel: bool) -> Documents:
-        return cls(positions, None if context_parallel else document_mask(positions))
+    def of(cls, positions: torch.Tensor, context_parallel: bool, flex: bool = False
+           ) -> Documents:
+        """The documents at `positions`; with `flex`, where flex attention runs (CUDA),
+        their mask as a BlockMask (dtrain's own attention takes one; a transformers
+        model's SDPA takes the dense mask)."""
+        if context_parallel:
+            return cls(positions, None)
+        if flex and flex_available(positions.device):
+            return cls(positions, document_block_mask(positions))
+        return cls(positions, document_mask(positions))
 
 
 

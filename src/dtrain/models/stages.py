@@ -29,6 +29,7 @@ from torch import nn
 
 from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import ConfigError, DtrainError
+from dtrain.masks import compiled_flex_attention, document_mask
 from dtrain.models.documents import Documents, weighted
 from dtrain.models.kv_cache import KVCache, LayerCache
 
@@ -138,7 +139,7 @@ class StagedLM(nn.Module):
             raise DtrainError("packed documents (positions) with a KV cache: generation "
                               "runs one sequence per row")
         self.documents = None if positions is None else Documents.of(
-            positions, self.context is not None)
+            positions, self.context is not None, flex=True)
         self.documents_given += positions is not None
 
     def stage_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +191,15 @@ class AttentionCore(nn.Module):
                                   "model's dropout to 0")
             return self.context.attention(
                 q, k, v, documents=None if documents is None else documents.positions)
-        mask = None if documents is None else documents.mask
+        mask: torch.Tensor | None = None
+        if documents is not None and isinstance(documents.mask, torch.Tensor):
+            mask = documents.mask
+        elif documents is not None and documents.mask is not None:
+            # flex attention's BlockMask (CUDA): the blocks no query sees are skipped
+            if not drop:
+                return compiled_flex_attention()(q, k, v, block_mask=documents.mask,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            mask = document_mask(documents.positions)  # flex attention has no dropout
         before = 0
         if self.cache is not None:
             k, v, before = self.cache.extend(k, v)
