@@ -34,7 +34,7 @@ _EXPORTS = {
     "batches": "dtrain.data.sequences",
     "split": "dtrain.data.sequences",
     "Data": "dtrain.data.dataset",
-    "Format": "dtrain.data.dataset",
+    "Format": "dtrain.data.formats",
     "open_data": "dtrain.data.dataset",
     "vocab_of": "dtrain.data.dataset",
 }
@@ -47,7 +47,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     from dtrain.data.corpus import encode_documents, jsonl_documents, read_corpus, text_documents
-    from dtrain.data.dataset import Data, Format, open_data, vocab_of
+    from dtrain.data.dataset import Data, open_data, vocab_of
+    from dtrain.data.formats import Format
     from dtrain.data.sequences import TokenSequences, View, batches, split
     from dtrain.data.shards import ShardWriter, TokenShards
     from dtrain.data.tokenizer import Tokenizer, load_tokenizer

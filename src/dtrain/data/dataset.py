@@ -18,52 +18,23 @@ documents packed or padded into rows. "auto" streams text and packs records.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dtrain.data.chat import ChatTemplate, TrainOn
+from dtrain.data.chat import ChatTemplate
 from dtrain.data.config import DataConfig
 from dtrain.data.corpus import encode_with_starts, jsonl_documents, text_documents
-from dtrain.data.documents import Documents, Encoded, Kind, record_documents
+from dtrain.data.documents import Documents
+from dtrain.data.formats import Format, train_on_of
 from dtrain.data.packing import PackedRows, Packing, TooLong
+from dtrain.data.records import Encoded, Kind, record_documents
 from dtrain.data.sequences import Tokens, TokenSequences, View
 from dtrain.data.sequences import split as hold_out
 from dtrain.data.shards import TOKENIZER_FILE, TokenShards, read_index
 from dtrain.data.tokenizer import BYTES, Tokenizer, load_tokenizer
 from dtrain.errors import ConfigError
-
-
-class Format(Enum):
-    """How data.path is read."""
-
-    TEXT = "text"
-    JSONL = "jsonl"
-    CHAT = "chat"
-    PROMPT_COMPLETION = "prompt_completion"
-    TOKENS = "tokens"
-
-    @property
-    def records(self) -> Kind | None:
-        """The kind of record a line holds, for the formats with loss masks."""
-        return {Format.CHAT: Kind.CHAT, Format.PROMPT_COMPLETION: Kind.PROMPT_COMPLETION
-                }.get(self)
-
-    @classmethod
-    def parse(cls, value: str, key: str = "data.format") -> Format:
-        """The format named `value`.
-
-        Raises:
-            ConfigError: no format has that name.
-        """
-        try:
-            return cls(value)
-        except ValueError:
-            names = ", ".join(repr(f.value) for f in cls)
-            raise ConfigError(f"{key} = {value!r} is not a data format: give one of {names}"
-                              ) from None
 
 
 @dataclass
@@ -204,32 +175,6 @@ def _template_if_any(tokenizer: str) -> ChatTemplate | None:
         return ChatTemplate.find(tokenizer)
     except ConfigError:
         return None
-
-
-def train_on_of(fmt: Format, value: str, key: str = "data.train_on") -> TrainOn:
-    """data.train_on for `fmt`: auto is the assistant's turns for chat, the completion
-    for prompt_completion, every token for the rest.
-
-    Raises:
-        ConfigError: an unknown value, or one the format has no such tokens for.
-    """
-    if value not in ("auto", "assistant", "completion", "all"):
-        raise ConfigError(f"{key} = {value!r} is unknown: give auto, assistant, "
-                          "completion or all")
-    if fmt is Format.CHAT:
-        return "assistant" if value == "auto" else value  # type: ignore[return-value]
-    if fmt is Format.PROMPT_COMPLETION:
-        if value == "assistant":
-            raise ConfigError(f'{key} = "assistant" needs chat data: for '
-                              'prompt_completion give "completion" or "all"')
-        return "completion" if value == "auto" else value  # type: ignore[return-value]
-    if value not in ("auto", "all"):
-        where = ("its targets were chosen by `dtrain data prepare --train-on`"
-                 if fmt is Format.TOKENS else "every token of text is a target")
-        raise ConfigError(f"{key} = {value!r} needs chat or prompt_completion data, "
-                          f"not data.format = {fmt.value!r} ({where}): remove it or set it to "
-                          '"all"')
-    return "all"
 
 
 def _packing(value: str, fmt: Format, masked: bool) -> Packing:

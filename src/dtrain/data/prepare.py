@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from dtrain.data.chat import ChatTemplate, TrainOn
     from dtrain.data.corpus import Document
-    from dtrain.data.documents import Kind
+    from dtrain.data.records import Kind
     from dtrain.data.tokenizer import Tokenizer
 
 CHUNK_BYTES = 1 << 20
@@ -87,19 +87,17 @@ class Encoder:
     def encode(self, items: list[Item], opened: tuple[Tokenizer, ChatTemplate | None]
                ) -> Piece:
         from dtrain.data.corpus import encode_with_starts
-        from dtrain.data.documents import Encoded, encode_record
+        from dtrain.data.records import Encoded, encode_records
 
         tokenizer, template = opened
         if self.kind is None:
             ids, starts = encode_with_starts(items, tokenizer)  # type: ignore[arg-type]
             return Piece(ids, starts, None)
+        records = [item for item in items if isinstance(item, tuple)]  # records, by kind
         pieces: list[tuple[np.ndarray, np.ndarray | None]] = []
         skipped = truncated = 0
-        for item in items:
-            assert isinstance(item, tuple)  # records, by kind
-            record, where = item
-            ids, targets = encode_record(record, self.kind, tokenizer, template,
-                                         self.train_on, where, self.column)
+        for ids, targets in encode_records(records, self.kind, tokenizer, template,
+                                           self.train_on, self.column):
             if self.max_length and len(ids) > self.max_length:
                 ids, targets = ids[: self.max_length], targets[: self.max_length]
                 truncated += 1
@@ -215,7 +213,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
     from tqdm import tqdm
 
     from dtrain.data.corpus import corpus_files
-    from dtrain.data.dataset import Format, train_on_of
+    from dtrain.data.formats import Format, train_on_of
     from dtrain.data.shards import ShardWriter
     from dtrain.data.tables import is_table
 
@@ -288,7 +286,7 @@ def _template(tokenizer: str, given: str, required: bool) -> ChatTemplate | None
 def _record_items(inputs: list[str], split: str) -> Iterator[tuple[Item | None, int]]:
     """The records of every input (.jsonl files and folders of them, or tables), with
     their sizes."""
-    from dtrain.data.documents import records
+    from dtrain.data.records import records
 
     for given in inputs:
         for record, where, nbytes in records(given, key="input", split=split):

@@ -28,12 +28,14 @@ import shutil
 import tempfile
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, TypedDict, overload
+from typing import TYPE_CHECKING, Any, BinaryIO, TypedDict, overload
 
 import numpy as np
-import torch
 
 from dtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "dtrain.tokens/1"
 INDEX = "index.json"
@@ -305,6 +307,8 @@ class MappedStream:
 
     def __getitem__(self, index: slice | int) -> torch.Tensor | int:
         """Values `index` (a slice with step 1) as an int64 tensor, or one as an int."""
+        import torch  # here: writing shards (dtrain data prepare) never loads torch
+
         if isinstance(index, int):
             position = index + self._length if index < 0 else index
             if not 0 <= position < self._length:

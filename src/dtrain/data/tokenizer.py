@@ -57,11 +57,23 @@ class Tokenizer(ABC):
         """The ids of `text` (special tokens in it recognised, none added) and, for each,
         whether any of its characters lies in one of `spans` ([start, end) character
         offsets): a conversation's ids and loss mask (dtrain.data.chat)."""
-        ids, starts, ends = self.offsets(text)
-        marked = np.zeros(len(ids), dtype=bool)
-        for start, end in spans:
-            marked |= (starts < end) & (ends > start)
-        return ids, marked
+        return self.encode_spans_batch([text], [spans])[0]
+
+    def encode_spans_batch(self, texts: list[str], spans: list[list[tuple[int, int]]]
+                           ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """`encode_spans` of each text, tokenized as one batch."""
+        out = []
+        for (ids, starts, ends), marks in zip(self.offsets_batch(texts), spans, strict=True):
+            marked = np.zeros(len(ids), dtype=bool)
+            for start, end in marks:
+                marked |= (starts < end) & (ends > start)
+            out.append((ids, marked))
+        return out
+
+    def offsets_batch(self, texts: list[str]
+                      ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """`offsets` of each text."""
+        return [self.offsets(text) for text in texts]
 
     @abstractmethod
     def offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -131,9 +143,15 @@ class FileTokenizer(Tokenizer):
         return np.asarray(ids, dtype=self.dtype)
 
     def offsets(self, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        encoding = self._tokenizer.encode(text, add_special_tokens=False)
-        spans = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
-        return np.asarray(encoding.ids, dtype=self.dtype), spans[:, 0], spans[:, 1]
+        return self.offsets_batch([text])[0]
+
+    def offsets_batch(self, texts: list[str]
+                      ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        out = []
+        for encoding in self._tokenizer.encode_batch(texts, add_special_tokens=False):
+            spans = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+            out.append((np.asarray(encoding.ids, dtype=self.dtype), spans[:, 0], spans[:, 1]))
+        return out
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
