@@ -8,7 +8,7 @@ The data: synthetic conversations (one to three exchanges, a system prompt in a 
 them), each turn a run of words whose count is drawn from a log-normal distribution
 (median 10 words for a user turn, 25 for an answer, long right tails), the shape of
 chat sets' turn lengths; a byte-level BPE tokenizer trained on them, with ChatML special
-tokens and template (tests/support/chat.py).
+tokens and template (dtrain.testing.chat).
 
 Packing. dtrain's Llama (llama-tiny's shape, 4 layers of 128) trains `--steps` steps of
 16 rows of 512 positions, one process, on the same conversations packed and padded: the
@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
-    from tests.support.chat import make_chat_tokenizer, write_chat_jsonl
+    from dtrain.testing.chat import make_chat_tokenizer, write_chat_jsonl
 
     folder = Path(tempfile.mkdtemp(prefix="dtrain-instructions-"))
     chats = conversations(args.conversations)

@@ -13,7 +13,7 @@ from dtrain.data import load_tokenizer
 from dtrain.data.chat import ChatTemplate, assistant_spans, encode_chat, encode_prompt_completion
 from dtrain.data.dataset import open_data
 from dtrain.errors import ConfigError
-from tests.support.chat import (
+from dtrain.testing.chat import (
     CHATML,
     CONVERSATIONS,
     LLAMA3,

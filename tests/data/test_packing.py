@@ -19,7 +19,7 @@ from dtrain.data.prepare import prepare
 from dtrain.data.sequences import IGNORE, Batch, batches
 from dtrain.errors import ConfigError
 from dtrain.models.documents import document_mask
-from tests.support.chat import CONVERSATIONS, make_chat_tokenizer, write_chat_jsonl
+from dtrain.testing.chat import CONVERSATIONS, make_chat_tokenizer, write_chat_jsonl
 
 VOCAB = 64
 

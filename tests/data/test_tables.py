@@ -12,7 +12,7 @@ import torch
 from dtrain.data.dataset import open_data
 from dtrain.data.prepare import prepare
 from dtrain.errors import ConfigError
-from tests.support.chat import CONVERSATIONS, make_chat_tokenizer, write_chat_jsonl
+from dtrain.testing.chat import CONVERSATIONS, make_chat_tokenizer, write_chat_jsonl
 
 datasets = pytest.importorskip("datasets")
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dtrain.testing import run_ranks
-from tests.support.chat import make_chat_tokenizer, write_chat_jsonl
+from dtrain.testing.chat import make_chat_tokenizer, write_chat_jsonl
 
 STEPS = 2
 WORDS = ("the cat sat on a mat while two dogs ran far away from home and then came back "

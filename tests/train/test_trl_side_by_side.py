@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.chat import make_chat_tokenizer, write_chat_jsonl
+from dtrain.testing.chat import make_chat_tokenizer, write_chat_jsonl
 from tests.train.test_instructions import _conversations
 
 STEPS, BATCH, LR, SEED = 5, 4, 0.5, 7

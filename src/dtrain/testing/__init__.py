@@ -6,6 +6,8 @@
                 server that loaded torch once; each must exit 0
     ps_drill    a parameter-server kill drill (servers in processes, one killed mid-run),
                 shared by dtrain's tests and its failover benchmark
+    chat        a tokenizer folder with chat templates and conversations, trained here
+                (no download), shared by the tests and benchmarks of chat data
 """
 
 from dtrain.testing.processes import fork_server, run_ranks

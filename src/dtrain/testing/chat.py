@@ -1,5 +1,5 @@
 """A tokenizer folder with a chat template, and conversations to render with it: what the
-tests of chat data and instruction tuning share (no download)."""
+tests and benchmarks of chat data and instruction tuning share (no download)."""
 
 from __future__ import annotations
 
