@@ -17,7 +17,8 @@ figure is the median over steps (the first two left out) of target tokens per se
 runs alternate, `--rounds` times each; the median round is shown with every round's.
 
 Preparation. The same conversations as JSON lines, tokenized with their loss masks by
-`dtrain data prepare --format chat --workers W`, and by `datasets`' `map` (`num_proc W`)
+`dtrain data prepare --format chat --workers W`, and by `datasets`' `map` (`num_proc W`),
+the set written `--prepare-copies` times over,
 calling transformers' `apply_chat_template(..., return_assistant_tokens_mask=True)` on
 the same tokenizer and template, each in a fresh process under a small wrapper: wall
 time, and the peak resident memory of the largest one process of the run (the tool or
@@ -136,21 +137,24 @@ def _timed(command: list[str]) -> tuple[float, float]:
     return float(seconds), int(kib) / 1024
 
 
-def prepare_figures(folder: Path, workers: int, rounds: int
+def prepare_figures(folder: Path, workers: int, rounds: int, copies: int
                     ) -> dict[str, list[tuple[float, float]]]:
-    """Each tool `rounds` times, alternating, each run in a fresh process."""
+    """Each tool `rounds` times, alternating, each run in a fresh process, on the
+    conversations written `copies` times over (so that start-up weighs little)."""
     script = folder / "hf_prepare.py"
     script.write_text(PREPARE_HF)
+    lines = (folder / "chats.jsonl").read_text()
+    (folder / "prepare.jsonl").write_text(lines * copies)
     runs: dict[str, list[tuple[float, float]]] = {"dtrain": [], "datasets": []}
     for r in range(rounds):
         out = folder / f"shards-{r}"
         runs["dtrain"].append(_timed([
-            sys.executable, "-m", "dtrain.cli", "data", "prepare", str(folder / "chats.jsonl"),
+            sys.executable, "-m", "dtrain.cli", "data", "prepare", str(folder / "prepare.jsonl"),
             str(out), "--format", "chat", "--tokenizer", str(folder / "tok" / "tokenizer.json"),
             "--workers", str(workers)]))
         cache = Path(tempfile.mkdtemp(dir=folder))
         runs["datasets"].append(_timed([
-            sys.executable, str(script), str(folder / "tok"), str(folder / "chats.jsonl"),
+            sys.executable, str(script), str(folder / "tok"), str(folder / "prepare.jsonl"),
             str(cache), str(workers)]))
     return runs
 
@@ -161,6 +165,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--prepare-copies", type=int, default=10)
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     from dtrain.testing.chat import make_chat_tokenizer, write_chat_jsonl
@@ -171,7 +176,7 @@ def main() -> None:
     write_chat_jsonl(folder / "chats.jsonl", chats)
     load = os.getloadavg()[0]
     packing = packing_figures(folder, args.steps, args.rounds)
-    prepared = prepare_figures(folder, args.workers, args.rounds)
+    prepared = prepare_figures(folder, args.workers, args.rounds, args.prepare_copies)
     lines = report(args, packing, prepared, load)
     print("\n".join(lines))
     if args.write:
@@ -193,7 +198,8 @@ def report(args: argparse.Namespace, packing: dict[str, list[dict]],
         "## Documents and instructions: packed vs padded rows, preparing chat data",
         "",
         f"Command: `python benchmarks/instructions.py --conversations {args.conversations} "
-        f"--steps {args.steps} --rounds {args.rounds} --workers {args.workers} --write`  ",
+        f"--steps {args.steps} --rounds {args.rounds} --workers {args.workers} "
+        f"--prepare-copies {args.prepare_copies} --write`  ",
         f"Machine: {os.cpu_count()} cores, {platform.machine()}, load average {load:.1f} "
         f"before the run, nothing else running; {datetime.date.today()}. Data: "
         f"{args.conversations} synthetic conversations of log-normal turn lengths "
@@ -211,6 +217,10 @@ def report(args: argparse.Namespace, packing: dict[str, list[dict]],
         "hold the same conversations with almost no padding; each position costs the same "
         "in the MLPs, and attention over the dense block-causal mask costs the whole row's "
         "square on the CPU, so the gain is the padding removed.",
+        "",
+        f"Preparing the same conversations written {args.prepare_copies} times over "
+        f"({args.conversations * args.prepare_copies:,} records), each tool in a fresh "
+        "process:",
         "",
         "| tool | wall time (median) | every round | peak resident memory (median) |",
         "|---|---|---|---|",
