@@ -215,3 +215,32 @@ def test_prepared_text_keeps_its_documents_for_packing(tmp_path: Path) -> None:
                        packing="block_causal")
     for a, b in zip(read.train[0], mapped.train[0], strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_run_resumed_mid_epoch_reads_the_rows_it_would_have_read() -> None:
+    """`batches` from step k of packed rows gives what the uninterrupted stream gives at
+    step k, targets' counts included."""
+    rows = PackedRows(_documents([7, 12, 5, 9, 15, 3, 11, 8, 6, 14] * 3), 24,
+                      Packing.BLOCK_CAUSAL)
+    whole = batches(rows, 4, 2, 1, seed=5, shuffle=True)
+    seen = [next(whole) for _ in range(12)]
+    resumed = batches(rows, 4, 2, 1, seed=5, shuffle=True, start=7)
+    for want in seen[7:]:
+        got = next(resumed)
+        assert got.targets_in_step == want.targets_in_step
+        assert torch.equal(got.inputs, want.inputs) and torch.equal(got.positions,
+                                                                    want.positions)
+
+
+def test_a_custom_module_is_refused_packed_documents() -> None:
+    from dtrain.config import config_from_dict
+    from dtrain.data.dataset import Data
+    from dtrain.train.check import check_rows
+
+    docs = _documents([7, 12, 5, 9, 15])
+    rows = PackedRows(docs, 24, Packing.BLOCK_CAUSAL)
+    data = Data(rows, rows, None, VOCAB, Packing.BLOCK_CAUSAL)  # type: ignore[arg-type]
+    config = config_from_dict({"model": {"arch": "custom", "factory": "x:y"},
+                               "train": {"batch_size": 1}})
+    with pytest.raises(ConfigError, match="a custom module trains text"):
+        check_rows(data, config)
