@@ -18,7 +18,7 @@ from dtrain.data.packing import PackedRows, Packing, TooLong, best_fit, pieces
 from dtrain.data.prepare import prepare
 from dtrain.data.sequences import IGNORE, Batch, batches
 from dtrain.errors import ConfigError
-from dtrain.models.documents import document_mask
+from dtrain.masks import document_mask
 from dtrain.testing.chat import CONVERSATIONS, make_chat_tokenizer, write_chat_jsonl
 
 VOCAB = 64

@@ -390,7 +390,7 @@ def test_packed_documents_under_flex_attention_equal_the_dense_mask() -> None:
     """On CUDA dtrain's Llama attends over packed documents with flex attention's block
     mask: the loss and every gradient equal those under the dense boolean mask (fp32)."""
     from dtrain.masks import document_block_mask, document_mask
-    from dtrain.models.documents import Documents
+    from dtrain.models.rows import PackedDocuments
 
     torch.manual_seed(0)
     model = models.build(models.resolve(ModelConfig(**{**LLAMA, "block_size": 256}), 256))
@@ -402,7 +402,7 @@ def test_packed_documents_under_flex_attention_equal_the_dense_mask() -> None:
     results = []
     for mask in (document_block_mask(positions), document_mask(positions)):
         model.zero_grad()
-        model.documents = Documents(positions, mask)  # the stages read it, as forward sets
+        model.documents = PackedDocuments(positions, mask)  # the stages read it, as forward sets
         model.documents_given += 1
         h = model.stage_in(x)
         for block in model.blocks:

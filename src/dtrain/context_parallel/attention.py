@@ -21,7 +21,7 @@ ways to attend over the whole sequence (`METHODS`):
   another all-to-all turns the output back. The query and key/value heads must divide
   by the group size.
 
-Packed documents (dtrain.models.documents) follow the chunks: given each local token's
+Packed documents (dtrain.models.rows) follow the chunks: given each local token's
 place in its document (its `positions`), a query at global position i whose
 document began at i - p attends to the keys at global positions j with i - p <= j <= i,
 whatever rank holds them. The ring skips a block in which no local query sees a key, and

@@ -12,7 +12,7 @@ the index cross-entropy ignores). Packing (`[data] packing`):
   fit by decreasing length (few rows, little padding); the rest of a row is padding
   (inputs 0, targets -100). `positions` restart at 0 at each document, so rotary and
   learned positions are each document's own, and attention sees only the tokens of the
-  same document (a new document is where the position is 0: dtrain.models.documents).
+  same document (a new document is where the position is 0: dtrain.models.rows).
   The first token of a document is never the target of the one before it, which belongs
   to another document.
 - `pad`: one document per row, padded at the end. Causal attention is already exact here

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtrain.models.documents import Documents
+from dtrain.models.rows import PackedDocuments
 from dtrain.models.stages import AttentionCore, StagedLM
 
 
@@ -43,7 +43,8 @@ class CausalSelfAttention(nn.Module):
         self.core = AttentionCore(cfg.dropout)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: PackedDocuments | None = None
+                ) -> torch.Tensor:
         # Heads and time from qkv's output: under tensor parallelism a rank holds only its
         # own heads (Q, K and V split by heads), and under sequence parallelism x is this
         # rank's part of the sequence, which qkv gathers whole.
@@ -73,8 +74,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
-        """`documents`: the rows' packed documents (dtrain.models.documents)."""
+    def forward(self, x: torch.Tensor, documents: PackedDocuments | None = None
+                ) -> torch.Tensor:
+        """`documents`: the rows' packed documents (dtrain.models.rows)."""
         x = x + self.attn(self.ln1(x), documents)
         return x + self.mlp(self.ln2(x))
 

@@ -37,10 +37,10 @@ from torch import nn
 from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.models.config import ModelConfig
-from dtrain.models.documents import Documents, weighted
 from dtrain.models.hf_places import HFName, expert_places
 from dtrain.models.kv_cache import KVCache
 from dtrain.models.moe import MoE, MoEConfig
+from dtrain.models.rows import PackedDocuments, weighted
 
 if TYPE_CHECKING:  # transformers is optional: imported where arch "hf" needs it
     from transformers import PretrainedConfig, PreTrainedModel
@@ -291,7 +291,7 @@ class HFCausalLM(nn.Module):
         self.loss_fn = nn.CrossEntropyLoss()  # a module, so tensor parallelism can swap it
         self.context: ContextParallel | None = None  # dtrain.models.context.apply sets it
         self.kv_cache: KVCache | None = None  # dtrain.models.generate.attach sets it
-        self.documents: Documents | None = None  # the last forward's packed documents
+        self.documents: PackedDocuments | None = None  # the last forward's packed documents
         self.train()
 
     def forward(
@@ -326,7 +326,7 @@ class HFCausalLM(nn.Module):
         if positions is not None and self.kv_cache is not None:
             raise DtrainError("packed documents (positions) with a KV cache: generation "
                               "runs one sequence per row")
-        self.documents = None if positions is None else Documents.of(
+        self.documents = None if positions is None else PackedDocuments.of(
             positions, self.context is not None)
 
     def _where(self, t: int, device: torch.device) -> dict[str, torch.Tensor | bool]:

@@ -19,8 +19,8 @@ from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig, moe_layer_indices
-from dtrain.models.documents import Documents
 from dtrain.models.moe import Experts, MoE, MoEConfig, Router, aux_loss
+from dtrain.models.rows import PackedDocuments
 from dtrain.models.stages import Activation, AttentionCore, StagedLM
 
 _LLAMA_3 = {"vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5}
@@ -229,10 +229,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                documents: Documents | None = None) -> torch.Tensor:
+                documents: PackedDocuments | None = None) -> torch.Tensor:
         """`rope`: the (cos, sin) of x's positions, computed once per forward by the model
         (computed here when not given); `documents`: the rows' packed documents
-        (dtrain.models.documents)."""
+        (dtrain.models.rows)."""
         # Head counts and time from the projections' outputs: under tensor parallelism a rank
         # holds only its own query and key/value heads (dtrain.tensor_parallel.llama_plan),
         # and under sequence parallelism x is this rank's part of the sequence, which the
@@ -282,7 +282,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                documents: Documents | None = None) -> torch.Tensor:
+                documents: PackedDocuments | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, documents)
         return x + self.mlp(self.mlp_norm(x))
 

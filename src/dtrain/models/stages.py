@@ -30,8 +30,8 @@ from torch import nn
 from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.masks import compiled_flex_attention, document_mask
-from dtrain.models.documents import Documents, weighted
 from dtrain.models.kv_cache import KVCache, LayerCache
+from dtrain.models.rows import PackedDocuments, weighted
 
 
 # torch 2.5 and later attend grouped queries to their key/value head without copies.
@@ -81,9 +81,9 @@ class StagedLM(nn.Module):
     kv_cache: KVCache | None = None
     """Generation's cache (dtrain.models.generate.attach): the inputs are the tokens after
     the `kv_cache.length` it holds, whose positions start there."""
-    documents: Documents | None = None
+    documents: PackedDocuments | None = None
     """The last forward's packed documents (their positions and mask), which the blocks
-    pass to their attention; None: one sequence per row (dtrain.models.documents)."""
+    pass to their attention; None: one sequence per row (dtrain.models.rows)."""
     documents_given: int = 0
     """How many forwards were given documents: what a cache of per-position values
     (Llama's rotary angles) keys on, as the rows change with every one."""
@@ -105,7 +105,7 @@ class StagedLM(nn.Module):
 
         Args:
             positions: rows of packed documents: each token's place in its document
-                (attention stays inside each; dtrain.models.documents).
+                (attention stays inside each; dtrain.models.rows).
             weight: the loss's share of the step's (dtrain.data.sequences.Batch.weight):
                 the model's own loss is the mean over its targets times it.
 
@@ -138,7 +138,7 @@ class StagedLM(nn.Module):
         if positions is not None and self.kv_cache is not None:
             raise DtrainError("packed documents (positions) with a KV cache: generation "
                               "runs one sequence per row")
-        self.documents = None if positions is None else Documents.of(
+        self.documents = None if positions is None else PackedDocuments.of(
             positions, self.context is not None, flex=True)
         self.documents_given += positions is not None
 
@@ -181,9 +181,9 @@ class AttentionCore(nn.Module):
         self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: Documents | None = None) -> torch.Tensor:
+                documents: PackedDocuments | None = None) -> torch.Tensor:
         """Attention of q to k and v, causal, or inside each of the rows' packed
-        `documents` (dtrain.models.documents)."""
+        `documents` (dtrain.models.rows)."""
         drop = self.dropout if self.training else 0.0
         if self.context is not None:
             if drop:

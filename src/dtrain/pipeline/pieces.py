@@ -52,7 +52,7 @@ class Piece(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The piece's stages on `x` (token ids into the first piece, hidden states into
         the others); `positions`: the micro-batch's packed documents, which every piece's
-        blocks need (dtrain.models.documents).
+        blocks need (dtrain.models.rows).
 
         Raises:
             ConfigError: packed documents for a model that cannot take them.

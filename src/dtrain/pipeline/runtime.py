@@ -37,7 +37,7 @@ from dtrain import comm
 from dtrain.data_parallel import clip
 from dtrain.data_parallel.clip import GradPart
 from dtrain.errors import ConfigError
-from dtrain.models.documents import weighted
+from dtrain.models.rows import weighted
 from dtrain.pipeline import schedules
 from dtrain.pipeline.p2p import Channels
 from dtrain.pipeline.pieces import ExtraLoss
@@ -160,7 +160,7 @@ class Pipeline:
         parameters. Returns the mean loss (a 0-d tensor) on every rank.
 
         Args:
-            positions: rows of packed documents (dtrain.models.documents): each token's
+            positions: rows of packed documents (dtrain.models.rows): each token's
                 place in its document, the whole batch's, which every stage is given
                 micro-batch by micro-batch (`Piece.forward`).
             weights: each micro-batch's loss weight in place of 1 / micro-batches (the

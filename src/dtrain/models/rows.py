@@ -1,5 +1,5 @@
 """Rows of several documents, as a model's forward is given them: what its attention
-and positions need (`Documents`), and its loss's share of the step's (`weighted`).
+and positions need (`PackedDocuments`), and its loss's share of the step's (`weighted`).
 
 A packed row (dtrain.data.packing) gives each token its place in its own document,
 `positions` (batch, time), 0 where a document starts; attention stays inside each
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Documents:
+class PackedDocuments:
     """The packed documents of a forward's rows, passed down to every attention.
 
     Attributes:
@@ -43,7 +43,7 @@ class Documents:
 
     @classmethod
     def of(cls, positions: torch.Tensor, context_parallel: bool, flex: bool = False
-           ) -> Documents:
+           ) -> PackedDocuments:
         """The documents at `positions`; with `flex`, where flex attention runs (CUDA),
         their mask as a BlockMask (dtrain's own attention takes one; a transformers
         model's SDPA takes the dense mask)."""
