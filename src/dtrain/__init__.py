@@ -33,10 +33,11 @@ _EXPORTS = {
     "shutdown": "dtrain.world",
 }
 # Every module and subpackage of dtrain, reachable as `dtrain.<name>` on first use.
-_SUBPACKAGES = ("checkpoint", "comm", "config", "context_parallel", "data", "data_parallel",
-                "env", "errors", "faults", "ft", "import_order", "launch", "layouts", "mesh",
-                "models", "pipeline", "planner", "ps", "schema", "sizes", "split", "store",
-                "sync", "tensor_parallel", "testing", "timeline", "tools", "train", "world")
+_SUBPACKAGES = ("adapters", "checkpoint", "comm", "config", "context_parallel", "data",
+                "data_parallel", "env", "errors", "faults", "ft", "import_order", "launch",
+                "layouts", "masks", "mesh", "models", "pipeline", "planner", "ps", "schema",
+                "sizes", "split", "store", "sync", "tensor_parallel", "testing", "timeline",
+                "tools", "train", "world")
 
 __all__ = [
     "ConfigError", "DataParallel", "Dims", "DtrainError", "LaunchError", "LiveAveraging",

@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoint", ("dtrain.checkpoint",)),
     ("data", ("dtrain.data",)),
     ("models", ("dtrain.models",)),
+    ("adapters", ("dtrain.adapters",)),
     ("optimizers", ("dtrain.optim",)),
     ("data parallel", ("dtrain.data_parallel", "dtrain.sync")),
     ("tensor parallel", ("dtrain.tensor_parallel",)),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtrain.adapters.config import AdapterConfig, check_adapter_layout
 from dtrain.checkpoint.config import CheckpointConfig
 from dtrain.checkpoint.config import check_config as check_checkpoint
 from dtrain.comm.config import CommConfig
@@ -46,6 +47,7 @@ from dtrain.tensor_parallel.sequence import check_config as check_sequence_paral
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -148,6 +150,7 @@ def _validate(config: Config) -> None:
         check_pipeline(p, model, config.train.grad_accum)
     check_offload(config.memory, p, config.sync.method, live)
     check_sequence_parallel(model, p)
+    check_adapter_layout(config.adapter, p.tp)
     if live:
         check_live(p)
     check_slow_links(config.sync, config.comm, p, live)

@@ -21,6 +21,9 @@ How a parameter is drawn (`Init`) comes from the model:
 | custom                | torch's defaults, or the model's `init_rules()`; else the     |
 |                       | owning module's `reset_parameters()` (whole)                    |
 
+A module with an `init_rule(pname)` method says how its own parameters are drawn, in any
+model (a LoRA adapter's A and B: dtrain.adapters.lora).
+
 A "whole" rule builds the owning module alone on the CPU, seeded by its name, and keeps
 the values: exact but not chunked (norms and biases, small).
 """
@@ -255,10 +258,13 @@ def init_rules(model: nn.Module) -> dict[str, Init]:
         rule = _custom_rule
     rules = {}
     for name, _ in model.named_parameters():
+        _, module, pname = _owner(model, name)
+        own = module.init_rule(pname) if callable(getattr(module, "init_rule", None)) else None
         if name in given:
             rules[name] = given[name]
+        elif own is not None:  # a module that says how it is drawn (an adapter)
+            rules[name] = own
         else:
-            _, module, pname = _owner(model, name)
             rules[name] = rule(module, pname)
     return rules
 

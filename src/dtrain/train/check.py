@@ -3,7 +3,7 @@ before any rank starts: one line and exit 2, nothing written."""
 
 from __future__ import annotations
 
-from dtrain import models
+from dtrain import adapters, models
 from dtrain.config import Config
 from dtrain.data import vocab_of
 from dtrain.data.dataset import Data, data_of
@@ -34,7 +34,7 @@ def check_job(config: Config) -> None:
     else:
         vocab = vocab_of(dc.path, dc.format, dc.tokenizer)
     shape = models.resolve(config.model, vocab)
-    model = init.on_meta(lambda: models.build(shape))
+    model = init.on_meta(lambda: adapters.built(shape, config.adapter))
     if config.parallel.tp > 1:  # a plan that names nothing, or none at all
         matches(model, plan_of(model, config.model.tp_plan))
     if config.parallel.sequence_parallel:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain import comm, layouts, models
+from dtrain import adapters, comm, layouts
 from dtrain import world as world_mod
 from dtrain.checkpoint.universal import Checkpoint
 from dtrain.config import Config, config_from_dict, dims_of
@@ -186,7 +186,7 @@ def generate_text(config: Config, checkpoint: str, prompt: str, tokens: int, see
     config.train.batch_size = world.world_size  # one sequence per rank (under a launcher)
     mesh = Mesh(dims_of(config, world.world_size))
     torch.manual_seed(config.train.seed)
-    model = init.skeleton(lambda: models.build(shape))
+    model = init.skeleton(lambda: adapters.built(shape, config.adapter))
     holding = layouts.build(model, mesh, config, weights=ckpt)
     stop = None
     if chat:

@@ -27,8 +27,9 @@ from typing import Any, Literal, overload
 
 import torch
 
-from dtrain import comm, env, faults, layouts, models, timeline
+from dtrain import adapters, comm, env, faults, layouts, models, timeline
 from dtrain import world as world_mod
+from dtrain.adapters import AdapterConfig
 from dtrain.checkpoint import training
 from dtrain.checkpoint.background import PendingSave
 from dtrain.checkpoint.copies import HostCopies
@@ -167,7 +168,8 @@ class Trainer:
 
         self.shape = models.resolve(mc, self.data.vocab_size)
         torch.manual_seed(tc.seed)
-        self.model = init.skeleton(lambda: models.build(self.shape))  # each rank: what it holds
+        # each rank allocates only what it holds; adapters, if any, beside a frozen base
+        self.model = init.skeleton(lambda: adapters.built(self.shape, config.adapter))
         self.n_params = sum(p.numel() for p in self.model.parameters())  # before any split
         self.moe = moe.moe_layers(self.model)
         self.weights = weights_of(self.shape, self.model) \
@@ -326,7 +328,7 @@ class Trainer:
             how = ""
             if self.main:  # from the checkpoint: whole, here
                 text = sample(self.shape, Checkpoint(path), self.data.tokenizer, lc,
-                              self.world.device)
+                              self.world.device, self.config.adapter)
         if self.main:
             self.progress.write(f"sample{how}:\n" + text)
 
@@ -433,11 +435,13 @@ def describe_model(shape: ModelConfig, model: torch.nn.Module) -> str:
 
 
 def sample(shape: ModelConfig, ckpt: Checkpoint, tokenizer: Tokenizer, cfg: LoggingConfig,
-           device: torch.device) -> str:
+           device: torch.device, adapter: AdapterConfig | None = None) -> str:
     """Generate `cfg.sample_tokens` tokens after `cfg.sample_prompt` with the model saved
-    in `ckpt` (built whole here, straight from the checkpoint), decoded as text."""
+    in `ckpt` (built whole here, straight from the checkpoint, with its `adapter`s),
+    decoded as text."""
     torch.manual_seed(0)
-    plain = init.materialized(init.skeleton(lambda: models.build(shape)), ckpt, device)
+    plain = init.materialized(
+        init.skeleton(lambda: adapters.built(shape, adapter or AdapterConfig())), ckpt, device)
     prompt = tokenizer.encode(cfg.sample_prompt) or tokenizer.separator
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
     out = generate(plain, idx, cfg.sample_tokens, shape.block_size,

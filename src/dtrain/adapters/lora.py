@@ -1,0 +1,193 @@
+"""LoRA: low-rank adapters beside a frozen model's linear layers (Hu et al., 2021).
+
+    names = apply(model, AdapterConfig(kind="lora", rank=8, alpha=16))
+
+An adapted nn.Linear computes W x + b + B A dropout(x) * alpha / rank, with A (rank x in)
+and B (out x rank) its only trained tensors; W and b, and every other parameter of the
+model, are frozen (requires_grad False: no gradient, no optimizer state). B starts at
+zero, so the adapted model starts as its base. The layer stays the same object under the
+same name (its class becomes `LoRALinear`): its weight keeps its name, the adapters are
+its submodules `lora_A` and `lora_B`, as PEFT names them (`...q_proj.lora_A.weight`), and
+a model built in split form (dtrain.models.init) draws A and B by their own rules.
+
+Default targets (`[adapter] targets` empty), by architecture: the attention's and the
+MLP's projections, not the embeddings or the output head (PEFT's choice for Llama):
+
+| arch           | layers                                                    |
+|----------------|-----------------------------------------------------------|
+| llama          | q_proj, k_proj, v_proj, o_proj, gate, up, down            |
+| gpt            | qkv, proj (attention's and MLP's), fc                     |
+| hf             | q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,       |
+|                | down_proj (Llama family); c_attn, c_proj, c_fc (GPT-2)    |
+
+A mixture of experts' routed experts are grouped tensors, not nn.Linear layers: they stay
+frozen and unadapted (the attention and any dense MLP are adapted).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dtrain.adapters.config import AdapterConfig
+from dtrain.errors import ConfigError
+from dtrain.models.config import ModelConfig
+from dtrain.models.init import Init, constant
+
+DEFAULTS = {
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down"),
+    "gpt": ("qkv", "proj", "fc"),
+    "hf": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "c_attn", "c_proj", "c_fc"),
+}
+
+
+def default_targets(arch: str) -> tuple[str, ...]:
+    """The layers adapted when `[adapter] targets` is empty.
+
+    Raises:
+        ConfigError: a custom model, which has no defaults.
+    """
+    if arch not in DEFAULTS:
+        raise ConfigError(f"model.arch = {arch!r} has no default adapter targets: list the "
+                          "layers in [adapter] targets")
+    return DEFAULTS[arch]
+
+
+class LoRAFactor(nn.Linear):
+    """A or B of an adapter: a bias-free nn.Linear that says how it is drawn."""
+
+    rule: Init
+
+    def init_rule(self, pname: str) -> Init | None:
+        """Its weight's initial values (dtrain.models.init reads it)."""
+        return self.rule if pname == "weight" else None
+
+    def reset_parameters(self) -> None:
+        rule = getattr(self, "rule", None)
+        if rule is None:  # nn.Linear's constructor, before the rule is set
+            return
+        with torch.no_grad():
+            if rule.kind == "constant":
+                self.weight.fill_(rule.a)
+            elif rule.kind == "uniform":
+                self.weight.uniform_(rule.a, rule.b)
+            else:
+                self.weight.normal_(rule.a, rule.b)
+
+
+def _factor(fan_in: int, fan_out: int, rule: Init, device: torch.device,
+            dtype: torch.dtype) -> LoRAFactor:
+    factor = LoRAFactor(fan_in, fan_out, bias=False, device=device, dtype=dtype)
+    factor.rule = rule
+    if device.type != "meta":
+        factor.reset_parameters()
+    return factor
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear with a low-rank adapter (see the module doc); made by `adapt`."""
+
+    lora_A: LoRAFactor
+    lora_B: LoRAFactor
+    lora_dropout: nn.Module
+    scaling: float
+
+    @classmethod
+    def adapt(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
+              init: str = "kaiming", name: str = "") -> LoRALinear:
+        """`linear` itself, adapted in place: frozen, with A and B beside it.
+
+        Raises:
+            ConfigError: a rank above the layer's smaller side.
+        """
+        fan_in, fan_out = linear.in_features, linear.out_features
+        if rank > min(fan_in, fan_out):
+            raise ConfigError(f"adapter.rank = {rank} is above the size of {name or 'a layer'} "
+                              f"({fan_out} x {fan_in}): choose a rank of at most "
+                              f"{min(fan_in, fan_out)}")
+        down = (Init("uniform", -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+                if init == "kaiming" else Init("normal", 0.0, 1 / rank))
+        device, dtype = linear.weight.device, linear.weight.dtype
+        linear.__class__ = cls
+        adapted: LoRALinear = linear  # type: ignore[assignment]  # its class, now
+        adapted.lora_A = _factor(fan_in, rank, down, device, dtype)
+        adapted.lora_B = _factor(rank, fan_out, constant(0.0), device, dtype)
+        adapted.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        adapted.scaling = alpha / rank
+        for p in (adapted.weight, adapted.bias):
+            if p is not None:
+                p.requires_grad_(False)
+        return adapted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def delta(self) -> torch.Tensor:
+        """B A * scaling: what merging adds to the weight."""
+        return self.lora_B.weight @ self.lora_A.weight * self.scaling
+
+
+def _regex(pattern: str) -> re.Pattern[str]:
+    if "." not in pattern and "*" not in pattern:  # a layer's own name, anywhere
+        return re.compile(rf"(?:.*\.)?{re.escape(pattern)}")
+    return re.compile(".".join("[^.]+" if p == "*" else re.escape(p)
+                               for p in pattern.split(".")))
+
+
+def apply(model: nn.Module, cfg: AdapterConfig, arch: str = "custom") -> list[str]:
+    """Freeze every parameter of `model` and adapt the nn.Linear layers `cfg.targets`
+    names (the architecture's defaults when empty); returns their names.
+
+    Raises:
+        ConfigError: a target that matches no nn.Linear layer (defaults excepted: one of
+            them at least must), or a rank above a layer's size.
+    """
+    targets = list(cfg.targets) or list(default_targets(arch))
+    linears = {name: m for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not isinstance(m, LoRAFactor) and name}
+    chosen: dict[str, nn.Linear] = {}
+    for pattern in targets:
+        regex = _regex(pattern)
+        found = {n: m for n, m in linears.items() if regex.fullmatch(n)}
+        if not found and cfg.targets:
+            some = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in linears})[:12])
+            raise ConfigError(f"adapter.targets: {pattern!r} matches no linear layer of the "
+                              f"model (its layers are named {some}, ...): name one of them")
+        chosen.update(found)
+    if not chosen:
+        raise ConfigError(f"adapter.targets: the defaults for {arch!r} ({', '.join(targets)}) "
+                          "match no linear layer of this model: list its layers in [adapter] "
+                          "targets")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, linear in chosen.items():
+        if isinstance(linear, LoRALinear):
+            continue
+        LoRALinear.adapt(linear, cfg.rank, cfg.alpha, cfg.dropout, cfg.init, name)
+    return sorted(chosen)
+
+
+def adapters(model: nn.Module) -> dict[str, LoRALinear]:
+    """The adapted layers of `model`, by name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def built(shape: ModelConfig, cfg: AdapterConfig) -> nn.Module:
+    """The job's model: `dtrain.models.build(shape)` with `cfg`'s adapters applied (as is
+    when cfg.kind is "none"). Call it inside dtrain.models.init.skeleton for split form.
+
+    Raises:
+        ConfigError: see dtrain.models.build and `apply`.
+    """
+    from dtrain import models
+
+    model = models.build(shape)
+    if cfg.kind == "lora":
+        apply(model, cfg, shape.arch)
+    return model
