@@ -160,7 +160,7 @@ def torchft_rank(config_path: str, out: str, control_port: int) -> None:
         step = manager.current_step()  # 0-based: the batch of dtrain's step + 1
         x, y = next(batches(data.train, tc.batch_size, GROUPS * GROUP_RANKS,
                             group * GROUP_RANKS + rank, tc.seed, shuffle=True, start=step))
-        loss = model_loss(model, x, y).float()
+        loss = model_loss(model, (x, y)).float()
         loss.backward()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat)  # inside the group: its mean
