@@ -69,8 +69,8 @@ def mean_over(value: float, group: comm.GroupLike, device: torch.device) -> floa
 def evaluate(holding: Holding, data: Sequences, batch_size: int, n_batches: int,
              mesh: Mesh, device: torch.device) -> float:
     """Mean loss over the first `n_batches` held-out batches of every dp rank's shard:
-    over their targets, where not every position is one (each batch's mean weighed by
-    its share of all the batches' targets)."""
+    each batch's loss the mean over its targets, where not every position is one (each
+    rank's share weighed by its targets), and the batches' losses averaged."""
     dp_size, dp_rank = mesh.size("dp"), mesh.coords["dp"]
     holding.module.eval()
     stream = batches(data, batch_size * dp_size, dp_size, dp_rank, seed=0, shuffle=False)
