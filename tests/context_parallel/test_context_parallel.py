@@ -226,7 +226,8 @@ def exported(ckpt: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_runs_in_context_parallel_layouts_equal_one_process(tmp_path: Path) -> None:
-    """`dtrain train` of a small Llama against one process: two steps at cp = 4 (ring, its
+    """`dtrain train` of a small Llama against one process (the layouts that are not
+    resumed trained by its Trainer on ranks forked once): two steps at cp = 4 (ring, its
     steps' compute and messages on the timeline) on four ranks resumed for one at cp = 2
     (allgather) on two, then for one on one process; cp = 2 x tp = 2 with sequence
     parallelism; cp = 2 x pp = 2; cp = 2 x DataParallel, ZeRO-1 and ZeRO-3 over dp = 2
@@ -234,7 +235,8 @@ def test_runs_in_context_parallel_layouts_equal_one_process(tmp_path: Path) -> N
     4 (allgather). Every step's loss and gradient norm and the final weights equal the
     one-process run's (SGD: a divisor of dp instead of dp x cp shows); DiLoCo over two sync
     groups of cp = 2 equals DiLoCo over two sync groups of one rank."""
-    want, one = cp_run(tmp_path / "one", ["-n", "1"], 4)
+    ((rows, one),) = cli.train_rows_together([(tmp_path / "one", CP_TOML, [], 4)], 1)
+    want = [r["loss"] for r in rows] + [r["grad_norm"] for r in rows]
     trace = tmp_path / "ring.json"
     first, _ = cp_run(tmp_path / "chain", ["-n", "4", "--set", "parallel.cp=4",
                                            "--timeline", str(trace)], 2)
@@ -243,20 +245,19 @@ def test_runs_in_context_parallel_layouts_equal_one_process(tmp_path: Path) -> N
     third, chain = cp_run(tmp_path / "chain", ["-n", "1", "--resume"], 4)
     losses, norms = (first[:2] + second[:1] + third[:1], first[2:] + second[1:] + third[1:])
     runs = [(losses + norms, chain)]
-    for name, args in (
-            ("sp", ["-n", "4", "--set", "parallel.cp=2", "--set", "parallel.tp=2", "--set",
-                    "parallel.sequence_parallel=true"]),
-            ("pp", ["-n", "4", "--set", "parallel.cp=2", "--set", "parallel.pp=2", "--set",
-                    "parallel.microbatches=2"]),
-            ("dp", ["-n", "4", "--set", "parallel.cp=2"]),
-            ("zero1", ["-n", "4", "--set", "parallel.cp=2", "--set", "parallel.zero=1"]),
-            ("zero", ["-n", "4", "--set", "parallel.cp=2", "--set", "parallel.zero=3"]),
-            ("recompute", ["-n", "2", "--set", "parallel.cp=2", "--set",
-                           "parallel.cp_method='alltoall'", "--set",
-                           "memory.recompute='full'"]),
-            ("allgather", ["-n", "4", "--set", "parallel.cp=4", "--set",
-                           "parallel.cp_method='allgather'"])):
-        runs.append(cp_run(tmp_path / name, args, 4))
+    together = {4: [("sp", ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+                    ("pp", ["parallel.cp=2", "parallel.pp=2", "parallel.microbatches=2"]),
+                    ("dp", ["parallel.cp=2"]),
+                    ("zero1", ["parallel.cp=2", "parallel.zero=1"]),
+                    ("zero", ["parallel.cp=2", "parallel.zero=3"]),
+                    ("allgather", ["parallel.cp=4", "parallel.cp_method='allgather'"])],
+                2: [("recompute", ["parallel.cp=2", "parallel.cp_method='alltoall'",
+                                   "memory.recompute='full'"])]}
+    for nproc, named in together.items():  # on ranks forked once: no launch per layout
+        trained = cli.train_rows_together(
+            [(tmp_path / name, CP_TOML, overrides, 4) for name, overrides in named], nproc)
+        runs += [([r["loss"] for r in rows] + [r["grad_norm"] for r in rows], ckpt)
+                 for rows, ckpt in trained]
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
     for rank in range(4):  # each ring step's compute, and the blocks sent and received

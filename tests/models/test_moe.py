@@ -370,7 +370,7 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
     step's loss and the final weights equal the one-process run's; the metrics carry each
     MoE layer's balance, and the timeline each MoE forward's dispatch, expert compute and
     combine."""
-    one, one_ckpt = moe_run(tmp_path / "one", ["-n", "1"], 4)
+    ((one, one_ckpt),) = cli.train_rows_together([(tmp_path / "one", MOE_TOML, [], 4)], 1)
     first, _ = moe_run(tmp_path / "chain", ["-n", "4", "--set", "parallel.ep=4"], 2)
     second, _ = moe_run(tmp_path / "chain", ["-n", "2", "--set", "parallel.ep=2", "--resume"], 3)
     third, chain = moe_run(tmp_path / "chain", ["-n", "1", "--resume"], 4)
@@ -379,11 +379,11 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
                                       "parallel.ep=2", "--timeline", str(trace)], 4)
     recomputed = moe_run(tmp_path / "recompute", ["-n", "2", "--set", "parallel.ep=2", "--set",
                                                   "memory.recompute='full'"], 4)
-    piped = moe_run(tmp_path / "pp", ["-n", "4", "--set", "parallel.pp=2", "--set",
-                                      "parallel.microbatches=2", "--set", "parallel.ep=2"], 4)
-    moe_run(tmp_path / "diloco", ["-n", "4", "--set", "parallel.ep=2", "--set",
-                                  "sync.method='diloco'", "--set", "sync.groups=2", "--set",
-                                  "sync.every=2"], 4)
+    piped, _ = cli.train_rows_together(  # on four ranks forked once: no launch for each
+        [(tmp_path / "pp", MOE_TOML, ["parallel.pp=2", "parallel.microbatches=2",
+                                      "parallel.ep=2"], 4),
+         (tmp_path / "diloco", MOE_TOML, ["parallel.ep=2", "sync.method='diloco'",
+                                          "sync.groups=2", "sync.every=2"], 4)], 4)
     groups = [load_file(universal.export(c, c.parent / "model.safetensors")) for c in (
         tmp_path / "diloco/run/checkpoints", tmp_path / "diloco/run/sync-group-1/checkpoints")]
     for name, value in groups[0].items():  # synchronized at step 4, experts by index too

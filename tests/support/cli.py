@@ -110,3 +110,39 @@ def train_rows(folder: Path, config_text: str, args: list[str], steps: int
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [r for r in rows if "loss" in r], folder / "run" / "checkpoints"
+
+
+def _train_each(runs: list[tuple[str, list[str], str]]) -> None:
+    """On each rank: every run (config file, --set overrides, metrics file) trained in
+    turn by dtrain train's Trainer on this process's world."""
+    from dtrain.config import load_config
+    from dtrain.train.trainer import Trainer
+
+    for config, overrides, metrics in runs:
+        Trainer(load_config(config, overrides), metrics).run()
+
+
+def train_rows_together(runs: list[tuple[Path, str, list[str], int]], nproc: int
+                        ) -> list[tuple[list[dict], Path]]:
+    """`train_rows` of several runs on `nproc` ranks, trained in turn by dtrain train's
+    Trainer on one set of ranks forked once (`dtrain.testing.run_ranks`) instead of a
+    launch each: the same loop, config and metrics, without the launcher's start-up.
+    Each run is (folder, config text, --set overrides, steps); a launcher flag (-n,
+    --resume, --timeline) is not taken."""
+    from dtrain.testing import run_ranks
+
+    planned = []
+    for folder, config_text, overrides, steps in runs:
+        folder.mkdir(exist_ok=True)
+        config = folder / "config.toml"
+        config.write_text(config_text)
+        metrics = folder / f"metrics-{len(list(folder.glob('metrics-*')))}.jsonl"
+        planned.append((str(config), [*overrides, f"train.steps={steps}",
+                                      f"train.out_dir='{folder / 'run'}'",
+                                      f"parallel.nproc={nproc}"], str(metrics)))
+    run_ranks(_train_each, nproc, planned, timeout=170 * len(runs))
+    out = []
+    for (folder, *_), (_, _, metrics) in zip(runs, planned, strict=True):
+        rows = [json.loads(line) for line in Path(metrics).read_text().splitlines()]
+        out.append(([r for r in rows if "loss" in r], folder / "run" / "checkpoints"))
+    return out
