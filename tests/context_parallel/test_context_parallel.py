@@ -31,6 +31,21 @@ CASES = [(m, n, causal) for m in ("ring", "allgather", "alltoall") for n in (2, 
          for causal in (True, False)]
 
 
+def _chunks_equal_whole(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        want: torch.Tensor, dout: torch.Tensor, **given: object) -> bool:
+    """This rank's chunks of q, k and v through `method` (with `given`, as attention takes
+    it), backward from its chunks of `dout`: its output and q, k, v gradients equal the
+    whole attention's (`want`, backward from `dout` already) on its chunks."""
+    cp = ContextParallel(comm.resolve(None), method)
+    mine = [chunks.shard(t.detach(), cp.rank, cp.size, dim=2).requires_grad_() for t in (q, k, v)]
+    out = cp.attention(*mine, **given)
+    out.backward(chunks.shard(dout, cp.rank, cp.size, dim=2))
+    torch.testing.assert_close(out, chunks.shard(want.detach(), cp.rank, cp.size, dim=2))
+    for got, whole in zip(mine, (q, k, v), strict=True):
+        torch.testing.assert_close(got.grad, chunks.shard(whole.grad, cp.rank, cp.size, dim=2))
+    return True
+
+
 def attention_rank(rank: int, method: str, causal: bool, heads: tuple[int, int]) -> bool:
     """One rank: its chunks' output and q, k, v gradients against full SDPA (float64)."""
     gen = torch.Generator().manual_seed(0)  # threads: each its own, all alike
@@ -41,14 +56,7 @@ def attention_rank(rank: int, method: str, causal: bool, heads: tuple[int, int])
     want = F.scaled_dot_product_attention(q, k.repeat_interleave(h // kv, 1),
                                           v.repeat_interleave(h // kv, 1), is_causal=causal)
     want.backward(dout)
-    cp = ContextParallel(comm.resolve(None), method)
-    mine = [chunks.shard(t.detach(), cp.rank, cp.size, dim=2).requires_grad_() for t in (q, k, v)]
-    out = cp.attention(*mine, causal=causal)
-    out.backward(chunks.shard(dout, cp.rank, cp.size, dim=2))
-    torch.testing.assert_close(out, chunks.shard(want.detach(), cp.rank, cp.size, dim=2))
-    for got, whole in zip(mine, (q, k, v), strict=True):
-        torch.testing.assert_close(got.grad, chunks.shard(whole.grad, cp.rank, cp.size, dim=2))
-    return True
+    return _chunks_equal_whole(method, q, k, v, want, dout, causal=causal)
 
 
 @pytest.mark.timeout(60)
@@ -86,14 +94,9 @@ def documents_rank(rank: int, method: str) -> bool:
                                           v.repeat_interleave(2, 1),
                                           attn_mask=document_mask(positions))
     want.backward(dout)
-    cp = ContextParallel(comm.resolve(None), method)
-    mine = [chunks.shard(t.detach(), cp.rank, cp.size, dim=2).requires_grad_() for t in (q, k, v)]
-    out = cp.attention(*mine, documents=chunks.shard(positions, cp.rank, cp.size))
-    out.backward(chunks.shard(dout, cp.rank, cp.size, dim=2))
-    torch.testing.assert_close(out, chunks.shard(want.detach(), cp.rank, cp.size, dim=2))
-    for got, whole in zip(mine, (q, k, v), strict=True):
-        torch.testing.assert_close(got.grad, chunks.shard(whole.grad, cp.rank, cp.size, dim=2))
-    return True
+    rank, size = comm.resolve(None).rank, comm.resolve(None).size
+    return _chunks_equal_whole(method, q, k, v, want, dout,
+                               documents=chunks.shard(positions, rank, size))
 
 
 @pytest.mark.timeout(60)

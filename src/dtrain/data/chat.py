@@ -160,6 +160,22 @@ class ChatTemplate:
                           f"\"chat_template\" in {TOKENIZER_CONFIG} beside it): give {FIX} "
                           "(a .jinja file or the template text)")
 
+    @classmethod
+    def for_records(cls, tokenizer: str, given: str, required: bool) -> ChatTemplate | None:
+        """The template records are rendered with: `find`'s, required for chat; for
+        prompt/completion pairs the tokenizer's if it has one (pairs of messages need it,
+        pairs of strings none), a `given` one always.
+
+        Raises:
+            ConfigError: see `find`, where a template is required or given.
+        """
+        try:
+            return cls.find(tokenizer, given)
+        except ConfigError:
+            if required or given:
+                raise
+            return None
+
     def render(self, messages: list[Message], add_generation_prompt: bool = False) -> str:
         """The text of `messages`, with the assistant's generation prompt after them when
         asked (to generate, or to find where an assistant's turn starts).

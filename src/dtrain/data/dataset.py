@@ -113,8 +113,7 @@ def open_data(path: str, format: str = "text", tokenizer: str = BYTES,
         tokens, flags, starts = shards, shards.targets, shards.document_starts()
     elif kind is not None:
         tok = load_tokenizer(tokenizer)
-        template = ChatTemplate.find(tokenizer, chat_template) if kind is Kind.CHAT or \
-            chat_template else _template_if_any(tokenizer)
+        template = ChatTemplate.for_records(tokenizer, chat_template, kind is Kind.CHAT)
         encoded = record_documents(path, kind, tok, template, targets, column=column,
                                    split=split)
         if encoded.without_targets:
@@ -166,15 +165,6 @@ def data_of(dc: DataConfig, block_size: int) -> Data:
 
 def _flags(encoded: Encoded) -> torch.Tensor | None:
     return None if encoded.targets is None else torch.from_numpy(encoded.targets)
-
-
-def _template_if_any(tokenizer: str) -> ChatTemplate | None:
-    """The tokenizer's own chat template when it has one (prompt/completion pairs of
-    messages need it; of strings, not)."""
-    try:
-        return ChatTemplate.find(tokenizer)
-    except ConfigError:
-        return None
 
 
 def _packing(value: str, fmt: Format, masked: bool) -> Packing:

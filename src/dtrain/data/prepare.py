@@ -212,8 +212,10 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
     """
     from tqdm import tqdm
 
+    from dtrain.data.chat import ChatTemplate
     from dtrain.data.corpus import corpus_files
     from dtrain.data.formats import Format, train_on_of
+    from dtrain.data.records import Kind
     from dtrain.data.shards import ShardWriter
     from dtrain.data.tables import is_table
 
@@ -229,7 +231,8 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
     encoder = Encoder(tokenizer, fmt.records, None, train_on_of(fmt, train_on, "--train-on"),
                       max_length, column)
     if fmt.records is not None:
-        found = _template(tokenizer, chat_template, required=fmt.records.value == "chat")
+        found = ChatTemplate.for_records(tokenizer, chat_template,
+                                         required=fmt.records is Kind.CHAT)
         if found is not None:
             encoder.template = (found.source, found.bos_token, found.eos_token)
     tok, _ = encoder.open()
@@ -268,19 +271,6 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
             "documents": documents_read, "bytes": bytes_read, "dtype": index["dtype"],
             "vocab_size": tok.vocab_size, "tokenizer": name, "targets": targets,
             "skipped": skipped, "truncated": truncated}
-
-
-def _template(tokenizer: str, given: str, required: bool) -> ChatTemplate | None:
-    """The chat template for records: required for chat, the tokenizer's if any for
-    prompt/completion pairs (of messages; pairs of strings need none)."""
-    from dtrain.data.chat import ChatTemplate
-
-    try:
-        return ChatTemplate.find(tokenizer, given)
-    except ConfigError:
-        if required or given:
-            raise
-        return None
 
 
 def _record_items(inputs: list[str], split: str) -> Iterator[tuple[Item | None, int]]:

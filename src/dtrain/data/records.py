@@ -145,7 +145,6 @@ def record_documents(path: str, kind: Kind, tokenizer: Tokenizer, template: Chat
     """
     pieces: list[tuple[np.ndarray, np.ndarray | None]] = []
     skipped = 0
-    batch: list[tuple[dict[str, object], str]] = []
     rows = records(path, key, split)
     while True:
         batch = [(record, where) for record, where, _ in itertools.islice(rows, BATCH)]

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from dtrain.context_parallel import ContextParallel, positions_of
-from dtrain.errors import ConfigError, DtrainError
+from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
 from dtrain.models.hf_places import HFName, expert_places
 from dtrain.models.kv_cache import KVCache
@@ -323,11 +323,8 @@ class HFCausalLM(nn.Module):
         Raises:
             DtrainError: documents with a KV cache (generation runs one sequence).
         """
-        if positions is not None and self.kv_cache is not None:
-            raise DtrainError("packed documents (positions) with a KV cache: generation "
-                              "runs one sequence per row")
-        self.documents = None if positions is None else PackedDocuments.of(
-            positions, self.context is not None)
+        self.documents = PackedDocuments.given(positions, self.context is not None,
+                                               self.kv_cache is not None)
 
     def _where(self, t: int, device: torch.device) -> dict[str, torch.Tensor | bool]:
         """What transformers is told of the positions: this rank's chunks' global ones

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dtrain.errors import DtrainError
 from dtrain.masks import document_block_mask, document_mask, flex_available
 
 if TYPE_CHECKING:
@@ -52,6 +53,23 @@ class PackedDocuments:
         if flex and flex_available(positions.device):
             return cls(positions, document_block_mask(positions))
         return cls(positions, document_mask(positions))
+
+    @classmethod
+    def given(cls, positions: torch.Tensor | None, context_parallel: bool,
+              cached: bool, flex: bool = False) -> PackedDocuments | None:
+        """What a model's `use_documents(positions)` keeps: the documents at `positions`
+        (`of`), None for rows of one sequence each.
+
+        Raises:
+            DtrainError: documents for a model generating with a KV cache (`cached`),
+                which runs one sequence per row.
+        """
+        if positions is None:
+            return None
+        if cached:
+            raise DtrainError("packed documents (positions) with a KV cache: generation "
+                              "runs one sequence per row")
+        return cls.of(positions, context_parallel, flex)
 
 
 

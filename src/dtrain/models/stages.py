@@ -135,11 +135,8 @@ class StagedLM(nn.Module):
         Raises:
             DtrainError: documents with a KV cache (generation runs one sequence).
         """
-        if positions is not None and self.kv_cache is not None:
-            raise DtrainError("packed documents (positions) with a KV cache: generation "
-                              "runs one sequence per row")
-        self.documents = None if positions is None else PackedDocuments.of(
-            positions, self.context is not None, flex=True)
+        self.documents = PackedDocuments.given(positions, self.context is not None,
+                                               self.kv_cache is not None, flex=True)
         self.documents_given += positions is not None
 
     def stage_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -88,8 +88,10 @@ def on_rank(batch: Batch, mesh: Mesh, device: torch.device, shares: int | None =
     its two of 2 x cp: dtrain.context_parallel.chunks) on `device`, weighed as one of
     `shares` batch shares of a step (the data shards x cp x accumulation; None: cp x
     the batches a held-out pass averages, which `batches` cuts from one global count)."""
-    mine = batch.map(lambda t: chunks.shard(t, mesh.coords["cp"], mesh.size("cp")).to(device))
-    return mine.shared(shares if shares is not None else mesh.size("cp") * mesh.size("dp"))
+    mine = batch.map(lambda t: chunks.shard(t, mesh.coords["cp"], mesh.size("cp")))
+    # counted on the host: on a GPU a count of the moved targets would wait for the copy
+    mine = mine.shared(shares if shares is not None else mesh.size("cp") * mesh.size("dp"))
+    return mine.map(lambda t: t.to(device))
 
 
 def open_checkpoint(path: str, config: Config) -> Checkpoint:
