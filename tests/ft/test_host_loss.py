@@ -163,8 +163,9 @@ def test_losing_any_host_rank_0s_first_loses_no_step(three_hosts: list[Host],
               f"a checkpoint written without host {lost}", describe=outputs)
         cluster.restart(lost)  # the machine comes back, its disk as it was
         names[lost] = f"h{lost}-{kill + 1}"
+        back = time.time()  # a step of all 6 that was finishing as the host died is before it
         launchers[lost] = _launcher(hosts[lost], lost, tmp_path, cluster, names[lost], steps)
-        until(lambda m=moment: any(r["time"] > m and r["live_replicas"] == 6
+        until(lambda b=back: any(r["time"] > b and r["live_replicas"] == 6
                                    for r in records(metrics)), 180,
               f"host {lost}'s replacement taking part (kill {kill})", describe=outputs)
         assert f"took the place of lost node {lost} ({lost_ranks}) in the running live job" \
