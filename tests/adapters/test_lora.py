@@ -73,10 +73,16 @@ def test_defaults_and_bad_targets(tmp_path: Path) -> None:
         apply(_hf(tmp_path), AdapterConfig(kind="lora", rank=64), "hf")
 
 
-def _config(folder: Path, name: str, parallel: dict) -> dict:
+DTRAIN_LLAMA = {"arch": "llama", "block_size": 32, "n_layer": 2, "n_embd": 32, "n_head": 4,
+                "n_kv_head": 2, "ffn_hidden": 64}
+"""dtrain's Llama, for sequence parallelism (which transformers' models do not take)."""
+
+
+def _config(folder: Path, name: str, parallel: dict, model: dict | None = None) -> dict:
     """A two-step run of a transformers Llama (bytes: 256 ids) with LoRA, plain SGD."""
     out = folder / name
-    return {"model": {"arch": "hf", "hf_config": str(folder / "config.json"), "block_size": 32},
+    return {"model": model or {"arch": "hf", "hf_config": str(folder / "config.json"),
+                               "block_size": 32},
             "adapter": {"kind": "lora", "rank": 4, "alpha": 8},
             "data": {"max_bytes": 20_000},
             "optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9, "weight_decay": 0.0,
@@ -114,34 +120,40 @@ def _train(runs: list[tuple[str, dict]]) -> dict[str, dict]:
     return out
 
 
-def _initial(folder: Path) -> dict[str, torch.Tensor]:
+def _initial(folder: Path, model: dict | None = None) -> dict[str, torch.Tensor]:
     """The weights every run starts from (drawn by seed and name, dtrain.models.init)."""
     from dtrain import adapters, models
     from dtrain.config import config_from_dict
     from dtrain.models import init
 
-    config = config_from_dict(_config(folder, "x", {"nproc": 1}))
+    config = config_from_dict(_config(folder, "x", {"nproc": 1}, model))
     shape = models.resolve(config.model, 256)
     skeleton = init.skeleton(lambda: adapters.built(shape, config.adapter))
     model = init.materialized(skeleton, init.Initial(skeleton, config.train.seed))
-    return {n: p.detach() for n, p in model.named_parameters()}
+    return {n: p.detach() for n, p in model.state_dict().items()}
 
 
-LAYOUTS = {"dp": {}, "ZeRO-2": {"zero": 2}, "ZeRO-3": {"zero": 3},
+LAYOUTS = {"dp": {}, "ZeRO-2": {"zero": 2}, "ZeRO-3": {"zero": 3}, "tp": {"tp": 2},
            "pp": {"pp": 2, "microbatches": 2}, "cp": {"cp": 2}}
+SEQUENCE_PARALLEL = {"tp": 2, "sequence_parallel": True}
+"""On dtrain's Llama, against its own one-process run."""
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_adapters_train_alone_in_every_layout_as_in_one_process(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({**HF_LLAMA, "vocab_size": 256}))
-    want = run_ranks(_train, 1, [("one", _config(tmp_path, "one", {"nproc": 1}))],
-                     timeout=120)[0]["one"]
+    alone = run_ranks(_train, 1, [("hf", _config(tmp_path, "one", {"nproc": 1})),
+                                  ("llama", _config(tmp_path, "one-llama", {"nproc": 1},
+                                                    DTRAIN_LLAMA))], timeout=120)[0]
     runs = [(name, _config(tmp_path, name, {"nproc": 2, **p})) for name, p in LAYOUTS.items()]
-    got = run_ranks(_train, 2, runs, timeout=200)[0]
-    initial = _initial(tmp_path)
-    adapted = {n for n in want["weights"] if ".lora_" in n}
-    assert adapted and want["stateful"] == len(adapted)
-    for name in LAYOUTS:
+    runs.append(("tp-sp", _config(tmp_path, "tp-sp", {"nproc": 2, **SEQUENCE_PARALLEL},
+                                  DTRAIN_LLAMA)))
+    got = run_ranks(_train, 2, runs, timeout=250)[0]
+    for name, (model, initial) in {**{n: ("hf", _initial(tmp_path)) for n in LAYOUTS},
+                                   "tp-sp": ("llama", _initial(tmp_path, DTRAIN_LLAMA))}.items():
+        want = alone[model]
+        adapted = {n for n in want["weights"] if ".lora_" in n}
+        assert adapted and want["stateful"] == len(adapted)
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(got[name][key], want[key], rtol=1e-5, atol=1e-6,
                                        msg=lambda m, k=key, n=name: f"{n} {k}: {m}")

@@ -43,9 +43,10 @@ def check_adapter_layout(adapter: AdapterConfig, tp: int) -> None:
     """Adapters in the layouts they have been taught.
 
     Raises:
-        ConfigError: adapters with tensor parallelism (not yet split with their layers).
+        ConfigError: adapter dropout with tensor parallelism (a row-parallel adapter would
+            drop each rank's block of the input on its own).
     """
-    if adapter.kind != "none" and tp > 1:
-        raise ConfigError("adapter.kind = \"lora\" with parallel.tp > 1 is not supported yet "
-                          "(the adapters are not yet split with their layers): use tp = 1 "
-                          "(data parallel, ZeRO, pp, cp and ep train adapters)")
+    if adapter.kind != "none" and adapter.dropout and tp > 1:
+        raise ConfigError(f"adapter.dropout = {adapter.dropout} with parallel.tp = {tp} is not "
+                          "supported yet (each rank would drop its own block of a split "
+                          "layer's input): set adapter.dropout = 0 or parallel.tp = 1")

@@ -63,6 +63,17 @@ class LoRAFactor(nn.Linear):
 
     rule: Init
 
+    @classmethod
+    def drawn(cls, fan_in: int, fan_out: int, rule: Init, device: torch.device,
+              dtype: torch.dtype) -> LoRAFactor:
+        """A factor of `fan_out` x `fan_in` drawn by `rule` (left empty on the meta device,
+        where dtrain.models.init draws it by name)."""
+        factor = cls(fan_in, fan_out, bias=False, device=device, dtype=dtype)
+        factor.rule = rule
+        if device.type != "meta":
+            factor.reset_parameters()
+        return factor
+
     def init_rule(self, pname: str) -> Init | None:
         """Its weight's initial values (dtrain.models.init reads it)."""
         return self.rule if pname == "weight" else None
@@ -78,15 +89,6 @@ class LoRAFactor(nn.Linear):
                 self.weight.uniform_(rule.a, rule.b)
             else:
                 self.weight.normal_(rule.a, rule.b)
-
-
-def _factor(fan_in: int, fan_out: int, rule: Init, device: torch.device,
-            dtype: torch.dtype) -> LoRAFactor:
-    factor = LoRAFactor(fan_in, fan_out, bias=False, device=device, dtype=dtype)
-    factor.rule = rule
-    if device.type != "meta":
-        factor.reset_parameters()
-    return factor
 
 
 class LoRALinear(nn.Linear):
@@ -115,8 +117,8 @@ class LoRALinear(nn.Linear):
         device, dtype = linear.weight.device, linear.weight.dtype
         linear.__class__ = cls
         adapted: LoRALinear = linear  # type: ignore[assignment]  # its class, now
-        adapted.lora_A = _factor(fan_in, rank, down, device, dtype)
-        adapted.lora_B = _factor(rank, fan_out, constant(0.0), device, dtype)
+        adapted.lora_A = LoRAFactor.drawn(fan_in, rank, down, device, dtype)
+        adapted.lora_B = LoRAFactor.drawn(rank, fan_out, constant(0.0), device, dtype)
         adapted.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         adapted.scaling = alpha / rank
         for p in (adapted.weight, adapted.bias):

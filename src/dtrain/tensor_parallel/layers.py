@@ -97,8 +97,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_gather is None:
-            y = self.matmul(copy_to_group(x, self.group, self.algorithm), self.weight,
-                            self.bias)
+            whole = copy_to_group(x, self.group, self.algorithm)
+            y = self.matmul(whole, self.weight, self.bias)
         else:
             whole, again = self.sequence_gather.gathered(x)
             if again is None or recomputed_within(self) or self.matmul is not F.linear:
@@ -106,12 +106,18 @@ class ColumnParallelLinear(nn.Module):
                 y = self.matmul(whole, self.weight, self.bias)
             else:  # keep this rank's part for backward, not the whole
                 y = gathered_linear(x, whole, self.weight, self.bias, again)
+        y = self.added(whole, y)
         if not self.gather_output:
             return y
         y = gather_last(y, self.group, self.algorithm)  # [part 0, part 1, ..] of rank 0, ..
         chunks = self.splits["weight"].chunks
         if chunks > 1:  # back to [rank 0, rank 1, ..] of part 0, ..
             y = y.unflatten(-1, (self.group.size, chunks, -1)).transpose(-3, -2).flatten(-3)
+        return y
+
+    def added(self, whole: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (this rank's block of the output) plus what a subclass adds from the whole
+        input (a LoRA adapter, dtrain.tensor_parallel.adapted); `y` itself here."""
         return y
 
     def extra_repr(self) -> str:
@@ -172,7 +178,13 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_sequence(y, self.group, self.algorithm, partner)
         else:
             y = reduce_from_group(y, self.group, self.algorithm)
-        return y + self.bias if self.bias is not None else y
+        return self.added(x, y + self.bias if self.bias is not None else y)
+
+    def added(self, part: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` (the summed output, or this rank's part of the sequence of it) plus what a
+        subclass adds from this rank's block of the input `part` (a LoRA adapter,
+        dtrain.tensor_parallel.adapted); `y` itself here."""
+        return y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} ({self.weight.shape[1]} here), "

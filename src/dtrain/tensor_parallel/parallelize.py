@@ -17,7 +17,9 @@ parameters it finds allocated; a model built in split form is hooked once alloca
 Each new layer receives this rank's block of the original weights, so the parallelized
 model computes the same function. Parameters shared between layers (tied embeddings) stay
 shared when both are split the same way. Everything else stays replicated; the tensor-parallel
-group's first rank broadcasts the whole model first, so replicas start identical.
+group's first rank broadcasts the whole model first, so replicas start identical. A frozen
+parameter stays frozen, and a LoRA-adapted layer's adapter is split with it
+(dtrain.tensor_parallel.adapted).
 """
 
 from __future__ import annotations
@@ -30,15 +32,18 @@ import torch
 from torch import nn
 
 from dtrain import comm
+from dtrain.adapters.lora import LoRALinear
 from dtrain.data_parallel.agreement import broadcast_state
 from dtrain.errors import ConfigError
 from dtrain.split import Split
+from dtrain.tensor_parallel.adapted import split_adapter
 from dtrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 from dtrain.tensor_parallel.loss import VocabParallelCrossEntropy
+from dtrain.tensor_parallel.summed import SumOverGroup
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -111,20 +116,6 @@ class Vocab:
                                       padding_idx=module.padding_idx, group=group,
                                       algorithm=algorithm, device=module.weight.device,
                                       dtype=module.weight.dtype)
-
-
-class SumOverGroup:
-    """A gradient hook: a replicated parameter's gradient from this rank's part of the work
-    (its part of the sequence, or its heads), summed over the group into the whole's.
-    Every rank's backward reaches the same parameters in the same order, so the
-    all-reduces line up."""
-
-    def __init__(self, group: comm.Group, algorithm: str) -> None:
-        self.group, self.algorithm = group, algorithm
-
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(grad.contiguous().clone(), group=self.group,
-                               algorithm=self.algorithm)
 
 
 @dataclass(frozen=True)
@@ -204,11 +195,12 @@ def matches(model: nn.Module, plan: dict[str, Style | str]) -> list[tuple[str, S
 def _build(name: str, old: nn.Module, style: Style, group: comm.Group,
            algorithm: str) -> nn.Module:
     try:
-        return style.build(name, old, group, algorithm)
+        new = style.build(name, old, group, algorithm)
     except ConfigError as exc:
         if name in str(exc):
             raise
         raise ConfigError(f"{name}: {exc}") from None
+    return split_adapter(new, old, group, algorithm) if isinstance(old, LoRALinear) else new
 
 
 @torch.no_grad()
@@ -239,19 +231,22 @@ def parallelize(model: nn.Module, plan: dict[str, Style | str], group: comm.Grou
     for name, style in targets:
         old = model.get_submodule(name)
         new = _build(name, old, style, g, algorithm)
-        splits = getattr(new, "splits", {})
-        for pname, param in list(new.named_parameters(recurse=False)):
-            whole = getattr(old, pname)
-            if pname not in splits:  # replicated (a row-parallel bias)
+        for pname, param in list(new.named_parameters()):  # an adapter's A and B too
+            whole = old.get_parameter(pname)
+            param.requires_grad_(whole.requires_grad)  # a frozen base stays frozen
+            within, _, leaf = pname.rpartition(".")
+            owner = new.get_submodule(within)
+            splits = getattr(owner, "splits", {})
+            if leaf not in splits:  # replicated (a row-parallel bias)
                 param.copy_(whole)
                 continue
-            split = splits[pname]
+            split = splits[leaf]
             if id(whole) in shared:
                 first_split, kept, first, _ = shared[id(whole)]
                 if first_split != split:
                     raise ConfigError(f"plan: {name}.{pname} is tied to {first} but split "
                                       "differently; give both the same style")
-                setattr(new, pname, kept)
+                setattr(owner, leaf, kept)
                 continue
             param.copy_(split.shard(whole, g.rank, g.size))
             shared[id(whole)] = (split, param, f"{name}.{pname}", whole)  # whole: keeps ids unique

@@ -1,5 +1,7 @@
-"""Replicated parameters' gradients summed over the tensor-parallel group, all in one
-all-reduce at the end of backward (Megatron-LM's all-reduce of the layer norms' gradients).
+"""Replicated parameters' gradients summed over the tensor-parallel group: per parameter
+as backward reaches it (`SumOverGroup`: a headwise module's, a column-parallel LoRA
+adapter's A), or all in one all-reduce at the end of backward (`SumAtEnd`, Megatron-LM's
+all-reduce of the layer norms' gradients).
 
 Under sequence parallelism a parameter every rank holds whole (a norm's weight, a
 row-parallel layer's bias) is applied to this rank's part of the sequence only, so its
@@ -23,6 +25,20 @@ from torch import nn
 from dtrain import comm
 from dtrain.data_parallel import late_grads
 from dtrain.errors import DtrainError
+
+
+class SumOverGroup:
+    """A gradient hook: a replicated parameter's gradient from this rank's part of the work
+    (its part of the sequence, or its heads), summed over the group into the whole's.
+    Every rank's backward reaches the same parameters in the same order, so the
+    all-reduces line up."""
+
+    def __init__(self, group: comm.Group, algorithm: str) -> None:
+        self.group, self.algorithm = group, algorithm
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce(grad.contiguous().clone(), group=self.group,
+                               algorithm=self.algorithm)
 
 
 class SumAtEnd:
