@@ -96,6 +96,24 @@ def _token_text(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
+def tokenizer_config(tokenizer: str) -> dict[str, object]:
+    """The `tokenizer_config.json` beside the tokenizer.json `tokenizer` names, {} for the
+    bytes tokenizer or where there is none."""
+    if not tokenizer or tokenizer == "bytes":
+        return {}
+    file = Path(tokenizer).parent / TOKENIZER_CONFIG
+    if not file.is_file():
+        return {}
+    config = json.loads(file.read_text())
+    return config if isinstance(config, dict) else {}
+
+
+def eos_text(tokenizer: str) -> str:
+    """The text of the end-of-sequence token `tokenizer_config.json` names (transformers'
+    `tokenizer.eos_token`), "" where it names none."""
+    return _token_text(tokenizer_config(tokenizer).get("eos_token"))
+
+
 @dataclass
 class ChatTemplate:
     """A chat template and the special tokens it may name.
@@ -132,9 +150,7 @@ class ChatTemplate:
                 one that does not parse.
         """
         folder = Path(tokenizer).parent if tokenizer and tokenizer != "bytes" else None
-        config: dict[str, object] = {}
-        if folder is not None and (folder / TOKENIZER_CONFIG).is_file():
-            config = json.loads((folder / TOKENIZER_CONFIG).read_text())
+        config = tokenizer_config(tokenizer)
         tokens = {"bos_token": _token_text(config.get("bos_token")),
                   "eos_token": _token_text(config.get("eos_token"))}
         if given:

@@ -16,29 +16,34 @@ from dtrain.schema import positive
 class DataConfig:
     path: str = ""
     """A text file or a folder of them, a JSON-lines file or folder (formats jsonl, chat,
-    prompt_completion), or a folder of token shards (format = "tokens"); empty means the
-    Python standard library's .py files."""
-    format: Literal["text", "jsonl", "chat", "prompt_completion", "tokens"] = "text"
+    prompt_completion, preference), or a folder of token shards (format = "tokens"); empty
+    means the Python standard library's .py files."""
+    format: Literal["text", "jsonl", "chat", "prompt_completion", "preference", "tokens"] = (
+        "text")
     """text (files read whole), jsonl (a "text" field per line), chat (a "messages" list
     per line, rendered by the chat template), prompt_completion ("prompt" and
-    "completion" fields per line) or tokens (shards written by `dtrain data prepare`:
-    memory-mapped, read lazily)."""
+    "completion" fields per line), preference ("prompt", "chosen" and "rejected" per line,
+    for DPO: two padded rows a pair, chosen then rejected) or tokens (shards written by
+    `dtrain data prepare`: memory-mapped, read lazily)."""
     packing: Literal["auto", "stream", "block_causal", "pad"] = "auto"
     """How documents become rows: stream (joined, cut into windows, attending across
     documents), block_causal (whole documents packed into rows, none seeing another,
-    positions from 0 in each), pad (one document per row, padded); auto streams text and
-    packs chat, prompt_completion and shards with loss masks (block_causal)."""
+    positions from 0 in each), pad (one document per row, padded); auto streams text,
+    packs chat, prompt_completion and shards with loss masks (block_causal) and pads
+    preference pairs (the only packing they take)."""
     train_on: Literal["auto", "assistant", "completion", "all"] = "auto"
     """Which tokens are targets of the loss: assistant (every assistant turn of a
     conversation), completion (a conversation's last assistant turn, or a pair's
-    completion), all; auto is assistant for chat, completion for prompt_completion, all
-    for text."""
+    completion), all; auto is assistant for chat, completion for prompt_completion and
+    preference (its responses: nothing else), all for text."""
     too_long: Literal["auto", "split", "truncate", "refuse"] = "auto"
     """A document longer than model.block_size when packed: split into rows, truncate, or
-    refuse; auto splits text and truncates records and shards with loss masks."""
+    refuse; auto splits text and truncates records and shards with loss masks (a
+    preference row loses its response's end; split is refused for pairs)."""
     column: str = ""
     """The field of a JSON line or a dataset's row that holds the text (jsonl) or the
-    conversation (chat); empty: "text" and "messages"."""
+    conversation (chat); empty: "text" and "messages". Not for preference data (its
+    fields are prompt, chosen and rejected)."""
     split: str = "train"
     """The split of a saved Hugging Face dataset with several (dataset_dict.json)."""
     chat_template: str = ""

@@ -7,12 +7,17 @@ rows.
 - format "chat": conversations, a {"messages": [...]} per line of a .jsonl file or folder,
   rendered by the chat template, the assistant's turns their targets (dtrain.data.chat).
 - format "prompt_completion": {"prompt", "completion"} per line, the completion the target.
+- format "preference": {"prompt", "chosen", "rejected"} per line (strings, or lists of
+  messages rendered by the chat template: dtrain.data.preference), two rows a pair,
+  chosen then rejected, padded; the responses' tokens the targets.
 - format "tokens": a folder written by `dtrain data prepare`, memory-mapped and read
   lazily; data.max_bytes does not apply. Its tokenizer is the one its index names (the
   shards were encoded with it), whatever data.tokenizer says, and so are its targets.
 
 Rows are cut as data.packing says (dtrain.data.packing): windows of a stream, or whole
-documents packed or padded into rows. "auto" streams text and packs records.
+documents packed or padded into rows. "auto" streams text, packs records and pads
+preference pairs (which nothing else keeps whole: stream and block_causal are refused
+for them, and so is too_long = "split").
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dtrain.data.corpus import encode_with_starts, jsonl_documents, text_documen
 from dtrain.data.documents import Documents
 from dtrain.data.formats import Format, train_on_of
 from dtrain.data.packing import PackedRows, Packing, TooLong
+from dtrain.data.preference import check_column
 from dtrain.data.records import Encoded, Kind, record_documents
 from dtrain.data.sequences import Tokens, TokenSequences, View
 from dtrain.data.sequences import split as hold_out
@@ -48,6 +54,10 @@ class Data:
     vocab_size: int
     packing: Packing = Packing.STREAM
     notes: tuple[str, ...] = ()
+    pairs: bool = False
+    """The rows are preference pairs: in `train` and `val`, rows 2i and 2i+1 are pair i's
+    chosen and rejected rows, and every `Batch` `batches` draws from them holds whole
+    pairs, chosen at even and rejected at odd positions (`Batch.pairs`)."""
 
 
 def shards_tokenizer(shards_path: str, name: str, vocab_size: int,
@@ -83,7 +93,8 @@ def open_data(path: str, format: str = "text", tokenizer: str = BYTES,
     Args:
         path: data.path: text file or folder (empty: the stdlib), JSONL file or folder,
             or token-shard folder.
-        format: data.format: "text", "jsonl", "chat", "prompt_completion" or "tokens".
+        format: data.format: "text", "jsonl", "chat", "prompt_completion", "preference"
+            or "tokens" (shards of any of them, preference pairs included).
         tokenizer: data.tokenizer: "bytes" or a tokenizer.json (not used for "tokens").
         max_bytes: data.max_bytes: text read at most (text and jsonl).
         val_fraction: the held-out share of the tokens (of the documents when packed),
@@ -104,8 +115,12 @@ def open_data(path: str, format: str = "text", tokenizer: str = BYTES,
     flags: Tokens | None = None
     starts: np.ndarray | None = None
     notes: list[str] = []
+    pairs = kind is Kind.PREFERENCE
+    if pairs:
+        check_column(column)
     if fmt is Format.TOKENS:
         shards = TokenShards(path)
+        pairs = shards.pairs
         tok = shards_tokenizer(path, shards.tokenizer, shards.vocab_size)
         if not len(shards):
             raise ConfigError(f"data.path {path!r} holds no tokens: run `dtrain data prepare` "
@@ -117,7 +132,8 @@ def open_data(path: str, format: str = "text", tokenizer: str = BYTES,
         encoded = record_documents(path, kind, tok, template, targets, column=column,
                                    split=split)
         if encoded.without_targets:
-            notes.append(f"{encoded.without_targets} record(s) without a target token skipped")
+            what = "preference pair(s)" if pairs else "record(s)"
+            notes.append(f"{encoded.without_targets} {what} without a target token skipped")
         tokens, flags, starts = torch.from_numpy(encoded.ids), _flags(encoded), encoded.starts
     else:
         tok = load_tokenizer(tokenizer)
@@ -127,7 +143,7 @@ def open_data(path: str, format: str = "text", tokenizer: str = BYTES,
         tokens = torch.from_numpy(ids)
         if not len(tokens):
             raise ConfigError(f"data.path {path!r} holds no text")
-    how = _packing(packing, fmt, flags is not None)
+    how = _packing(packing, fmt, flags is not None, pairs)
     if how is Packing.STREAM:
         train, val = hold_out(tokens, val_fraction, block_size)
         train_flags = val_flags = None
@@ -141,19 +157,29 @@ def open_data(path: str, format: str = "text", tokenizer: str = BYTES,
         raise ConfigError(f"data.path {path!r} was prepared before token shards kept their "
                           f"documents: run `dtrain data prepare` again to pack it "
                           f"(data.packing = {how.value!r}), or set data.packing = \"stream\"")
-    cut = _too_long(too_long, flags is not None)
+    cut = _too_long(too_long, flags is not None, pairs)
     every = Documents(tokens, starts, flags)
-    rows = [PackedRows(part, block_size, how, cut) for part in every.split(val_fraction)]
-    if rows[0].cut:
+    rows = [PackedRows(part, block_size, how, cut, pairs)
+            for part in every.split(val_fraction, unit=2 if pairs else 1)]
+    if rows[0].cut and pairs:
+        notes.append(f"{rows[0].cut} preference row(s) longer than {block_size} + 1 tokens "
+                     "cut at their response's end")
+    elif rows[0].cut:
         notes.append(f"{rows[0].cut} document(s) longer than {block_size} + 1 tokens "
                      f"{'split' if cut is TooLong.SPLIT else 'truncated'}")
-    notes.append(f"{how.value} packing: {len(every):,} documents in {len(rows[0]):,} "
+    dropped = rows[0].dropped + rows[1].dropped
+    if dropped:
+        notes.append(f"{dropped} preference pair(s) whose prompt leaves no response token in "
+                     f"{block_size} positions skipped")
+    what = "preference pairs" if pairs else "documents"
+    count = len(every) // 2 if pairs else len(every)
+    notes.append(f"{how.value} packing: {count:,} {what} in {len(rows[0]):,} "
                  f"training rows, {rows[0].padding():.1%} padding")
     for name, part in zip(("training", "held-out"), rows, strict=True):
         if not len(part):
             raise ConfigError(f"the data's {name} part holds no document of two tokens or "
                               "more: give more data")
-    return Data(rows[0], rows[1], tok, tok.vocab_size, how, tuple(notes))
+    return Data(rows[0], rows[1], tok, tok.vocab_size, how, tuple(notes), pairs)
 
 
 def data_of(dc: DataConfig, block_size: int) -> Data:
@@ -167,35 +193,47 @@ def _flags(encoded: Encoded) -> torch.Tensor | None:
     return None if encoded.targets is None else torch.from_numpy(encoded.targets)
 
 
-def _packing(value: str, fmt: Format, masked: bool) -> Packing:
-    """data.packing: auto streams text and packs records (`block_causal`).
+def _packing(value: str, fmt: Format, masked: bool, pairs: bool = False) -> Packing:
+    """data.packing: auto streams text, packs records (`block_causal`) and pads preference
+    pairs (`pad`, the one packing that keeps a pair's rows whole and adjacent).
 
     Raises:
-        ConfigError: an unknown value.
+        ConfigError: an unknown value; for preference pairs, any packing but pad.
     """
     if value == "auto":
+        if pairs:
+            return Packing.PAD
         return Packing.BLOCK_CAUSAL if fmt.records is not None or masked else Packing.STREAM
     try:
-        return Packing(value)
+        how = Packing(value)
     except ValueError:
         names = ", ".join(repr(p.value) for p in Packing)
         raise ConfigError(f"data.packing = {value!r} is unknown: give auto, {names}") from None
+    if pairs and how is not Packing.PAD:
+        raise ConfigError(f"data.packing = {value!r} does not keep preference pairs whole (a "
+                          'chosen and a rejected row each): set data.packing = "pad" or "auto"')
+    return how
 
 
-def _too_long(value: str, records: bool) -> TooLong:
+def _too_long(value: str, records: bool, pairs: bool = False) -> TooLong:
     """data.too_long: auto splits text documents and truncates records (a conversation cut
-    in two loses its prompt).
+    in two loses its prompt) and preference pairs (their responses' ends).
 
     Raises:
-        ConfigError: an unknown value.
+        ConfigError: an unknown value; split for preference pairs.
     """
     if value == "auto":
-        return TooLong.TRUNCATE if records else TooLong.SPLIT
+        return TooLong.TRUNCATE if records or pairs else TooLong.SPLIT
     try:
-        return TooLong(value)
+        how = TooLong(value)
     except ValueError:
         raise ConfigError(f"data.too_long = {value!r} is unknown: give auto, split, truncate "
                           "or refuse") from None
+    if pairs and how is TooLong.SPLIT:
+        raise ConfigError('data.too_long = "split" does not apply to preference pairs (half a '
+                          'response is no response): set it to "truncate" (cuts the '
+                          'response\'s end) or "refuse"')
+    return how
 
 
 def vocab_of(path: str, format: str = "text", tokenizer: str = BYTES) -> int:

@@ -29,11 +29,14 @@ class Documents:
         tokens: the ids (a tensor, an array, TokenShards or a View).
         starts: int64 offsets, one per document and one past the last.
         targets: per token, 1 if it is a target (same length as `tokens`); None: all are.
+        first: the number its document 0 has in the whole data (a held-out part's is not
+            0), for messages.
     """
 
-    def __init__(self, tokens: Tokens, starts: np.ndarray, targets: Tokens | None = None
-                 ) -> None:
+    def __init__(self, tokens: Tokens, starts: np.ndarray, targets: Tokens | None = None,
+                 first: int = 0) -> None:
         self.tokens, self.starts, self.targets = tokens, starts, targets
+        self.first = first
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -56,21 +59,25 @@ class Documents:
             return torch.ones(end - first - start, dtype=torch.bool)
         return torch.as_tensor(self.targets[first + start : end]).bool()
 
-    def split(self, val_fraction: float) -> tuple[Documents, Documents]:
+    def split(self, val_fraction: float, unit: int = 1) -> tuple[Documents, Documents]:
         """(training, held-out) documents: the held-out are the last
-        int(n * val_fraction), at least one; both sides need one.
+        int(n * val_fraction), at least one; both sides need one. With `unit` 2 the
+        documents go in pairs (preference data: chosen, rejected), counted and cut as
+        pairs, so no pair is split.
 
         Raises:
-            ConfigError: fewer than two documents.
+            ConfigError: fewer than two documents (pairs).
         """
-        n = len(self)
+        n = len(self) // unit
         if n < 2:
-            raise ConfigError(f"the data holds {n} document(s): packed training needs at least "
+            what = "document(s)" if unit == 1 else "preference pair(s)"
+            raise ConfigError(f"the data holds {n} {what}: packed training needs at least "
                               "two (one held out for evaluation); give more data")
-        cut = n - max(1, int(n * val_fraction))
-        return self._part(0, cut), self._part(cut, n)
+        cut = (n - max(1, int(n * val_fraction))) * unit
+        return self._part(0, cut), self._part(cut, n * unit)
 
     def _part(self, first: int, last: int) -> Documents:
         a, b = int(self.starts[first]), int(self.starts[last])
         targets = None if self.targets is None else View(self.targets, a, b)
-        return Documents(View(self.tokens, a, b), self.starts[first : last + 1] - a, targets)
+        return Documents(View(self.tokens, a, b), self.starts[first : last + 1] - a, targets,
+                         self.first + first)

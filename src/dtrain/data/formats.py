@@ -19,13 +19,14 @@ class Format(Enum):
     JSONL = "jsonl"
     CHAT = "chat"
     PROMPT_COMPLETION = "prompt_completion"
+    PREFERENCE = "preference"
     TOKENS = "tokens"
 
     @property
     def records(self) -> Kind | None:
         """The kind of record a line holds, for the formats with loss masks."""
-        return {Format.CHAT: Kind.CHAT, Format.PROMPT_COMPLETION: Kind.PROMPT_COMPLETION
-                }.get(self)
+        return {Format.CHAT: Kind.CHAT, Format.PROMPT_COMPLETION: Kind.PROMPT_COMPLETION,
+                Format.PREFERENCE: Kind.PREFERENCE}.get(self)
 
     @classmethod
     def parse(cls, value: str, key: str = "data.format") -> Format:
@@ -45,7 +46,8 @@ class Format(Enum):
 
 def train_on_of(fmt: Format, value: str, key: str = "data.train_on") -> TrainOn:
     """data.train_on for `fmt`: auto is the assistant's turns for chat, the completion
-    for prompt_completion, every token for the rest.
+    for prompt_completion, the responses for preference (nothing else: DPO compares the
+    responses' log-probabilities), every token for the rest.
 
     Raises:
         ConfigError: an unknown value, or one the format has no such tokens for.
@@ -55,6 +57,11 @@ def train_on_of(fmt: Format, value: str, key: str = "data.train_on") -> TrainOn:
                           "completion or all")
     if fmt is Format.CHAT:
         return "assistant" if value == "auto" else value  # type: ignore[return-value]
+    if fmt is Format.PREFERENCE:
+        if value not in ("auto", "completion"):
+            raise ConfigError(f"{key} = {value!r} does not apply to preference data, whose "
+                              "targets are the responses (chosen and rejected): remove it")
+        return "completion"
     if fmt is Format.PROMPT_COMPLETION:
         if value == "assistant":
             raise ConfigError(f'{key} = "assistant" needs chat data: for '

@@ -25,6 +25,13 @@ A document longer than a row (`[data] too_long`): `split` into pieces of `block_
 positions (each piece an attention block of its own, its positions from 0, as each
 window of a stream starts afresh), `truncate` to its first `block_size` positions, or
 `refuse`.
+
+Preference pairs (`pairs=True`: documents 2i and 2i+1 are a pair's chosen and rejected
+rows, dtrain.data.preference) are padded, one row each, so row 2i is chosen and row 2i+1
+rejected; a pair is kept or dropped whole (`pair_pieces`). `truncate` cuts a row's end
+(the response's: the prompt comes first), and a pair a row of which keeps no target (its
+prompt fills the row) is dropped and counted; `split` is refused (half a response is no
+response).
 """
 
 from __future__ import annotations
@@ -84,6 +91,40 @@ def pieces(lengths: np.ndarray, block_size: int, too_long: TooLong
     return doc, start, size, len(long)
 
 
+def pair_pieces(documents: Documents, block_size: int, too_long: TooLong
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """The pieces of preference pairs (documents 2i chosen, 2i+1 rejected), one per
+    document, as `pieces` gives them, each pair whole: (document, first token, positions)
+    arrays, how many documents were cut to `block_size` positions, and how many pairs were
+    dropped because a row of theirs has no target left once cut, or none at all.
+
+    Raises:
+        ConfigError: a document longer than a row under `refuse`.
+        ValueError: `split`, or an odd number of documents.
+    """
+    if too_long is TooLong.SPLIT or len(documents) % 2:
+        raise ValueError("preference pairs are truncated or refused, never split, and come "
+                         "in twos")
+    lengths = documents.lengths()
+    positions = lengths.astype(np.int64) - 1
+    long = np.flatnonzero(positions > block_size)
+    if len(long) and too_long is TooLong.REFUSE:
+        number = documents.first + int(long[0])
+        row = "chosen" if number % 2 == 0 else "rejected"
+        raise ConfigError(f"preference pair {number // 2} (from 0, in the data's order) has a "
+                          f"{row} row of {int(lengths[long[0]])} tokens, more than "
+                          f"model.block_size = {block_size} + 1: set [data] too_long = "
+                          '"truncate" (cuts the response\'s end) or a larger block size')
+    keep = positions.reshape(-1, 2).min(axis=1) > 0
+    for i in long.tolist():  # a cut row keeps a target when its prompt leaves room
+        if keep[i // 2] and not bool(documents.targets_of(i, 1, block_size + 1).any()):
+            keep[i // 2] = False
+    docs = np.flatnonzero(np.repeat(keep, 2))
+    size = np.minimum(positions[docs], block_size)
+    cut = int(np.count_nonzero(positions[docs] > block_size))
+    return docs, np.zeros(len(docs), dtype=np.int64), size, cut, int(np.count_nonzero(~keep))
+
+
 def best_fit(sizes: np.ndarray, block_size: int) -> list[list[int]]:
     """Pieces of `sizes` into rows of `block_size`, best fit by decreasing size: each
     piece, the largest first, goes to the open row it fills the most. Each row lists its
@@ -109,13 +150,28 @@ class PackedRows(Dataset[tuple[torch.Tensor, ...]]):
     """Rows of `block_size` positions packed from `documents` (see the module doc).
 
     Item i is (inputs, targets, positions) for `block_causal`, (inputs, targets) for `pad`.
+    With `pairs` (preference data, padded), rows 2i and 2i+1 are pair i's chosen and
+    rejected rows; `dropped` counts the pairs left out (`pair_pieces`).
+
+    Raises:
+        ConfigError: see `pieces` and `pair_pieces`.
+        ValueError: pairs with a packing other than `pad`.
     """
 
     def __init__(self, documents: Documents, block_size: int, packing: Packing,
-                 too_long: TooLong = TooLong.SPLIT) -> None:
+                 too_long: TooLong = TooLong.SPLIT, pairs: bool = False) -> None:
         self.documents, self.block_size, self.packing = documents, block_size, packing
-        self.doc, self.start, self.size, self.cut = pieces(documents.lengths(), block_size,
-                                                           too_long)
+        self.pairs = pairs
+        """Rows come in preference pairs: 2i chosen, 2i+1 rejected."""
+        self.dropped = 0
+        if pairs:
+            if packing is not Packing.PAD:
+                raise ValueError("preference pairs are padded, a row each")
+            self.doc, self.start, self.size, self.cut, self.dropped = pair_pieces(
+                documents, block_size, too_long)
+        else:
+            self.doc, self.start, self.size, self.cut = pieces(documents.lengths(),
+                                                               block_size, too_long)
         if packing is Packing.BLOCK_CAUSAL:
             self.rows = best_fit(self.size, block_size)
         else:

@@ -13,6 +13,9 @@ written beside the ids (documents.bin), so a run can pack them (dtrain.data.pack
 Chat and prompt/completion records (`--format`) are rendered and masked as training reads
 them (dtrain.data.chat): their ids back to back, each record a document, with a target
 flag per token beside the ids; a record with no target token is skipped and counted.
+Preference records (`--format preference`, dtrain.data.preference) give two documents
+each, the chosen row then the rejected one, kept or skipped together, and the index says
+"pairs": training reads the shards as it reads the JSON lines.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ CHUNK_BYTES = 1 << 20
 """Text per chunk handed to a worker: large enough to amortize the hand-off."""
 CHUNK_DOCUMENTS = 4096
 IN_FLIGHT_PER_WORKER = 2
-FORMATS = ("text", "chat", "prompt_completion")
+FORMATS = ("text", "chat", "prompt_completion", "preference")
 
 Item = Union["Document", tuple[dict[str, object], str]]
 """What a chunk holds: text documents, or records with where they are."""
@@ -87,25 +90,17 @@ class Encoder:
     def encode(self, items: list[Item], opened: tuple[Tokenizer, ChatTemplate | None]
                ) -> Piece:
         from dtrain.data.corpus import encode_with_starts
-        from dtrain.data.records import Encoded, encode_records
+        from dtrain.data.records import Encoded, encode_records, with_targets
 
         tokenizer, template = opened
         if self.kind is None:
             ids, starts = encode_with_starts(items, tokenizer)  # type: ignore[arg-type]
             return Piece(ids, starts, None)
         records = [item for item in items if isinstance(item, tuple)]  # records, by kind
-        pieces: list[tuple[np.ndarray, np.ndarray | None]] = []
-        skipped = truncated = 0
-        for ids, targets in encode_records(records, self.kind, tokenizer, template,
-                                           self.train_on, self.column):
-            if self.max_length and len(ids) > self.max_length:
-                ids, targets = ids[: self.max_length], targets[: self.max_length]
-                truncated += 1
-            if not targets[1:].any():
-                skipped += 1
-                continue
-            pieces.append((ids, targets))
-        joined = Encoded.join(pieces, tokenizer.dtype)
+        kept, skipped, truncated = with_targets(
+            encode_records(records, self.kind, tokenizer, template, self.train_on, self.column),
+            self.kind, self.max_length)
+        joined = Encoded.join(kept, tokenizer.dtype)
         return Piece(joined.ids, joined.starts, joined.targets, skipped, truncated)
 
 
@@ -183,8 +178,10 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
     order. The shards hold the documents' ids joined by the tokenizer's separator,
     exactly as `encode_documents` gives them. Records (`format` "chat" or
     "prompt_completion"): each line of the .jsonl inputs a document, its ids and target
-    flags as `dtrain train` would make them of the same file (dtrain.data.chat). A
-    tokenizer file is copied into `out` as tokenizer.json.
+    flags as `dtrain train` would make them of the same file (dtrain.data.chat);
+    "preference": each line two documents, its chosen and rejected rows
+    (dtrain.data.preference), the index marked "pairs". A tokenizer file is copied into
+    `out` as tokenizer.json.
 
     Args:
         inputs: files and folders to read.
@@ -194,11 +191,12 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
         workers: encoding processes; 0 means one per CPU, 1 encodes in this process.
         dtype: auto (uint16 for at most 65,536 ids, else uint32), uint16 or uint32.
         progress: show a progress bar (bytes read) on stderr.
-        format: text, chat or prompt_completion.
+        format: text, chat, prompt_completion or preference.
         chat_template, train_on, column, split: as `[data]`'s keys of those names (an
             input may be a Hugging Face dataset folder or parquet files:
             dtrain.data.tables).
-        max_length: cut records to this many tokens (0: keep them whole).
+        max_length: cut records to this many tokens (0: keep them whole); a record (a
+            pair) with a document left without a target is skipped.
 
     Returns:
         A summary: out, tokens, shards, documents, bytes, dtype, vocab_size, tokenizer,
@@ -215,6 +213,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
     from dtrain.data.chat import ChatTemplate
     from dtrain.data.corpus import corpus_files
     from dtrain.data.formats import Format, train_on_of
+    from dtrain.data.preference import check_column
     from dtrain.data.records import Kind
     from dtrain.data.shards import ShardWriter
     from dtrain.data.tables import is_table
@@ -228,6 +227,9 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
         raise ConfigError(f"--format {format!r} is unknown: give {', '.join(FORMATS)}")
     workers = workers or os.cpu_count() or 1
     fmt = Format(format)
+    pairs = fmt.records is Kind.PREFERENCE
+    if pairs:
+        check_column(column, "--column")
     encoder = Encoder(tokenizer, fmt.records, None, train_on_of(fmt, train_on, "--train-on"),
                       max_length, column)
     if fmt.records is not None:
@@ -242,7 +244,7 @@ def prepare(inputs: list[str], out: str, tokenizer: str = "bytes",
     name = "bytes" if tok.path is None else Path(tok.path).name
     documents_read = bytes_read = targets = skipped = truncated = 0
     with (ShardWriter(out, tok.vocab_size, name, tok.path, shard_size, dtype,
-                      targets=fmt.records is not None) as writer,
+                      targets=fmt.records is not None, pairs=pairs) as writer,
           tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                desc="tokenizing", disable=not progress) as bar):
         chunks = _chunks(_text_items(listings, tables, column, split) if fmt.records is None
@@ -313,13 +315,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encoding processes (default 0: one per CPU)")
     parser.add_argument("--format", choices=FORMATS, default="text",
                         help="text (default: text files and JSONL \"text\" lines), chat "
-                             "(JSONL \"messages\"), or prompt_completion (JSONL \"prompt\" "
-                             "and \"completion\")")
+                             "(JSONL \"messages\"), prompt_completion (JSONL \"prompt\" "
+                             "and \"completion\"), or preference (JSONL \"prompt\", "
+                             "\"chosen\" and \"rejected\": two rows a pair)")
     parser.add_argument("--chat-template", default="", metavar="T",
                         help="a .jinja file or template text (default: the tokenizer's own)")
     parser.add_argument("--train-on", choices=("auto", "assistant", "completion", "all"),
                         default="auto", help="which tokens of a record are targets (default "
-                        "auto: assistant turns for chat, the completion for pairs)")
+                        "auto: assistant turns for chat, the completion for pairs, the "
+                        "responses for preference)")
     parser.add_argument("--max-length", type=int, default=0, metavar="N",
                         help="cut records to N tokens (default 0: keep them whole)")
     parser.add_argument("--column", default="", metavar="C",

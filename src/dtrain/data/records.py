@@ -1,5 +1,7 @@
-"""Records of JSON lines or datasets: conversations and prompt/completion pairs, read a
-line (a row) at a time and encoded with their target flags (dtrain.data.chat).
+"""Records of JSON lines or datasets: conversations, prompt/completion pairs and
+preference pairs, read a line (a row) at a time and encoded with their target flags
+(dtrain.data.chat, dtrain.data.preference). A preference record gives two documents,
+chosen then rejected, kept or dropped together.
 
     encoded = record_documents("chats.jsonl", Kind.CHAT, tokenizer, template, "assistant")
     encoded.ids, encoded.starts, encoded.targets     # back to back, as documents
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -25,6 +27,7 @@ from dtrain.data.chat import (
     encode_prompt_completion,
 )
 from dtrain.data.corpus import JSONL, corpus_files
+from dtrain.data.preference import encode_pair
 from dtrain.data.tables import field, is_table, table_rows
 from dtrain.data.tokenizer import Tokenizer
 from dtrain.errors import ConfigError
@@ -35,6 +38,12 @@ class Kind(Enum):
 
     CHAT = "chat"
     PROMPT_COMPLETION = "prompt_completion"
+    PREFERENCE = "preference"
+
+    @property
+    def documents(self) -> int:
+        """Documents a record gives: two for a preference pair (chosen, rejected), else one."""
+        return 2 if self is Kind.PREFERENCE else 1
 
 
 @dataclass
@@ -49,7 +58,7 @@ class Encoded:
     """Records skipped because none of their tokens is a target."""
 
     @classmethod
-    def join(cls, pieces: list[tuple[np.ndarray, np.ndarray | None]], dtype: np.dtype,
+    def join(cls, pieces: Sequence[tuple[np.ndarray, np.ndarray | None]], dtype: np.dtype,
              without_targets: int = 0) -> Encoded:
         """Documents' (ids, targets or None) joined back to back."""
         lengths = [len(ids) for ids, _ in pieces]
@@ -74,8 +83,8 @@ def records(path: str, key: str = "data.path", split: str = "train"
         ConfigError: the path is missing, a file cannot be read, or a line is no object.
     """
     if not path:
-        raise ConfigError(f"{key} is empty: chat and prompt_completion data is a .jsonl file "
-                          "or a folder of them, or a Hugging Face dataset")
+        raise ConfigError(f"{key} is empty: chat, prompt_completion and preference data is a "
+                          ".jsonl file or a folder of them, or a Hugging Face dataset")
     if is_table(path):
         yield from table_rows(path, split, key)
         return
@@ -108,13 +117,17 @@ def encode_records(items: list[tuple[dict[str, object], str]], kind: Kind,
                    column: str = "") -> list[tuple[np.ndarray, np.ndarray]]:
     """Records' (record, where) ids and targets: {"messages": [...]} conversations (the
     field `column` names, "messages" by default), rendered one by one and tokenized as a
-    batch; or {"prompt", "completion"} pairs.
+    batch; {"prompt", "completion"} pairs; or {"prompt", "chosen", "rejected"} preference
+    pairs, two documents each (chosen, then rejected: `Kind.documents`).
 
     Raises:
         ConfigError: the fields a record needs are missing or malformed (naming where).
     """
     if kind is Kind.PROMPT_COMPLETION:
         return [_pair(record, tokenizer, template, train_on, where) for record, where in items]
+    if kind is Kind.PREFERENCE:
+        return [row for record, where in items
+                for row in encode_pair(record, tokenizer, template, where)]
     assert template is not None  # found before reading (ChatTemplate.find)
     rendered = [assistant_spans(check_messages(field(record, column or "messages", where,
                                                      "each conversation"), where),
@@ -133,12 +146,34 @@ def _pair(record: dict[str, object], tokenizer: Tokenizer, template: ChatTemplat
                                     template, train_on, where)
 
 
+def with_targets(encoded: list[tuple[np.ndarray, np.ndarray]], kind: Kind,
+                 max_length: int = 0) -> tuple[list[tuple[np.ndarray, np.ndarray]], int, int]:
+    """`encode_records`' documents, cut to `max_length` tokens (0: kept whole), less the
+    records with a document without a target token (its first token is never predicted):
+    a record's documents (`kind.documents`) are kept or dropped together, so a preference
+    pair never loses one of its rows. Returns the documents kept, the records dropped and
+    the records cut."""
+    kept: list[tuple[np.ndarray, np.ndarray]] = []
+    skipped = truncated = 0
+    for first in range(0, len(encoded), kind.documents):
+        record = encoded[first : first + kind.documents]
+        if max_length and any(len(ids) > max_length for ids, _ in record):
+            record = [(ids[:max_length], targets[:max_length]) for ids, targets in record]
+            truncated += 1
+        if all(targets[1:].any() for _, targets in record):
+            kept.extend(record)
+        else:
+            skipped += 1
+    return kept, skipped, truncated
+
+
 def record_documents(path: str, kind: Kind, tokenizer: Tokenizer, template: ChatTemplate | None,
                      train_on: TrainOn, key: str = "data.path", column: str = "",
                      split: str = "train") -> Encoded:
     """The records of `path` encoded as documents with their targets (`column` and
     `split` as `records` and `encode_records` take them); a record with no target token
-    is skipped and counted (`Encoded.without_targets`).
+    (a preference pair with a row without one) is skipped and counted
+    (`Encoded.without_targets`).
 
     Raises:
         ConfigError: see `records` and `encode_records`; no record with a target at all.
@@ -150,11 +185,10 @@ def record_documents(path: str, kind: Kind, tokenizer: Tokenizer, template: Chat
         batch = [(record, where) for record, where, _ in itertools.islice(rows, BATCH)]
         if not batch:
             break
-        for ids, targets in encode_records(batch, kind, tokenizer, template, train_on, column):
-            if not targets[1:].any():  # the first token is never predicted
-                skipped += 1
-                continue
-            pieces.append((ids, targets))
+        kept, dropped, _ = with_targets(
+            encode_records(batch, kind, tokenizer, template, train_on, column), kind)
+        pieces.extend(kept)
+        skipped += dropped
     if not pieces:
         raise ConfigError(f"{key} {path!r} holds no {kind.value} record with a target token"
                           f" (train_on = {train_on!r}): give records with assistant turns or "

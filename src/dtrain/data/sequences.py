@@ -33,7 +33,10 @@ IGNORE = -100
 class Sequences(Protocol):
     """A dataset of training rows: `len`, `dataset[i]` (inputs, targets) or (inputs,
     targets, positions), and `targets_in(rows)`: how many positions of those rows are
-    targets, None when every position of every row is one."""
+    targets, None when every position of every row is one; `pairs`: rows 2i and 2i+1 are
+    a preference pair's chosen and rejected rows, which `batches` never parts."""
+
+    pairs: bool
 
     def __len__(self) -> int: ...
 
@@ -54,6 +57,11 @@ class Batch:
     every position (`IGNORE` in `targets`: loss masks, padding), `targets_in_step` is how
     many positions of the whole global step are targets: the loss is their mean, so a
     rank's share weighs by its own count (`weight`).
+
+    With `pairs` (preference data), the rows are whole preference pairs: row 2i is pair
+    i's prompt + chosen response, row 2i+1 its prompt + rejected response (the same
+    prompt), their targets the responses' tokens only: `inputs[0::2]` are the chosen
+    rows, `inputs[1::2]` the rejected ones.
     """
 
     inputs: torch.Tensor
@@ -65,6 +73,8 @@ class Batch:
     weight: float | None = None
     """This batch's loss (a mean over its own targets) times `weight` is its part of the
     step's mean over all targets (`shared`); None: the plain mean is."""
+    pairs: bool = False
+    """Rows 2i and 2i+1 are a preference pair's chosen and rejected rows."""
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         yield self.inputs
@@ -115,6 +125,9 @@ class TokenSequences(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     `block_size`; the last token of one window is the first target of the next. With
     `targets` (a flag per token), a target whose flag is 0 is `IGNORE`.
     """
+
+    pairs = False
+    """Windows of a stream are no preference pairs."""
 
     def __init__(self, tokens: Tokens, block_size: int, targets: Tokens | None = None
                  ) -> None:
@@ -167,6 +180,24 @@ def split(tokens: Tokens, val_fraction: float, block_size: int) -> tuple[View, V
     return train, val
 
 
+def check_pairs(global_batch: int, dp_size: int, accum: int = 1) -> None:
+    """Whether a global batch of `global_batch` rows of preference pairs gives each of
+    `dp_size` data-parallel ranks x `accum` micro-batches whole pairs.
+
+    Raises:
+        ConfigError: a rank's micro-batch would hold an odd number of rows (or the batch
+            does not split evenly).
+    """
+    parts = dp_size * accum
+    if global_batch % (2 * parts):
+        each = f"{global_batch / parts:g}"
+        raise ConfigError(
+            f"train.batch_size = {global_batch} gives each of {dp_size} data-parallel "
+            f"rank(s) x {accum} micro-batch(es) {each} rows, but preference data comes in "
+            f"pairs (a chosen and a rejected row): make train.batch_size a multiple of "
+            f"{2 * parts}")
+
+
 def batches(
     dataset: Sequences, global_batch: int, dp_size: int, dp_rank: int, seed: int, shuffle: bool,
     accum: int = 1, start: int = 0,
@@ -182,30 +213,55 @@ def batches(
     Each micro-batch is a `Batch`; where not every position is a target, it counts the
     targets of the whole global batch (each rank reads the flags of every row of it).
 
+    Preference data (`dataset.pairs`) is drawn the same way a pair at a time: the
+    permutation is of pairs, a global batch is `global_batch` / 2 pairs, a rank takes every
+    dp_size-th pair of each micro-batch, and each pair gives its two rows side by side
+    (chosen at even, rejected at odd positions; `Batch.pairs`). Any contiguous cut of a
+    batch into parts of an even number of rows (a pipeline's micro-batches) keeps them.
+
     Raises:
-        ConfigError: the dataset holds less than one global batch.
+        ConfigError: the dataset holds less than one global batch (at the first step); for
+            pairs, a rank's micro-batch would hold an odd number of rows (`check_pairs`, at
+            once).
     """
+    if dataset.pairs:
+        check_pairs(global_batch, dp_size, accum)
+    return _batches(dataset, global_batch, dp_size, dp_rank, seed, shuffle, accum, start)
+
+
+def _batches(dataset: Sequences, global_batch: int, dp_size: int, dp_rank: int, seed: int,
+             shuffle: bool, accum: int, start: int) -> Iterator[Batch]:
     per_epoch = len(dataset) // global_batch
     if per_epoch == 0:
         raise ConfigError(
             f"the data holds {len(dataset)} sequences, fewer than one global batch of "
             f"{global_batch}: give more data or a smaller train.batch_size"
         )
-    micro = global_batch // accum
+    unit = 2 if dataset.pairs else 1  # rows drawn together: a pair's, or one
+    units, per_batch = len(dataset) // unit, global_batch // unit
+    micro = per_batch // accum
     step, epoch = start, -1
     order: torch.Tensor | None = None
     while True:
         if step // per_epoch != epoch:
             epoch = step // per_epoch
-            order = (torch.randperm(len(dataset), generator=torch.Generator().manual_seed(
-                seed + epoch)) if shuffle else torch.arange(len(dataset)))
+            order = (torch.randperm(units, generator=torch.Generator().manual_seed(
+                seed + epoch)) if shuffle else torch.arange(units))
         assert order is not None  # drawn at the first step (epoch starts at -1)
-        base = (step % per_epoch) * global_batch
-        rows = order[base : base + global_batch].tolist()
+        base = (step % per_epoch) * per_batch
+        rows = _rows(order[base : base + per_batch], unit)
         total, filled = dataset.targets_in(rows), dataset.filled_in(rows)
         for m in range(accum):
             window = order[base + m * micro : base + (m + 1) * micro][dp_rank::dp_size]
             x, y, *positions = [torch.stack(f) for f in zip(
-                *(dataset[i] for i in window.tolist()), strict=True)]
-            yield Batch(x, y, positions[0] if positions else None, total, filled)
+                *(dataset[i] for i in _rows(window, unit)), strict=True)]
+            yield Batch(x, y, positions[0] if positions else None, total, filled,
+                        pairs=unit == 2)
         step += 1
+
+
+def _rows(drawn: torch.Tensor, unit: int) -> list[int]:
+    """The rows of the drawn units, in order: each pair's two side by side."""
+    if unit == 1:
+        return drawn.tolist()
+    return (drawn[:, None] * unit + torch.arange(unit)).flatten().tolist()

@@ -13,6 +13,8 @@ vocabulary has more than 65,536 ids), and `index.json`:
 `documents.bin` holds (uint64 offsets into the token stream, one per document and one past
 the end); "targets" true means each shard has a `targets-NNNNN.bin` beside it, one byte
 per token, 1 where the token is a target of the loss (chat data's assistant turns).
+"pairs" true (written only then) means the documents are preference pairs: document 2i
+a pair's chosen row, 2i+1 its rejected row (`dtrain data prepare --format preference`).
 
 `ShardWriter` writes a folder atomically (into a temporary folder beside it, renamed into
 place at the end); `TokenShards` memory-maps each shard on first use, so reading a window
@@ -28,7 +30,7 @@ import shutil
 import tempfile
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO, TypedDict, overload
+from typing import TYPE_CHECKING, Any, BinaryIO, NotRequired, TypedDict, overload
 
 import numpy as np
 
@@ -66,6 +68,7 @@ class ShardIndex(TypedDict):
     shards: list[ShardEntry]
     documents: int
     targets: bool
+    pairs: NotRequired[bool]
 
 
 def targets_file(shard: str) -> str:
@@ -104,7 +107,8 @@ class ShardWriter:
 
     def __init__(self, out: str, vocab_size: int, tokenizer: str = "bytes",
                  tokenizer_file: str | None = None, shard_size: int = 100_000_000,
-                 dtype: str = "auto", key: str = "OUT", targets: bool = False) -> None:
+                 dtype: str = "auto", key: str = "OUT", targets: bool = False,
+                 pairs: bool = False) -> None:
         """Check `out` and open the temporary folder.
 
         Args:
@@ -116,6 +120,7 @@ class ShardWriter:
             dtype: auto, uint16 or uint32 (see `choose_dtype`).
             key: what `out` is called in messages.
             targets: every write gives target flags (a loss mask) with its ids.
+            pairs: the documents are preference pairs (2i chosen, 2i+1 rejected).
 
         Raises:
             ConfigError: `out` exists and is not an empty folder, or a bad dtype.
@@ -131,7 +136,7 @@ class ShardWriter:
         self.vocab_size, self.tokenizer, self.shard_size = vocab_size, tokenizer, shard_size
         self.tokens = 0
         self.shards: list[ShardEntry] = []
-        self.targets, self.documents = targets, 0
+        self.targets, self.documents, self.pairs = targets, 0, pairs
         self._file: BinaryIO | None = None
         self._flags: BinaryIO | None = None
         self._finished = False
@@ -213,6 +218,8 @@ class ShardWriter:
         index: ShardIndex = {"format": FORMAT, "dtype": self.dtype, "vocab_size": self.vocab_size,
                  "tokenizer": self.tokenizer, "tokens": self.tokens, "shards": self.shards,
                  "documents": self.documents, "targets": self.targets}
+        if self.pairs:
+            index["pairs"] = True
         (self._tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
         try:
             os.rename(self._tmp, self.out)  # replaces an empty folder, atomically
@@ -266,7 +273,8 @@ def read_index(path: str, key: str = "data.path") -> dict[str, Any]:
                 and isinstance(s.get("tokens"), int) and s["tokens"] >= 0 for s in shards)
         and index.get("tokens") == sum(s["tokens"] for s in shards)
         and isinstance(index.get("documents", 0), int) and index.get("documents", 0) >= 0
-        and isinstance(index.get("targets", False), bool))
+        and isinstance(index.get("targets", False), bool)
+        and isinstance(index.get("pairs", False), bool))
     if not well_formed:
         raise ConfigError(f"{where}: {INDEX} is malformed (vocab_size, tokenizer, tokens or "
                           f"shards missing or inconsistent): {AGAIN}")
@@ -347,6 +355,8 @@ class TokenShards(MappedStream):
         self.index = read_index(path, key)
         self.vocab_size: int = self.index["vocab_size"]
         self.tokenizer: str = self.index["tokenizer"]
+        self.pairs: bool = self.index.get("pairs", False)
+        """The documents are preference pairs: 2i chosen, 2i+1 rejected."""
         names = [shard["file"] for shard in self.index["shards"]]
         counts = [shard["tokens"] for shard in self.index["shards"]]
         dtype = DTYPES[self.index["dtype"]]

@@ -8,9 +8,9 @@ A path is a table when it is a folder `datasets.Dataset.save_to_disk` wrote (its
 `state.json`, or `dataset_dict.json` for several splits), a `.parquet` file, or a folder
 of them (read in sorted order). Parquet is read with pyarrow, a batch of rows at a time
 (no cache is written); a saved dataset is memory-mapped by `datasets.load_from_disk`.
-Anywhere JSON lines are read (`[data] format` jsonl, chat, prompt_completion, and `dtrain
-data prepare`), a table is read the same way, its rows standing for the lines; `[data]
-column` names the field a row's text or conversation is in.
+Anywhere JSON lines are read (`[data] format` jsonl, chat, prompt_completion, preference,
+and `dtrain data prepare`), a table is read the same way, its rows standing for the lines;
+`[data] column` names the field a row's text or conversation is in.
 """
 
 from __future__ import annotations

@@ -31,10 +31,13 @@ class Tokenizer(ABC):
         path: the tokenizer.json file, None for bytes.
         name: "bytes" or the path.
         dtype: the numpy dtype `encode_document` returns (uint8 for bytes, else int32).
+        end_of_text: the id of its end-of-text token (the separator, where it has one);
+            None for bytes and for a tokenizer without one.
     """
 
     vocab_size: int
     separator: list[int]
+    end_of_text: int | None
     path: str | None
     name: str
     dtype: np.dtype
@@ -86,6 +89,7 @@ class ByteTokenizer(Tokenizer):
     def __init__(self) -> None:
         self.vocab_size = 256
         self.separator = [ord("\n")]
+        self.end_of_text = None
         self.path = None
         self.name = BYTES
         self.dtype = np.dtype(np.uint8)
@@ -133,6 +137,7 @@ class FileTokenizer(Tokenizer):
         self.dtype = np.dtype(np.int32)
         found = [self._tokenizer.token_to_id(token) for token in END_OF_TEXT]
         ends = [i for i in found if i is not None]
+        self.end_of_text = ends[0] if ends else None
         self.separator = ends[:1] or self.encode("\n")
 
     def encode_document(self, document: str | bytes) -> np.ndarray:
