@@ -108,12 +108,17 @@ def _parser() -> argparse.ArgumentParser:
     _add_launch_flags(train, default_nproc=None)
 
     export = sub.add_parser(
-        "export", help="write a checkpoint's model as a state_dict file or a Hugging Face folder",
+        "export", help="write a checkpoint's model as a state_dict file, a Hugging Face folder "
+                       "or a PEFT adapter folder",
         description=(
             "Write the model of a dtrain checkpoint (any layout) as one state_dict file that "
-            "loads into the unparallelized model with load_state_dict, or with --format hf "
-            "as a Hugging Face folder (config.json, model.safetensors, tokenizer.json) that "
-            "transformers' AutoModelForCausalLM.from_pretrained loads; no dtrain needed."
+            "loads into the unparallelized model with load_state_dict (of an adapter "
+            "checkpoint: the adapters alone), or with --format hf as a Hugging Face folder "
+            "(config.json, model.safetensors, tokenizer.json) that transformers' "
+            "AutoModelForCausalLM.from_pretrained loads (--merge: LoRA adapters folded "
+            "into their weights), or with --format peft as a PEFT folder of the LoRA "
+            "adapters (adapter_config.json, adapter_model.safetensors) that "
+            "peft.PeftModel.from_pretrained loads; no dtrain needed."
         ),
     )
     export.add_argument("checkpoint", nargs="+",
@@ -121,9 +126,13 @@ def _parser() -> argparse.ArgumentParser:
                              "checkpoint.copies, each host's folder that is left (the "
                              "first one's newest step is exported)")
     export.add_argument("out", help="output: a .safetensors or .pt file, or a folder with "
-                                    "--format hf")
-    export.add_argument("--format", choices=("state_dict", "hf"), default="state_dict",
-                        help="state_dict (default) or hf (a Hugging Face model folder)")
+                                    "--format hf or peft")
+    export.add_argument("--format", choices=("state_dict", "hf", "peft"), default="state_dict",
+                        help="state_dict (default), hf (a Hugging Face model folder) or peft "
+                             "(a PEFT folder of the LoRA adapters)")
+    export.add_argument("--merge", action="store_true",
+                        help="with --format hf: fold the LoRA adapters into the weights they "
+                             "adapt (an adapter checkpoint needs it)")
 
     generate = sub.add_parser(
         "generate", help="generate text from a checkpoint's model, split over ranks",
@@ -257,10 +266,18 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
+    if args.merge and args.format != "hf":
+        raise ConfigError("dtrain export: --merge writes a Hugging Face folder: add --format hf")
     if args.format == "hf":
         from dtrain.tools.export_hf import export_hf
 
-        print(f"dtrain: wrote {export_hf(args.checkpoint[0], args.out, args.checkpoint[1:])}")
+        print(f"dtrain: wrote "
+              f"{export_hf(args.checkpoint[0], args.out, args.checkpoint[1:], args.merge)}")
+        return
+    if args.format == "peft":
+        from dtrain.tools.export_peft import export_peft
+
+        print(f"dtrain: wrote {export_peft(args.checkpoint[0], args.out, args.checkpoint[1:])}")
         return
     from dtrain.checkpoint.universal import export
 

@@ -14,6 +14,7 @@ from dtrain.adapters import AdapterConfig, apply
 from dtrain.adapters.lora import adapters
 from dtrain.errors import ConfigError
 from dtrain.testing import run_ranks
+from tests.support.cli import exact_run
 
 HF_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -85,37 +86,37 @@ def _config(folder: Path, name: str, parallel: dict, model: dict | None = None) 
                                "block_size": 32},
             "adapter": {"kind": "lora", "rank": 4, "alpha": 8},
             "data": {"max_bytes": 20_000},
-            "optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9, "weight_decay": 0.0,
-                          "grad_clip": 0.0, "warmup_steps": 0, "schedule": "constant"},
-            "train": {"steps": 2, "batch_size": 4, "eval_every": 0, "eval_batches": 1,
-                      "out_dir": str(out)},
-            "logging": {"sample_tokens": 0, "metrics": str(out / "metrics.jsonl")},
-            "checkpoint": {"background": False}, "parallel": parallel}
+            **exact_run(out, steps=2, batch=4, parallel=parallel)}
 
 
 def _train(runs: list[tuple[str, dict]]) -> dict[str, dict]:
-    """Each run by the Trainer: rank 0's losses, gradient norms and exported weights, and
-    the parameters the optimizers hold state for."""
+    """Each run by the Trainer: rank 0's losses, gradient norms and whole weights (the
+    base too: every part of the layout saved, not the adapter checkpoint), and the
+    parameters the optimizers hold state for."""
     from safetensors.torch import load_file
 
     import dtrain
-    from dtrain.checkpoint import universal
+    from dtrain.checkpoint import training, universal
     from dtrain.config import config_from_dict
     from dtrain.train.trainer import Trainer
 
     out = {}
     for name, values in runs:
         trainer = Trainer(config_from_dict(values))
-        summary = trainer.run()
+        trainer.run()
         stateful = sum(len(o.state) for o in trainer.holding.optimizers)
         rows = [json.loads(line) for line in
                 Path(values["logging"]["metrics"]).read_text().splitlines() if "loss" in line]
+        zero = getattr(trainer.holding, "zero", None)
         out[name] = {"loss": [r["loss"] for r in rows if "loss" in r],
                      "grad_norm": [r["grad_norm"] for r in rows if "loss" in r],
-                     "stateful": stateful}
+                     "stateful": stateful,
+                     "base_sharded": zero is not None and bool(zero.frozen)}
+        folder = Path(values["train"]["out_dir"]) / "whole"
+        path = training.save(folder, values["train"]["steps"], trainer.holding.saved,
+                             trainer.schedulers, values, keep_last=1)
         if dtrain.world.current().rank == 0:
-            file = universal.export(summary["checkpoint"],
-                                    Path(values["train"]["out_dir"]) / "model.safetensors")
+            file = universal.export(path, folder / "model.safetensors")
             out[name]["weights"] = load_file(file)
     return out
 
@@ -133,10 +134,14 @@ def _initial(folder: Path, model: dict | None = None) -> dict[str, torch.Tensor]
     return {n: p.detach() for n, p in model.state_dict().items()}
 
 
-LAYOUTS = {"dp": {}, "ZeRO-2": {"zero": 2}, "ZeRO-3": {"zero": 3}, "tp": {"tp": 2},
+LAYOUTS = {"dp": {}, "ZeRO-1": {"zero": 1}, "ZeRO-2": {"zero": 2}, "ZeRO-3": {"zero": 3},
+           "tp": {"tp": 2},
            "pp": {"pp": 2, "microbatches": 2}, "cp": {"cp": 2}}
 SEQUENCE_PARALLEL = {"tp": 2, "sequence_parallel": True}
 """On dtrain's Llama, against its own one-process run."""
+DTRAIN_MOE = {**DTRAIN_LLAMA, "n_experts": 4, "experts_per_token": 2, "moe_layers": "after 1"}
+"""dtrain's Llama with experts in its second block: adapters on the attention and the
+first block's dense MLP, the experts frozen; under expert parallelism."""
 
 
 @pytest.mark.timeout(300)
@@ -144,14 +149,19 @@ def test_adapters_train_alone_in_every_layout_as_in_one_process(tmp_path: Path) 
     (tmp_path / "config.json").write_text(json.dumps({**HF_LLAMA, "vocab_size": 256}))
     alone = run_ranks(_train, 1, [("hf", _config(tmp_path, "one", {"nproc": 1})),
                                   ("llama", _config(tmp_path, "one-llama", {"nproc": 1},
-                                                    DTRAIN_LLAMA))], timeout=120)[0]
+                                                    DTRAIN_LLAMA)),
+                                  ("moe", _config(tmp_path, "one-moe", {"nproc": 1},
+                                                  DTRAIN_MOE))], timeout=120)[0]
     runs = [(name, _config(tmp_path, name, {"nproc": 2, **p})) for name, p in LAYOUTS.items()]
     runs.append(("tp-sp", _config(tmp_path, "tp-sp", {"nproc": 2, **SEQUENCE_PARALLEL},
                                   DTRAIN_LLAMA)))
+    runs.append(("ep", _config(tmp_path, "ep", {"nproc": 2, "ep": 2}, DTRAIN_MOE)))
     got = run_ranks(_train, 2, runs, timeout=250)[0]
     for name, (model, initial) in {**{n: ("hf", _initial(tmp_path)) for n in LAYOUTS},
-                                   "tp-sp": ("llama", _initial(tmp_path, DTRAIN_LLAMA))}.items():
+                                   "tp-sp": ("llama", _initial(tmp_path, DTRAIN_LLAMA)),
+                                   "ep": ("moe", _initial(tmp_path, DTRAIN_MOE))}.items():
         want = alone[model]
+        assert got[name]["base_sharded"] == (name == "ZeRO-3"), name  # ZeRO-3 shards the base
         adapted = {n for n in want["weights"] if ".lora_" in n}
         assert adapted and want["stateful"] == len(adapted)
         for key in ("loss", "grad_norm"):

@@ -37,6 +37,19 @@ and clipping turns a global scale into a uniform one). The per-step `grad_norm`,
 any clip, is compared too."""
 
 
+def exact_run(out: Path, steps: int, batch: int, parallel: dict) -> dict:
+    """The sections of a short run (as `config_from_dict` takes them) compared with one
+    process: EXACT_OPTIMIZER's SGD at a constant rate, `steps` steps of `batch` sequences,
+    one held-out batch at the end, metrics in `out/metrics.jsonl`, no sample, blocking
+    saves, the layout `parallel`."""
+    return {"optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9, "weight_decay": 0.0,
+                          "grad_clip": 0.0, "warmup_steps": 0, "schedule": "constant"},
+            "train": {"steps": steps, "batch_size": batch, "eval_every": 0,
+                      "eval_batches": 1, "out_dir": str(out)},
+            "logging": {"sample_tokens": 0, "metrics": str(out / "metrics.jsonl")},
+            "checkpoint": {"background": False}, "parallel": parallel}
+
+
 def dtrain(*args: str, timeout: float = 120, cwd: str | None = None,
            env: dict[str, str] | None = None,
            preexec: Callable[[], None] | None = None) -> subprocess.CompletedProcess:

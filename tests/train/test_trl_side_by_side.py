@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dtrain.testing.chat import make_chat_tokenizer, write_chat_jsonl
+from dtrain.testing.chat import tiny_llama, write_chat_jsonl
 from tests.train.test_instructions import _conversations
 
 STEPS, BATCH, LR, SEED = 5, 4, 0.5, 7
@@ -32,15 +32,10 @@ STEPS, BATCH, LR, SEED = 5, 4, 0.5, 7
 
 def _folder(tmp_path: Path) -> Path:
     """A transformers Llama folder (config, weights, tokenizer with its chat template)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM
 
     folder = tmp_path / "model"
-    make_chat_tokenizer(folder)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         bos_token_id=3, eos_token_id=0, pad_token_id=0,
-                         max_position_embeddings=128)
+    _, config = tiny_llama(folder)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(str(folder))
     return folder

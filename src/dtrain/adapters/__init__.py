@@ -6,6 +6,8 @@
 - `config.py`: the `[adapter]` section.
 - `lora.py`: LoRA (Hu et al., 2021): `LoRALinear`, each adapted nn.Linear's output plus
   B A x * alpha / rank, A and B the only trained tensors; which layers by default.
+- `checkpoints.py`: checkpoints of the adapters alone, with their base's identity; the
+  base rebuilt beneath them on resume.
 - `peft.py`: adapters in PEFT's format (`adapter_config.json`, `adapter_model.safetensors`):
   written for `peft.PeftModel.from_pretrained`, read back to continue training.
 """

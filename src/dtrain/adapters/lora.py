@@ -26,8 +26,10 @@ frozen and unadapted (the attention and any dense MLP are adapted).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +100,8 @@ class LoRALinear(nn.Linear):
     lora_B: LoRAFactor
     lora_dropout: nn.Module
     scaling: float
+    active: bool = True
+    """False inside `disabled`: the layer computes its base alone."""
 
     @classmethod
     def adapt(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float = 0.0,
@@ -128,6 +132,8 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
+        if not self.active:
+            return out
         return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def delta(self) -> torch.Tensor:
@@ -178,6 +184,21 @@ def apply(model: nn.Module, cfg: AdapterConfig, arch: str = "custom") -> list[st
 def adapters(model: nn.Module) -> dict[str, LoRALinear]:
     """The adapted layers of `model`, by name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, every adapted layer of `model` (split by tensor parallelism or not)
+    computes its base alone: the base model's outputs, with no second copy of its weights
+    (DPO's reference with LoRA, dtrain.train.objective)."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "lora_B", None), LoRAFactor)]
+    for layer in layers:
+        object.__setattr__(layer, "active", False)  # a plain attribute (nn.Module's is typed)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            object.__setattr__(layer, "active", True)
 
 
 def built(shape: ModelConfig, cfg: AdapterConfig) -> nn.Module:

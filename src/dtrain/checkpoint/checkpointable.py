@@ -7,6 +7,7 @@ it, so a new way of holding a model is saved and resumed by implementing these.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 import torch
@@ -35,9 +36,10 @@ class Checkpointable(Protocol):
     loss_scale: float
     """fp16's dynamic loss scale (1.0 without)."""
 
-    def state(self) -> tuple[list[Piece], dict[str, Any]]:
+    def state(self, only: Collection[str] | None = None) -> tuple[list[Piece], dict[str, Any]]:
         """The pieces this rank owns of the logical tensors (model and optimizer state),
-        and the optimizers' options."""
+        and the optimizers' options; `only`: of these parameters alone (by name; None:
+        all), as an adapter checkpoint saves the adapters without their frozen base."""
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Load this rank's pieces from a checkpoint of any layout."""

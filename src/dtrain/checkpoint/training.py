@@ -5,13 +5,16 @@ into a universal checkpoint (dtrain.checkpoint.universal), with the run's config
 optimizer options, learning-rate schedule, fp16 loss scale and each rank's RNG state.
 Restoring sets the same from a checkpoint of any layout; the RNG only when the layout is
 the one that saved it (its ranks are then the same ranks). `save_in_background` copies the
-same state to memory and writes it from a thread while training goes on.
+same state to memory and writes it from a thread while training goes on. A run with
+adapters saves only the parameters it names (`only`: the adapters, without their frozen
+base, whose identity the metadata records; dtrain.adapters.checkpoints).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +104,15 @@ def open_checkpoint(path: str, model: dict[str, Any]) -> Checkpoint:
 
 def save(folder: Path, step: int, held: Checkpointable, schedulers: list, config: dict[str, Any],
          keep_last: int, described: dict[str, Any] | None = None,
-         copies: HostCopies | None = None) -> Path:
+         copies: HostCopies | None = None, only: Collection[str] | None = None) -> Path:
     """Every rank of `held.checkpoint_group` writes the pieces it owns into the checkpoint
     of `step` in `folder`, with its RNG state; the first adds the run's description
     (`config`: the config as a dict; `described`: more keys for the metadata, such as the
     resolved model an export rebuilds). Returns the checkpoint's folder once it is
     published. A background save still in flight is waited for first. `copies`: hosts
     without a shared folder, each writing into its own and copying to others
-    (dtrain.checkpoint.copies).
+    (dtrain.checkpoint.copies). `only`: the parameters saved (with their optimizer state;
+    None: all): an adapter checkpoint's adapters, its frozen base left out.
 
     Raises:
         DtrainError: this checkpoint, or the background one before it, was not saved.
@@ -117,7 +121,7 @@ def save(folder: Path, step: int, held: Checkpointable, schedulers: list, config
     if not held.writes_checkpoint:
         return target
     background.finish(held.checkpoint_group)
-    pieces, extra, meta, rng = _state(held, schedulers, config, described)
+    pieces, extra, meta, rng = _state(held, schedulers, config, described, only)
     if copies is not None:
         return copies.save(folder, step, pieces, extra, meta, keep_last, rng)
     return save_pieces(folder, step, pieces, extra, meta, keep_last,
@@ -127,7 +131,8 @@ def save(folder: Path, step: int, held: Checkpointable, schedulers: list, config
 def save_in_background(folder: Path, step: int, held: Checkpointable, schedulers: list,
                        config: dict[str, Any], keep_last: int,
                        described: dict[str, Any] | None = None,
-                       copies: HostCopies | None = None) -> PendingSave:
+                       copies: HostCopies | None = None,
+                       only: Collection[str] | None = None) -> PendingSave:
     """`save`, written by a background thread (dtrain.checkpoint.background): waits for the
     previous background save, copies this step's state to CPU memory and returns; training
     goes on while the copy is written. `wait()` on the result returns the published folder.
@@ -138,17 +143,19 @@ def save_in_background(folder: Path, step: int, held: Checkpointable, schedulers
     if not held.writes_checkpoint:
         return PendingSave(folder, step, path=folder / f"step-{step:08d}")
     background.finish(held.checkpoint_group)
-    pieces, extra, meta, rng = _state(held, schedulers, config, described)
+    pieces, extra, meta, rng = _state(held, schedulers, config, described, only)
     return background.save(folder, step, pieces, extra, meta, keep_last,
                            group=held.checkpoint_group, rank_tensors=rng, copies=copies)
 
 
 def _state(held: Checkpointable, schedulers: list, config: dict[str, Any],
-           described: dict[str, Any] | None) -> tuple[list, dict, dict, dict]:
-    """What a save writes: this rank's pieces, the optimizer scalars, the run's metadata
-    (JSON), and this rank's RNG state with what else it keeps for itself (error feedback,
-    the outer optimizer of replicas: `held.rank_state()`)."""
-    pieces, extra = held.state()
+           described: dict[str, Any] | None, only: Collection[str] | None = None
+           ) -> tuple[list, dict, dict, dict]:
+    """What a save writes: this rank's pieces (of the parameters `only` names, if given),
+    the optimizer scalars, the run's metadata (JSON), and this rank's RNG state with what
+    else it keeps for itself (error feedback, the outer optimizer of replicas:
+    `held.rank_state()`)."""
+    pieces, extra = held.state(only)
     optimizer = schedulers[0].optimizer
     meta = {"config": config, "layout": held.dims.to_dict(), "aliases": held.aliases(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
@@ -161,11 +168,15 @@ def _state(held: Checkpointable, schedulers: list, config: dict[str, Any],
     return pieces, extra, json.loads(json.dumps(meta, default=str)), rng
 
 
-def restore(ckpt: Checkpoint, held: Checkpointable, schedulers: list, dims: Dims) -> None:
+def restore(ckpt: Checkpoint, held: Checkpointable, schedulers: list, dims: Dims,
+            tensors: bool = True) -> None:
     """Model, optimizer state, options, schedule and loss scale from `ckpt`; the RNG and
     the rank's own state too when `dims` lays out its writers as the saver's did (the same
-    ranks write one checkpoint: a sync group's, with the same tp and pp)."""
-    held.restore(ckpt)
+    ranks write one checkpoint: a sync group's, with the same tp and pp). `tensors`
+    False: the model and optimizer state are in place already (an adapter checkpoint,
+    read over its base as the Holding was built: dtrain.adapters.checkpoints)."""
+    if tensors:
+        held.restore(ckpt)
     for optimizer, scheduler in zip(held.optimizers, schedulers, strict=True):
         for group, options in zip(optimizer.param_groups, ckpt.meta["param_groups"],
                                   strict=False):

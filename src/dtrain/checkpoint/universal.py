@@ -434,10 +434,11 @@ class Checkpoint:
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The whole model's state_dict: every tensor under `model/`, and each tied
-        weight under its other names too (the same tensor)."""
+        weight under its other names too (the same tensor); of an adapter checkpoint,
+        the adapters alone (dtrain.adapters.checkpoints)."""
         state = {name: self.tensor(MODEL + name) for name in self.names(MODEL)}
         return state | {alias: state[name]
-                        for alias, name in self.meta.get("aliases", {}).items()}
+                        for alias, name in self.meta.get("aliases", {}).items() if name in state}
 
     def rank_tensors(self, rank: int) -> dict[str, torch.Tensor]:
         """The tensors rank `rank` kept for itself (e.g. RNG states)."""

@@ -24,6 +24,7 @@ from dtrain.checkpoint.config import check_config as check_checkpoint
 from dtrain.comm.config import CommConfig
 from dtrain.config.fault_tolerance import FaultToleranceConfig, check_live
 from dtrain.config.job import LoggingConfig, TrainConfig
+from dtrain.config.objective import ObjectiveConfig, check_objective
 from dtrain.config.overrides import parse_override
 from dtrain.data.config import DataConfig
 from dtrain.data_parallel.config import check_config as check_data_parallel
@@ -49,6 +50,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -151,6 +153,7 @@ def _validate(config: Config) -> None:
     check_offload(config.memory, p, config.sync.method, live)
     check_sequence_parallel(model, p)
     check_adapter_layout(config.adapter, p.tp)
+    check_objective(config.objective, config.data, config.adapter, p)
     if live:
         check_live(p)
     check_slow_links(config.sync, config.comm, p, live)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 from torch import nn
@@ -43,6 +43,14 @@ from dtrain.sync.diloco import DiLoCo
 if TYPE_CHECKING:
     from dtrain.data_parallel import DataParallel
     from dtrain.data_parallel.zero import ZeRO
+
+class Objective(Protocol):
+    """The loss of a batch for the module a Holding runs (dtrain.train.objective's DPO;
+    the model's own loss, `model_loss`, when a Holding has none)."""
+
+    def __call__(self, module: nn.Module, batch: Batch | tuple[torch.Tensor, torch.Tensor]
+                 ) -> torch.Tensor: ...
+
 
 def model_loss(module: nn.Module, batch: Batch | tuple[torch.Tensor, torch.Tensor]
                ) -> torch.Tensor:
@@ -86,6 +94,15 @@ class Holding:
     lockstep: bool = True
     """Whether the world's ranks take each step together (False: parameter-server
     workers, each at its own pace, who never wait on each other)."""
+    objective: Objective | None = None
+    """How a batch's loss is computed (None: the model's own, `model_loss`); the Trainer
+    sets it for `[objective] kind = "dpo"`."""
+
+    def loss_of(self, batch: Batch | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The loss of `batch` by the objective."""
+        if self.objective is None:
+            return model_loss(self.module, batch)
+        return self.objective(self.module, batch)
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, batches: Sequence[Batch | tuple[torch.Tensor, torch.Tensor]]
@@ -97,7 +114,7 @@ class Holding:
             quiet = contextlib.nullcontext() if i == len(batches) - 1 else self.no_sync()
             with quiet:
                 with timeline.span("forward", "forward"):
-                    loss = model_loss(self.module, batch).float() / len(batches)
+                    loss = self.loss_of(batch).float() / len(batches)
                 with timeline.span("backward", "backward"):
                     self.backward(loss)
             total = total.to(loss.device) + loss.detach()
@@ -114,7 +131,7 @@ class Holding:
     def evaluate(self, batch: Batch | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The loss of one held-out batch (no gradients)."""
         with torch.no_grad():
-            return model_loss(self.module, batch)
+            return self.loss_of(batch)
 
     def infer(self, idx: torch.Tensor) -> torch.Tensor | None:
         """The logits of token ids `idx` (batch, time), every rank passing the same, one

@@ -20,7 +20,7 @@ of it, so the layout that saved and the layout that loads are independent.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +35,7 @@ from dtrain.data_parallel.zero import state_io as zero_state
 from dtrain.errors import DtrainError
 from dtrain.mesh import Mesh
 from dtrain.models import init
-from dtrain.models.moe import split_experts
+from dtrain.models.moe import Router, split_experts
 from dtrain.models.moe.experts import EXPERTS
 from dtrain.split import Split
 
@@ -207,14 +207,16 @@ class Tensors:
             self.optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def collect(self, pieces: list[Piece], scalars: dict[str, dict[str, float]]) -> None:
+    def collect(self, pieces: list[Piece], scalars: dict[str, dict[str, float]],
+                only: Collection[str] | None = None) -> None:
         """Add this rank's pieces (parameters and per-element optimizer state) and its
-        optimizer scalars (e.g. Adam's step) by parameter name."""
+        optimizer scalars (e.g. Adam's step) by parameter name; `only`: of these
+        parameters alone (None: all)."""
         names = self.names
         for p in self.params:
-            if not names.writes(p):
-                continue
             name = names.canonical[id(p)]
+            if not names.writes(p) or (only is not None and name not in only):
+                continue
             dp = names.sharers(p, self.dp)
             part, parts, split = names.placement(p)
             pieces += pieces_of(MODEL + name, p, *dp, part, parts, split)
@@ -258,13 +260,19 @@ class Shards:
         self.zero.zero_grad()
 
     @torch.no_grad()
-    def collect(self, pieces: list[Piece], scalars: dict[str, dict[str, float]]) -> None:
-        """Add this rank's shards of parameters and optimizer state, and the scalars."""
+    def collect(self, pieces: list[Piece], scalars: dict[str, dict[str, float]],
+                only: Collection[str] | None = None) -> None:
+        """Add this rank's shards of parameters and optimizer state, and the scalars;
+        `only`: of these parameters alone (None: all)."""
         names, own = self.names, self._own()
+
+        def writes(p: nn.Parameter) -> bool:
+            return names.writes(p) and (only is None or names.canonical[id(p)] in only)
+
         shard = zero_state.sharded_state(self.zero)
         for k, group in enumerate(self.zero.layout):
             for n in group:
-                if names.writes(own[n]) and shard["scalars"][k]:
+                if writes(own[n]) and shard["scalars"][k]:
                     scalars[names.canonical[id(own[n])]] = {
                         key: _scalar(v) for key, v in shard["scalars"][k].items()}
         per_key = {"": shard["params"], **{f"/{key}": segs for key, segs in
@@ -272,7 +280,7 @@ class Shards:
         for suffix, segments in per_key.items():
             for n, segs in segments.items():
                 p = own[n]
-                if not names.writes(p):
+                if not writes(p):
                     continue
                 name = f"{OPTIM if suffix else MODEL}{names.canonical[id(p)]}{suffix}"
                 pieces += [Piece.of_block(name, p.shape, values.to(torch.float32), lo,
@@ -326,26 +334,77 @@ class _Spans(Mapping[str, Iterator[tuple[int, int, torch.Tensor]]]):
         return len(self.ranges)
 
 
+@dataclass
+class FrozenShards:
+    """Parameters that never change (a LoRA run's base) held as ZeRO-3 shards beside the
+    trained ones (`ZeRO(..., frozen=...)`): no optimizer, nothing to step."""
+
+    names: Names
+    zero: ZeRO
+
+    def _own(self) -> dict[str, nn.Parameter]:
+        return dict(self.zero.module.named_parameters())
+
+    def step(self) -> None:
+        """Nothing: they do not train."""
+
+    def zero_grad(self) -> None:
+        """Nothing: they have no gradient."""
+
+    @torch.no_grad()
+    def collect(self, pieces: list[Piece], scalars: dict[str, dict[str, float]],
+                only: Collection[str] | None = None) -> None:
+        """Add this rank's shards of them (`only`: of these parameters alone)."""
+        names, own = self.names, self._own()
+        for n, segs in zero_state.master_segments(self.zero, frozen=True).items():
+            p = own[n]
+            if not names.writes(p) or (only is not None and names.canonical[id(p)] not in only):
+                continue
+            pieces += [Piece.of_block(MODEL + names.canonical[id(p)], p.shape,
+                                      values.to(torch.float32), lo, *names.placement(p))
+                       for lo, _, values in segs]
+
+    @torch.no_grad()
+    def restore(self, ckpt: Checkpoint | SlicedWeights) -> None:
+        """Set this rank's shards of them from `ckpt` (the next forward gathers them)."""
+        names, own = self.names, self._own()
+        ranges: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for n, lo, hi in zero_state.span_ranges(self.zero, frozen=True):
+            ranges[n].append((lo, hi))
+        zero_state.load_frozen(self.zero, _Spans(ranges, lambda n, lo, hi: names.spans(
+            ckpt, MODEL + names.canonical[id(own[n])], own[n], lo, hi)))
+
+
+def frozen_base(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `model` that never change: neither trained nor moved by a rule
+    of their own (a MoE router's balancing bias is): a LoRA run's base."""
+    moving = {id(m.expert_bias) for m in model.modules() if isinstance(m, Router)}
+    return [p for p in model.parameters() if not p.requires_grad and id(p) not in moving]
+
+
 def untrained(names: Names, modules: Iterable[nn.Module], dp: tuple[int, int],
-              device: torch.device) -> list[Tensors]:
-    """The parameters of `modules` that no optimizer steps (a MoE router's balancing bias),
-    beside ZeRO, which shards trainable parameters only: held whole on every rank, given
+              device: torch.device, apart: Collection[int] = ()) -> list[Tensors]:
+    """The parameters of `modules` that no optimizer steps (a MoE router's balancing bias,
+    a LoRA run's frozen base), beside ZeRO, which shards trainable parameters only (and
+    at stage 3 the frozen base: their ids `apart`): held whole on every rank, given
     memory on `device` when built in split form, written and restored as tensors (none:
     an empty list)."""
-    params = [p for m in modules for p in m.parameters() if not p.requires_grad]
+    params = [p for m in modules for p in m.parameters()
+              if not p.requires_grad and id(p) not in apart]
     init.allocate_parameters(params, device)
     return [Tensors(names, params, None, dp)] if params else []
 
 
-Part = Tensors | Shards
+Part = Tensors | Shards | FrozenShards
 """One way a rank holds some of its parameters (its Holding's `parts`)."""
 
 
-def collect(parts: Iterable[Part]) -> tuple[list[Piece], dict[str, Any]]:
+def collect(parts: Iterable[Part], only: Collection[str] | None = None
+            ) -> tuple[list[Piece], dict[str, Any]]:
     """Every piece this rank writes, and the optimizer scalars, as dtrain.checkpoint saves
-    them."""
+    them; `only`: of these parameters alone (canonical names; None: all)."""
     pieces: list[Piece] = []
     scalars: dict[str, dict[str, float]] = {}
     for part in parts:
-        part.collect(pieces, scalars)
+        part.collect(pieces, scalars, only)
     return pieces, {"scalars": scalars}

@@ -13,7 +13,7 @@ who writes a checkpoint together, fp16's loss scale, and what only this rank has
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -85,9 +85,10 @@ class HeldState:
         if self.scaled is not None:
             self.scaled.loss_scale = value
 
-    def state(self) -> tuple[list[Piece], dict[str, Any]]:
-        """This rank's pieces of the logical tensors and the optimizer scalars."""
-        return collect(self.parts)
+    def state(self, only: Collection[str] | None = None) -> tuple[list[Piece], dict[str, Any]]:
+        """This rank's pieces of the logical tensors and the optimizer scalars; `only`: of
+        these parameters alone (None: all)."""
+        return collect(self.parts, only)
 
     def restore(self, ckpt: Checkpoint | SlicedWeights) -> None:
         """Set this rank's parameters and optimizer state from `ckpt`, whatever layout

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -12,7 +14,14 @@ from dtrain.data_parallel.averaging import Averaging
 from dtrain.data_parallel.clip import GradPart
 from dtrain.data_parallel.zero import ZeRO
 from dtrain.layouts.holding import Holding
-from dtrain.layouts.parts import Names, Shards, expert_group, untrained
+from dtrain.layouts.parts import (
+    FrozenShards,
+    Names,
+    Shards,
+    expert_group,
+    frozen_base,
+    untrained,
+)
 from dtrain.layouts.state import HeldState
 from dtrain.mesh import Mesh
 from dtrain.models import init
@@ -21,12 +30,13 @@ from dtrain.optim import build_optimizer
 
 def zero_of(module: nn.Module, group: GroupLike, stage: int, config: Config,
             device: torch.device, averaging: Averaging | None = None,
-            expert_group: GroupLike = None) -> ZeRO:
+            expert_group: GroupLike = None, frozen: Sequence[nn.Parameter] = ()) -> ZeRO:
     """`module` wrapped in ZeRO at `stage` over `group` as `[parallel]` (its mixed
     precision), `[comm]` and `[optimizer]` say, each shard also averaged by `averaging` if
     given, split experts sharded over `expert_group` (the ranks holding the same experts);
     a module built in split form gets its shards (only) on `device`; `[memory] offload`
-    puts the optimizer shards on the host."""
+    puts the optimizer shards on the host; at stage 3 the `frozen` parameters (a LoRA
+    run's base) are sharded too."""
     pc = config.parallel
     mixed = None if pc.mixed_precision == "fp32" else pc.mixed_precision
     init.allocate_buffers(module, device)
@@ -34,7 +44,8 @@ def zero_of(module: nn.Module, group: GroupLike, stage: int, config: Config,
                 stage=stage, group=group, bucket_mb=config.comm.bucket_mb,
                 mixed_precision=mixed, device=device, averaging=averaging,
                 expert_group=expert_group,
-                offload_device="cpu" if config.memory.offload == "optimizer" else None)
+                offload_device="cpu" if config.memory.offload == "optimizer" else None,
+                frozen=frozen)
 
 
 class Sharded(Holding):
@@ -47,10 +58,14 @@ class Sharded(Holding):
         self.notes = notes
         same = mesh.group("dp_cp")  # the ranks holding the same parameters
         self.module = self.zero = zero_of(model, same, mesh.dims.zero, config,
-                                          mesh.world.device, averaging, expert_group(mesh))
+                                          mesh.world.device, averaging, expert_group(mesh),
+                                          frozen=frozen_base(model))
         self.optimizers = [self.zero.optimizer]
+        sharded = {id(p) for unit in self.zero.frozen for p in unit.flat.params}
         self.parts = [Shards(self.names, self.zero),
-                      *untrained(self.names, [model], mesh.place("dp_cp"), mesh.world.device)]
+                      *([FrozenShards(self.names, self.zero)] if sharded else []),
+                      *untrained(self.names, [model], mesh.place("dp_cp"), mesh.world.device,
+                                 apart=sharded)]
         self.saved = HeldState(self.dims, self.optimizers, self.parts, self.names,
                                scaled=self.zero)
         self.groups = {"dp": same, "tp": mesh.group("tp")}  # experts: dp too

@@ -8,20 +8,22 @@ dtrain.models.init's initial values share). Names are dtrain's (`model/` + the m
 parameter name), mapped to the folder's by a table of (Hugging Face name, transposed). A
 rank reads only what it holds: a tensor-parallel rank its block of each split tensor, a
 ZeRO rank the rows that hold its shard's elements, each a slice of the file. There is no
-optimizer state.
+optimizer state. `Overlaid` puts one source over another: adapters (from a checkpoint,
+a PEFT folder or the seed) over a frozen base (a folder or the seed).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors import safe_open
 
-from dtrain.checkpoint.universal import MODEL
+from dtrain.checkpoint.universal import MODEL, OPTIM, Checkpoint
 from dtrain.errors import ConfigError
 from dtrain.models.hf_places import HFName, Stacked, Zeros
 from dtrain.split import Split
@@ -41,9 +43,10 @@ ROWS_AT_ONCE = 1 << 20
 """Elements `copy_into` reads at a time (at least one row)."""
 
 
-def _files(folder: Path) -> dict[str, Path]:
-    """Hugging Face tensor name -> the safetensors file holding it."""
-    index = folder / "model.safetensors.index.json"
+def _files(folder: Path, file: str = "model.safetensors") -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file holding it: `file`, or the files
+    of its index (`file`.index.json)."""
+    index = folder / f"{file}.index.json"
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -51,10 +54,10 @@ def _files(folder: Path) -> dict[str, Path]:
             raise ConfigError(f"model.init_from: {index} is not a safetensors index: "
                               f"{exc}") from None
         return {name: folder / file for name, file in weight_map.items()}
-    single = folder / "model.safetensors"
+    single = folder / file
     if not single.exists():
-        raise ConfigError(f"model.init_from = {str(folder)!r} holds no model.safetensors "
-                          "(or model.safetensors.index.json): give a Hugging Face model folder")
+        raise ConfigError(f"model.init_from = {str(folder)!r} holds no {file} (or "
+                          f"{file}.index.json): give a Hugging Face model folder")
     with safe_open(str(single), framework="pt") as f:
         return dict.fromkeys(f.keys(), single)
 
@@ -185,20 +188,22 @@ class SlicedWeights:
 
 class HFWeights(SlicedWeights):
     """The weights in `folder`, named by `names`: dtrain name -> (its Hugging Face name,
-    whether the tensor is stored transposed there).
+    whether the tensor is stored transposed there); `file`: the safetensors file (or
+    index) holding them (a PEFT folder's adapter_model.safetensors).
 
     Raises:
         ConfigError: the folder holds no safetensors weights, or lacks a tensor the model
             needs.
     """
 
-    def __init__(self, folder: str | Path, names: dict[str, tuple[HFName, bool]]) -> None:
+    def __init__(self, folder: str | Path, names: dict[str, tuple[HFName, bool]],
+                 file: str = "model.safetensors") -> None:
         self.path = Path(folder)
         if not self.path.is_dir():
             raise ConfigError(f"model.init_from = {str(folder)!r} is not a folder: give a "
                               "Hugging Face model folder")
         self.names_map = names
-        self.files = _files(self.path)
+        self.files = _files(self.path, file)
         self._open: dict[Path, Any] = {}
         for name, (where, _) in names.items():
             needed = where.names() if isinstance(where, Stacked) else \
@@ -253,9 +258,11 @@ class HFWeights(SlicedWeights):
         return piece[index[::-1]].t() if transposed else piece[index]
 
 
-def weights_of(cfg: ModelConfig, model: torch.nn.Module) -> HFWeights:
+def weights_of(cfg: ModelConfig, model: torch.nn.Module,
+               without: Collection[str] = ()) -> HFWeights:
     """The weights `cfg.init_from` names, mapped to `model` (built from `cfg`, a resolved
-    ModelConfig).
+    ModelConfig); `without`: parameters the folder does not hold (adapters, read from
+    elsewhere: `Overlaid`).
 
     Raises:
         ConfigError: the arch cannot start from Hugging Face weights, or the folder does
@@ -266,4 +273,71 @@ def weights_of(cfg: ModelConfig, model: torch.nn.Module) -> HFWeights:
     if cfg.arch == "custom":
         raise ConfigError("model.init_from reads Hugging Face weights into arch gpt, llama "
                           "or hf: a custom model loads its own weights in its factory")
-    return HFWeights(cfg.init_from, hf_names(cfg, model))
+    names = {n: where for n, where in hf_names(cfg, model).items() if n not in without}
+    return HFWeights(cfg.init_from, names)
+
+
+class Overlaid(SlicedWeights):
+    """A model's tensors from two sources: those `over` holds (`names`, plain parameter
+    names; default: every model tensor of `over`) from it, the others from `base`; the
+    optimizer state and scalars are `over`'s. A frozen base beneath its adapters: the
+    base's folder or initial values under an adapter checkpoint, a PEFT folder's adapters,
+    or the seed's initial adapters (dtrain.adapters.checkpoints).
+
+    Args:
+        base: the base model's weights (Hugging Face weights, or `Initial`).
+        over: a checkpoint, or weights read in slices.
+        names: the parameters `over` gives.
+    """
+
+    def __init__(self, base: SlicedWeights, over: Checkpoint | SlicedWeights,
+                 names: Iterable[str] | None = None) -> None:
+        self.base, self.over = base, over
+        self.over_names = set(over.names(MODEL) if names is None else names)
+        self.path = over.path
+        self.extra = over.extra
+
+    def _from_over(self, name: str) -> bool:
+        return name.startswith(OPTIM) or self.plain(name) in self.over_names
+
+    def _names(self) -> list[str]:
+        return [*(n for n in self.base.names() if n not in self.over_names),
+                *sorted(self.over_names)]
+
+    def names(self, prefix: str = MODEL) -> list[str]:
+        if prefix == MODEL:
+            return self._names()
+        return self.over.names(prefix)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if not self._from_over(name):
+            return self.base.shape(name)
+        if isinstance(self.over, Checkpoint):
+            return tuple(self.over.tensors[name]["shape"])
+        return self.over.shape(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return (self.over if self._from_over(name) else self.base).tensor(name)
+
+    def _read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        if not self._from_over(name):
+            return self.base._read(name, index)
+        if isinstance(self.over, Checkpoint):
+            return self.over.tensor(name)[index]
+        return self.over._read(name, index)
+
+    def _read_into(self, out: torch.Tensor, name: str, index: tuple[slice, ...]) -> None:
+        if self._from_over(name):
+            out.copy_(self._read(name, index))
+        else:  # the base's way: the seed's values a group of rows at a time
+            self.base._read_into(out, name, index)
+
+    def _rows_per_read(self, name: str) -> int:
+        if self._from_over(name):
+            return super()._rows_per_read(name)
+        return self.base._rows_per_read(name)
+
+    def _dtype(self, name: str) -> torch.dtype:
+        if self._from_over(name):
+            return self._read(name, tuple(slice(0, 1) for _ in self.shape(name))).dtype
+        return self.base._dtype(name)

@@ -35,6 +35,13 @@ sum, 12·l·h·s (its causal half is not subtracted, as in those papers; h is he
 head_dim where a head has its own width).
 Recomputation adds one more forward of what it recomputes: `full` the blocks (2 per block
 weight, 4·l·h·s), `selective` the attention core (4·l·h·s).
+
+What trains: `lora=R` says LoRA adapters of rank R train beside the attention's and the
+dense MLPs' projections and the rest is frozen (`trained_parameters()`: gradients and
+optimizer state for the adapters alone; backward computes no weight gradient of the
+base); `dpo=true` adds DPO's reference forward, without gradient, beside each forward.
+The FLOPs above stay the model's (as MFU counts them); the planners count what a step
+does.
 """
 
 from __future__ import annotations
@@ -73,6 +80,8 @@ class ModelShape:
     moe_ffn: int = 0  # each expert's hidden width; 0: ffn
     shared_experts: int = 0  # experts every token passes through
     moe_layers: int = 0  # blocks with experts (the last ones); 0: all, with experts
+    lora: int = 0  # LoRA adapters of this rank train, the rest frozen; 0: every parameter
+    dpo: bool = False  # DPO: a reference forward, without gradient, beside each one
 
     def __post_init__(self) -> None:
         if self.arch not in FAMILIES:
@@ -108,7 +117,8 @@ class ModelShape:
             object.__setattr__(self, "moe_layers", self.moe_layers or self.layers)
 
     def _check_experts(self) -> None:
-        for key in ("head_dim", "experts", "top_k", "moe_ffn", "shared_experts", "moe_layers"):
+        for key in ("head_dim", "experts", "top_k", "moe_ffn", "shared_experts", "moe_layers",
+                    "lora"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"model shape {key}={getattr(self, key)} must be positive")
         if self.arch == "gpt" and (self.qk_norm or self.head_dim not in (
@@ -211,6 +221,28 @@ class ModelShape:
         # biases of QKV (3h), the projection (h), the MLP (ffn + h); two LayerNorms (4h)
         return self.block_matmul_params() + 3 * h + h + self.ffn + h + 4 * h
 
+    def adapter_params(self, moe: bool = False) -> int:
+        """One block's LoRA adapters (rank `lora`, A and B beside each of the attention's
+        and a dense MLP's projections: rank x (in + out) each; a MoE block's experts are
+        not adapted); 0 without."""
+        if not self.lora:
+            return 0
+        h, q, kv = self.hidden, self.attention_width, self.kv_heads * self.head_dim
+        if self.arch == "gpt":  # one fused qkv (h -> 3h) and the output projection
+            sides = (h + 3 * q) + (q + h)
+        else:  # q, k, v and o apart
+            sides = (h + q) + 2 * (h + kv) + (q + h)
+        if not moe:
+            sides += (3 if self.gated else 2) * (h + self.ffn)
+        return self.lora * sides
+
+    def trained_parameters(self) -> int:
+        """The parameters that train: the adapters with `lora`, else every one."""
+        if not self.lora:
+            return self.parameters()
+        return self.dense_layers * self.adapter_params() + \
+            self.moe_layers * self.adapter_params(moe=True)
+
     def expert_layer_params(self) -> int:
         """The routed experts' weights of all MoE blocks: what expert parallelism splits."""
         return self.moe_layers * self.experts * self.expert_params()
@@ -281,8 +313,10 @@ class ModelShape:
             shared = f" + {self.shared_experts} shared" if self.shared_experts else ""
             experts = (f"; {self.experts} experts top-{self.top_k} of {self.moe_ffn}{shared} "
                        f"in {self.moe_layers} layers")
+        trains = (f"; LoRA rank {self.lora}" if self.lora else "") + \
+            ("; DPO" if self.dpo else "")
         return (f"{self.arch} {self.layers}x{self.hidden} ({self.heads} heads{kv}, ffn "
-                f"{self.ffn}, seq {self.seq}, vocab {self.vocab}{experts})")
+                f"{self.ffn}, seq {self.seq}, vocab {self.vocab}{experts}{trains})")
 
 
 _KEYS = {f.name: f.type for f in dataclasses.fields(ModelShape)}
@@ -309,7 +343,7 @@ def parse_shape(text: str) -> ModelShape:
         value = value.strip()
         if key == "arch":
             values[key] = value
-        elif key in ("tied", "dropout", "qk_norm"):
+        elif key in ("tied", "dropout", "qk_norm", "dpo"):
             if value not in ("0", "1", "true", "false"):
                 raise ConfigError(f"--model-shape {key}={value}: give true or false")
             values[key] = value in ("1", "true")

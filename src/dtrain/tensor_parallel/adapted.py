@@ -46,12 +46,16 @@ class _Adapter(nn.Module):
     lora_B: LoRAFactor
     lora_dropout: nn.Module
     scaling: float
+    active: bool = True
+    """False inside dtrain.adapters.lora.disabled: the base alone."""
 
 
 class ColumnParallelLoRA(ColumnParallelLinear, _Adapter):
     """A column-parallel layer with its adapter: A whole, B split with the output rows."""
 
     def added(self, whole: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return y
         return y + self.lora_B(self.lora_A(self.lora_dropout(whole))) * self.scaling
 
 
@@ -59,6 +63,8 @@ class RowParallelLoRA(RowParallelLinear, _Adapter):
     """A row-parallel layer with its adapter: A split with the input columns, B whole."""
 
     def added(self, part: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return y
         down = self.lora_A(self.lora_dropout(part))
         if self.sequence_parallel:
             down = reduce_scatter_sequence(down, self.group, self.algorithm)

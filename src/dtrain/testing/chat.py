@@ -77,3 +77,17 @@ def write_chat_jsonl(path: Path, conversations: list[list[dict[str, str]]]) -> P
     """A JSON-lines file of {"messages": ...} rows."""
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
     return path
+
+
+def tiny_llama(folder: Path) -> tuple[object, object]:
+    """A chat tokenizer in `folder` (`make_chat_tokenizer`, ChatML) and the config of a
+    two-block transformers Llama for it: (PreTrainedTokenizerFast, LlamaConfig)."""
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    make_chat_tokenizer(folder)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         bos_token_id=3, eos_token_id=0, pad_token_id=0,
+                         max_position_embeddings=128)
+    return tokenizer, config

@@ -162,7 +162,9 @@ def plan_command(args: argparse.Namespace) -> None:
         dc = config.data
         shape = resolve(config.model, vocab_of(dc.path, dc.format, dc.tokenizer))
         trace = functools.cache(lambda b, cp=1, method="ring":
-                                profile_model(shape, b, modes, cp=cp, cp_method=method))
+                                profile_model(shape, b, modes, cp=cp, cp_method=method,
+                                              adapter=config.adapter,
+                                              reference=config.objective.kind == "dpo"))
     if args.model and config.parallel.ep > 1:
         raise ConfigError(f"parallel.ep = {config.parallel.ep} with --model: a model of your "
                           "own is planned with dp and ZeRO only; leave parallel.ep = 1")

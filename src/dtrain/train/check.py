@@ -57,6 +57,14 @@ def check_rows(data: Data, config: Config) -> None:
         raise ConfigError(f"the data's held-out part holds {len(data.val)} rows, fewer than "
                           f"one evaluation batch of {evaluated}: raise data.val_fraction or "
                           "give more data")
+    dpo = config.objective.kind == "dpo"
+    if data.pairs and not dpo:  # token shards of pairs (data.format "preference": the config)
+        raise ConfigError(f"{config.data.path} holds preference pairs, not text to learn: set "
+                          'objective.kind = "dpo"')
+    if dpo and not data.pairs:
+        raise ConfigError(f'objective.kind = "dpo" needs preference pairs: {config.data.path} '
+                          "holds none (prepare them with dtrain data prepare --format "
+                          "preference)")
     if (packed or masked) and config.model.arch == "custom":
         raise ConfigError("packed documents and loss masks need a model that takes "
                           "positions= and weight= (dtrain's GPT and Llama, arch = \"hf\"): "

@@ -36,6 +36,7 @@ from torch import nn
 
 from dtrain import adapters, comm, layouts
 from dtrain import world as world_mod
+from dtrain.adapters import checkpoints
 from dtrain.checkpoint.universal import Checkpoint
 from dtrain.config import Config, config_from_dict, dims_of
 from dtrain.data import Tokenizer, load_tokenizer
@@ -187,7 +188,8 @@ def generate_text(config: Config, checkpoint: str, prompt: str, tokens: int, see
     mesh = Mesh(dims_of(config, world.world_size))
     torch.manual_seed(config.train.seed)
     model = init.skeleton(lambda: adapters.built(shape, config.adapter))
-    holding = layouts.build(model, mesh, config, weights=ckpt)
+    holding = layouts.build(model, mesh, config,  # an adapter checkpoint over its base
+                            weights=checkpoints.checkpoint_weights(ckpt, shape, model))
     stop = None
     if chat:
         template = ChatTemplate.find(tokenizer.path or BYTES, config.data.chat_template)

@@ -29,7 +29,8 @@ import torch
 
 from dtrain import adapters, comm, env, faults, layouts, models, timeline
 from dtrain import world as world_mod
-from dtrain.adapters import AdapterConfig
+from dtrain.adapters import AdapterConfig, checkpoints
+from dtrain.adapters.peft import PeftFolder
 from dtrain.checkpoint import training
 from dtrain.checkpoint.background import PendingSave
 from dtrain.checkpoint.copies import HostCopies
@@ -38,7 +39,8 @@ from dtrain.config import Config, LoggingConfig, dims_of
 from dtrain.context_parallel import chunks
 from dtrain.data import Tokenizer, batches
 from dtrain.data.dataset import data_of
-from dtrain.data.sequences import Batch, Sequences
+from dtrain.data.sequences import Batch, Sequences, check_pairs
+from dtrain.errors import ConfigError
 from dtrain.ft import elastic
 from dtrain.ft.live.job import open_live
 from dtrain.ft.membership import Fixed, Membership, RunOver
@@ -47,12 +49,13 @@ from dtrain.mesh import Mesh
 from dtrain.models import compiled, init, moe
 from dtrain.models.config import ModelConfig
 from dtrain.models.generate import generate
-from dtrain.models.weights import weights_of
+from dtrain.models.weights import SlicedWeights, weights_of
 from dtrain.optim import lr_factor
 from dtrain.train import hardware
 from dtrain.train.check import check_rows
 from dtrain.train.generation import generate_split, splits_model
 from dtrain.train.metrics import Progress
+from dtrain.train.objective import Preference
 from dtrain.train.sinks import Value, open_sinks
 from dtrain.train.speed import StepSpeed, flops_per_token
 
@@ -165,17 +168,30 @@ class Trainer:
         # train together (sync groups or live replicas), and over the dp ranks in each
         members, dp = self.membership, self.dims.dp
         self.shards = (members.copies * dp, members.copy * dp + mesh.coords["dp"])
+        if self.data.pairs:  # each rank's micro-batches hold whole pairs
+            check_pairs(tc.batch_size, self.shards[0], tc.grad_accum)
         self.per_rank = self.dims.per_rank_batch(  # sequences per forward
             tc.batch_size, tc.grad_accum, live_replicas=members.worlds)
 
         self.shape = models.resolve(mc, self.data.vocab_size)
+        self.peft = PeftFolder.read(self.shape.init_from) if self.shape.init_from else None
+        if self.peft is not None:  # a PEFT folder: its adapters over its base model
+            self.shape = dataclasses.replace(self.shape, init_from=self.peft.base)
+            config.adapter = self.peft.adapter_config(config.adapter, self.shape)
         torch.manual_seed(tc.seed)
         # each rank allocates only what it holds; adapters, if any, beside a frozen base
         self.model = init.skeleton(lambda: adapters.built(self.shape, config.adapter))
         self.n_params = sum(p.numel() for p in self.model.parameters())  # before any split
         self.moe = moe.moe_layers(self.model)
-        self.weights = weights_of(self.shape, self.model) \
-            if self.shape.init_from and self.resume is None else None
+        # adapters are saved without their base, which the checkpoint names instead
+        lora = config.adapter.kind == "lora"
+        self.saved_names = checkpoints.saved_names(self.model) if lora else None
+        self.base = checkpoints.base_identity(self.shape, tc.seed,
+                                              model_meta(self.model).get("hf_config")) \
+            if lora else None
+        if self.resume is not None:
+            checkpoints.check_base(self.resume, self.base)
+        self.weights = self._starting_weights()
         self.holding = layouts.build(self.model, mesh, config, weights=self.weights,
                                      averaging=members.averaging)
         self.stream = self._stream_from(self.start)
@@ -183,8 +199,10 @@ class Trainer:
             o, lambda s: lr_factor(s, tc.steps, config.optimizer))
             for o in self.holding.optimizers]
         if self.resume is not None:  # the options, schedule and RNG too
-            training.restore(self.resume, self.holding.saved, self.schedulers, self.dims)
+            training.restore(self.resume, self.holding.saved, self.schedulers, self.dims,
+                             tensors=not checkpoints.holds_adapters_alone(self.resume))
         self.holding.start()
+        self.preference = self._preference()
         members.track(self.holding.optimizers[0], self.schedulers[0])
 
         self.main = world.is_main and members.first
@@ -206,10 +224,25 @@ class Trainer:
         self.recorded: tuple[int, dict[str, Value]] | None = None  # the last step's record
         tokenizer_file = self.data.tokenizer.path and str(Path(self.data.tokenizer.path).resolve())
         self.described = {"model": dataclasses.asdict(self.shape), "tokenizer": tokenizer_file,
-                          **model_meta(self.model)}
+                          **model_meta(self.model),
+                          **({checkpoints.BASE: self.base} if self.base else {})}
         self.losses: list[float] = []
         self.eval_losses: list[tuple[int, float]] = []
         self.step_rows: Batch | None = None  # the last step's first micro-batch
+
+    def _starting_weights(self) -> Checkpoint | SlicedWeights | None:
+        """What the Holding is built from: an adapter checkpoint resumed, read over its
+        base; a new run's `init_from` folder (beneath the adapters of a PEFT folder, or
+        the seed's); None: the seed's values (a whole checkpoint resumed is read after)."""
+        shape, model, seed = self.shape, self.model, self.config.train.seed
+        if self.resume is not None:
+            if not checkpoints.holds_adapters_alone(self.resume):
+                return None
+            return checkpoints.checkpoint_weights(self.resume, shape, model, seed)
+        if self.config.adapter.kind == "lora":
+            over = self.peft.weights(shape, model) if self.peft is not None else None
+            return checkpoints.starting_weights(shape, model, seed, over)
+        return weights_of(shape, model) if shape.init_from else None
 
     def _stream_from(self, step: int) -> Iterator[Batch]:
         tc = self.config.train
@@ -234,8 +267,9 @@ class Trainer:
         self.progress.write(self.speed.describe())
         if self.resume is not None:
             self.progress.write(f"resumed from {self.resume.path} (step {self.start})")
-        elif self.weights is not None:
-            self.progress.write(f"weights from {self.weights.path}")
+        elif self.shape.init_from:
+            adapters_from = f", adapters from {self.peft.path}" if self.peft is not None else ""
+            self.progress.write(f"weights from {self.shape.init_from}{adapters_from}")
 
     def run(self) -> dict[str, Any]:
         """Train from the step resumed to `train.steps`; evaluate, save and sample as the
@@ -277,7 +311,8 @@ class Trainer:
                 "lr": self.schedulers[0].get_last_lr()[0],  # type: ignore[dict-item]
                 "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed, **figures,
                 "grad_norm": self.grad_norm, **self.membership.step_metrics(), **compared,
-                **self._moe_metrics(), **self._token_metrics(tokens_per_step, elapsed)}
+                **self._moe_metrics(), **self._token_metrics(tokens_per_step, elapsed),
+                **self._preference_metrics(training=True)}
             faults.at("record", step)
             if self.membership.writes():
                 before = self.recorded
@@ -379,15 +414,46 @@ class Trainer:
         return {"moe_imbalance": [round(b[0], 4) for b in balance],
                 "moe_dropped": [round(b[1], 4) for b in balance]}
 
+    def _preference(self) -> Preference | None:
+        """DPO's objective, set on the holding (None: the model's own loss).
+
+        Raises:
+            ConfigError: a resumed DPO run without LoRA (its reference, the starting
+                weights, is not in the checkpoint).
+        """
+        config = self.config
+        if config.objective.kind != "dpo":
+            return None
+        adapted = config.adapter.kind == "lora"
+        if self.resume is not None and not adapted:
+            raise ConfigError('objective.kind = "dpo" without adapters does not resume yet (its '
+                              'reference, the starting weights, is not in the checkpoint): '
+                              'start the run again, or train adapters ([adapter] kind = "lora")')
+        preference = Preference(config.objective, self.holding.module, adapted,
+                                self.shape.vocab_size, self.mesh.group("tp"))
+        self.holding.objective = preference
+        return preference
+
+    def _preference_metrics(self, training: bool) -> dict[str, Value]:
+        """DPO's rewards and log-probabilities over the step's (or the held-out pass's)
+        pairs on every data-parallel rank; nothing for other objectives."""
+        if self.preference is None:
+            return {}
+        figures = self.preference.take(training, self.mesh.group("dp"), self.world.device)
+        return {(k if training else f"eval_{k}"): v for k, v in figures.items()}
+
     def evaluate(self, step: int) -> None:
         """The held-out loss at `step`, printed and recorded."""
         with timeline.span("eval", "eval", step=step):
             loss = evaluate(self.holding, self.data.val, self.per_rank,
                             self.config.train.eval_batches, self.mesh, self.world.device)
         self.eval_losses.append((step, loss))
-        self.progress.write(f"step {step:>5}: held-out loss {loss:.4f}")
+        held = self._preference_metrics(training=False)
+        accuracy = (f", reward accuracy {held['eval_reward_accuracy']:.3f}"
+                    if "eval_reward_accuracy" in held else "")
+        self.progress.write(f"step {step:>5}: held-out loss {loss:.4f}{accuracy}")
         if self.membership.writes():
-            self.metrics.record(step, {"eval_loss": loss})
+            self.metrics.record(step, {"eval_loss": loss, **held})
 
     @overload
     def save(self, step: int, background: Literal[False] = ...) -> Path: ...
@@ -403,7 +469,8 @@ class Trainer:
         how = training.save_in_background if background else training.save
         with timeline.span("checkpoint", "checkpoint", step=step):
             return how(folder, step, self.holding.saved, self.schedulers, self.config.to_dict(),
-                       self.config.checkpoint.keep_last, self.described, self.host_copies)
+                       self.config.checkpoint.keep_last, self.described, self.host_copies,
+                       self.saved_names)
 
 
 def _write_own_timeline(world: world_mod.World) -> str:
@@ -442,8 +509,9 @@ def sample(shape: ModelConfig, ckpt: Checkpoint, tokenizer: Tokenizer, cfg: Logg
     in `ckpt` (built whole here, straight from the checkpoint, with its `adapter`s),
     decoded as text."""
     torch.manual_seed(0)
-    plain = init.materialized(
-        init.skeleton(lambda: adapters.built(shape, adapter or AdapterConfig())), ckpt, device)
+    skeleton = init.skeleton(lambda: adapters.built(shape, adapter or AdapterConfig()))
+    plain = init.materialized(skeleton, checkpoints.checkpoint_weights(ckpt, shape, skeleton),
+                              device)
     prompt = tokenizer.encode(cfg.sample_prompt) or tokenizer.separator
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
     out = generate(plain, idx, cfg.sample_tokens, shape.block_size,

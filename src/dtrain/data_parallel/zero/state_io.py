@@ -86,11 +86,11 @@ def _gather_unit(z: ZeRO, unit: Unit, shard: torch.Tensor) -> dict[str, torch.Te
 def full_state(z: ZeRO) -> dict[str, Any]:
     """The unwrapped module's state_dict, parameters from the master weights."""
     values: dict[str, torch.Tensor] = {}
-    for unit in z.units:
+    for unit in [*z.units, *z.frozen]:
         values.update(_gather_unit(z, unit, unit.master))
     out = {}
     for name, tensor in z.module.state_dict(keep_vars=True).items():
-        source = z.alias.get(name)
+        source = z.alias.get(name, z.frozen_alias.get(name))
         out[name] = (values[source].view(tensor.shape).to(z.param_dtype).clone()
                      if source is not None else tensor.detach().clone())
     return out
@@ -119,16 +119,18 @@ def full_optimizer_state(z: ZeRO) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def own_spans(z: ZeRO) -> Iterator[tuple[Unit, Span]]:
-    """(unit, span) for every parameter range this rank's shards hold."""
-    for unit in z.units:
+def own_spans(z: ZeRO, frozen: bool = False) -> Iterator[tuple[Unit, Span]]:
+    """(unit, span) for every parameter range this rank's shards hold (`frozen`: of the
+    frozen parameters sharded at stage 3 instead)."""
+    for unit in z.frozen if frozen else z.units:
         for span, _ in unit.shard_spans():
             yield unit, span
 
 
-def span_ranges(z: ZeRO) -> list[tuple[str, int, int]]:
-    """(parameter name, lo, hi): the elements of each flattened parameter this rank holds."""
-    return [(span.name, span.lo, span.hi) for _, span in own_spans(z)]
+def span_ranges(z: ZeRO, frozen: bool = False) -> list[tuple[str, int, int]]:
+    """(parameter name, lo, hi): the elements of each flattened parameter this rank holds
+    (`frozen`: of the frozen ones sharded at stage 3)."""
+    return [(span.name, span.lo, span.hi) for _, span in own_spans(z, frozen)]
 
 
 def grad_segments(z: ZeRO) -> Iterator[tuple[str, torch.Tensor]]:
@@ -143,10 +145,11 @@ def _cut(shard: torch.Tensor, span: Span) -> tuple[int, int, torch.Tensor]:
     return span.lo, span.hi, segment(shard, span).clone()
 
 
-def master_segments(z: ZeRO) -> Segments:
-    """This rank's master weights, per parameter."""
+def master_segments(z: ZeRO, frozen: bool = False) -> Segments:
+    """This rank's master weights, per parameter (`frozen`: its shards of the frozen
+    parameters sharded at stage 3)."""
     params: Segments = defaultdict(list)
-    for unit, span in own_spans(z):
+    for unit, span in own_spans(z, frozen):
         params[span.name].append(_cut(unit.master, span))
     return dict(params)
 
@@ -222,7 +225,9 @@ def load_segments(z: ZeRO, params: SegmentsIn, state: dict[str, Segments] | None
     if state is not None:  # empty placeholder pieces carry the group's scalars too
         for k, param_group in enumerate(z.optimizer.param_groups):
             for piece in param_group["params"]:
-                if piece.numel() == 0:
+                # a group with no parameter saved (LoRA's adapters are all matrices: the
+                # no-decay group is empty) has no scalars: the optimizer starts it itself
+                if piece.numel() == 0 and scalars[k]:
                     z.optimizer.state[piece] = {
                         **{key: v.clone() for key, v in scalars[k].items()},
                         **{key: piece.detach().clone() for key in state}}
@@ -276,9 +281,19 @@ def load_full_state(z: ZeRO, state_dict: Mapping[str, Any], strict: bool = True)
         raise DtrainError(f"ZeRO.load_state_dict: missing {', '.join(sorted(own - set(rest)))}")
     module_state = z.module.state_dict(keep_vars=True)
     for key, value in rest.items():
-        if key in module_state:
+        if key in module_state and key not in z.frozen_alias:
             module_state[key].copy_(value)
+    load_frozen(z, whole({z.frozen_alias[k]: v for k, v in rest.items() if k in z.frozen_alias},
+                         [n for unit in z.frozen for n in unit.flat.names]))
     load_segments(z, whole(trainable, list(z.shapes)), None, None, None)
+
+
+@torch.no_grad()
+def load_frozen(z: ZeRO, params: SegmentsIn) -> None:
+    """Set this rank's shards of the frozen parameters sharded at stage 3 from
+    per-parameter segments (the next forward gathers them)."""
+    for unit in z.frozen:
+        _fill(unit, params, unit.master)
 
 
 def load_full_optimizer_state(z: ZeRO, state_dict: dict[str, Any]) -> None:

@@ -246,12 +246,15 @@ def unit_bytes(units: list[Unit]) -> dict[str, int]:
 @dataclass
 class Built:
     """Units in the order their gradients are reduced (the reverse of forward), and for
-    stage 3 the root's units (what no submodule unit claims) and each unit module's units
-    in forward order (one per sharding group its parameters are in)."""
+    stage 3 the root's units (what no submodule unit claims), each unit module's units
+    in forward order (one per sharding group its parameters are in), and the frozen
+    units among root's and chain's (parameters that do not train: sharded, gathered
+    and freed like the others, never reduced or stepped)."""
 
     units: list[Unit]
     root: list[Unit]
     chain: list[list[Unit]]
+    frozen: list[Unit] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -285,12 +288,13 @@ class Sharding:
 def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage: int,
                 units: list[nn.Module] | None, bucket_mb: float, sharding: Sharding,
                 param_dtype: torch.dtype, compute_dtype: torch.dtype,
-                device: torch.device | None = None) -> Built:
+                device: torch.device | None = None, frozen: Named | None = None) -> Built:
     """Pack `named` (trainable parameters) into units: stage 3 one per submodule of
     `units` (default every element of every nn.ModuleList) plus the root; stages 1-2
     buckets of about `bucket_mb` in reverse order. Each sharding group of `sharding` gets
     units of its own. `group_of` maps id(parameter) to its optimizer parameter group. The
-    parameters become views of the units' `full`.
+    parameters become views of the units' `full`. Stage 3 packs `frozen` (parameters
+    that do not train, of one dtype) into units of their own beside each module's.
 
     Parameters on the meta device (a model built in split form, dtrain.models.init) get
     uninitialized memory on `device` instead of copies: at stage 3 only this rank's shard
@@ -309,12 +313,25 @@ def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage
                  for run, group, scale in sharding.runs(list(reversed(named)))
                  for bucket in split_by_size(run, int(bucket_mb * 2**20))]
         return Built(built, [], [])
+    still = frozen or []
+    frozen_dtype = one_dtype(still) if still else param_dtype
+    frozen_compute = compute_dtype if compute_dtype != param_dtype else frozen_dtype
+
+    def make_frozen(run: Named, group: comm.Group, unit_module: nn.Module) -> Unit:
+        flat = FlatUnit([n for n, _ in run], [p for _, p in run], [0] * len(run), group.size)
+        return _make_unit(flat, group, 1.0, unit_module, stage, frozen_dtype, frozen_compute,
+                          device)
+
     per_module = [[make(run, group, scale, unit_module)
                    for run, group, scale in sharding.runs(module_named)]
                   for module_named, unit_module in _module_runs(module, named, units)]
-    root, chain = per_module[0], [u for u in per_module[1:] if u]
-    return Built([u for units_of in reversed(per_module) for u in reversed(units_of)], root,
-                 chain)
+    per_frozen = [[make_frozen(run, group, unit_module)
+                   for run, group, _ in sharding.runs(module_named)]
+                  for module_named, unit_module in _module_runs(module, still, units)]
+    held = [trained + kept for trained, kept in zip(per_module, per_frozen, strict=True)]
+    return Built([u for units_of in reversed(per_module) for u in reversed(units_of)],
+                 held[0], [u for u in held[1:] if u],
+                 [u for kept in per_frozen for u in kept])
 
 
 def _module_runs(module: nn.Module, named: Named, units: list[nn.Module] | None

@@ -11,7 +11,7 @@ and out, full and sharded (.state_io).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -91,6 +91,10 @@ class ZeRO(nn.Module):
             gradient shard copied to the host and its parameters back in the background
             (dtrain.data_parallel.zero.offload); None (default) keeps them on the module's
             device.
+        frozen: parameters that do not train (requires_grad False) to shard too at stage 3
+            (a LoRA run's base): each rank keeps its shard, gathered with its module for
+            forward and backward and freed after, with no gradient buffer or optimizer
+            state; stages 1-2 leave them whole, as any frozen parameter not given here.
 
     Raises:
         DtrainError: a bad stage or option, ranks with different models, or an optimizer
@@ -111,6 +115,7 @@ class ZeRO(nn.Module):
         averaging: Averaging | None = None,
         expert_group: comm.GroupLike = None,
         offload_device: torch.device | str | None = None,
+        frozen: Sequence[nn.Parameter] = (),
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
@@ -156,10 +161,18 @@ class ZeRO(nn.Module):
         # state_dict key -> the trainable parameter it holds (tied weights: several keys)
         self.alias = {key: name_of[id(p)] for key, p in
                       module.named_parameters(remove_duplicate=False) if id(p) in name_of}
+        # stage 3 shards `frozen` too (a LoRA run's base): gathered and freed with the
+        # trainable parameters, never reduced or stepped; stages 1-2 leave them whole
+        kept = {id(p) for p in frozen if not p.requires_grad} if stage == 3 else set()
+        still = [(n, p) for n, p in module.named_parameters() if id(p) in kept]
         built = build_units(module, named, group_of, stage, units, bucket_mb, sharding,
                             self.param_dtype, self.compute_dtype,
-                            torch.device(device) if device is not None else None)
+                            torch.device(device) if device is not None else None, still)
         self.units: list[Unit] = built.units  # in the order their gradients are reduced
+        self.frozen: list[Unit] = built.frozen  # stage 3: the frozen parameters' units
+        self.frozen_alias = {key: n for key, p in module.named_parameters(remove_duplicate=False)
+                             for n, q in still if p is q}
+        self._held = [*self.units, *self.frozen]  # every unit a forward gathers
         self._root = built.root  # stage 3: what no unit claims, held from forward to backward
         self._chain = built.chain  # stage 3: each module's units, in forward order
         self.offload = None if offload_device is None else \
@@ -183,18 +196,19 @@ class ZeRO(nn.Module):
             for k, (unit, *_) in enumerate(self._chain):
                 assert unit.module is not None  # stage 3: each unit's submodule
                 self._hooks.append(unit.module.register_forward_pre_hook(
-                    lambda m, args, k=k: self._gather_for_forward(k)))
+                    lambda m, args, kwargs, k=k: self._gather_for_forward(k, args, kwargs),
+                    with_kwargs=True))
                 self._hooks.append(unit.module.register_forward_hook(
                     lambda m, args, out, k=k: self._after_forward(k, out)))
             self._hooks.append(module.register_forward_hook(self._after_root_forward))
-            self._free(self.units)
+            self._free(self._held)
 
     # ----------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        for unit in self.units:
+        for unit in self._held:
             unit.reset_backward()
         self._gather(self._root)
         if self._chain:
@@ -205,10 +219,25 @@ class ZeRO(nn.Module):
             return tree_map(cast, args), tree_map(cast, kwargs)
         return None
 
-    def _gather_for_forward(self, k: int) -> None:
+    def _gather_for_forward(self, k: int, args: tuple, kwargs: dict) -> None:
         self._gather(self._chain[k])
         if k + 1 < len(self._chain):
             self._start_gather(self._chain[k + 1])  # prefetch while this one computes
+        frozen = [unit for unit in self._chain[k] if unit in self.frozen]
+        if frozen and torch.is_grad_enabled():
+            # frozen units have no gradient to tell when their module's backward is done:
+            # the gradients of its inputs do (else they go at the end of backward)
+            inputs = [t for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+            left = [len(inputs)]
+
+            def done(grad: torch.Tensor) -> None:
+                left[0] -= 1
+                if left[0] == 0:
+                    self._free(frozen)
+
+            for t in inputs:
+                t.register_hook(done)
 
     def _after_forward(self, k: int, output: object) -> None:
         self._free(self._chain[k])
@@ -219,7 +248,7 @@ class ZeRO(nn.Module):
 
     def _after_root_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if not torch.is_grad_enabled():  # no backward follows
-            self._free(self.units)
+            self._free(self._held)
         elif self._root:
             # The root is gathered again for this output's backward, which may come after
             # other forwards (a pipeline).
@@ -340,11 +369,11 @@ class ZeRO(nn.Module):
         """At the end of backward: send what is left, wait, keep each rank's shard."""
         self._finalize_queued = False
         self._take_late()
-        self._free(self.units)  # ready for the next backward, with or without a forward
+        self._free(self._held)  # ready for the next backward, with or without a forward
         if self.stage == 3:  # units some of whose parameters got no gradient
             for unit in self.units:
                 unit.pack_grads()
-        for unit in self.units:
+        for unit in self._held:
             unit.reset_backward()
         if self._sync:
             self.reduce_gradients()
@@ -533,11 +562,13 @@ class ZeRO(nn.Module):
     # ----------------------------------------------------------------- introspection
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds now: parameters (the module's, as
-        materialized, plus separate master shards), gradients and optimizer state. With
+        materialized, plus separate master shards), gradients, optimizer state and the
+        frozen parameters sharded at stage 3 (their shards and what is gathered). With
         offload these count the compute device's tensors only ("master": stage 3's
         resident shards), and "host_master", "host_grads" and "host_optimizer" what the
         host keeps."""
-        held = {**unit_bytes(self.units), "optimizer": optimizer_bytes(self.optimizer)}
+        held = {**unit_bytes(self.units), "optimizer": optimizer_bytes(self.optimizer),
+                "frozen": sum(b for key, b in unit_bytes(self.frozen).items() if key != "grads")}
         if self.offload is None:
             return held
         return {**held, "master": self.offload.device_bytes(), "optimizer": 0,

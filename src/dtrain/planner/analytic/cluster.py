@@ -368,9 +368,10 @@ def _link(inside: bool, hw: Hardware) -> tuple[float, float]:
 
 
 def _layer_forward(shape: ModelShape, c: PlannedLayout, moe: bool, hw: Hardware,
-                   soft: Software) -> tuple[float, float]:
-    """(all of one layer's forward, its attention core's) in seconds on a tp GPU of a cp
-    group for one micro-batch: a dense layer, or with `moe` a MoE layer."""
+                   soft: Software) -> tuple[float, float, float]:
+    """(all of one layer's forward, its attention core's, its weights' products') in
+    seconds on a tp GPU of a cp group for one micro-batch: a dense layer, or with `moe` a
+    MoE layer."""
     s, h, t, b, cp = shape.seq, shape.hidden, c.dims.tp, c.micro_batch, c.dims.cp
     tokens = b * s // cp
     q, kv = shape.attention_width, shape.kv_heads * shape.head_dim
@@ -394,7 +395,7 @@ def _layer_forward(shape: ModelShape, c: PlannedLayout, moe: bool, hw: Hardware,
     attention_s = attention_seconds(shape, c, hw, soft)
     elementwise = 2 * layer_activations(shape, b, t, c.sequence_parallel, "none",
                                         soft.flash_attention, moe, cp)
-    return linear_s + attention_s + elementwise / _bandwidth(hw), attention_s
+    return linear_s + attention_s + elementwise / _bandwidth(hw), attention_s, linear_s
 
 
 def _per_micro_batch(c: PlannedLayout) -> PlannedLayout:
@@ -441,19 +442,24 @@ def _stage_seconds(shape: ModelShape, c: PlannedLayout, layers: int, last: bool,
     tokens = c.micro_batch * shape.seq // cp
     share = shape.moe_layers / shape.layers
     compute = backward = cp_s = 0.0
+    # a LoRA base computes no weight gradients (its adapters' products are negligible);
+    # DPO's reference forward runs beside each forward, without backward
+    frozen = 1.0 if shape.lora else 0.0
+    reference = 1.0 if shape.dpo else 0.0
     for moe, count in ((False, layers * (1 - share)), (True, layers * share)):
         if not count:
             continue
-        forward, attention_s = _layer_forward(shape, c, moe, hw, soft)
+        forward, attention_s, linear_s = _layer_forward(shape, c, moe, hw, soft)
         again = {"full": forward, "selective": attention_s, "none": 0.0}[c.recompute]
         # flash attention's backward computes the scores q k^T again (5 products against
         # forward's 2: 2.5x its forward, not 2x)
         again += attention_s / 2 if soft.flash_attention else 0.0
-        compute += count * (3 * forward + again)
-        backward += count * (2 * forward + again)
+        back = 2 * forward - frozen * linear_s + again
+        compute += count * (forward + back + reference * forward)
+        backward += count * back
         cp_s += count * context_seconds(shape, c, attention_s, cluster)
     if last:  # the output head: logits forward and backward, and the loss
-        compute += 3 * gemm_seconds(tokens, shape.vocab / t, h, hw)
+        compute += (3 - frozen + reference) * gemm_seconds(tokens, shape.vocab / t, h, hw)
         compute += 12 * tokens * shape.vocab / t / _bandwidth(hw)
     link, latency = _link(t <= cluster.gpus_per_node, hw)
     reductions = 4 + (2 if c.recompute == "full" else 0)
@@ -597,8 +603,10 @@ def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
     # every GPU's per micro-batch, the differing ones standing for those like them
     pipeline = pipeline_seconds([total for total, (*_, count) in zip(totals, kinds, strict=True)
                                  for _ in range(count)], m, v)
-    dense, experts = max((_held(shape, layers, first, last, layout)
+    dense, experts = max((_trained(shape, layers, first, last, layout)
                           for layers, first, last, _ in kinds), key=sum)
+    weights = max((_held(shape, layers, first, last, layout)
+                   for layers, first, last, _ in kinds), key=sum)
     window = backward / v if soft.overlap_dp else 0.0  # one micro-batch's backward
     if layout.zero == 0:  # one gradient all-reduce
         exposed = max(0.0, _grad_seconds(GRAD, dense, experts, 2, c, cluster) - window)
@@ -608,8 +616,10 @@ def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
     elif layout.zero == 2:  # each micro-batch's gradients reduce-scattered, the weights gathered
         exposed = m * max(0.0, _grad_seconds(GRAD, dense, experts, 1, c, cluster) - window) + \
             _grad_seconds(WEIGHT, dense, experts, 1, c, cluster)
-    else:  # ZeRO 3 gathers the weights for forward and backward of every micro-batch
-        per_micro = _grad_seconds(GRAD + 2 * WEIGHT, dense, experts, 1, c, cluster)
+    else:  # ZeRO 3 gathers the weights (a frozen base's too) for forward and backward
+        per_micro = _grad_seconds(GRAD + 2 * WEIGHT, dense, experts, 1, c, cluster) \
+            if not shape.lora else _grad_seconds(GRAD, dense, experts, 1, c, cluster) + \
+            _grad_seconds(2 * WEIGHT, *weights, 1, c, cluster)
         exposed = m * max(0.0, per_micro - slowest)
     held = dense / _dp_cp(layout) + experts / _expert_dp(layout) if layout.zero else \
         dense + experts
@@ -642,6 +652,18 @@ def _held(shape: ModelShape, layers: int, first: bool, last: bool,
     over tp, the routed experts over ep x tp."""
     dense, experts = _stage_params(shape, layers, first, last, layout.pp)
     return dense / layout.tp, experts / (layout.tp * layout.ep)
+
+
+def _trained(shape: ModelShape, layers: int, first: bool, last: bool,
+             layout: Dims) -> tuple[float, float]:
+    """(dense, expert) parameters of `_held` that train: all of them, or with LoRA the
+    stage's adapters (split over tp with their layers; no expert is adapted)."""
+    if not shape.lora:
+        return _held(shape, layers, first, last, layout)
+    share = shape.moe_layers / shape.layers
+    adapters = layers * ((1 - share) * shape.adapter_params() +
+                         share * shape.adapter_params(moe=True))
+    return adapters / layout.tp, 0.0
 
 
 def _dp_cp(layout: Dims) -> int:
@@ -727,16 +749,18 @@ def _memory(shape: ModelShape, c: PlannedLayout, m: int, hw: Hardware,
     for chunks, rank in _stage_kinds(shape.layers, pp, layout.virtual_stages):
         last = rank == pp - 1
         dense, experts = _held(shape, sum(chunks), rank == 0, last, layout)
+        dense_t, experts_t = _trained(shape, sum(chunks), rank == 0, last, layout)
         acts = layers_in_flight(pp, rank, m, chunks) * per_layer + working + \
             (logits if last else 0.0)
         weights = WEIGHT * (dense + experts)
-        grads = GRAD * (dense + experts)
-        state = STATE * (dense + experts)
+        grads = GRAD * (dense_t + experts_t)  # what trains: gradients, optimizer state
+        state = STATE * (dense_t + experts_t)
         sharded = dense / _dp_cp(layout) + experts / _expert_dp(layout)
+        sharded_t = dense_t / _dp_cp(layout) + experts_t / _expert_dp(layout)
         if layout.zero >= 1:
-            state = STATE * sharded
+            state = STATE * sharded_t
         if layout.zero >= 2:
-            grads = GRAD * sharded
+            grads = GRAD * sharded_t
         if layout.zero == 3:
             weights = WEIGHT * sharded + 2 * WEIGHT * block
         figures = {"weights": weights, "grads": grads, "optimizer": state,

@@ -283,19 +283,25 @@ def _rank(profile: Profile, layout: Dims, rank: int, options: Options) -> _RankF
     first, last = rank == 0, rank == pp - 1
     blocks = stage_blocks(profile, pp, layout.virtual_stages)[rank] if profile.n_layer else [0]
     held = profile.params_block * sum(blocks)
+    # what trains (all but a LoRA run's frozen base): gradients and optimizer state
+    trained = profile.trained("block") * sum(blocks)
     if first:
         held += profile.params_embed
+        trained += profile.trained("embed")
     if last:
-        held += profile.params_head + (Params(0, profile.tied) if pp > 1 else Params())
-    psi = held.per_rank(tp, ep)
+        tied = Params(0, profile.tied) if pp > 1 else Params()
+        held += profile.params_head + tied
+        trained += profile.trained("head") + (tied if profile.trained("embed").total else Params())
+    psi, psi_trained = held.per_rank(tp, ep), trained.per_rank(tp, ep)
     k = STATE_BYTES[options.optimizer]
-    unit = min(PARAM_BYTES * psi, options.bucket_mb * 2**20)
+    unit = min(PARAM_BYTES * psi_trained, options.bucket_mb * 2**20)
     block_bytes = PARAM_BYTES * profile.params_block.per_rank(tp, ep)
-    params, grads, state = PARAM_BYTES * psi, PARAM_BYTES * psi, k * psi
+    block_grad_bytes = PARAM_BYTES * profile.trained("block").per_rank(tp, ep)
+    params, grads, state = PARAM_BYTES * psi, PARAM_BYTES * psi_trained, k * psi_trained
     parts = {"embed"} if first else set()
     parts |= ({"block"} if sum(blocks) else set()) | ({"head"} if last else set())
     tensors = [t for t in profile.tensors if t.part in parts and (pp > 1 or not t.tied)]
-    fresh = PARAM_BYTES * max((t.per_rank(tp, ep) for t in tensors), default=0)
+    fresh = PARAM_BYTES * max((t.per_rank(tp, ep) for t in tensors if t.trained), default=0)
     # DataParallel's buckets, ZeRO 1's unsharded gradients: always there; and the gradient
     # backward has just made, beside them until copied in (at most the largest parameter's)
     backward = grads + fresh
@@ -312,10 +318,11 @@ def _rank(profile: Profile, layout: Dims, rank: int, options: Options) -> _RankF
     if layout.zero:
         # the dense part over dp x cp; the rank's E / ep experts over the dp / ep ranks
         # holding them: every expert over dp
-        sharded = held.per_rank(tp) / n
-        state = k * sharded
-        shard = PARAM_BYTES * sharded
-        grads = grads + shard if layout.zero == 1 else shard
+        sharded, sharded_trained = held.per_rank(tp) / n, trained.per_rank(tp) / n
+        state = k * sharded_trained
+        shard = PARAM_BYTES * sharded  # stage 3 shards a frozen base too
+        grads = grads + PARAM_BYTES * sharded_trained if layout.zero == 1 \
+            else PARAM_BYTES * sharded_trained
         if layout.zero == 2:  # the unit under way: its full gradient, till reduce-scattered
             backward = unit
     if layout.zero == 3:
@@ -327,12 +334,13 @@ def _rank(profile: Profile, layout: Dims, rank: int, options: Options) -> _RankF
         # first gradient, before the prefetch. Besides them, the root unit (embedding,
         # norm), and its gradient from the head's backward on (the embedding's comes last).
         gathered = min(2, sum(blocks)) * block_bytes
-        under_way = min(1, sum(blocks)) * block_bytes
+        under_way = min(1, sum(blocks)) * block_grad_bytes
         params = shard + root + gathered
-        backward = (root if last else 0.0) + under_way
+        root_grads = root * psi_trained / psi if psi else 0.0
+        backward = (root_grads if last else 0.0) + under_way
         head = flight + figures.head_extra.per_rank(tp, sp)
         if last and head > flight + figures.tail_extra.per_rank(tp, sp) + gathered + under_way:
-            params, backward, acts = params - gathered, root, head  # the logits' gradients
+            params, backward, acts = params - gathered, root_grads, head  # the logits' gradients
     planned = layout.replace(sequence_parallel=sp, cp_method=options.cp_method)
     out = _RankFigures(planned, params, grads, state, acts, recompute=options.recompute,
                        grads_in_backward=backward)
@@ -461,7 +469,9 @@ def _attention_s(profile: Profile, layout: Dims, flops: float) -> float:
 def _compute_s(profile: Profile, layout: Dims, accum: int, flops: float,
                recompute: str = "none") -> tuple[float, float]:
     """Seconds of arithmetic per step on one rank, the pipeline's idle share included:
-    (training's, recomputation's)."""
+    (training's, recomputation's). Per parameter and token: 2 flops forward, 2 for the
+    input's gradient, 2 for the weight's where it trains (a LoRA base's does not), and
+    DPO's reference forward 2 more; attention's 6 (and 2) whatever trains."""
     devices = layout.world_size
     sequences = profile.micro_batch * layout.dp * accum * layout.microbatches
     tokens = sequences * max(profile.seq_len, 1)
@@ -481,4 +491,6 @@ def _compute_s(profile: Profile, layout: Dims, accum: int, flops: float,
         most = max(sum(b) for b in stage_blocks(profile, layout.pp, layout.virtual_stages))
         scale *= most * layout.pp / profile.n_layer  # the busiest stage sets the pace
         scale /= 1 - bubble(layout.pp, layout.microbatches, layout.virtual_stages)
-    return 6 * (matmul + attention) * scale, 2 * again * scale
+    reference = 2 if profile.reference else 0
+    flops = (4 + 2 * profile.trained_share + reference) * matmul + (6 + reference) * attention
+    return flops * scale, 2 * again * scale

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dtrain.adapters import AdapterConfig, built
 from dtrain.context_parallel.chunks import check_length
 from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
@@ -154,8 +155,9 @@ class Params:
 class ParamTensor:
     """One parameter tensor: its part ("embed", "block": one block's, "head"), elements,
     elements per row (dimension 0), whether tp divides it, whether it is the input
-    part's, shared with the output part (a tied head), and whether it stacks a MoE
-    layer's routed experts (`expert`: ep divides it along dimension 0)."""
+    part's, shared with the output part (a tied head), whether it stacks a MoE layer's
+    routed experts (`expert`: ep divides it along dimension 0), and whether it trains (a
+    LoRA run's frozen base does not: no gradient, no optimizer state)."""
 
     part: str
     numel: int
@@ -163,6 +165,7 @@ class ParamTensor:
     split: bool
     tied: bool = False
     expert: bool = False
+    trained: bool = True
 
     def per_rank(self, tp: int, ep: int = 1) -> float:
         """Elements a rank holds of this tensor at degrees `tp` and `ep`."""
@@ -198,6 +201,7 @@ class Profile:
     replicated_block: int = 0  # parameter tensors per block that tp keeps whole
     cp: int = 1
     cp_method: str = "ring"
+    reference: bool = False  # DPO: a reference forward, without gradient, per micro-batch
 
     @property
     def n_layer(self) -> int:
@@ -206,6 +210,21 @@ class Profile:
     @property
     def params(self) -> Params:
         return self.params_embed + self.params_block * self.n_layer + self.params_head
+
+    def trained(self, part: str) -> Params:
+        """The parameters of `part` ("embed", "block": one block's, "head") that train:
+        all of them but a frozen base's (LoRA)."""
+        if all(t.trained for t in self.tensors):
+            return {"embed": self.params_embed, "block": self.params_block,
+                    "head": self.params_head}[part]
+        return _params(tuple(t for t in self.tensors if t.trained), part)
+
+    @property
+    def trained_share(self) -> float:
+        """The share of the block's matrices' elements that train (1 without adapters):
+        backward computes weight gradients for them alone."""
+        block = self.params_block.total
+        return self.trained("block").total / block if block else 1.0
 
     def activations(self, recompute: str = "none") -> Activations:
         """The figures with `recompute` ("none", "selective", "full").
@@ -278,7 +297,7 @@ def _param_tensors(model: nn.Module, styles: dict) -> tuple[ParamTensor, ...]:
             expert = isinstance(model.get_submodule(owner), Experts)
             found.append(ParamTensor(part, p.numel(), p.numel() // max(p.shape[0], 1)
                                      if p.dim() else 1, split, part == "head" and id(p) in first,
-                                     expert))
+                                     expert, p.requires_grad))
     return tuple(found)
 
 
@@ -362,11 +381,16 @@ def profile_gpt(cfg: GPTConfig, micro_batch: int, modes: tuple[str, ...] = RECOM
 
 
 def profile_model(cfg: ModelConfig, micro_batch: int, modes: tuple[str, ...] = RECOMPUTE,
-                  cp: int = 1, cp_method: str = "ring") -> Profile:
+                  cp: int = 1, cp_method: str = "ring", adapter: AdapterConfig | None = None,
+                  reference: bool = False) -> Profile:
     """Trace the built-in model of a resolved `[model]` section (arch gpt or llama; 2
     blocks stand for all) on one micro-batch of full sequences, once per recomputation
     mode in `modes`; with `cp` > 1, of a context-parallel rank's `block_size / cp` tokens
-    of each, attending by `cp_method` (see the module doc).
+    of each, attending by `cp_method` (see the module doc). With `adapter`'s LoRA, the
+    base is frozen (its parameters counted without gradients or optimizer state; the
+    adapters counted whole on every tp rank, a slight overcount); `reference`: DPO's
+    reference forward runs beside each micro-batch's (its time; its activations are
+    not kept).
 
     Raises:
         ConfigError: another arch (trace it with `profile_factory`); a sequence that does
@@ -375,7 +399,6 @@ def profile_model(cfg: ModelConfig, micro_batch: int, modes: tuple[str, ...] = R
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dtrain import models
     from dtrain.tensor_parallel.parallelize import matches
     from dtrain.tensor_parallel.plan_of import plan_of
 
@@ -389,21 +412,24 @@ def profile_model(cfg: ModelConfig, micro_batch: int, modes: tuple[str, ...] = R
     traced = dataclasses.replace(cfg, n_layer=TRACED_BLOCKS,
                                  moe_layers="all" if cfg.n_experts else cfg.moe_layers)
     with FakeTensorMode():
-        model = models.build(traced)
+        model = built(traced, adapter or AdapterConfig())
         tensors = _param_tensors(model, dict(matches(model, plan_of(model))))
         figures = {mode: _trace_stages(_dense_stand_in(traced), micro_batch, mode, cp,
                                        cp_method) for mode in modes}
     kv = f", {cfg.n_kv_head} kv" if cfg.arch == "llama" and cfg.n_kv_head else ""
+    lora = f", LoRA rank {adapter.rank}" if adapter is not None and adapter.kind == "lora" \
+        else ""
     return Profile(
         name=f"{'GPT' if cfg.arch == 'gpt' else 'Llama'} {cfg.n_layer}x{cfg.n_embd} "
-             f"({cfg.n_head} heads{kv}, vocab {cfg.vocab_size})",
+             f"({cfg.n_head} heads{kv}, vocab {cfg.vocab_size}{lora})"
+             f"{', DPO' if reference else ''}",
         micro_batch=micro_batch, seq_len=cfg.block_size,
         width=cfg.block_size // cp * cfg.n_embd * 4,
         params_embed=_params(tensors, "embed"), params_block=_params(tensors, "block"),
         params_head=_params(tensors, "head"), modes=figures, tensors=tensors,
         shape=ModelShape.of(cfg), tied=sum(t.numel for t in tensors if t.tied),
         replicated_block=sum(1 for t in tensors if t.part == "block" and not t.split), cp=cp,
-        cp_method=cp_method,
+        cp_method=cp_method, reference=reference,
     )
 
 
