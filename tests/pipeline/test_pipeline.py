@@ -44,9 +44,9 @@ def float32(losses: list[float]) -> torch.Tensor:
     return torch.tensor(losses, dtype=torch.float32)
 
 
-def serial() -> tuple[list[float], dict]:
+def serial(optimizer=adamw) -> tuple[list[float], dict]:
     model = gpt()
-    opt = adamw(model.parameters())
+    opt = optimizer(model.parameters())
     losses = []
     for step in range(STEPS):
         loss = model(*tokens(step))[1]
@@ -58,14 +58,14 @@ def serial() -> tuple[list[float], dict]:
 
 
 def train_pipeline(base: GPT, pp: int, schedule: str, chunks: int, microbatches: int,
-                   wrap=None, group=None, batch: slice = slice(None)) -> dict:
+                   wrap=None, group=None, batch: slice = slice(None), optimizer=adamw) -> dict:
     model = copy.deepcopy(base)
     mine = pipeline.pieces_for(pipeline.cut(model, pp * chunks), group)
     modules = [wrap(piece) for piece in mine] if wrap else mine
     pipe = pipeline.Pipeline(modules, group, microbatches=microbatches, schedule=schedule,
                              loss_fn=pipeline.lm_loss,
                              tied=pipeline.tied_weights(model, mine, group))
-    opt = adamw(nn.ModuleList(mine).parameters())
+    opt = optimizer(nn.ModuleList(mine).parameters())
     losses = []
     for step in range(STEPS):
         x, y = tokens(step)

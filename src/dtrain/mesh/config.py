@@ -33,7 +33,9 @@ class ParallelConfig:
     microbatches: int = positive(4)
     """With pp > 1: micro-batches each data-parallel rank's batch is cut into."""
     schedule: Schedule = "1f1b"
-    """With pp > 1: gpipe, 1f1b, or interleaved (needs virtual_stages >= 2)."""
+    """With pp > 1: gpipe, 1f1b, interleaved (needs virtual_stages >= 2), or zb1p (ZB-H1:
+    each backward split in the input's gradient and the weights', which fill 1F1B's
+    bubble)."""
     virtual_stages: int = positive(1)
     """Model chunks per pipeline rank (the interleaved schedule's v)."""
     zero: Literal[0, 1, 2, 3] = 0

@@ -42,6 +42,7 @@ from dtrain.pipeline import schedules
 from dtrain.pipeline.p2p import Channels
 from dtrain.pipeline.pieces import ExtraLoss
 from dtrain.pipeline.schedules import Action
+from dtrain.pipeline.split_backward import WeightGrads
 from dtrain.timeline import span
 
 _Piece = TypeVar("_Piece", bound=nn.Module)  # a pipeline piece, of whatever module class
@@ -81,7 +82,8 @@ class Pipeline:
             virtual stage `c * pp + rank` (see `pieces_for`).
         group: the pipeline group (`mesh.group("pp")`), stages in rank order.
         microbatches: micro-batches per step; the batch must divide into them.
-        schedule: "gpipe", "1f1b" or "interleaved".
+        schedule: "gpipe", "1f1b", "interleaved" or "zb1p" (each backward split in B and
+            W, dtrain.pipeline.split_backward).
         loss_fn: `loss_fn(output, target)` on the last stage, a mean over the micro-batch.
         tied: parameters shared with another stage (say input embedding and output head):
             (this rank's parameter, the other stage's rank in `group`). Their gradients are
@@ -126,9 +128,16 @@ class Pipeline:
         self._channels = Channels(self.group, self.device)
         last_backward = {}
         for i, action in enumerate(self.actions):
-            if action.kind == "B":
+            if action.kind in ("B", "W"):
                 last_backward[action.chunk] = i
-        self._last_backward = last_backward
+        self._last_backward = last_backward  # each chunk's last action making gradients
+        # zero-bubble schedules: each backward in B (the input's gradient) and W (the
+        # weights'), the weights' products split (dtrain.pipeline.split_backward)
+        self.keepers = [WeightGrads.install(p) for p in self.pieces] \
+            if schedule in schedules.SPLIT else []
+        if any(not keeper.installed for keeper in self.keepers):
+            raise ConfigError(f"schedule {schedule!r} splits each backward at the linear layers' "
+                              "products, and a piece of this rank has none: use '1f1b'")
 
     # ------------------------------------------------------------------ placement
     def _stage(self, chunk: int) -> int:
@@ -225,9 +234,12 @@ class Pipeline:
                     if backward:
                         saved[(action.micro, action.chunk)] = (inp, out, extra)
                         self.peak_live = max(self.peak_live, len(saved))
-                else:
+                elif action.kind == "B":
                     inp, out, extra = saved.pop((action.micro, action.chunk))
                     self._backward(action, inp, out, extra, index)
+                else:
+                    with self._quiet(action.chunk, index):
+                        self.keepers[action.chunk].run(action.micro)
             if self.timeline:
                 began = start + self._channels.waited - waited
                 self.events.append((action.kind, action.micro, action.chunk,
@@ -264,15 +276,22 @@ class Pipeline:
         extra = self.extra_loss(chunk) if self.extra_loss is not None else None
         return None if extra is None else extra / self.microbatches
 
+    def _quiet(self, chunk: int, index: int) -> contextlib.AbstractContextManager[None]:
+        """The piece's `no_sync` for every action making gradients but its last of the
+        step (its gradients are reduced then), and for all of a piece that reduces after
+        the schedule; else nothing."""
+        piece = self.pieces[chunk]
+        deferred = self._defer and (holds_shards(piece) or averages_apart(piece))
+        if hasattr(piece, "no_sync") and (deferred or index != self._last_backward[chunk]):
+            return piece.no_sync()
+        return contextlib.nullcontext()
+
     def _backward(self, action: Action, inp: torch.Tensor, out: torch.Tensor,
                   extra: torch.Tensor | None, index: int) -> None:
         chunk = action.chunk
-        piece = self.pieces[chunk]
-        deferred = self._defer and (holds_shards(piece) or averages_apart(piece))
-        quiet = (piece.no_sync() if hasattr(piece, "no_sync") and
-                 (deferred or index != self._last_backward[chunk])
-                 else contextlib.nullcontext())
-        with quiet:
+        split = self.keepers[chunk].deferring(action.micro) if self.keepers \
+            else contextlib.nullcontext()
+        with self._quiet(chunk, index), split:
             if self._is_last(chunk):
                 (out if extra is None else out + extra).backward()
             else:

@@ -13,13 +13,28 @@ dependencies runs. With p stages, m micro-batches and v chunks per rank the idle
 - "interleaved" (Megatron-LM, Narayanan et al., 2021): 1F1B over v chunks per rank,
   micro-batches in groups of p; the bubble shrinks v times at v times the messages. Needs
   m to be a multiple of p.
+- "zb1p" (ZB-H1, Qi et al., 2023, "Zero Bubble Pipeline Parallelism"): each backward
+  split in B, the input's gradient the stage before waits for, and W, the weights'
+  gradients nobody waits for (dtrain.pipeline.split_backward); a stage sends the
+  input's gradient as soon as B is done and runs W where 1F1B would wait. No rank holds
+  more micro-batches than 1F1B's first stage, p (a micro-batch lives from its F to its
+  W); with F, B and W of equal time the bubble is (p-1)(F+B-W), a third of 1F1B's.
+
+ZB-H1 in its steady state runs, on stage i, F of micro-batch x, B of x - (p-1-i) and W
+of x - (p-1) in turn (`zb_h1`): B as late on each stage as 1F1B's, W p-1 micro-batches
+behind F everywhere, so that no stage holds more than p. Every schedule's lists can be
+checked (`check_actions`): each micro-batch has one
+F and one B (and one W where W is split off) per chunk, and executed in order with
+blocking receives, no rank waits for a message that never comes.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dtrain.errors import ConfigError
+from dtrain.errors import ConfigError, DtrainError
 from dtrain.mesh import dims
 from dtrain.mesh.config import ParallelConfig
 from dtrain.models.config import ModelConfig
@@ -29,7 +44,8 @@ SCHEDULES = dims.SCHEDULES  # the mesh's vocabulary: Dims.schedule is one of the
 
 @dataclass(frozen=True)
 class Action:
-    """Run the forward ("F") or backward ("B") of micro-batch `micro` on chunk `chunk`."""
+    """Run the forward ("F"), backward ("B": under a zero-bubble schedule the input's
+    gradient alone) or weights' gradients ("W") of micro-batch `micro` on chunk `chunk`."""
 
     kind: str
     micro: int
@@ -118,7 +134,88 @@ def build(name: str, pp: int, rank: int, microbatches: int, chunks: int = 1) -> 
         return gpipe(pp, rank, microbatches)
     if name == "1f1b":
         return one_f_one_b(pp, rank, microbatches)
+    if name == "zb1p":
+        return list(_zero_bubble(pp, microbatches)[rank])
     return interleaved(pp, rank, microbatches, chunks)
+
+
+SPLIT = ("zb1p",)
+"""The schedules that split each backward into B and W."""
+
+
+def zb_h1(pp: int, rank: int, microbatches: int) -> list[Action]:
+    """Rank `rank`'s actions under ZB-H1 (see the module doc): in its step x, stage i
+    runs F of micro-batch x, B of x - (p-1-i) and W of x - (p-1), those that exist."""
+    actions = []
+    for x in range(microbatches + pp - 1):
+        for kind, micro in (("F", x), ("B", x - (pp - 1 - rank)), ("W", x - (pp - 1))):
+            if 0 <= micro < microbatches:
+                actions.append(Action(kind, micro))
+    return actions
+
+
+@functools.cache
+def _zero_bubble(pp: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    lists = tuple(tuple(zb_h1(pp, rank, microbatches)) for rank in range(pp))
+    check_actions(lists, pp, microbatches, 1)
+    return lists
+
+
+def check_actions(lists: Sequence[Sequence[Action]], pp: int, microbatches: int,
+                  chunks: int) -> None:
+    """Whether every rank's `lists[rank]` can run (see the module doc): one F and one B
+    (and one W where any is split off) per micro-batch and chunk, and executed in order
+    with blocking receives, every rank reaches its end. Chunk c of rank r is virtual
+    stage c * pp + r.
+
+    Raises:
+        DtrainError: a missing or repeated action, or a rank that would wait forever,
+            named with what it waits for.
+    """
+    split = any(a.kind == "W" for actions in lists for a in actions)
+    kinds = ("F", "B", "W") if split else ("F", "B")
+    for rank, actions in enumerate(lists):
+        want = sorted((k, j, c) for k in kinds for j in range(microbatches)
+                      for c in range(chunks))
+        have = sorted((a.kind, a.micro, a.chunk) for a in actions)
+        if have != want:
+            raise DtrainError(f"pipeline schedule: rank {rank}'s actions are not one "
+                              f"{'/'.join(kinds)} per micro-batch and chunk")
+    stages = pp * chunks
+    done: set[tuple[str, int, int]] = set()  # (kind, micro, stage)
+    at = [0] * pp
+    while any(at[r] < len(lists[r]) for r in range(pp)):
+        moved = False
+        for rank in range(pp):
+            while at[rank] < len(lists[rank]):
+                a = lists[rank][at[rank]]
+                stage = a.chunk * pp + rank
+                needs = {"F": ("F", a.micro, stage - 1) if stage > 0 else None,
+                         "B": ("B", a.micro, stage + 1) if stage < stages - 1
+                         else ("F", a.micro, stage),
+                         "W": ("B", a.micro, stage)}[a.kind]
+                if a.kind == "B" and ("F", a.micro, stage) not in done:
+                    needs = ("F", a.micro, stage)
+                if needs is not None and needs not in done:
+                    break
+                done.add((a.kind, a.micro, stage))
+                at[rank] += 1
+                moved = True
+        if not moved:
+            stuck = [f"rank {r} at {lists[r][at[r]]}" for r in range(pp) if at[r] < len(lists[r])]
+            raise DtrainError(f"pipeline schedule: no rank can go on ({', '.join(stuck)}): "
+                              "each waits for a message that never comes")
+
+
+def peak_live(actions: Sequence[Action]) -> int:
+    """The most micro-batches whose activations a rank holds at once under `actions`:
+    from a micro-batch's F to its W (its B where backward is not split)."""
+    split = any(a.kind == "W" for a in actions)
+    live = peak = 0
+    for a in actions:
+        live += 1 if a.kind == "F" else -1 if a.kind == ("W" if split else "B") else 0
+        peak = max(peak, live)
+    return peak
 
 
 def forward_only(pp: int, microbatches: int, chunks: int = 1) -> list[Action]:

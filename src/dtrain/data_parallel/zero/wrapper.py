@@ -306,6 +306,8 @@ class ZeRO(nn.Module):
 
     def _grad_hook(self, unit: Unit, offset: int):
         def hook(param: torch.Tensor) -> None:
+            if param.grad is None:  # no gradient this time (a split backward's B: its W
+                return  # brings it, dtrain.pipeline.split_backward)
             if not self._finalize_queued:
                 self._finalize_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
