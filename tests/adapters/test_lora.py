@@ -172,3 +172,29 @@ def test_adapters_train_alone_in_every_layout_as_in_one_process(tmp_path: Path) 
                                        msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
             if key not in adapted:  # the base: unchanged, bit for bit
                 assert torch.equal(got[name]["weights"][key], initial[key]), (name, key)
+
+
+@pytest.mark.timeout(240)
+def test_a_bfloat16_base_trains_as_in_one_process_in_half_the_bytes(tmp_path: Path) -> None:
+    """`[adapter] base_dtype = "bfloat16"`: the frozen base held in bfloat16 (its products
+    under autocast), the adapters in float32; ZeRO-3 and a pipeline equal one process, and
+    the run stays near the float32 base's."""
+    (tmp_path / "config.json").write_text(json.dumps({**HF_LLAMA, "vocab_size": 256}))
+
+    def config(name: str, parallel: dict, dtype: str = "bfloat16") -> dict:
+        values = _config(tmp_path, name, parallel, DTRAIN_LLAMA)
+        return {**values, "adapter": {**values["adapter"], "base_dtype": dtype}}
+
+    alone = run_ranks(_train, 1, [("bf16", config("one", {"nproc": 1})),
+                                  ("fp32", config("fp32", {"nproc": 1}, "float32"))],
+                      timeout=120)[0]
+    got = run_ranks(_train, 2, [("ZeRO-3", config("zero3", {"nproc": 2, "zero": 3})),
+                                ("pp", config("pp", {"nproc": 2, "pp": 2, "microbatches": 2}))],
+                    timeout=200)[0]
+    want = alone["bf16"]
+    base = [k for k in want["weights"] if ".lora_" not in k]
+    assert base and all(want["weights"][k].dtype == torch.bfloat16 for k in base)
+    for name in got:
+        torch.testing.assert_close(got[name]["loss"], want["loss"], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(want["loss"], alone["fp32"]["loss"], rtol=1e-2, atol=1e-2)

@@ -50,6 +50,15 @@ def test_traced_plan_holds_gradients_and_state_for_the_adapters_alone() -> None:
         assert b.grads < a.grads / 4
         if zero == 3:  # the frozen base sharded as the rest (the adapters beside it)
             assert a.params <= b.params <= a.params + 8 * adapters
+    half = profile_model(cfg, 2, ("none",), adapter=dataclasses.replace(
+        LORA, base_dtype="bfloat16"))
+    base = sum(p.numel() for p in built(cfg, LORA).parameters() if not p.requires_grad)
+    for zero in (0, 2, 3):  # a bfloat16 base: 2 bytes a parameter less (ZeRO-3: sharded)
+        a, b = (estimate(p, Dims(2, zero=zero), 1e12, 1e12, free) for p in (lora, half))
+        if zero < 3:
+            assert a.params - b.params == pytest.approx(2 * base)
+        else:  # which peak is the rank's (a block's or the logits') may change with it
+            assert b.params < a.params
     plain, adapted, preferred = (estimate(p, Dims(2), 1e12, 1e12, free)
                                  for p in (full, lora, dpo))
     # per element: 6 flops a step trained whole, 4 with a frozen base, 6 with DPO's forward
@@ -70,3 +79,40 @@ def test_cluster_plan_of_a_lora_run() -> None:
     dpo = evaluate(dataclasses.replace(lora, dpo=True), cluster, 8, layout)
     assert dpo.parts["compute"] > adapted.parts["compute"]
     assert parse_shape("layers=2,hidden=64,heads=4,seq=8,vocab=10,lora=4,dpo=true").dpo
+
+
+def _fine_tune(cfg: ModelConfig, adapter: AdapterConfig, cap: int) -> int:
+    """Build and train 2 AdamW steps of 4 sequences under a cap on live tensor bytes;
+    the peak (MemoryError past the cap)."""
+    import torch
+
+    from dtrain.planner import LiveBytes
+
+    with LiveBytes(limit=cap) as live:
+        torch.manual_seed(0)
+        model = built(cfg, adapter)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x, y = (torch.randint(0, 256, (4, cfg.block_size), generator=g) for _ in range(2))
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+    return live.peak
+
+
+def test_a_lora_run_planned_to_fit_where_full_fine_tuning_does_not_then_runs() -> None:
+    """The traced plan of one process: full fine-tuning over a cap, LoRA under it; then
+    both run under that cap on live tensor bytes: full fine-tuning runs out, LoRA trains."""
+    from dtrain.planner import Dims, Links, estimate
+    from dtrain.planner.traced.profile import profile_model
+
+    cfg = resolve(dataclasses.replace(LLAMA, n_layer=4, n_embd=128, block_size=64), 256)
+    free = Links.given(1e9, 0)
+    full, lora = (estimate(profile_model(cfg, 4, ("none",), adapter=a), Dims(1), 1e12, 1e12,
+                           free) for a in (None, LORA))
+    cap = int((full.total + lora.total) / 2)
+    assert lora.total < cap < full.total
+    with pytest.raises(MemoryError):
+        _fine_tune(cfg, AdapterConfig(), cap)
+    assert _fine_tune(cfg, LORA, cap) <= cap

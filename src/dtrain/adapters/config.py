@@ -32,6 +32,11 @@ class AdapterConfig:
     (normal with std 1/rank, PEFT's init_lora_weights = "gaussian"); B starts at zero, so
     an adapted model starts as its base."""
 
+    base_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The frozen base's dtype: bfloat16 holds it in half the memory and computes the
+    model's products in bfloat16 (torch.autocast); the adapters, their gradients and
+    optimizer state stay float32."""
+
     def check(self) -> None:
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"adapter.dropout = {self.dropout} must be in [0, 1)")

@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -134,11 +135,26 @@ class LoRALinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if not self.active:
             return out
-        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return out + adapted(self, x)
 
     def delta(self) -> torch.Tensor:
         """B A * scaling: what merging adds to the weight."""
         return self.lora_B.weight @ self.lora_A.weight * self.scaling
+
+
+class Adapted(Protocol):
+    """A layer with a LoRA adapter beside it (LoRALinear, and the tensor-parallel ones of
+    dtrain.tensor_parallel.adapted)."""
+
+    lora_A: LoRAFactor
+    lora_B: LoRAFactor
+    lora_dropout: nn.Module
+    scaling: float
+
+
+def adapted(layer: Adapted, x: torch.Tensor) -> torch.Tensor:
+    """B A dropout(x) * alpha / rank: what the adapter adds to its layer's output."""
+    return layer.lora_B(layer.lora_A(layer.lora_dropout(x))) * layer.scaling
 
 
 def _regex(pattern: str) -> re.Pattern[str]:
@@ -213,4 +229,59 @@ def built(shape: ModelConfig, cfg: AdapterConfig) -> nn.Module:
     model = models.build(shape)
     if cfg.kind == "lora":
         apply(model, cfg, shape.arch)
+        if cfg.base_dtype != "float32":
+            hold_base_in(model, getattr(torch, cfg.base_dtype))
     return model
+
+
+def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast `model`'s frozen floating-point parameters to `dtype`, in place (on the meta
+    device too, before a layout allocates them): all but the adapters and a MoE router's
+    balancing bias, which moves by its own rule in small steps; and compute the model's
+    forward in it (`compute_in`)."""
+    from dtrain.models.moe import Router
+
+    moving = {id(m.expert_bias) for m in model.modules() if isinstance(m, Router)}
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and id(p) not in moving:
+            p.data = p.data.to(dtype)
+    compute_in(model, dtype)
+
+
+class _Autocast:
+    """Forward hooks that run a module's forward under torch.autocast in `dtype`."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.entered: list[torch.autocast] = []
+
+    def before(self, module: nn.Module, args: tuple) -> None:
+        first = next(module.parameters(), None)
+        kind = first.device.type if first is not None and first.device.type != "meta" else "cpu"
+        context = torch.autocast(kind, dtype=self.dtype)
+        context.__enter__()
+        self.entered.append(context)
+
+    def after(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.entered.pop().__exit__(None, None, None)
+
+
+def computed_in(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dtype: torch.dtype
+                ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`fn(output, target)` (a pipeline's loss) under torch.autocast in `dtype`, as the
+    whole model computes its loss inside its forward (`compute_in`)."""
+    def under(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(output.device.type, dtype=dtype):
+            return fn(output, target)
+
+    return under
+
+
+def compute_in(module: nn.Module, dtype: torch.dtype) -> None:
+    """Run `module`'s forward (a model, or a pipeline piece of one) under torch.autocast
+    in `dtype`: the products of a base held in it with float32 activations and adapters,
+    the adapters' gradients in float32 (autograd casts them back), norms and the loss in
+    float32 (autocast's own rule)."""
+    hooks = _Autocast(dtype)
+    module.register_forward_pre_hook(hooks.before)
+    module.register_forward_hook(hooks.after, always_call=True)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dtrain import pipeline
+from dtrain.adapters.lora import compute_in, computed_in
 from dtrain.config import Config
 from dtrain.data.sequences import IGNORE, Batch
 from dtrain.data_parallel import DataParallel
@@ -38,6 +39,12 @@ class Pipelined(Holding):
         mine = pipeline.pieces_for(pipeline.cut(model, dims.pp * dims.virtual_stages),
                                    group)
         device = mesh.world.device  # a model built in split form: only my pieces get memory
+        base = config.adapter.base_dtype if config.adapter.kind == "lora" else "float32"
+        loss_fn = pipeline.loss_of(model)
+        if base != "float32":  # the stages and the loss compute as the whole model would
+            for piece in mine:
+                compute_in(piece, getattr(torch, base))
+            loss_fn = computed_in(loss_fn, getattr(torch, base))
         if not dims.zero:
             for piece in mine:
                 init.allocate(piece, device)
@@ -63,7 +70,7 @@ class Pipelined(Holding):
                                extras=[CompressionState(self.module)])
         self.pipe = pipeline.Pipeline(wrapped, group, microbatches=dims.microbatches,
                                       schedule=dims.schedule,
-                                      loss_fn=pipeline.loss_of(model), tied=tied,
+                                      loss_fn=loss_fn, tied=tied,
                                       extra_loss=pipeline.extra_loss_of(model, mine))
         self.groups = {"dp": dp, "tp": mesh.group("tp"), "pp": group,
                        **({"ep": mesh.group("ep")} if experts else {})}

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from dtrain import comm
-from dtrain.adapters.lora import LoRAFactor, LoRALinear
+from dtrain.adapters.lora import LoRAFactor, LoRALinear, adapted
 from dtrain.split import Split
 from dtrain.tensor_parallel.functions import reduce_from_group, reduce_scatter_sequence
 from dtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -56,7 +56,7 @@ class ColumnParallelLoRA(ColumnParallelLinear, _Adapter):
     def added(self, whole: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if not self.active:
             return y
-        return y + self.lora_B(self.lora_A(self.lora_dropout(whole))) * self.scaling
+        return y + adapted(self, whole)
 
 
 class RowParallelLoRA(RowParallelLinear, _Adapter):

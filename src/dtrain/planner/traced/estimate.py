@@ -295,9 +295,16 @@ def _rank(profile: Profile, layout: Dims, rank: int, options: Options) -> _RankF
     psi, psi_trained = held.per_rank(tp, ep), trained.per_rank(tp, ep)
     k = STATE_BYTES[options.optimizer]
     unit = min(PARAM_BYTES * psi_trained, options.bucket_mb * 2**20)
-    block_bytes = PARAM_BYTES * profile.params_block.per_rank(tp, ep)
+    base = profile.base_bytes  # a frozen base's bytes per parameter (bf16 with LoRA: 2)
+
+    def weights(every: float, trained_ones: float) -> float:
+        return PARAM_BYTES * trained_ones + base * (every - trained_ones)
+
+    block_bytes = weights(profile.params_block.per_rank(tp, ep),
+                          profile.trained("block").per_rank(tp, ep))
     block_grad_bytes = PARAM_BYTES * profile.trained("block").per_rank(tp, ep)
-    params, grads, state = PARAM_BYTES * psi, PARAM_BYTES * psi_trained, k * psi_trained
+    params, grads, state = weights(psi, psi_trained), PARAM_BYTES * psi_trained, \
+        k * psi_trained
     parts = {"embed"} if first else set()
     parts |= ({"block"} if sum(blocks) else set()) | ({"head"} if last else set())
     tensors = [t for t in profile.tensors if t.part in parts and (pp > 1 or not t.tied)]
@@ -309,7 +316,7 @@ def _rank(profile: Profile, layout: Dims, rank: int, options: Options) -> _RankF
         backward = grads  # no buckets: autograd's own gradients, at most all of them
     elif not layout.zero and (pp > 1 or options.accum > 1):
         backward += grads  # and the gradients micro-batches accumulate before the buckets
-    root = PARAM_BYTES * psi - sum(blocks) * block_bytes  # the input and output parts
+    root = params - sum(blocks) * block_bytes  # the input and output parts
     figures = profile.activations(options.recompute)
     micro = _per_micro(profile, figures, first, last, blocks)
     flight = in_flight(layout, rank, [m.per_rank(tp, sp) for m in micro])
@@ -320,7 +327,7 @@ def _rank(profile: Profile, layout: Dims, rank: int, options: Options) -> _RankF
         # holding them: every expert over dp
         sharded, sharded_trained = held.per_rank(tp) / n, trained.per_rank(tp) / n
         state = k * sharded_trained
-        shard = PARAM_BYTES * sharded  # stage 3 shards a frozen base too
+        shard = weights(sharded, sharded_trained)  # stage 3 shards a frozen base too
         grads = grads + PARAM_BYTES * sharded_trained if layout.zero == 1 \
             else PARAM_BYTES * sharded_trained
         if layout.zero == 2:  # the unit under way: its full gradient, till reduce-scattered

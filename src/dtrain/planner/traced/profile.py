@@ -202,6 +202,7 @@ class Profile:
     cp: int = 1
     cp_method: str = "ring"
     reference: bool = False  # DPO: a reference forward, without gradient, per micro-batch
+    base_bytes: int = 4  # bytes of a frozen parameter (LoRA's base_dtype = "bfloat16": 2)
 
     @property
     def n_layer(self) -> int:
@@ -430,6 +431,8 @@ def profile_model(cfg: ModelConfig, micro_batch: int, modes: tuple[str, ...] = R
         shape=ModelShape.of(cfg), tied=sum(t.numel for t in tensors if t.tied),
         replicated_block=sum(1 for t in tensors if t.part == "block" and not t.split), cp=cp,
         cp_method=cp_method, reference=reference,
+        base_bytes=2 if adapter is not None and adapter.kind == "lora"
+        and adapter.base_dtype == "bfloat16" else 4,
     )
 
 
