@@ -140,7 +140,9 @@ def _sgd(params) -> torch.optim.Optimizer:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("pp, microbatches", [(2, 4), (2, 8), (4, 4), (4, 8)])
+@pytest.mark.parametrize("pp, microbatches", [
+    (2, 4), pytest.param(2, 8, marks=pytest.mark.slow), pytest.param(4, 4, marks=pytest.mark.slow),
+    (4, 8)])
 def test_zb1p_equals_one_process(pp: int, microbatches: int) -> None:
     """dtrain's GPT (tied embedding and head on the first and last ranks): every loss and
     every final weight."""
