@@ -4,11 +4,12 @@ torch.distributed.pipelining.
     dtrain run -n 2 benchmarks/pipeline_bubbles.py --write
 
 From one run on 2 ranks (one stage each; pp = 2, the cores this machine has):
-1. bubble fraction per schedule (GPipe, 1F1B, interleaved with v = 2) and micro-batch
+1. bubble fraction per schedule (GPipe, 1F1B, interleaved with v = 2, ZB-H1) and micro-batch
    count m in {2, 4, 8, 16}: each stage's idle time (the step's time minus its compute,
    waiting for messages included as idle) over the step's time, from the Pipeline's own
    per-action timeline; median of steps, mean of stages; against (p-1)/(m+p-1), and
-   (p-1)/(v·m+p-1) interleaved. Each micro-batch has the same size, so steps grow with m;
+   (p-1)/(v·m+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1. Each micro-batch has the same
+   size, so steps grow with m;
 2. benchmarks/pipeline_timeline.png: one 1F1B and one interleaved step, forward and
    backward blocks per stage, like the figures of the GPipe and Megatron-LM papers;
 3. step time of dtrain's GPipe and 1F1B against torch.distributed.pipelining's
@@ -96,7 +97,7 @@ def bubble(pipe: pipeline.Pipeline) -> float:
 
 def measure_bubbles(args) -> list[tuple[str, int, float, float]]:
     rows = []
-    for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+    for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1)):
         for m in (2, 4, 8, 16):
             pipe, step = ours(schedule, m, chunks, timeline=True)
             step()
@@ -107,7 +108,7 @@ def measure_bubbles(args) -> list[tuple[str, int, float, float]]:
                 values.append(bubble(pipe))
             mine = torch.tensor([statistics.median(values)], dtype=torch.float64)
             mean = comm.all_reduce(mine, op="avg").item()
-            theory = planned_bubble(2, m, chunks)  # (p-1)/(v m + p - 1) with p = 2
+            theory = planned_bubble(2, m, chunks, schedule)  # (p-1)/(v m + p - 1), p = 2
             rows.append((schedule if chunks == 1 else f"{schedule} (v={chunks})", m, mean,
                          theory))
     return rows
@@ -208,8 +209,9 @@ def section(rows, medians, args) -> list[str]:
                      f"{(measured - theory) * 100:+.1f} |")
     lines += [
         "",
-        "Theory: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved. Timeline of "
-        "one step: `benchmarks/pipeline_timeline.png`.",
+        "Theory: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved, "
+        "(p-1)/(3m+p-1) for ZB-H1 (`zb1p`: B and W each taken as long as a forward). "
+        "Timeline of one step: `benchmarks/pipeline_timeline.png`.",
         "",
         f"Step time, same GPT pieces (one per rank), {args.m} micro-batches, median of "
         f"{args.rounds} rounds of {args.steps} steps, slowest rank:",

@@ -227,3 +227,21 @@ def test_dtrain_train_with_zb1p_equals_one_process(tmp_path, layout: dict) -> No
     got = run_ranks(_trainer_runs, nproc, [("zb", config("zb", {
         "nproc": nproc, "schedule": "zb1p", **layout}))], timeout=200)
     torch.testing.assert_close(got[0]["zb"], one[0]["one"], rtol=1e-5, atol=1e-6)
+
+
+def test_the_planner_knows_zb1ps_bubble_and_memory() -> None:
+    """The traced planner: ZB-H1's bubble (p-1)/(3m+p-1), a third of 1F1B's idle time;
+    its live activations: p micro-batches on every stage (1F1B's first stage's), so the
+    last stage, with its logits, can peak above 1F1B's busiest."""
+    from dtrain.planner import Dims, Links, estimate
+    from dtrain.planner.costs import bubble
+    from dtrain.planner.traced.profile import profile_model
+
+    assert bubble(4, 8, schedule="zb1p") == pytest.approx(3 / 27)
+    assert bubble(4, 8) == pytest.approx(3 / 11)
+    profile = profile_model(resolve(BLOCKS["llama"], 256), 1, ("none",))
+    free = Links.given(1e9, 0)
+    one, zb = (estimate(profile, Dims(1, pp=2, microbatches=4, schedule=s), 1e12, 1e12, free)
+               for s in ("1f1b", "zb1p"))
+    assert zb.bubble < one.bubble and zb.compute_s < one.compute_s
+    assert one.activations <= zb.activations < 2 * one.activations

@@ -69,6 +69,10 @@ _INFER_TAG = 1
 """Activations of `Pipeline.infer` (each message with its header), apart from the step's."""
 
 
+SPANS = {"F": "forward", "B": "backward", "W": "weights"}
+"""The timeline's name of each action (a zero-bubble schedule's W: "weights")."""
+
+
 def _tag(kind: str, chunk: int) -> int:
     """Activations into chunk c travel on tag 2 + 2c, gradients on 3 + 2c."""
     return 2 + 2 * chunk + (kind == "grad")
@@ -223,7 +227,7 @@ class Pipeline:
         origin = time.perf_counter()
         for index, action in enumerate(actions):
             start, waited = time.perf_counter(), self._channels.waited
-            kind = "forward" if action.kind == "F" else "backward"
+            kind = SPANS[action.kind]
             with span(kind, kind, micro=action.micro, chunk=action.chunk):
                 if action.kind == "F":
                     out, inp = self._forward(action, micro_in, micro_tg, backward)

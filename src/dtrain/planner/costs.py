@@ -22,10 +22,15 @@ PARAM_BYTES = 4
 """Bytes of one fp32 parameter (or gradient): what dtrain's strategies hold and send."""
 
 
-def bubble(pp: int, microbatches: int, chunks: int = 1) -> float:
+def bubble(pp: int, microbatches: int, chunks: int = 1, schedule: str = "1f1b") -> float:
     """Idle share of a pipeline step of equal stages: (p-1)/(v·m+p-1); 0 without a
-    pipeline."""
-    return (pp - 1) / (chunks * microbatches + pp - 1) if pp > 1 else 0.0
+    pipeline. ZB-H1 ("zb1p": backward split in B and W, each as long as a forward) idles
+    (p-1)(F+B-W) of m(F+B+W): (p-1)/(3m+p-1) (Qi et al., 2023)."""
+    if pp == 1:
+        return 0.0
+    if schedule == "zb1p":
+        return (pp - 1) / (3 * microbatches + pp - 1)
+    return (pp - 1) / (chunks * microbatches + pp - 1)
 
 
 def pipeline_seconds(stages: list[float], microbatches: int, chunks: int = 1) -> float:

@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency", type=float, default=None, metavar="US",
                         help="seconds per collective call, in microseconds (with --bandwidth)")
     parser.add_argument("--schedules", default="1f1b", metavar="LIST",
-                        help="pipeline schedules to consider: gpipe,1f1b (default 1f1b)")
+                        help="pipeline schedules to consider: gpipe, 1f1b, zb1p, comma-separated "
+                             "(default 1f1b)")
     parser.add_argument("--recompute", default="auto",
                         choices=("auto", "none", "selective", "full"),
                         help="activation recomputation to plan with (default auto: the "
@@ -147,7 +148,7 @@ def plan_command(args: argparse.Namespace) -> None:
         raise ConfigError(f"--latency {args.latency:g} must be 0 or more")
     schedules = tuple(s for s in args.schedules.split(",") if s)
     if not schedules:
-        raise ConfigError("--schedules is empty: give gpipe, 1f1b or both (gpipe,1f1b)")
+        raise ConfigError("--schedules is empty: give gpipe, 1f1b or zb1p (several: 1f1b,zb1p)")
     check_output("--json", args.json)
     memory, memory_from = ((parse_size(args.memory, "--memory"), "given") if args.memory
                            else machine.device_memory(devices))

@@ -91,7 +91,11 @@ class MetricsLog:
         self.file = None
         if path and enabled:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a" if resumed else "w", encoding="utf-8")  # see close()
+            if not resumed:
+                Path(path).write_text("", encoding="utf-8")  # a new run starts it anew
+            # appended, each record at the file's end whoever else wrote since (a live
+            # replica taking over as the writer): never at an offset of its own
+            self.file = open(path, "a", encoding="utf-8")  # see close()
 
     def has(self, step: int) -> bool:
         """Whether the file's last records (its last 64 KiB, whoever appended them) hold

@@ -115,7 +115,7 @@ class Preference:
         good = self.beta * (chosen - ref[0::2])
         bad = self.beta * (rejected - ref[1::2])
         sums = torch.stack([good.sum(), bad.sum(), (good - bad).sum(), (good > bad).sum(),
-                            chosen.sum(), rejected.sum(), torch.tensor(float(len(good)))])
+                            chosen.sum(), rejected.sum(), good.new_tensor(len(good))])
         before = self.totals.get(training)
         self.totals[training] = sums if before is None else before + sums
 

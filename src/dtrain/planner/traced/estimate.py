@@ -187,9 +187,12 @@ def in_flight(layout: Dims, rank: int, per_chunk: list[float]) -> float:
     if layout.pp == 1:
         return per_chunk[0]
     live, most = 0.0, 0.0
-    v = layout.virtual_stages
-    for action in build(layout.schedule, layout.pp, rank, layout.microbatches, v):
-        live += per_chunk[action.chunk] if action.kind == "F" else -per_chunk[action.chunk]
+    actions = build(layout.schedule, layout.pp, rank, layout.microbatches,
+                    layout.virtual_stages)
+    ends = "W" if any(a.kind == "W" for a in actions) else "B"  # what frees them (kept
+    for action in actions:  # for W: each product's input, most of a block's activations)
+        live += per_chunk[action.chunk] if action.kind == "F" else \
+            -per_chunk[action.chunk] if action.kind == ends else 0.0
         most = max(most, live)
     return most
 
@@ -228,7 +231,8 @@ def estimate(profile: Profile, layout: Dims, memory: float, flops: float, links:
     ranks = [_rank(profile, layout, r, options) for r in range(layout.pp)]
     worst = max(ranks, key=lambda e: e.total)
     worst.fits = worst.total <= memory
-    worst.bubble = bubble(layout.pp, layout.microbatches, layout.virtual_stages)
+    worst.bubble = bubble(layout.pp, layout.microbatches, layout.virtual_stages,
+                          layout.schedule)
     busiest = max(ranks, key=lambda e: sum(e.traffic.values()))
     worst.traffic = busiest.traffic
     worst.compute_s, worst.recompute_s = _compute_s(profile, layout, accum, flops, recompute)
@@ -497,7 +501,8 @@ def _compute_s(profile: Profile, layout: Dims, accum: int, flops: float,
     if layout.pp > 1:
         most = max(sum(b) for b in stage_blocks(profile, layout.pp, layout.virtual_stages))
         scale *= most * layout.pp / profile.n_layer  # the busiest stage sets the pace
-        scale /= 1 - bubble(layout.pp, layout.microbatches, layout.virtual_stages)
+        scale /= 1 - bubble(layout.pp, layout.microbatches, layout.virtual_stages,
+                            layout.schedule)
     reference = 2 if profile.reference else 0
     flops = (4 + 2 * profile.trained_share + reference) * matmul + (6 + reference) * attention
     return flops * scale, 2 * again * scale
