@@ -185,24 +185,31 @@ def _run(runs: list[tuple[str, dict]]) -> dict[str, dict]:
     return out
 
 
+LAYOUTS = {
+    "quick": [("ZeRO-2", {"nproc": 2, "zero": 2}, True), ("tp", {"nproc": 2, "tp": 2}, True)],
+    "more": [("ZeRO-3", {"nproc": 2, "zero": 3}, True), ("dp-whole", {"nproc": 2}, False)],
+}
+
+
 @pytest.mark.timeout(300)
-def test_dpo_in_every_layout_equals_one_process(tmp_path: Path) -> None:
-    """LoRA + DPO under ZeRO-2 and ZeRO-3 x 2 and tp2, and DPO of the whole model (a frozen copy for
-    the reference) under data parallelism x 2: every step's loss, gradient norm and
-    reward metrics, and the trained weights, equal one process's; step 1's loss is ln 2."""
+@pytest.mark.parametrize("which", ["quick", pytest.param("more", marks=pytest.mark.slow)])
+def test_dpo_in_every_layout_equals_one_process(tmp_path: Path, which: str) -> None:
+    """LoRA + DPO under ZeRO-2, ZeRO-3 and tp over 2 ranks, and DPO of the whole model (a
+    frozen copy for the reference) under data parallelism x 2: every step's loss, gradient
+    norm and reward metrics, and the trained weights, equal one process's; step 1's loss
+    is ln 2."""
     import json
 
     from dtrain.testing import run_ranks
 
     (tmp_path / "config.json").write_text(json.dumps(HF_LLAMA))
     _pairs(tmp_path / "pairs.jsonl")
-    alone = run_ranks(_run, 1, [("lora", _dpo_config(tmp_path, "one", {"nproc": 1})),
-                                ("whole", _dpo_config(tmp_path, "one-whole", {"nproc": 1},
-                                                      adapter=False))], timeout=150)[0]
-    layouts = [("ZeRO-2", _dpo_config(tmp_path, "zero2", {"nproc": 2, "zero": 2}), "lora"),
-               ("ZeRO-3", _dpo_config(tmp_path, "zero3", {"nproc": 2, "zero": 3}), "lora"),
-               ("tp", _dpo_config(tmp_path, "tp", {"nproc": 2, "tp": 2}), "lora"),
-               ("dp-whole", _dpo_config(tmp_path, "dp", {"nproc": 2}, adapter=False), "whole")]
+    adapted = {a for _, _, a in LAYOUTS[which]}
+    alone = run_ranks(_run, 1, [(str(a), _dpo_config(tmp_path, f"one-{a}", {"nproc": 1},
+                                                     adapter=a)) for a in adapted],
+                      timeout=150)[0]
+    layouts = [(name, _dpo_config(tmp_path, name, parallel, adapter=a), str(a))
+               for name, parallel, a in LAYOUTS[which]]
     got = run_ranks(_run, 2, [(n, c) for n, c, _ in layouts], timeout=250)[0]
     for name, _, baseline in layouts:
         want = alone[baseline]
