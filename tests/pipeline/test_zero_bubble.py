@@ -6,6 +6,7 @@ a lost or doubled weight gradient shows)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -213,7 +214,8 @@ LLAMA_RUN = {"arch": "llama", "block_size": 32, "n_layer": 4, "n_embd": 32, "n_h
 @pytest.mark.parametrize("layout", [
     {"pp": 2, "microbatches": 4}, {"pp": 2, "microbatches": 2, "zero": 2},
     {"pp": 2, "microbatches": 2, "zero": 3}, {"pp": 2, "microbatches": 2, "tp": 2},
-], ids=["pp2", "pp2-zero2", "pp2-zero3", "pp2-tp2"])
+    {"pp": 2, "microbatches": 4, "stage_layers": "1,3"},
+], ids=["pp2", "pp2-zero2", "pp2-zero3", "pp2-tp2", "pp2-uneven"])
 def test_dtrain_train_with_zb1p_equals_one_process(tmp_path, layout: dict) -> None:
     """dtrain's Llama by the Trainer: every step's loss and gradient norm (SGD, no clip)."""
     from tests.support.cli import exact_run
@@ -245,3 +247,22 @@ def test_the_planner_knows_zb1ps_bubble_and_memory() -> None:
                for s in ("1f1b", "zb1p"))
     assert zb.bubble < one.bubble and zb.compute_s < one.compute_s
     assert one.activations <= zb.activations < 2 * one.activations
+
+
+def test_uneven_stages_weigh_the_embedding_and_the_head() -> None:
+    """`stage_layers = "auto"`: a vocabulary-sized embedding and head count on the first
+    and last stages, which take fewer blocks; explicit sizes are taken as given, and sizes
+    that do not fit are one line naming the key."""
+    from dtrain.errors import ConfigError
+    from dtrain.pipeline.schedules import stage_balance
+
+    model = build(resolve(dataclasses.replace(BLOCKS["llama"], n_layer=8), 4096))
+    even = [len(p.held_blocks) for p in pipeline.cut(model, 4)]
+    auto = [len(p.held_blocks) for p in pipeline.cut(model, 4, "auto")]
+    assert even == [2, 2, 2, 2] and sum(auto) == 8
+    assert auto[0] < 2 and auto[-1] < 2 and max(auto[1:-1]) > 2
+    assert [len(p.held_blocks) for p in pipeline.cut(model, 2, [3, 5])] == [3, 5]
+    assert stage_balance("", 2) == "params" and stage_balance("1,3", 2, 4) == [1, 3]
+    for bad in ("1,2", "4", "a,b", "0,4"):
+        with pytest.raises(ConfigError, match="parallel.stage_layers"):
+            stage_balance(bad, 2, 4)

@@ -24,6 +24,7 @@ from dtrain.layouts.zero import zero_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
 from dtrain.optim import build_optimizer
+from dtrain.pipeline.schedules import stage_balance
 
 
 class Pipelined(Holding):
@@ -36,8 +37,9 @@ class Pipelined(Holding):
         group, dp, place = mesh.group("pp"), mesh.group("dp_cp"), mesh.place("dp_cp")
         dims = self.dims = mesh.dims
         self.notes = notes
-        mine = pipeline.pieces_for(pipeline.cut(model, dims.pp * dims.virtual_stages),
-                                   group)
+        stages = dims.pp * dims.virtual_stages
+        balance = stage_balance(config.parallel.stage_layers, stages)
+        mine = pipeline.pieces_for(pipeline.cut(model, stages, balance), group)
         device = mesh.world.device  # a model built in split form: only my pieces get memory
         base = config.adapter.base_dtype if config.adapter.kind == "lora" else "float32"
         loss_fn = pipeline.loss_of(model)

@@ -38,6 +38,11 @@ class ParallelConfig:
     bubble)."""
     virtual_stages: int = positive(1)
     """Model chunks per pipeline rank (the interleaved schedule's v)."""
+    stage_layers: str = ""
+    """With pp > 1: the blocks of each stage. Empty: balanced by the blocks' parameters;
+    "auto": the embedding's parameters counted on the first stage and the output head's
+    on the last, so that a vocabulary-sized part weighs as the blocks it outweighs; or
+    sizes in stage order, pp x virtual_stages of them adding up to the blocks ("2,3,3,2")."""
     zero: Literal[0, 1, 2, 3] = 0
     """Shard model state across the data-parallel ranks (dtrain.ZeRO): 1 optimizer state,
     2 and gradients, 3 and parameters; 0 replicates it (DataParallel)."""

@@ -19,8 +19,11 @@ from torch import nn
 from dtrain.errors import ConfigError
 
 
-def balanced_sizes(costs: Sequence[float], parts: int) -> list[int]:
-    """Sizes of `parts` contiguous groups of `costs` whose largest sum is smallest.
+def balanced_sizes(costs: Sequence[float], parts: int, first: float = 0.0,
+                   last: float = 0.0) -> list[int]:
+    """Sizes of `parts` contiguous groups of `costs` whose largest sum is smallest, the
+    first group's sum counting `first` more and the last's `last` more (a model's input
+    and output parts, beside its blocks).
 
     Raises:
         ConfigError: more parts than items.
@@ -39,8 +42,9 @@ def balanced_sizes(costs: Sequence[float], parts: int) -> list[int]:
     best[0][0] = 0.0
     for k in range(1, parts + 1):
         for i in range(k, n - (parts - k) + 1):
+            extra = (first if k == 1 else 0.0) + (last if k == parts else 0.0)
             for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                cost = max(best[k - 1][j], prefix[i] - prefix[j] + extra)
                 if cost < best[k][i]:
                     best[k][i], cut[k][i] = cost, j
     sizes, i = [], n

@@ -21,7 +21,7 @@ from dtrain import comm
 from dtrain.errors import ConfigError
 from dtrain.models.moe import moe_layers
 from dtrain.models.stages import Stages
-from dtrain.pipeline.partition import stage_sizes
+from dtrain.pipeline.partition import balanced_sizes, stage_sizes
 
 
 def _place(root: nn.Module, dotted: str, module: nn.Module) -> None:
@@ -82,11 +82,30 @@ def _blocks(model: nn.Module) -> nn.ModuleList:
 def cut(model: nn.Module, parts: int, balance: str | Sequence[int] = "params") -> list[Piece]:
     """Cut `model` into `parts` pieces of consecutive blocks (pp x virtual stages).
 
+    `balance`: "params" (the blocks' parameters), "auto" (the parameters of the input
+    part counted on the first stage and of the output part on the last too: a
+    vocabulary-sized embedding and head weigh as the blocks they outweigh, so those stages
+    take fewer blocks), "time" or explicit sizes (dtrain.pipeline.partition.stage_sizes).
+
     Raises:
         ConfigError: the model is not a `Stages`, more pieces than blocks, or explicit
             sizes that do not fit.
     """
-    sizes = stage_sizes(list(_blocks(model)), parts, balance)
+    blocks = list(_blocks(model))
+    if balance == "auto":
+        inputs, _, outputs = model.stage_parts()
+
+        def params(names: Sequence[str], skip: set[int]) -> float:
+            return float(sum(p.numel() for n in names for p in model.get_submodule(n)
+                             .parameters() if id(p) not in skip))
+
+        first = params(inputs, set())
+        tied = {id(p) for n in inputs for p in model.get_submodule(n).parameters()}
+        costs = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
+        sizes = balanced_sizes(costs, parts, first, params(outputs, tied if parts == 1
+                                                           else set()))
+    else:
+        sizes = stage_sizes(blocks, parts, balance)
     pieces, start = [], 0
     for i, size in enumerate(sizes):
         pieces.append(Piece(model, range(start, start + size), i == 0, i == parts - 1))

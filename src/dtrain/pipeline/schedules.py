@@ -92,6 +92,30 @@ def check_config(parallel: ParallelConfig, model: ModelConfig, grad_accum: int) 
         check(p.schedule, p.pp, p.microbatches, p.virtual_stages)
     except ConfigError as exc:
         raise ConfigError(f"parallel.schedule = {p.schedule!r}: {exc}") from None
+    stage_balance(p.stage_layers, p.pp * p.virtual_stages,
+                  model.n_layer if model.arch in ("gpt", "llama") else None)
+
+
+def stage_balance(spec: str, stages: int, blocks: int | None = None) -> str | list[int]:
+    """`[parallel] stage_layers` as `dtrain.pipeline.cut` takes it: "params", "auto" or
+    each stage's blocks (`blocks`: the model's, where known, to check them against).
+
+    Raises:
+        ConfigError: sizes that are not `stages` positive whole numbers adding up to the
+            blocks.
+    """
+    if spec in ("", "auto"):
+        return spec or "params"
+    try:
+        sizes = [int(part) for part in spec.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) != stages or min(sizes, default=0) < 1 or \
+            (blocks is not None and sum(sizes) != blocks):
+        total = f" adding up to the model's {blocks} blocks" if blocks is not None else ""
+        raise ConfigError(f"parallel.stage_layers = {spec!r}: give {stages} positive sizes "
+                          f"(pp x virtual_stages, in stage order){total}, or \"auto\"")
+    return sizes
 
 
 def gpipe(pp: int, rank: int, microbatches: int) -> list[Action]:
