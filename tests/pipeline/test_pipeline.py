@@ -174,14 +174,17 @@ def test_bad_input_is_one_clear_error(pp: int, schedule: str, chunks: int,
     assert message in str(info.value.__cause__)
 
 
-def dp_pp_rank(base: GPT) -> dict:
+def dp_pp_rank(base: GPT, schedule: str = "1f1b", microbatches: int = 2,
+               optimizer=adamw) -> dict:
+    """dp=2 x pp=2: each stage's piece in DataParallel over dp, each dp rank on its half of
+    the batch."""
     mesh = dtrain.Mesh(dp=2, pp=2)
     half = BATCH // 2
     batch = slice(mesh.coords["dp"] * half, (mesh.coords["dp"] + 1) * half)
     result = train_pipeline(
-        base, 2, "1f1b", 1, 2, group=mesh.group("pp"), batch=batch,
+        base, 2, schedule, 1, microbatches, group=mesh.group("pp"), batch=batch,
         wrap=lambda piece: dtrain.DataParallel(piece, group=mesh.group("dp"),
-                                               algorithm="native"))
+                                               algorithm="native"), optimizer=optimizer)
     return {**result, "coords": mesh.coords}
 
 

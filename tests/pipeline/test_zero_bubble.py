@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-import dtrain
 from dtrain import comm, pipeline
 from dtrain import tensor_parallel as tp
 from dtrain.adapters import AdapterConfig, apply
@@ -22,7 +21,7 @@ from dtrain.pipeline import Action
 from dtrain.pipeline.schedules import check_actions, peak_live
 from dtrain.pipeline.split_backward import WeightGrads
 from dtrain.testing import run_ranks, run_threads
-from tests.pipeline.test_pipeline import STEPS, float32, gpt, serial, tokens, train_pipeline
+from tests.pipeline.test_pipeline import dp_pp_rank, float32, gpt, serial, train_pipeline
 
 SMALL = {"block_size": 16, "n_layer": 2, "n_embd": 32, "n_head": 4}
 BLOCKS = {
@@ -158,33 +157,13 @@ def test_zb1p_equals_one_process(pp: int, microbatches: int) -> None:
     assert set().union(*(r["state"] for r in results)) == set(state)
 
 
-def _dp_pp_rank(schedule: str) -> dict:
-    """dp=2 x pp=2: each stage's piece in DataParallel over dp; rank's half of the batch."""
-    mesh = dtrain.Mesh(dp=2, pp=2)
-    model = gpt()
-    mine = pipeline.pieces_for(pipeline.cut(model, 2), mesh.group("pp"))
-    wrapped = [dtrain.DataParallel(p, group=mesh.group("dp"), algorithm="native")
-               for p in mine]
-    pipe = pipeline.Pipeline(wrapped, mesh.group("pp"), microbatches=4, schedule=schedule,
-                             loss_fn=pipeline.lm_loss,
-                             tied=pipeline.tied_weights(model, mine, mesh.group("pp")))
-    opt = _sgd(nn.ModuleList(mine).parameters())
-    half = slice(mesh.coords["dp"] * 4, mesh.coords["dp"] * 4 + 4)
-    for step in range(STEPS):
-        x, y = tokens(step)
-        pipe.step(x[half], y[half])
-        opt.step()
-        opt.zero_grad()
-    return {k: v for piece in mine for k, v in piece.state_dict().items()}
-
-
 @pytest.mark.timeout(150)
 def test_zb1p_with_data_parallel_equals_one_process() -> None:
     """The weights' gradients reach DataParallel's buckets in W: reduced once, after the
     last W of the step."""
     _, state = serial(_sgd)
-    for got in run_ranks(_dp_pp_rank, 4, "zb1p", timeout=120):
-        for name, value in got.items():
+    for got in run_ranks(dp_pp_rank, 4, gpt(), "zb1p", 4, _sgd, timeout=120):
+        for name, value in got["state"].items():
             torch.testing.assert_close(value, state[name], msg=name)
 
 

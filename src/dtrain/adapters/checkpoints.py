@@ -26,12 +26,11 @@ from typing import Any
 
 from torch import nn
 
-from dtrain.adapters.lora import adapters
+from dtrain.adapters.lora import adapters, frozen_base
 from dtrain.checkpoint.universal import Checkpoint
 from dtrain.errors import ConfigError
 from dtrain.models import init
 from dtrain.models.config import ModelConfig
-from dtrain.models.moe import Router
 from dtrain.models.weights import Overlaid, SlicedWeights, weights_of
 
 BASE = "base"
@@ -48,12 +47,11 @@ def adapter_names(model: nn.Module) -> list[str]:
 
 
 def saved_names(model: nn.Module) -> set[str]:
-    """The parameters an adapter checkpoint of `model` holds: those that train, and each
-    MoE router's balancing bias (moved by its rule, not by a gradient)."""
-    trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    biases = {f"{name}.expert_bias" for name, m in model.named_modules()
-              if isinstance(m, Router)}
-    return trained | biases
+    """The parameters an adapter checkpoint of `model` holds: all but its frozen base
+    (dtrain.adapters.lora.frozen_base): those that train, and each MoE router's balancing
+    bias (moved by its rule, not by a gradient)."""
+    base = {id(p) for p in frozen_base(model)}
+    return {n for n, p in model.named_parameters() if id(p) not in base}
 
 
 def holds_adapters_alone(ckpt: Checkpoint) -> bool:

@@ -234,16 +234,22 @@ def built(shape: ModelConfig, cfg: AdapterConfig) -> nn.Module:
     return model
 
 
-def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast `model`'s frozen floating-point parameters to `dtype`, in place (on the meta
-    device too, before a layout allocates them): all but the adapters and a MoE router's
-    balancing bias, which moves by its own rule in small steps; and compute the model's
-    forward in it (`compute_in`)."""
+def frozen_base(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `model` that never change: neither trained nor moved by a rule
+    of their own (a MoE router's balancing bias is, in small steps): a LoRA run's base."""
     from dtrain.models.moe import Router
 
     moving = {id(m.expert_bias) for m in model.modules() if isinstance(m, Router)}
-    for p in model.parameters():
-        if not p.requires_grad and p.is_floating_point() and id(p) not in moving:
+    return [p for p in model.parameters() if not p.requires_grad and id(p) not in moving]
+
+
+def hold_base_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast `model`'s frozen base (`frozen_base`: not the adapters, nor a router's
+    balancing bias) to `dtype` where it is floating-point, in place (on the meta device
+    too, before a layout allocates it); and compute the model's forward in it
+    (`compute_in`)."""
+    for p in frozen_base(model):
+        if p.is_floating_point():
             p.data = p.data.to(dtype)
     compute_in(model, dtype)
 

@@ -35,7 +35,7 @@ from dtrain.data_parallel.zero import state_io as zero_state
 from dtrain.errors import DtrainError
 from dtrain.mesh import Mesh
 from dtrain.models import init
-from dtrain.models.moe import Router, split_experts
+from dtrain.models.moe import split_experts
 from dtrain.models.moe.experts import EXPERTS
 from dtrain.split import Split
 
@@ -373,13 +373,6 @@ class FrozenShards:
             ranges[n].append((lo, hi))
         zero_state.load_frozen(self.zero, _Spans(ranges, lambda n, lo, hi: names.spans(
             ckpt, MODEL + names.canonical[id(own[n])], own[n], lo, hi)))
-
-
-def frozen_base(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters of `model` that never change: neither trained nor moved by a rule
-    of their own (a MoE router's balancing bias is): a LoRA run's base."""
-    moving = {id(m.expert_bias) for m in model.modules() if isinstance(m, Router)}
-    return [p for p in model.parameters() if not p.requires_grad and id(p) not in moving]
 
 
 def untrained(names: Names, modules: Iterable[nn.Module], dp: tuple[int, int],

@@ -8,20 +8,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from dtrain.adapters.lora import frozen_base
 from dtrain.comm import GroupLike
 from dtrain.config import Config
 from dtrain.data_parallel.averaging import Averaging
 from dtrain.data_parallel.clip import GradPart
 from dtrain.data_parallel.zero import ZeRO
 from dtrain.layouts.holding import Holding
-from dtrain.layouts.parts import (
-    FrozenShards,
-    Names,
-    Shards,
-    expert_group,
-    frozen_base,
-    untrained,
-)
+from dtrain.layouts.parts import FrozenShards, Names, Shards, expert_group, untrained
 from dtrain.layouts.state import HeldState
 from dtrain.mesh import Mesh
 from dtrain.models import init

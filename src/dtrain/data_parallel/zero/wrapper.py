@@ -170,8 +170,10 @@ class ZeRO(nn.Module):
                             torch.device(device) if device is not None else None, still)
         self.units: list[Unit] = built.units  # in the order their gradients are reduced
         self.frozen: list[Unit] = built.frozen  # stage 3: the frozen parameters' units
-        self.frozen_alias = {key: n for key, p in module.named_parameters(remove_duplicate=False)
-                             for n, q in still if p is q}
+        frozen_name = {id(p): n for n, p in still}
+        self.frozen_alias = {key: frozen_name[id(p)] for key, p in
+                             module.named_parameters(remove_duplicate=False)
+                             if id(p) in frozen_name}
         self._held = [*self.units, *self.frozen]  # every unit a forward gathers
         self._root = built.root  # stage 3: what no unit claims, held from forward to backward
         self._chain = built.chain  # stage 3: each module's units, in forward order
