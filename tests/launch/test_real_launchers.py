@@ -45,7 +45,10 @@ log_every = 1
 sample_tokens = 0
 """
 
+# Each rank writes its line to a file of its own: a launcher forwarding both ranks' output
+# may join their lines (Open MPI did).
 ALL_REDUCE = """
+from pathlib import Path
 import torch
 import torch.distributed as dist
 import dtrain
@@ -53,7 +56,8 @@ import dtrain
 world = dtrain.init()
 total = torch.tensor([float(world.rank + 1)])
 dist.all_reduce(total)
-print(f"{world.describe()}: sum {total.item():g} port {world.master_port}", flush=True)
+line = f"{world.describe()}: sum {total.item():g} port {world.master_port}"
+Path(f"sum-{world.rank}.txt").write_text(line)
 """
 
 
@@ -85,14 +89,16 @@ def _assert_trained(folder: Path, output: str) -> None:
     assert (folder / "run" / "checkpoints" / "step-00000003" / "index.json").exists(), output
 
 
-def _assert_summed(output: str, launcher: str) -> None:
-    """Both ranks printed the sum 1 + 2 and the same agreed port."""
-    lines = sorted(line for line in output.splitlines() if ": sum " in line)
+def _assert_summed(folder: Path, output: str, launcher: str) -> list[str]:
+    """Both ranks wrote the sum 1 + 2 and the same agreed port; their lines."""
+    lines = [(folder / f"sum-{rank}.txt").read_text() for rank in range(2)
+             if (folder / f"sum-{rank}.txt").exists()]
     assert len(lines) == 2, output
     for rank, line in enumerate(lines):
         assert re.fullmatch(rf"rank {rank} of 2 from {launcher} \(.*node 0\): sum 3 port \d+",
                             line), output
     assert lines[0].split()[-1] == lines[1].split()[-1] != "0", output
+    return lines
 
 
 @pytest.mark.timeout(10)
@@ -121,7 +127,7 @@ def mpirun() -> list[str]:
 def test_mpirun_ranks_agree_a_port_and_all_reduce(mpirun: list[str], tmp_path: Path) -> None:
     (tmp_path / "all_reduce.py").write_text(ALL_REDUCE)
     result = _run([*mpirun, str(BIN / "python"), "all_reduce.py"], tmp_path, _env(), 60)
-    _assert_summed(result.stdout, "Open MPI")
+    _assert_summed(tmp_path, result.stdout + result.stderr, "Open MPI")
     assert not list(port_folder().glob("port-openmpi-*")), "rank 0 left its port file"
 
 
@@ -161,8 +167,8 @@ def test_srun_ranks_agree_a_port_and_all_reduce(slurm: dict[str, str], tmp_path:
     (tmp_path / "all_reduce.py").write_text(ALL_REDUCE)
     result = _run(["srun", "-n", "2", str(BIN / "python"), "all_reduce.py"], tmp_path, slurm,
                   60)
-    _assert_summed(result.stdout, "SLURM")
-    assert "(job " in result.stdout, result.stdout
+    lines = _assert_summed(tmp_path, result.stdout + result.stderr, "SLURM")
+    assert all("(job " in line for line in lines), lines
 
 
 @pytest.mark.slow
