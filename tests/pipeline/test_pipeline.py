@@ -60,7 +60,7 @@ def serial(optimizer=adamw) -> tuple[list[float], dict]:
 def train_pipeline(base: GPT, pp: int, schedule: str, chunks: int, microbatches: int,
                    wrap=None, group=None, batch: slice = slice(None), optimizer=adamw) -> dict:
     model = copy.deepcopy(base)
-    mine = pipeline.pieces_for(pipeline.cut(model, pp * chunks), group)
+    mine = pipeline.pieces_for(pipeline.cut(model, pp * chunks), group, schedule)
     modules = [wrap(piece) for piece in mine] if wrap else mine
     pipe = pipeline.Pipeline(modules, group, microbatches=microbatches, schedule=schedule,
                              loss_fn=pipeline.lm_loss,
@@ -74,6 +74,22 @@ def train_pipeline(base: GPT, pp: int, schedule: str, chunks: int, microbatches:
         opt.zero_grad()
     state = {k: v for piece in mine for k, v in piece.state_dict().items()}
     return {"losses": losses, "state": state, "peak": pipe.peak_live}
+
+
+def threads_equal_serial(pp: int, schedule: str, chunks: int, microbatches: int,
+                        optimizer=adamw) -> list[dict]:
+    """`train_pipeline` in pp threads: every loss and every final weight equal one
+    process's (asserted); each rank's results."""
+    losses, state = serial(optimizer)
+    base = gpt()  # built once: the threads share torch's generator
+    results = run_threads(lambda rank: train_pipeline(base, pp, schedule, chunks, microbatches,
+                                                      optimizer=optimizer), pp, timeout=100)
+    for r in results:
+        torch.testing.assert_close(float32(r["losses"]), float32(losses))
+        for name, value in r["state"].items():
+            torch.testing.assert_close(value, state[name], msg=name)
+    assert set().union(*(r["state"] for r in results)) == set(state)
+    return results
 
 
 @pytest.mark.timeout(60)
@@ -115,15 +131,7 @@ def test_schedules_run_each_micro_batch_once_in_their_order() -> None:
 def test_equals_one_process(pp: int, schedule: str, chunks: int) -> None:
     """Loss and every parameter after several steps, with the tied embedding and head on
     the first and last ranks."""
-    losses, state = serial()
-    base = gpt()
-    results = run_threads(lambda rank: train_pipeline(base, pp, schedule, chunks, 4), pp,
-                          timeout=100)
-    for r in results:
-        torch.testing.assert_close(float32(r["losses"]), float32(losses))
-        for name, value in r["state"].items():
-            torch.testing.assert_close(value, state[name], msg=name)
-    assert set().union(*(r["state"] for r in results)) == set(state)
+    threads_equal_serial(pp, schedule, chunks, 4)
 
 
 @pytest.mark.timeout(120)

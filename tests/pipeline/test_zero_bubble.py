@@ -18,10 +18,10 @@ from dtrain.adapters import AdapterConfig, apply
 from dtrain.errors import DtrainError
 from dtrain.models import ModelConfig, build, resolve
 from dtrain.pipeline import Action
-from dtrain.pipeline.schedules import check_actions, peak_live
+from dtrain.pipeline.schedules import Placement, check_actions, peak_live
 from dtrain.pipeline.split_backward import WeightGrads
-from dtrain.testing import run_ranks, run_threads
-from tests.pipeline.test_pipeline import dp_pp_rank, float32, gpt, serial, train_pipeline
+from dtrain.testing import run_ranks
+from tests.pipeline.test_pipeline import dp_pp_rank, gpt, serial, threads_equal_serial
 
 SMALL = {"block_size": 16, "n_layer": 2, "n_embd": 32, "n_head": 4}
 BLOCKS = {
@@ -110,7 +110,7 @@ def test_zb1p_action_lists_check_and_hold_1f1b_memory() -> None:
     for pp in range(1, 9):
         for m in (1, 2, pp, 2 * pp + 1, 32):
             lists = [pipeline.build("zb1p", pp, r, m) for r in range(pp)]
-            check_actions(lists, pp, m, 1)
+            check_actions(lists, Placement(pp), m)
             first = peak_live(pipeline.build("1f1b", pp, 0, m))
             assert first == min(pp, m)  # 1F1B's peak: its first stage's
             for actions in lists:
@@ -118,7 +118,8 @@ def test_zb1p_action_lists_check_and_hold_1f1b_memory() -> None:
                     assert sorted(a.micro for a in actions if a.kind == kind) == list(range(m))
                 assert peak_live(actions) <= first  # a micro-batch lives from F to W
     for name, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
-        check_actions([pipeline.build(name, 4, r, 8, chunks) for r in range(4)], 4, 8, chunks)
+        check_actions([pipeline.build(name, 4, r, 8, chunks) for r in range(4)],
+                      Placement(4, chunks), 8)
     # ZB-H1's steady state on stage i: F of x, B of x - (p-1-i), W of x - (p-1)
     assert pipeline.build("zb1p", 4, 1, 8)[4:10] == [Action("F", 3), Action("B", 1),
                                                     Action("W", 0), Action("F", 4),
@@ -130,9 +131,9 @@ def test_the_checker_names_a_rank_that_would_wait_forever() -> None:
     lists = [pipeline.build("1f1b", 2, r, 2) for r in range(2)]
     lists[1] = [Action("B", 0), *[a for a in lists[1] if a != Action("B", 0)]]
     with pytest.raises(DtrainError, match=r"rank 1 at B0"):
-        check_actions(lists, 2, 2, 1)
+        check_actions(lists, Placement(2), 2)
     with pytest.raises(DtrainError, match="not one F/B per micro-batch"):
-        check_actions([lists[0][:-1], lists[1]], 2, 2, 1)
+        check_actions([lists[0][:-1], lists[1]], Placement(2), 2)
 
 
 def _sgd(params) -> torch.optim.Optimizer:
@@ -146,15 +147,7 @@ def _sgd(params) -> torch.optim.Optimizer:
 def test_zb1p_equals_one_process(pp: int, microbatches: int) -> None:
     """dtrain's GPT (tied embedding and head on the first and last ranks): every loss and
     every final weight."""
-    losses, state = serial(_sgd)
-    base = gpt()  # built once: the threads share torch's generator
-    results = run_threads(lambda rank: train_pipeline(base, pp, "zb1p", 1, microbatches,
-                                                      optimizer=_sgd), pp, timeout=100)
-    for r in results:
-        torch.testing.assert_close(float32(r["losses"]), float32(losses))
-        for name, value in r["state"].items():
-            torch.testing.assert_close(value, state[name], msg=name)
-    assert set().union(*(r["state"] for r in results)) == set(state)
+    threads_equal_serial(pp, "zb1p", 1, microbatches, _sgd)
 
 
 @pytest.mark.timeout(150)

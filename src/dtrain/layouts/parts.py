@@ -68,6 +68,8 @@ class Names:
             (dtrain.models.moe.split_experts), by global index.
         edp: (rank, size) among the ranks holding the same experts (edp, x cp under
             context parallelism).
+        twins: id of a parameter -> the one it copies (a tied weight's twin where one
+            pipeline rank holds both ends: dtrain.pipeline.tied_weights), named as it.
     """
 
     whole: nn.Module
@@ -75,9 +77,11 @@ class Names:
     skip: set[int] = field(default_factory=set)
     ep: tuple[int, int] = (0, 1)
     edp: tuple[int, int] = (0, 1)
+    twins: dict[int, nn.Parameter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.canonical = {id(p): n for n, p in self.whole.named_parameters()}
+        self.canonical.update({twin: self.canonical[id(p)] for twin, p in self.twins.items()})
         named = dict(self.whole.named_parameters(remove_duplicate=False))
         self.split: dict[int, Split] = {
             id(named[n]): split for n, (split, _) in tensor_parallel.placements(self.whole).items()
@@ -85,11 +89,13 @@ class Names:
         self.experts = {id(p) for p in split_experts(self.whole)}
 
     @classmethod
-    def of(cls, whole: nn.Module, mesh: Mesh, skip: set[int] | None = None) -> Names:
-        """The names of `whole` held at this rank's place on `mesh` (`skip`: as the
-        constructor's)."""
+    def of(cls, whole: nn.Module, mesh: Mesh, skip: set[int] | None = None,
+           twins: dict[int, nn.Parameter] | None = None) -> Names:
+        """The names of `whole` held at this rank's place on `mesh` (`skip`, `twins`: as
+        the constructor's)."""
         return cls(whole, tp=mesh.place("tp"), skip=skip or set(), ep=mesh.place("ep"),
-                   edp=mesh.place("edp_cp") if mesh.size("ep") > 1 else (0, 1))
+                   edp=mesh.place("edp_cp") if mesh.size("ep") > 1 else (0, 1),
+                   twins=twins or {})
 
     def aliases(self) -> dict[str, str]:
         """Other names of tied parameters -> their canonical name."""

@@ -24,6 +24,7 @@ from dtrain.layouts.zero import zero_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
 from dtrain.optim import build_optimizer
+from dtrain.pipeline.pieces import counted_elsewhere, twins
 from dtrain.pipeline.schedules import stage_balance
 
 
@@ -39,7 +40,7 @@ class Pipelined(Holding):
         self.notes = notes
         stages = dims.pp * dims.virtual_stages
         balance = stage_balance(config.parallel.stage_layers, stages)
-        mine = pipeline.pieces_for(pipeline.cut(model, stages, balance), group)
+        mine = pipeline.pieces_for(pipeline.cut(model, stages, balance), group, dims.schedule)
         device = mesh.world.device  # a model built in split form: only my pieces get memory
         base = config.adapter.base_dtype if config.adapter.kind == "lora" else "float32"
         loss_fn = pipeline.loss_of(model)
@@ -51,8 +52,8 @@ class Pipelined(Holding):
             for piece in mine:
                 init.allocate(piece, device)
         tied = pipeline.tied_weights(model, mine, group)
-        self.names = Names.of(model, mesh,
-                              skip={id(p) for p, peer in tied if peer < group.rank()})
+        self.names = Names.of(model, mesh, skip=counted_elsewhere(tied, group.rank()),
+                              twins=twins(tied))
         experts = expert_group(mesh)
         wrapped: list[ZeRO] | list[DataParallel]
         if dims.zero:

@@ -95,7 +95,7 @@ FLATTENED: dict[Axis, tuple[Axis, ...]] = {
 }
 """Groups over several axes, by the one name they are asked for by."""
 
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1p"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev"]
 """A pipeline schedule (dtrain.pipeline.schedules)."""
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 

@@ -4,11 +4,14 @@ The first message on a channel (a peer and a tag) carries a small header with th
 and shape; later messages are the raw tensor only, received into a buffer of that shape.
 Every micro-batch must keep that shape; a change is refused on the sending side.
 Pipeline messages use tags of their own, so they never match a collective's (tag 0).
+A message to this rank itself (two chunks of one rank next to each other, the V
+placement's turn) is handed over in memory, in the order sent.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -29,11 +32,15 @@ class Channels:
         self._sent: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
         self._known: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
         self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._local: dict[int, deque[torch.Tensor]] = {}  # tag -> sent to this rank
         self.waited = 0.0  # seconds spent in recv, so timelines can tell waiting from work
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         """Start sending `tensor` (not blocking); `flush()` waits for every send."""
         tensor = tensor.detach().contiguous()
+        if peer == self.group.rank:
+            self._local.setdefault(tag, deque()).append(tensor)
+            return
         key, meta = (peer, tag), (tensor.shape, tensor.dtype)
         if key not in self._sent:
             self._post(self._header(tensor), peer, tag)
@@ -60,6 +67,8 @@ class Channels:
 
     def recv(self, peer: int, tag: int) -> torch.Tensor:
         """The next tensor from `peer` with `tag` (waits for it)."""
+        if peer == self.group.rank:
+            return self._handed(tag)
         key = (peer, tag)
         if key not in self._known:
             header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
@@ -77,16 +86,29 @@ class Channels:
         """Send `tensor` with its own header, whatever shape the last one on this channel
         had (generation: a prompt, then one token at a time); waits until sent."""
         tensor = tensor.detach().contiguous()
+        if peer == self.group.rank:
+            self._local.setdefault(tag, deque()).append(tensor)
+            return
         comm.send(self._header(tensor), peer, self.group, tag=tag)
         comm.send(tensor, peer, self.group, tag=tag)
 
     def recv_shaped(self, peer: int, tag: int) -> torch.Tensor:
         """The next tensor `send_shaped` sent from `peer` with `tag` (waits for it)."""
+        if peer == self.group.rank:
+            return self._handed(tag)
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
         comm.recv(header, peer, self.group, tag=tag)
         ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
         out = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype, device=self.device)
         return comm.recv(out, peer, self.group, tag=tag)
+
+    def _handed(self, tag: int) -> torch.Tensor:
+        """The oldest tensor this rank sent itself with `tag` (a new tensor object)."""
+        waiting = self._local.get(tag)
+        if not waiting:
+            raise DtrainError(f"pipeline: a rank waits for its own message (tag {tag}) "
+                              "before sending it; the schedule is out of order")
+        return waiting.popleft().detach()
 
     def flush(self) -> None:
         """Wait until every started send has completed."""

@@ -4,8 +4,9 @@ A piece holds the model's own submodules under their own dotted names (`blocks.3
 `blocks.3`, `hf.model.layers.5` stays `hf.model.layers.5`), so a piece's state_dict is a
 slice of the model's. The first piece also holds the input part (embeddings), the last the
 output part (final norm, head). A weight the two share (a head tied to the token
-embedding) is named by `tied_weights` when the two sit on different ranks, so the Pipeline
-sums its gradients there as autograd does for one shared weight. A loss the blocks compute
+embedding) is named by `tied_weights` (on one rank, the V placement's first, given a twin
+in the output part), so the Pipeline sums its gradients there as autograd does for one
+shared weight. A loss the blocks compute
 on the way (a mixture of experts' load balancing) is added by each piece for its own
 blocks (`extra_loss_of`).
 """
@@ -22,6 +23,10 @@ from dtrain.errors import ConfigError
 from dtrain.models.moe import moe_layers
 from dtrain.models.stages import Stages
 from dtrain.pipeline.partition import balanced_sizes, stage_sizes
+
+Tie = tuple[nn.Parameter, "int | nn.Parameter"]
+"""A tied parameter and where its other holder is: a rank of the pipeline group, or on
+this rank (the V placement holds both ends) the parameter it is a twin of."""
 
 
 def _place(root: nn.Module, dotted: str, module: nn.Module) -> None:
@@ -155,19 +160,48 @@ def extra_loss_of(model: nn.Module, mine: Sequence[nn.Module]) -> ExtraLoss | No
 
 
 def tied_weights(model: nn.Module, mine: Sequence[Piece], group: comm.GroupLike = None
-                 ) -> list:
-    """The (parameter, peer) pairs for `Pipeline(tied=...)`: each parameter both the input
-    part (first stage's rank) and the output part (last stage's rank) hold, when those are
-    different ranks."""
+                 ) -> list[Tie]:
+    """The pairs for `Pipeline(tied=...)`: each parameter both the input part (first stage)
+    and the output part (last stage) hold, with the other holder's rank when those are
+    different ranks. When this rank holds both (the V placement puts stages 0 and 2pp-1
+    on rank 0) the output part gets a twin of each such parameter, an equal copy of its
+    own (its pieces are then trained by wrappers of their own, each holding its
+    parameters), paired with the original: the Pipeline sums their gradients as autograd
+    would sum the shared one's, and their updates stay bitwise equal."""
     g = comm.resolve(group)
     if g.size == 1:
         return []
     inputs, _, outputs = model.stage_parts()
     ids_in = {id(p): p for n in inputs for p in model.get_submodule(n).parameters()}
     shared = [p for n in outputs for p in model.get_submodule(n).parameters() if id(p) in ids_in]
-    pairs = []
-    if any(p.first for p in mine):
+    first, last = any(p.first for p in mine), any(p.last for p in mine)
+    if first and last:
+        return [(_twin(model, outputs, p), p) for p in shared]
+    pairs: list[Tie] = []
+    if first:
         pairs += [(p, g.size - 1) for p in shared]
-    if any(p.last for p in mine):
+    if last:
         pairs += [(p, 0) for p in shared]
     return pairs
+
+
+def counted_elsewhere(tied: Sequence[Tie], rank: int) -> set[int]:
+    """Ids of the tied parameters whose gradient another holder counts (and whose value
+    it writes): the copy on the later stage, a later rank's or a twin on `rank`."""
+    return {id(p) for p, peer in tied if isinstance(peer, nn.Parameter) or peer < rank}
+
+
+def twins(tied: Sequence[Tie]) -> dict[int, nn.Parameter]:
+    """id of each twin -> the parameter it copies (see `tied_weights`)."""
+    return {id(p): peer for p, peer in tied if isinstance(peer, nn.Parameter)}
+
+
+def _twin(model: nn.Module, parts: Sequence[str], param: nn.Parameter) -> nn.Parameter:
+    """A copy of `param` put in its place wherever the modules `parts` of `model` hold it."""
+    twin = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+    for part in parts:
+        for module in model.get_submodule(part).modules():
+            for name, held in list(module.named_parameters(recurse=False)):
+                if held is param:
+                    setattr(module, name, twin)
+    return twin

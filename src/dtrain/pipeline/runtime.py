@@ -5,7 +5,9 @@
     loss = pipe.step(inputs, targets)   # forward + backward of the whole batch
     optimizer.step()                    # over this rank's pieces' parameters
 
-Each rank holds its chunks (virtual stages `chunk * pp + rank`). The batch is cut into
+Each rank holds its chunks (virtual stages `chunk * pp + rank`, or under the V-shaped
+schedules stages `rank` and `2pp-1-rank`: dtrain.pipeline.schedules.Placement; a message
+between two chunks of one rank is handed over without the network). The batch is cut into
 micro-batches along dim 0: the first virtual stage reads `inputs`, the last computes
 `loss_fn(output, targets)` per micro-batch, divided by their number, so the accumulated
 gradients equal one backward of the whole batch's mean loss. The mean loss is returned
@@ -40,14 +42,15 @@ from dtrain.errors import ConfigError
 from dtrain.models.rows import weighted
 from dtrain.pipeline import schedules
 from dtrain.pipeline.p2p import Channels
-from dtrain.pipeline.pieces import ExtraLoss
-from dtrain.pipeline.schedules import Action
+from dtrain.pipeline.pieces import ExtraLoss, Tie, counted_elsewhere
+from dtrain.pipeline.schedules import Action, Placement
 from dtrain.pipeline.split_backward import WeightGrads
 from dtrain.timeline import span
 
 _Piece = TypeVar("_Piece", bound=nn.Module)  # a pipeline piece, of whatever module class
 
 _TIED_TAG = 1
+
 
 
 def averages_apart(piece: object) -> bool:
@@ -86,12 +89,14 @@ class Pipeline:
             virtual stage `c * pp + rank` (see `pieces_for`).
         group: the pipeline group (`mesh.group("pp")`), stages in rank order.
         microbatches: micro-batches per step; the batch must divide into them.
-        schedule: "gpipe", "1f1b", "interleaved" or "zb1p" (each backward split in B and
-            W, dtrain.pipeline.split_backward).
+        schedule: "gpipe", "1f1b", "interleaved", or a zero-bubble one, each backward
+            split in B and W (dtrain.pipeline.split_backward): "zb1p", and on two chunks
+            per rank in a V "zbv" and "dualpipev".
         loss_fn: `loss_fn(output, target)` on the last stage, a mean over the micro-batch.
         tied: parameters shared with another stage (say input embedding and output head):
-            (this rank's parameter, the other stage's rank in `group`). Their gradients are
-            summed across both after every step, as one shared parameter's would be.
+            (this rank's parameter, the other stage's rank in `group`, or the parameter on
+            this rank it is a twin of: `Tie`). Their gradients are summed across both after
+            every step, as one shared parameter's would be.
         timeline: record (kind, micro, chunk, start, end) of every action of the last step
             in `self.events`, in seconds from the step's start; `start` is when its compute
             began, after any wait for a message (for bubble measurements and plots).
@@ -108,7 +113,7 @@ class Pipeline:
     def __init__(self, pieces: nn.Module | Sequence[nn.Module], group: comm.GroupLike = None,
                  microbatches: int = 1, schedule: str = "1f1b",
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 tied: Sequence[tuple[nn.Parameter, int]] = (), timeline: bool = False,
+                 tied: Sequence[Tie] = (), timeline: bool = False,
                  extra_loss: ExtraLoss | None = None) -> None:
         self.pieces = [pieces] if isinstance(pieces, nn.Module) else list(pieces)
         self.group = comm.resolve(group)
@@ -116,6 +121,7 @@ class Pipeline:
         self.microbatches, self.schedule, self.loss_fn = microbatches, schedule, loss_fn
         self.extra_loss = extra_loss
         self.actions = schedules.build(schedule, self.pp, self.rank, microbatches, self.chunks)
+        self.place = Placement.of(schedule, self.pp, self.chunks)
         self.tied = list(tied)
         # Sharded pieces (ZeRO) keep gradients as shards, not in param.grad. With tied
         # weights they accumulate every micro-batch without communication; the tied
@@ -145,13 +151,17 @@ class Pipeline:
 
     # ------------------------------------------------------------------ placement
     def _stage(self, chunk: int) -> int:
-        return chunk * self.pp + self.rank
+        return self.place.stage(self.rank, chunk)
 
     def _is_first(self, chunk: int) -> bool:
         return self._stage(chunk) == 0
 
     def _is_last(self, chunk: int) -> bool:
-        return self._stage(chunk) == self.pp * self.chunks - 1
+        return self._stage(chunk) == self.place.stages - 1
+
+    def _neighbour(self, chunk: int, step: int) -> tuple[int, int]:
+        """(rank, chunk) of the stage `step` (+1 or -1) from this rank's `chunk`."""
+        return self.place.holder(self._stage(chunk) + step)
 
     def _split(self, batch: torch.Tensor | None, what: str) -> list[torch.Tensor]:
         if batch is None:
@@ -189,7 +199,7 @@ class Pipeline:
                  weights: Sequence[float] | None = None) -> torch.Tensor:
         """The mean loss of the batch, forwards only (`positions` and `weights` as
         `step` takes them)."""
-        order = schedules.forward_only(self.pp, self.microbatches, self.chunks)
+        order = schedules.forward_only(self.pp, self.microbatches, self.chunks, self.place.v)
         return self._run(order, inputs, targets, backward=False, positions=positions,
                          weights=weights)
 
@@ -200,16 +210,16 @@ class Pipeline:
         last stage's rank; None on the others. Each call may have another shape
         (generation feeds a prompt, then one token at a time)."""
         out = None
-        for chunk in range(self.chunks):
+        for chunk in sorted(range(self.chunks), key=self._stage):
             if self._is_first(chunk):
                 x = inputs
             else:
-                x = self._channels.recv_shaped((self.rank - 1) % self.pp, _INFER_TAG)
+                x = self._channels.recv_shaped(self._neighbour(chunk, -1)[0], _INFER_TAG)
             y = self.pieces[chunk](x)
             if self._is_last(chunk):
                 out = y
             else:
-                self._channels.send_shaped(y, (self.rank + 1) % self.pp, _INFER_TAG)
+                self._channels.send_shaped(y, self._neighbour(chunk, 1)[0], _INFER_TAG)
         return out
 
     def _run(self, actions: list[Action], inputs: torch.Tensor | None,
@@ -259,7 +269,7 @@ class Pipeline:
         if self._is_first(chunk):
             inp = micro_in[action.micro]
         else:
-            inp = self._channels.recv((self.rank - 1) % self.pp, _tag("act", chunk))
+            inp = self._channels.recv(self._neighbour(chunk, -1)[0], _tag("act", chunk))
             inp.requires_grad_(backward and inp.is_floating_point())
         if self._micro_positions is None:
             out = self.pieces[chunk](inp)
@@ -270,8 +280,8 @@ class Pipeline:
             if self._weights is None:
                 return loss / self.microbatches, inp
             return weighted(loss, self._weights[action.micro], out), inp
-        self._channels.send(out, (self.rank + 1) % self.pp,
-                            _tag("act", chunk + (self.rank == self.pp - 1)))
+        peer, into = self._neighbour(chunk, 1)
+        self._channels.send(out, peer, _tag("act", into))
         return out, inp
 
     def _extra(self, chunk: int) -> torch.Tensor | None:
@@ -299,14 +309,14 @@ class Pipeline:
             if self._is_last(chunk):
                 (out if extra is None else out + extra).backward()
             else:
-                grad = self._channels.recv((self.rank + 1) % self.pp, _tag("grad", chunk))
+                grad = self._channels.recv(self._neighbour(chunk, 1)[0], _tag("grad", chunk))
                 if extra is None:
                     torch.autograd.backward(out, grad)
                 else:  # the blocks' own loss joins the gradient from the stages after
                     torch.autograd.backward([out, extra], [grad, torch.ones_like(extra)])
         if not self._is_first(chunk):
-            self._channels.send(inp.grad, (self.rank - 1) % self.pp,
-                                _tag("grad", chunk - (self.rank == 0)))
+            peer, into = self._neighbour(chunk, -1)
+            self._channels.send(inp.grad, peer, _tag("grad", into))
 
     def grad_parts(self, is_split: Callable[[nn.Parameter], bool] | None = None
                    ) -> list[GradPart]:
@@ -314,7 +324,7 @@ class Pipeline:
         after `step`: each piece's own `grad_parts` where it has them (ZeRO's shards are
         summed over "dp"), else its parameters' .grad; over "tp" too where `is_split(param)`.
         A tied parameter counts on the lower stage only."""
-        elsewhere = {id(p) for p, peer in self.tied if peer < self.rank}
+        elsewhere = counted_elsewhere(self.tied, self.rank)
 
         def counted(p: nn.Parameter) -> bool:
             return id(p) not in elsewhere
@@ -347,27 +357,39 @@ class Pipeline:
         norm = clip.clip_grad_norm_(self.grad_parts(), max_norm, groups, self.device)
         return torch.tensor(norm, dtype=torch.float32, device=self.device)
 
+    def _grad(self, param: nn.Parameter) -> tuple[torch.Tensor, bool]:
+        """`param`'s accumulated gradient (a sharded piece's unsharded one, to adjust in
+        place), and whether it is a sharded piece's."""
+        sharded = next((p for p in self.pieces if holds_shards(p)
+                        and any(q is param for q in p.parameters())), None)
+        if sharded is not None:
+            return sharded.accumulated_grad(param), True
+        return (param.grad if param.grad is not None else torch.zeros_like(param)), False
+
+    def _set_grad(self, param: nn.Parameter, total: torch.Tensor) -> None:
+        grad, sharded = self._grad(param)
+        if sharded:
+            grad.copy_(total)
+        else:
+            param.grad = total
+
     @torch.no_grad()
     def _sum_tied(self) -> None:
         """Both holders of a tied parameter end with the sum of their gradients, added in
         stage order on both so they stay bitwise equal."""
         for param, peer in self.tied:
-            sharded = next((p for p in self.pieces if holds_shards(p)
-                            and any(q is param for q in p.parameters())), None)
-            if sharded is not None:
-                mine = sharded.accumulated_grad(param)
-            else:
-                mine = param.grad if param.grad is not None else torch.zeros_like(param)
+            mine = self._grad(param)[0]
+            if isinstance(peer, nn.Parameter):  # a twin on this rank: the later stage's
+                total = self._grad(peer)[0] + mine
+                self._set_grad(peer, total)
+                self._set_grad(param, total.clone())
+                continue
             theirs = torch.empty_like(mine)
             handle = comm.send(mine.contiguous(), peer, self.group, async_op=True,
                                tag=_TIED_TAG)
             comm.recv(theirs, peer, self.group, tag=_TIED_TAG)
             handle.wait()
-            total = mine + theirs if self.rank < peer else theirs + mine
-            if sharded is not None:
-                mine.copy_(total)
-            else:
-                param.grad = total
+            self._set_grad(param, mine + theirs if self.rank < peer else theirs + mine)
         if self._defer:
             for piece in self.pieces:
                 if holds_shards(piece) or averages_apart(piece):
@@ -391,11 +413,14 @@ def full_state_dict(whole: nn.Module, mine: Sequence[nn.Module],
     return out
 
 
-def pieces_for(pieces: Sequence[_Piece], group: comm.GroupLike = None) -> list[_Piece]:
+def pieces_for(pieces: Sequence[_Piece], group: comm.GroupLike = None,
+               schedule: str = "1f1b") -> list[_Piece]:
     """This rank's pieces of a model cut into `pp * v` pieces: piece `c * pp + rank` for
-    each chunk c (one chunk per rank when there are pp pieces)."""
+    each chunk c (one chunk per rank when there are pp pieces), or under a V-shaped
+    `schedule` pieces `rank` and `2pp-1-rank` (dtrain.pipeline.schedules.Placement)."""
     g = comm.resolve(group)
     if len(pieces) % g.size:
         raise ConfigError(f"{len(pieces)} pieces do not divide among pp={g.size} ranks: cut "
                           f"the model into a multiple of {g.size}")
-    return [pieces[c * g.size + g.rank] for c in range(len(pieces) // g.size)]
+    place = Placement.of(schedule, g.size, len(pieces) // g.size)
+    return [pieces[place.stage(g.rank, c)] for c in range(place.chunks)]

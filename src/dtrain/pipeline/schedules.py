@@ -20,17 +20,31 @@ dependencies runs. With p stages, m micro-batches and v chunks per rank the idle
   more micro-batches than 1F1B's first stage, p (a micro-batch lives from its F to its
   W); with F, B and W of equal time the bubble is (p-1)(F+B-W), a third of 1F1B's.
 
+- "zbv" (ZB-V, same paper): two chunks per rank placed in a V (`Placement`): rank r holds
+  stages r and 2p-1-r, so the first rank holds both ends and the turn at the last rank
+  needs no message. Each rank keeps at most 2p chunk-sized micro-batches live, 1F1B's
+  peak (a chunk is half a stage), and with F, B and W of equal time the steady state has
+  no bubble: the lists are made by running the schedule on unit costs (`greedy`), each
+  rank taking a ready B first, then an F while under that memory, then a W.
+- "dualpipev" (DeepSeek-V3's DualPipe cut in half, the V placement): after a warm-up,
+  each rank runs pairs, the forward of one micro-batch with the backward of another
+  (`Action.with_next`), so that one's communication can run under the other's compute
+  (dtrain runs a pair's two halves one after the other); the cool-down splits B from W to
+  fill the bubble. Needs at least 2p micro-batches (`dualpipe_v`).
+
 ZB-H1 in its steady state runs, on stage i, F of micro-batch x, B of x - (p-1-i) and W
 of x - (p-1) in turn (`zb_h1`): B as late on each stage as 1F1B's, W p-1 micro-batches
 behind F everywhere, so that no stage holds more than p. Every schedule's lists can be
-checked (`check_actions`): each micro-batch has one
-F and one B (and one W where W is split off) per chunk, and executed in order with
-blocking receives, no rank waits for a message that never comes.
+checked (`check_actions`): each micro-batch has one F and one B (and one W where W is
+split off) per chunk, and executed in order with blocking receives, no rank waits for a
+message that never comes. `simulate` runs them on given F, B and W times: the idle share
+each rank has (the planner's bubble for every schedule).
 """
 
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,9 +64,46 @@ class Action:
     kind: str
     micro: int
     chunk: int = 0
+    with_next: bool = False
+    """DualPipeV's pairs: this forward and the backward after it form one overlapped step."""
 
     def __repr__(self) -> str:
-        return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
+        return (f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
+                + ("&" if self.with_next else ""))
+
+
+V_SHAPED = ("zbv", "dualpipev")
+"""The schedules that place a rank's two chunks in a V (`Placement`)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which virtual stage each (rank, chunk) runs: looped (`chunk * pp + rank`, as
+    interleaved 1F1B) or, for the V-shaped schedules, rank r holds stages r and 2pp-1-r."""
+
+    pp: int
+    chunks: int = 1
+    v: bool = False
+
+    @classmethod
+    def of(cls, schedule: str, pp: int, chunks: int = 1) -> Placement:
+        return cls(pp, chunks, schedule in V_SHAPED)
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.chunks
+
+    def stage(self, rank: int, chunk: int) -> int:
+        if self.v and chunk == 1:
+            return 2 * self.pp - 1 - rank
+        return chunk * self.pp + rank
+
+    def holder(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) of a virtual stage."""
+        chunk, rank = divmod(stage, self.pp)
+        if self.v and chunk == 1:
+            rank = self.pp - 1 - rank
+        return rank, chunk
 
 
 def check(name: str, pp: int, microbatches: int, chunks: int) -> None:
@@ -61,7 +112,14 @@ def check(name: str, pp: int, microbatches: int, chunks: int) -> None:
         raise ConfigError(f"schedule={name!r}: use one of {', '.join(SCHEDULES)}")
     if microbatches < 1:
         raise ConfigError(f"microbatches={microbatches} must be positive")
-    if name == "interleaved":
+    if name in V_SHAPED:
+        if chunks != 2:
+            raise ConfigError(f"schedule {name!r} runs two chunks per rank in a V, not "
+                              f"{chunks}: set virtual_stages = 2")
+        if name == "dualpipev" and microbatches < 2 * pp:
+            raise ConfigError(f"schedule 'dualpipev' needs at least 2 x pp = {2 * pp} "
+                              f"micro-batches, not {microbatches}: raise microbatches")
+    elif name == "interleaved":
         if chunks < 2:
             raise ConfigError("the interleaved schedule needs at least 2 chunks (virtual "
                               "stages) per rank")
@@ -158,12 +216,12 @@ def build(name: str, pp: int, rank: int, microbatches: int, chunks: int = 1) -> 
         return gpipe(pp, rank, microbatches)
     if name == "1f1b":
         return one_f_one_b(pp, rank, microbatches)
-    if name == "zb1p":
-        return list(_zero_bubble(pp, microbatches)[rank])
+    if name in SPLIT:
+        return list(_zero_bubble(name, pp, microbatches)[rank])
     return interleaved(pp, rank, microbatches, chunks)
 
 
-SPLIT = ("zb1p",)
+SPLIT = ("zb1p", "zbv", "dualpipev")
 """The schedules that split each backward into B and W."""
 
 
@@ -178,24 +236,175 @@ def zb_h1(pp: int, rank: int, microbatches: int) -> list[Action]:
     return actions
 
 
-@functools.cache
-def _zero_bubble(pp: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
-    lists = tuple(tuple(zb_h1(pp, rank, microbatches)) for rank in range(pp))
-    check_actions(lists, pp, microbatches, 1)
+def zb_v(pp: int, microbatches: int, times: tuple[float, float, float] = (1, 1, 1)
+         ) -> list[list[Action]]:
+    """Every rank's actions under ZB-V (see the module doc), made by `greedy` on `times`
+    (F, B, W) with at most 2pp chunk-sized micro-batches live per rank."""
+    return greedy(Placement(pp, 2, v=True), microbatches, times, live=2 * pp)
+
+
+def greedy(place: Placement, microbatches: int, times: tuple[float, float, float],
+           live: int) -> list[list[Action]]:
+    """Run the step on `times` (F, B, W) and record what each rank chooses whenever it is
+    free: a ready B (the oldest micro-batch, the later stage first), else a ready F while
+    fewer than `live` micro-batches are held (the later chunk first), else the oldest W.
+    Each chunk runs its forwards and its backwards in micro-batch order."""
+    pp, m = place.pp, microbatches
+    finish: dict[tuple[str, int, int], float] = {}  # (kind, micro, stage) -> end time
+    lists: list[list[Action]] = [[] for _ in range(pp)]
+    free = [0.0] * pp
+    nxt = {(kind, r, c): 0 for kind in "FB" for r in range(pp) for c in range(place.chunks)}
+    waiting: list[deque[tuple[int, int]]] = [deque() for _ in range(pp)]  # W to run
+    held = [0] * pp
+    cost = dict(zip("FBW", times, strict=True))
+
+    def ready(key: tuple[str, int, int], now: float) -> bool:
+        return key in finish and finish[key] <= now
+
+    def choose(r: int, now: float) -> Action | None:
+        order = sorted(range(place.chunks), key=lambda c: -place.stage(r, c))
+        backs = []
+        for c in order:
+            j, s = nxt[("B", r, c)], place.stage(r, c)
+            after = ("B", j, s + 1) if s + 1 < place.stages else ("F", j, s)
+            if j < m and ready(("F", j, s), now) and ready(after, now):
+                backs.append(Action("B", j, c))
+        if backs:
+            return min(backs, key=lambda a: a.micro)
+        for c in order:
+            j, s = nxt[("F", r, c)], place.stage(r, c)
+            if j < m and held[r] < live and (s == 0 or ready(("F", j, s - 1), now)):
+                return Action("F", j, c)
+        if waiting[r]:
+            j, c = waiting[r][0]
+            return Action("W", j, c)
+        return None
+
+    total = 3 * m * place.chunks
+    while any(len(actions) < total for actions in lists):
+        now = min(free[x] for x in range(pp) if len(lists[x]) < total)
+        due = [x for x in range(pp) if len(lists[x]) < total and free[x] == now]
+        chosen = next(((x, a) for x in due if (a := choose(x, now)) is not None), None)
+        if chosen is None:  # the ranks due idle until the next action anywhere ends
+            later = [t for t in [*finish.values(), *free] if t > now]
+            if not later:
+                raise DtrainError(f"pipeline schedule: ranks {due} can never go on")
+            for x in due:
+                free[x] = min(later)
+            continue
+        r, action = chosen
+        stage = place.stage(r, action.chunk)
+        free[r] += cost[action.kind]
+        finish[(action.kind, action.micro, stage)] = free[r]
+        lists[r].append(action)
+        if action.kind == "W":
+            waiting[r].popleft()
+            held[r] -= 1
+        else:
+            nxt[(action.kind, r, action.chunk)] += 1
+            if action.kind == "F":
+                held[r] += 1
+            else:
+                waiting[r].append((action.micro, action.chunk))
     return lists
 
 
-def check_actions(lists: Sequence[Sequence[Action]], pp: int, microbatches: int,
-                  chunks: int) -> None:
+def dualpipe_v(pp: int, rank: int, microbatches: int) -> list[Action]:
+    """Rank `rank`'s actions under DualPipeV (DeepSeek's DualPipe on the V placement), in
+    its eight phases: forwards of chunk 0 to fill the pipe; forwards of both chunks; B and
+    W of chunk 1 beside its forwards; the steady state of pairs, a forward of one chunk
+    with a full backward (B then W) of the other; the last pairs; backwards of both
+    chunks, their W deferred from the middle on; B of chunk 0 beside deferred Ws; the
+    remaining Ws."""
+    p, r, m = pp, rank, microbatches
+    actions: list[Action] = []
+    at = {"F": [0, 0], "B": [0, 0]}
+    deferred: deque[tuple[int, int]] = deque()
+
+    def run(kind: str, chunk: int, with_next: bool = False) -> None:
+        actions.append(Action(kind, at[kind][chunk], chunk, with_next))
+        at[kind][chunk] += 1
+
+    def backward(chunk: int, split: bool) -> None:
+        """B of `chunk`'s next micro-batch, its W at once or (`split`) deferred."""
+        micro = at["B"][chunk]
+        run("B", chunk)
+        if split:
+            deferred.append((micro, chunk))
+        else:
+            actions.append(Action("W", micro, chunk))
+
+    def weights() -> None:
+        micro, chunk = deferred.popleft()
+        actions.append(Action("W", micro, chunk))
+
+    def pair(forward: int) -> None:
+        run("F", forward, with_next=True)
+        backward(1 - forward, split=False)
+
+    for _ in range(2 * (p - r - 1)):
+        run("F", 0)
+    for _ in range(r + 1):
+        run("F", 0)
+        run("F", 1)
+    for _ in range(p - r - 1):
+        backward(1, split=True)
+        weights()
+        run("F", 1)
+    for _ in range(m - 2 * p + r + 1):
+        pair(0)
+        pair(1)
+    for _ in range(p - r - 1):
+        backward(1, split=False)
+        pair(1)
+    split = False
+    for i in range(r + 1):
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        backward(1, split)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        backward(0, split)
+    for _ in range(p - r - 1):
+        weights()
+        backward(0, split=True)
+    for _ in range(r + 1):
+        weights()
+    return actions
+
+
+@functools.cache
+def _zero_bubble(name: str, pp: int, microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    if name == "zbv":
+        made = zb_v(pp, microbatches)
+    elif name == "dualpipev":
+        made = [dualpipe_v(pp, rank, microbatches) for rank in range(pp)]
+    else:
+        made = [zb_h1(pp, rank, microbatches) for rank in range(pp)]
+    lists = tuple(tuple(actions) for actions in made)
+    check_actions(lists, Placement.of(name, pp, 2 if name in V_SHAPED else 1), microbatches)
+    return lists
+
+
+def _needs(a: Action, stage: int, stages: int) -> tuple[str, int, int] | None:
+    """What must be done before `a` on `stage`: the input (F), the output's gradient (B,
+    after its own F) or B (W)."""
+    if a.kind == "F":
+        return ("F", a.micro, stage - 1) if stage > 0 else None
+    if a.kind == "W":
+        return ("B", a.micro, stage)
+    return ("B", a.micro, stage + 1) if stage < stages - 1 else ("F", a.micro, stage)
+
+
+def check_actions(lists: Sequence[Sequence[Action]], place: Placement,
+                  microbatches: int) -> None:
     """Whether every rank's `lists[rank]` can run (see the module doc): one F and one B
     (and one W where any is split off) per micro-batch and chunk, and executed in order
-    with blocking receives, every rank reaches its end. Chunk c of rank r is virtual
-    stage c * pp + r.
+    with blocking receives, every rank reaches its end.
 
     Raises:
         DtrainError: a missing or repeated action, or a rank that would wait forever,
             named with what it waits for.
     """
+    pp, chunks = place.pp, place.chunks
     split = any(a.kind == "W" for actions in lists for a in actions)
     kinds = ("F", "B", "W") if split else ("F", "B")
     for rank, actions in enumerate(lists):
@@ -205,7 +414,6 @@ def check_actions(lists: Sequence[Sequence[Action]], pp: int, microbatches: int,
         if have != want:
             raise DtrainError(f"pipeline schedule: rank {rank}'s actions are not one "
                               f"{'/'.join(kinds)} per micro-batch and chunk")
-    stages = pp * chunks
     done: set[tuple[str, int, int]] = set()  # (kind, micro, stage)
     at = [0] * pp
     while any(at[r] < len(lists[r]) for r in range(pp)):
@@ -213,11 +421,8 @@ def check_actions(lists: Sequence[Sequence[Action]], pp: int, microbatches: int,
         for rank in range(pp):
             while at[rank] < len(lists[rank]):
                 a = lists[rank][at[rank]]
-                stage = a.chunk * pp + rank
-                needs = {"F": ("F", a.micro, stage - 1) if stage > 0 else None,
-                         "B": ("B", a.micro, stage + 1) if stage < stages - 1
-                         else ("F", a.micro, stage),
-                         "W": ("B", a.micro, stage)}[a.kind]
+                stage = place.stage(rank, a.chunk)
+                needs = _needs(a, stage, place.stages)
                 if a.kind == "B" and ("F", a.micro, stage) not in done:
                     needs = ("F", a.micro, stage)
                 if needs is not None and needs not in done:
@@ -231,9 +436,38 @@ def check_actions(lists: Sequence[Sequence[Action]], pp: int, microbatches: int,
                               "each waits for a message that never comes")
 
 
+def simulate(lists: Sequence[Sequence[Action]], place: Placement,
+             times: tuple[float, float, float]) -> tuple[float, list[float]]:
+    """The step's length and each rank's idle share when every F, B and W of a chunk
+    takes `times` (a B not split from its W: B + W), messages free: each action starts
+    when its rank is free and what it needs has ended (lists that pass `check_actions`)."""
+    split = any(a.kind == "W" for actions in lists for a in actions)
+    cost = {"F": times[0], "B": times[1] + (0 if split else times[2]), "W": times[2]}
+    end: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * place.pp
+    busy = [0.0] * place.pp
+    at = [0] * place.pp
+    while any(at[r] < len(lists[r]) for r in range(place.pp)):
+        for rank in range(place.pp):
+            while at[rank] < len(lists[rank]):
+                a = lists[rank][at[rank]]
+                stage = place.stage(rank, a.chunk)
+                needs = [_needs(a, stage, place.stages)] + \
+                    ([("F", a.micro, stage)] if a.kind == "B" else [])
+                if any(n is not None and n not in end for n in needs):
+                    break
+                start = max([free[rank]] + [end[n] for n in needs if n is not None])
+                free[rank] = end[(a.kind, a.micro, stage)] = start + cost[a.kind]
+                busy[rank] += cost[a.kind]
+                at[rank] += 1
+    length = max(free)
+    return length, [1 - b / length for b in busy]
+
+
 def peak_live(actions: Sequence[Action]) -> int:
-    """The most micro-batches whose activations a rank holds at once under `actions`:
-    from a micro-batch's F to its W (its B where backward is not split)."""
+    """The most micro-batches whose activations a rank holds at once under `actions`
+    (of any chunk, each counted): from a micro-batch's F to its W (its B where backward
+    is not split)."""
     split = any(a.kind == "W" for a in actions)
     live = peak = 0
     for a in actions:
@@ -242,8 +476,10 @@ def peak_live(actions: Sequence[Action]) -> int:
     return peak
 
 
-def forward_only(pp: int, microbatches: int, chunks: int = 1) -> list[Action]:
-    """Forwards in the order every rank runs them (evaluation)."""
-    if chunks == 1:
-        return [Action("F", i) for i in range(microbatches)]
+def forward_only(pp: int, microbatches: int, chunks: int = 1, v: bool = False
+                 ) -> list[Action]:
+    """Forwards in the order every rank runs them (evaluation); under the V placement
+    every chunk-0 forward before the chunk-1 ones (sends never block)."""
+    if chunks == 1 or v:
+        return [Action("F", i, c) for c in range(chunks) for i in range(microbatches)]
     return [a for a in interleaved(pp, pp - 1, microbatches, chunks) if a.kind == "F"]
