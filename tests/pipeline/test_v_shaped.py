@@ -20,7 +20,7 @@ from dtrain.checkpoint import universal
 from dtrain.pipeline.schedules import V_SHAPED, Placement, check_actions, peak_live, simulate
 from dtrain.testing import run_ranks
 from tests.models.test_models_train import assert_same_run, run
-from tests.pipeline.test_pipeline import gpt, threads_equal_serial, tokens
+from tests.pipeline.test_pipeline import float32, gpt, serial, threads_equal_serial, tokens
 from tests.pipeline.test_zero_bubble import LLAMA_RUN, _sgd, _trainer_runs
 from tests.support.cli import TINY_MODEL, dtrain, exact_run
 
@@ -125,8 +125,50 @@ def test_v_evaluation_and_inference_equal_the_whole_model() -> None:
     assert results[1]["logits"] is None
 
 
-def _config(folder: Path, name: str, parallel: dict, model: dict = LLAMA_RUN) -> dict:
-    return {"model": model, "data": {"max_bytes": 20_000},
+def _overlapped_rank(base: torch.nn.Module) -> dict:
+    """dualpipev on 2 processes, each pair's backward in a second thread on the second
+    lane beside its forward; the last step's timeline."""
+    import copy
+
+    mesh = Mesh(pp=2)
+    mesh.second_lane()
+    group = mesh.group("pp")
+    model = copy.deepcopy(base)
+    mine = pipeline.pieces_for(pipeline.cut(model, 4), group, "dualpipev")
+    pipe = pipeline.Pipeline(mine, group, microbatches=4, schedule="dualpipev",
+                             loss_fn=pipeline.lm_loss, timeline=True, overlap=True,
+                             tied=pipeline.tied_weights(model, mine, group))
+    opt = _sgd(torch.nn.ModuleList(mine).parameters())
+    losses = []
+    for step in range(3):
+        losses.append(pipe.step(*tokens(step)).item())
+        opt.step()
+        opt.zero_grad()
+    state = {k: v for piece in mine for k, v in piece.state_dict().items()}
+    return {"losses": losses, "state": state, "events": pipe.events}
+
+
+@pytest.mark.timeout(90)
+def test_dualpipev_pairs_overlap_and_equal_one_process() -> None:
+    """Each pair's forward and backward run at once (their spans on the timeline
+    intersect), and the run still equals one process: every loss and final weight."""
+    losses, state = serial(_sgd)
+    results = run_ranks(_overlapped_rank, 2, gpt(), timeout=80)
+    lists = _lists("dualpipev", 2, 4)
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(float32(r["losses"]), float32(losses))
+        for key, value in r["state"].items():
+            torch.testing.assert_close(value, state[key], msg=key)
+        spans = {(kind, micro, chunk): (start, end)
+                 for kind, micro, chunk, start, end in r["events"]}
+        pairs = [(spans[("F", f.micro, f.chunk)], spans[("B", b.micro, b.chunk)])
+                 for f, b in zip(lists[rank], lists[rank][1:], strict=False) if f.with_next]
+        assert pairs and any(f[0] < b[1] and b[0] < f[1] for f, b in pairs), r["events"]
+
+
+def _config(folder: Path, name: str, parallel: dict, model: dict = LLAMA_RUN,
+            memory: dict | None = None) -> dict:
+    return {"model": model, "data": {"max_bytes": 20_000}, "memory": memory or {},
             **exact_run(folder / name, steps=3, batch=8, parallel=parallel)}
 
 
@@ -148,23 +190,30 @@ HF_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
     pytest.param("dualpipev", {"zero": 2}, "llama", marks=pytest.mark.slow),
     pytest.param("zbv", {"tp": 2}, "llama", marks=pytest.mark.slow),
     pytest.param("dualpipev", {"ep": 2, "dp": 2}, "moe", marks=pytest.mark.slow),
+    pytest.param("zbv", {"cp": 2}, "llama", marks=pytest.mark.slow),
+    pytest.param("dualpipev", {"recompute": "full"}, "llama", marks=pytest.mark.slow),
+    pytest.param("dualpipev", {"zero": 3}, "llama", marks=pytest.mark.slow),
 ], ids=["zbv-zero2", "zbv-moe-ep2", "zbv", "dualpipev", "dualpipev-tp2", "zbv-hf",
-        "zbv-zero3", "dualpipev-zero2", "zbv-tp2", "dualpipev-moe-ep2"])
+        "zbv-zero3", "dualpipev-zero2", "zbv-tp2", "dualpipev-moe-ep2", "zbv-cp2",
+        "dualpipev-recompute", "dualpipev-zero3"])
 def test_dtrain_train_with_v_schedules_equals_one_process(tmp_path: Path, schedule: str,
                                                           layout: dict, model: str) -> None:
     """By the Trainer, pp = 2 with two chunks a rank and 4 micro-batches: every step's loss
     and gradient norm. dtrain's Llama (its head tied), moe-tiny with its experts over ep,
-    a transformers Llama built from a config."""
+    a transformers Llama built from a config; with ZeRO, tp, cp and recomputation."""
+    layout = dict(layout)
+    memory = {"recompute": layout.pop("recompute")} if "recompute" in layout else None
     values = {"llama": LLAMA_RUN, "moe": MOE_RUN}.get(model)
     if model == "hf":
         (tmp_path / "config.json").write_text(json.dumps(HF_LLAMA))
         values = {"arch": "hf", "hf_config": str(tmp_path / "config.json"), "block_size": 32}
-    nproc = 2 * layout.get("tp", 1) * (2 if layout.get("zero") or layout.get("dp") else 1)
+    nproc = 2 * layout.get("tp", 1) * layout.get("cp", 1) * (
+        2 if layout.get("zero") or layout.get("dp") else 1)
     one = run_ranks(_trainer_runs, 1, [("one", _config(tmp_path, "one", {"nproc": 1},
                                                        values))], timeout=100)
     got = run_ranks(_trainer_runs, nproc, [("v", _config(tmp_path, "v", {
         "nproc": nproc, "pp": 2, "virtual_stages": 2, "microbatches": 4,
-        "schedule": schedule, **layout}, values))], timeout=250)
+        "schedule": schedule, **layout}, values, memory))], timeout=250)
     torch.testing.assert_close(got[0]["v"], one[0]["one"], rtol=1e-5, atol=1e-6)
 
 

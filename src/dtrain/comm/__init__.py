@@ -30,12 +30,13 @@ from dtrain.comm.collectives import (
 from dtrain.comm.debug import CollectiveMismatch
 from dtrain.comm.group import CollectiveTimeout, Group
 from dtrain.comm.ops import ReduceOp, shard_sizes
-from dtrain.comm.registry import GroupLike, resolve, wrap
+from dtrain.comm.registry import GroupLike, add_twin, resolve, second_lane, wrap
 from dtrain.comm.select import explain
 
 __all__ = [
     "AVAILABLE", "CollectiveMismatch", "CollectiveTimeout", "Group", "GroupLike", "ReduceOp",
-    "all_gather",
+    "add_twin", "all_gather",
     "all_reduce", "all_to_all", "barrier", "broadcast", "explain", "gather", "recv", "reduce",
-    "reduce_scatter", "resolve", "scatter", "send", "shard_sizes", "traffic", "waited", "wrap",
+    "reduce_scatter", "resolve", "scatter", "second_lane", "send", "shard_sizes", "traffic",
+    "waited", "wrap",
 ]

@@ -6,17 +6,25 @@ if needed). A torch process group is wrapped once and the wrapper kept, so its s
 counter, executor and calibration live as long as the world; `forget_all()` drops them at
 `dtrain.shutdown()`. In a world started with backend "shm" the wrapper moves the data
 through shared memory (dtrain.comm.shm, dtrain.comm.algorithms.hierarchical).
+
+A second lane: a thread inside `second_lane()` runs its collectives on each group's twin
+(a process group of the same ranks, `add_twin`), so that two threads of one rank, each on
+its own lane, never interleave their calls on one communicator (a DualPipeV pair's
+forward and backward, dtrain.pipeline.runtime). A group without a twin is refused there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import TypeAlias
 
 import torch.distributed as dist
 
 from dtrain import world as world_mod
 from dtrain.comm.group import Group, OverTorch, TorchGroup
+from dtrain.errors import DtrainError
 
 GroupLike: TypeAlias = Group | dist.ProcessGroup | None
 """What a `group=` argument may be: a dtrain Group, a torch process group, or None (the
@@ -24,6 +32,7 @@ world); `resolve` turns each into a Group."""
 
 _thread = threading.local()
 _wrapped: dict[tuple[int, str], TorchGroup | OverTorch] = {}
+_twins: dict[int, dist.ProcessGroup] = {}  # id of a process group -> its twin's
 
 
 def set_thread_group(group: Group | None) -> None:
@@ -32,11 +41,14 @@ def set_thread_group(group: Group | None) -> None:
 
 
 def resolve(group: GroupLike) -> Group:
-    """The dtrain Group for a `group=` argument.
+    """The dtrain Group for a `group=` argument (on the second lane: its twin's).
 
     Raises:
         TypeError: `group` is neither None, a dtrain Group nor a torch process group.
+        DtrainError: on the second lane, a group without a twin.
     """
+    if getattr(_thread, "lane", 0):
+        return _twin_of(group)
     if isinstance(group, Group):
         return group
     if group is None:
@@ -50,6 +62,39 @@ def resolve(group: GroupLike) -> Group:
             f"group must be a torch ProcessGroup, a dtrain Group or None, not {group!r}"
         )
     return wrap(group, world_mod.current().backend)
+
+
+def add_twin(pg: dist.ProcessGroup, twin: dist.ProcessGroup) -> None:
+    """Make `twin` (the same ranks as `pg`) what the second lane uses for `pg`."""
+    _twins[id(pg)] = twin
+    world_mod.at_shutdown(_twins.clear)
+
+
+@contextlib.contextmanager
+def second_lane() -> Iterator[None]:
+    """Run the calling thread's collectives on the groups' twins inside the block."""
+    _thread.lane = 1
+    try:
+        yield
+    finally:
+        _thread.lane = 0
+
+
+def _twin_of(group: GroupLike) -> Group:
+    pg: dist.ProcessGroup | None = None
+    if isinstance(group, TorchGroup):
+        pg = group.pg
+    elif isinstance(group, OverTorch):
+        pg = group.below.pg
+    elif isinstance(group, dist.ProcessGroup):
+        pg = group
+    elif group is None:
+        pg = dist.group.WORLD
+    twin = _twins.get(id(pg)) if pg is not None else None
+    if twin is None:
+        raise DtrainError(f"a collective on {group!r} inside an overlapped backward: the "
+                          "group has no twin for the second lane (dtrain.Mesh.second_lane)")
+    return wrap(twin, world_mod.current().backend)
 
 
 def wrap(pg: dist.ProcessGroup, backend: str) -> Group:

@@ -71,10 +71,14 @@ class Pipelined(Holding):
         self.module = nn.ModuleList(wrapped)
         self.saved = HeldState(dims, self.optimizers, self.parts, self.names,
                                extras=[CompressionState(self.module)])
+        overlap = dims.schedule == "dualpipev"  # a pair's backward beside its forward
+        if overlap:
+            mesh.second_lane()
         self.pipe = pipeline.Pipeline(wrapped, group, microbatches=dims.microbatches,
                                       schedule=dims.schedule,
                                       loss_fn=loss_fn, tied=tied,
-                                      extra_loss=pipeline.extra_loss_of(model, mine))
+                                      extra_loss=pipeline.extra_loss_of(model, mine),
+                                      overlap=overlap)
         self.groups = {"dp": dp, "tp": mesh.group("tp"), "pp": group,
                        **({"ep": mesh.group("ep")} if experts else {})}
         self.loss_group = dp

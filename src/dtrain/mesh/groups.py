@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from dtrain import world as world_mod
 from dtrain.comm.group import timeout_of
+from dtrain.comm.registry import add_twin
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.mesh.dims import AXES, Dims
 
@@ -90,6 +91,7 @@ class Mesh:
         self._by_members: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._by_axes: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._released = False
+        self._twinned = False
         for axis in AXES:
             self.group(axis)
         _MESHES.add(self)
@@ -168,6 +170,21 @@ class Mesh:
         if key not in self._by_axes:
             self._by_axes[key] = self._group_of(grid.ranks(self.world.rank, key))
         return self._by_axes[key]
+
+    def second_lane(self) -> None:
+        """Give every group made so far, and the world, a twin of the same ranks for
+        collectives a second thread runs at once (dtrain.comm.second_lane: a DualPipeV
+        pair's backward beside its forward). A collective call, as `group` is; once."""
+        if self._twinned:
+            return
+        self._twinned = True
+        world = dist.group.WORLD
+        assert world is not None  # the world this mesh was laid over is started
+        add_twin(world, dist.new_group(timeout=timeout_of(world)))
+        for members, pg in list(self._by_members.items()):
+            if pg is not world:
+                add_twin(pg, dist.new_group(list(members), timeout=timeout_of(world),
+                                                 use_local_synchronization=True))
 
     def __repr__(self) -> str:
         where = self.dims.grid.coords(self.world.rank)

@@ -28,6 +28,8 @@ DataParallel) gives its gradients to the clip that way (dtrain.data_parallel.cli
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -48,6 +50,7 @@ from dtrain.pipeline.split_backward import WeightGrads
 from dtrain.timeline import span
 
 _Piece = TypeVar("_Piece", bound=nn.Module)  # a pipeline piece, of whatever module class
+_T = TypeVar("_T")
 
 _TIED_TAG = 1
 
@@ -105,6 +108,11 @@ class Pipeline:
             dtrain.pipeline.pieces.extra_loss_of), added to the model's: each stage
             backpropagates its own with the gradient from the stages after it, and the
             returned loss counts it.
+        overlap: under "dualpipev", compute each pair's backward in a second thread while
+            its forward computes, the backward's collectives (a MoE layer's all-to-all,
+            tp's, ZeRO's) on the groups' twins (`dtrain.Mesh.second_lane()` makes them
+            first), so one's communication runs under the other's compute. Off: a pair's
+            halves run one after the other, as any schedule's actions.
 
     Raises:
         ConfigError: an unknown schedule, or micro-batches/chunks it cannot use.
@@ -114,12 +122,12 @@ class Pipeline:
                  microbatches: int = 1, schedule: str = "1f1b",
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  tied: Sequence[Tie] = (), timeline: bool = False,
-                 extra_loss: ExtraLoss | None = None) -> None:
+                 extra_loss: ExtraLoss | None = None, overlap: bool = False) -> None:
         self.pieces = [pieces] if isinstance(pieces, nn.Module) else list(pieces)
         self.group = comm.resolve(group)
         self.pp, self.rank, self.chunks = self.group.size, self.group.rank, len(self.pieces)
         self.microbatches, self.schedule, self.loss_fn = microbatches, schedule, loss_fn
-        self.extra_loss = extra_loss
+        self.extra_loss, self.overlap = extra_loss, overlap
         self.actions = schedules.build(schedule, self.pp, self.rank, microbatches, self.chunks)
         self.place = Placement.of(schedule, self.pp, self.chunks)
         self.tied = list(tied)
@@ -231,58 +239,114 @@ class Pipeline:
         self._micro_positions = None if positions is None else self._split(positions,
                                                                            "position")
         self._weights = weights
-        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor,
+                                                 torch.Tensor | None]] = {}
+        self._total = torch.zeros((), dtype=torch.float64, device=self.device)
         self.events, self.peak_live = [], 0
-        origin = time.perf_counter()
-        for index, action in enumerate(actions):
+        self._origin = time.perf_counter()
+        index = 0
+        while index < len(actions):
+            action = actions[index]
+            if action.with_next and backward and self.overlap:
+                self._pair(action, actions[index + 1], index, micro_in, micro_tg)
+                index += 2
+                continue
             start, waited = time.perf_counter(), self._channels.waited
-            kind = SPANS[action.kind]
-            with span(kind, kind, micro=action.micro, chunk=action.chunk):
-                if action.kind == "F":
-                    out, inp = self._forward(action, micro_in, micro_tg, backward)
-                    extra = self._extra(action.chunk)
-                    for loss in ([out] if self._is_last(action.chunk) else []) + \
-                            ([extra] if extra is not None else []):
-                        total += loss.detach().double() * self.microbatches
-                    if backward:
-                        saved[(action.micro, action.chunk)] = (inp, out, extra)
-                        self.peak_live = max(self.peak_live, len(saved))
-                elif action.kind == "B":
-                    inp, out, extra = saved.pop((action.micro, action.chunk))
-                    self._backward(action, inp, out, extra, index)
-                else:
-                    with self._quiet(action.chunk, index):
-                        self.keepers[action.chunk].run(action.micro)
-            if self.timeline:
-                began = start + self._channels.waited - waited
-                self.events.append((action.kind, action.micro, action.chunk,
-                                    began - origin, time.perf_counter() - origin))
+            if action.kind == "F":
+                inp = self._input(action, micro_in, backward)
+                out = self._timed(action, start, waited, functools.partial(
+                    self._forward, action, inp, micro_tg, backward))
+                self._send_output(action, out)
+            elif action.kind == "B":
+                grad = self._output_grad(action)
+                inp = self._timed(action, start, waited,
+                                  functools.partial(self._backward, action, grad, index))
+                self._send_input_grad(action, inp)
+            else:
+                self._timed(action, start, waited,
+                            functools.partial(self._weights_of, action, index))
+            index += 1
         self._channels.flush()
         if backward:
             self._sum_tied()
-        return comm.all_reduce(total, group=self.group).float() / self.microbatches
+        return comm.all_reduce(self._total, group=self.group).float() / self.microbatches
 
-    def _forward(self, action: Action, micro_in, micro_tg,
-                 backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _timed(self, action: Action, start: float, waited: float,
+               compute: Callable[[], _T]) -> _T:
+        """`compute()` as the action's span, and on the timeline from when its compute
+        began (`start` plus the receives' wait since `waited`) to its end."""
+        kind = SPANS[action.kind]
+        with span(kind, kind, micro=action.micro, chunk=action.chunk):
+            result = compute()
+        if self.timeline:
+            began = start + self._channels.waited - waited
+            self.events.append((action.kind, action.micro, action.chunk,
+                                began - self._origin, time.perf_counter() - self._origin))
+        return result
+
+    def _pair(self, f: Action, b: Action, index: int, micro_in, micro_tg) -> None:
+        """DualPipeV's overlapped pair: both halves' messages received, then B computed in
+        a second thread, its collectives on the second lane (dtrain.comm.second_lane),
+        while F computes here; then both halves' messages sent."""
+        inp = self._input(f, micro_in, True)
+        grad = self._output_grad(b)
+        failed: list[BaseException] = []
+        done: list[torch.Tensor] = []
+
+        def backward() -> None:
+            try:
+                with comm.second_lane():
+                    done.append(self._timed(b, time.perf_counter(), self._channels.waited,
+                                            lambda: self._backward(b, grad, index + 1)))
+            except BaseException as exc:  # raised again on the pipeline's thread
+                failed.append(exc)
+
+        thread = threading.Thread(target=backward, name="dtrain-pipeline-backward")
+        thread.start()
+        try:
+            out = self._timed(f, time.perf_counter(), self._channels.waited,
+                              lambda: self._forward(f, inp, micro_tg, True))
+        finally:
+            thread.join()
+        if failed:
+            raise failed[0]
+        self._send_output(f, out)
+        self._send_input_grad(b, done[0])
+
+    def _input(self, action: Action, micro_in, backward: bool) -> torch.Tensor:
+        """The forward's input: the micro-batch on the first stage, else received."""
         chunk = action.chunk
         if self._is_first(chunk):
-            inp = micro_in[action.micro]
-        else:
-            inp = self._channels.recv(self._neighbour(chunk, -1)[0], _tag("act", chunk))
-            inp.requires_grad_(backward and inp.is_floating_point())
+            return micro_in[action.micro]
+        inp = self._channels.recv(self._neighbour(chunk, -1)[0], _tag("act", chunk))
+        return inp.requires_grad_(backward and inp.is_floating_point())
+
+    def _forward(self, action: Action, inp: torch.Tensor, micro_tg,
+                 backward: bool) -> torch.Tensor:
+        """The piece's output (the last stage's: its loss share), kept for the backward,
+        the losses counted."""
+        chunk = action.chunk
         if self._micro_positions is None:
             out = self.pieces[chunk](inp)
         else:
             out = self.pieces[chunk](inp, positions=self._micro_positions[action.micro])
         if self._is_last(chunk):
             loss = self.loss_fn(out, micro_tg[action.micro])
-            if self._weights is None:
-                return loss / self.microbatches, inp
-            return weighted(loss, self._weights[action.micro], out), inp
-        peer, into = self._neighbour(chunk, 1)
-        self._channels.send(out, peer, _tag("act", into))
-        return out, inp
+            out = loss / self.microbatches if self._weights is None else \
+                weighted(loss, self._weights[action.micro], out)
+        extra = self._extra(chunk)
+        for loss in ([out] if self._is_last(chunk) else []) + ([extra] if extra is not None
+                                                                 else []):
+            self._total += loss.detach().double() * self.microbatches
+        if backward:
+            self._saved[(action.micro, chunk)] = (inp, out, extra)
+            self.peak_live = max(self.peak_live, len(self._saved))
+        return out
+
+    def _send_output(self, action: Action, out: torch.Tensor) -> None:
+        if not self._is_last(action.chunk):
+            peer, into = self._neighbour(action.chunk, 1)
+            self._channels.send(out, peer, _tag("act", into))
 
     def _extra(self, chunk: int) -> torch.Tensor | None:
         """The chunk's share of the extra loss of its last forward, per micro-batch (the
@@ -300,23 +364,38 @@ class Pipeline:
             return piece.no_sync()
         return contextlib.nullcontext()
 
-    def _backward(self, action: Action, inp: torch.Tensor, out: torch.Tensor,
-                  extra: torch.Tensor | None, index: int) -> None:
+    def _output_grad(self, action: Action) -> torch.Tensor | None:
+        """The gradient of the backward's output, from the next stage (None on the last)."""
+        if self._is_last(action.chunk):
+            return None
+        return self._channels.recv(self._neighbour(action.chunk, 1)[0],
+                                   _tag("grad", action.chunk))
+
+    def _backward(self, action: Action, grad: torch.Tensor | None, index: int
+                  ) -> torch.Tensor:
+        """B of the saved micro-batch (its weights' products deferred to W under a
+        zero-bubble schedule); the input, its gradient filled."""
         chunk = action.chunk
+        inp, out, extra = self._saved.pop((action.micro, chunk))
         split = self.keepers[chunk].deferring(action.micro) if self.keepers \
             else contextlib.nullcontext()
         with self._quiet(chunk, index), split:
-            if self._is_last(chunk):
+            if grad is None:
                 (out if extra is None else out + extra).backward()
-            else:
-                grad = self._channels.recv(self._neighbour(chunk, 1)[0], _tag("grad", chunk))
-                if extra is None:
-                    torch.autograd.backward(out, grad)
-                else:  # the blocks' own loss joins the gradient from the stages after
-                    torch.autograd.backward([out, extra], [grad, torch.ones_like(extra)])
-        if not self._is_first(chunk):
-            peer, into = self._neighbour(chunk, -1)
+            elif extra is None:
+                torch.autograd.backward(out, grad)
+            else:  # the blocks' own loss joins the gradient from the stages after
+                torch.autograd.backward([out, extra], [grad, torch.ones_like(extra)])
+        return inp
+
+    def _send_input_grad(self, action: Action, inp: torch.Tensor) -> None:
+        if not self._is_first(action.chunk):
+            peer, into = self._neighbour(action.chunk, -1)
             self._channels.send(inp.grad, peer, _tag("grad", into))
+
+    def _weights_of(self, action: Action, index: int) -> None:
+        with self._quiet(action.chunk, index):
+            self.keepers[action.chunk].run(action.micro)
 
     def grad_parts(self, is_split: Callable[[nn.Parameter], bool] | None = None
                    ) -> list[GradPart]:

@@ -29,8 +29,9 @@ dependencies runs. With p stages, m micro-batches and v chunks per rank the idle
 - "dualpipev" (DeepSeek-V3's DualPipe cut in half, the V placement): after a warm-up,
   each rank runs pairs, the forward of one micro-batch with the backward of another
   (`Action.with_next`), so that one's communication can run under the other's compute
-  (dtrain runs a pair's two halves one after the other); the cool-down splits B from W to
-  fill the bubble. Needs at least 2p micro-batches (`dualpipe_v`).
+  (a pair's messages are received before either half computes and sent after both:
+  `Pipeline(overlap=True)` computes the backward in a second thread); the cool-down
+  splits B from W to fill the bubble. Needs at least 2p micro-batches (`dualpipe_v`).
 
 ZB-H1 in its steady state runs, on stage i, F of micro-batch x, B of x - (p-1-i) and W
 of x - (p-1) in turn (`zb_h1`): B as late on each stage as 1F1B's, W p-1 micro-batches
@@ -394,6 +395,26 @@ def _needs(a: Action, stage: int, stages: int) -> tuple[str, int, int] | None:
     return ("B", a.micro, stage + 1) if stage < stages - 1 else ("F", a.micro, stage)
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What a rank runs next: one action, or a DualPipeV pair (a forward and the backward
+    after it, their messages received before either computes and sent after both)."""
+
+    does: tuple[tuple[str, int, int], ...]  # (kind, micro, stage) of each
+    needs: frozenset[tuple[str, int, int]]
+
+
+def _step(actions: Sequence[Action], at: int, rank: int, place: Placement) -> _Step:
+    pair = actions[at:at + 2] if actions[at].with_next else actions[at:at + 1]
+    does = tuple((a.kind, a.micro, place.stage(rank, a.chunk)) for a in pair)
+    needs = set()
+    for a, (_, _, stage) in zip(pair, does, strict=True):
+        needs.add(_needs(a, stage, place.stages))
+        if a.kind == "B":
+            needs.add(("F", a.micro, stage))
+    return _Step(does, frozenset(n for n in needs if n is not None) - set(does))
+
+
 def check_actions(lists: Sequence[Sequence[Action]], place: Placement,
                   microbatches: int) -> None:
     """Whether every rank's `lists[rank]` can run (see the module doc): one F and one B
@@ -420,15 +441,11 @@ def check_actions(lists: Sequence[Sequence[Action]], place: Placement,
         moved = False
         for rank in range(pp):
             while at[rank] < len(lists[rank]):
-                a = lists[rank][at[rank]]
-                stage = place.stage(rank, a.chunk)
-                needs = _needs(a, stage, place.stages)
-                if a.kind == "B" and ("F", a.micro, stage) not in done:
-                    needs = ("F", a.micro, stage)
-                if needs is not None and needs not in done:
+                step = _step(lists[rank], at[rank], rank, place)
+                if any(n not in done for n in step.needs):
                     break
-                done.add((a.kind, a.micro, stage))
-                at[rank] += 1
+                done.update(step.does)
+                at[rank] += len(step.does)
                 moved = True
         if not moved:
             stuck = [f"rank {r} at {lists[r][at[r]]}" for r in range(pp) if at[r] < len(lists[r])]
@@ -450,16 +467,14 @@ def simulate(lists: Sequence[Sequence[Action]], place: Placement,
     while any(at[r] < len(lists[r]) for r in range(place.pp)):
         for rank in range(place.pp):
             while at[rank] < len(lists[rank]):
-                a = lists[rank][at[rank]]
-                stage = place.stage(rank, a.chunk)
-                needs = [_needs(a, stage, place.stages)] + \
-                    ([("F", a.micro, stage)] if a.kind == "B" else [])
-                if any(n is not None and n not in end for n in needs):
+                step = _step(lists[rank], at[rank], rank, place)
+                if any(n not in end for n in step.needs):
                     break
-                start = max([free[rank]] + [end[n] for n in needs if n is not None])
-                free[rank] = end[(a.kind, a.micro, stage)] = start + cost[a.kind]
-                busy[rank] += cost[a.kind]
-                at[rank] += 1
+                took = sum(cost[kind] for kind, _, _ in step.does)
+                free[rank] = max([free[rank]] + [end[n] for n in step.needs]) + took
+                end.update(dict.fromkeys(step.does, free[rank]))
+                busy[rank] += took
+                at[rank] += len(step.does)
     length = max(free)
     return length, [1 - b / length for b in busy]
 
