@@ -370,29 +370,28 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
     step's loss and the final weights equal the one-process run's; the metrics carry each
     MoE layer's balance, and the timeline each MoE forward's dispatch, expert compute and
     combine."""
-    ((one, one_ckpt),) = cli.train_rows_together([(tmp_path / "one", MOE_TOML, [], 4)], 1)
-    first, _ = moe_run(tmp_path / "chain", ["-n", "4", "--set", "parallel.ep=4"], 2)
-    second, _ = moe_run(tmp_path / "chain", ["-n", "2", "--set", "parallel.ep=2", "--resume"], 3)
-    third, chain = moe_run(tmp_path / "chain", ["-n", "1", "--resume"], 4)
+    resume, ep2 = "checkpoint.resume='auto'", "parallel.ep=2"
+    # Forked once per world size (dtrain.testing.run_ranks), not a launch per run.
+    (first, _), piped, diloco, (sharded, _) = cli.train_rows_together([
+        (tmp_path / "chain", MOE_TOML, ["parallel.ep=4"], 2),
+        (tmp_path / "pp", MOE_TOML, ["parallel.pp=2", "parallel.microbatches=2", ep2], 4),
+        (tmp_path / "diloco", MOE_TOML, [ep2, "sync.method='diloco'", "sync.groups=2",
+                                         "sync.every=2"], 4),
+        (tmp_path / "zero", MOE_TOML, ["parallel.zero=2", ep2], 2)], 4)
+    (second, _), recomputed, (resumed, zero_chain) = cli.train_rows_together([
+        (tmp_path / "chain", MOE_TOML, [ep2, resume], 3),
+        (tmp_path / "recompute", MOE_TOML, [ep2, "memory.recompute='full'"], 4),
+        (tmp_path / "zero", MOE_TOML, ["parallel.zero=3", ep2, resume], 4)], 2)
+    (one, one_ckpt), (third, chain) = cli.train_rows_together([
+        (tmp_path / "one", MOE_TOML, [], 4), (tmp_path / "chain", MOE_TOML, [resume], 4)], 1)
     trace = tmp_path / "tp.json"
     tp_ep = moe_run(tmp_path / "tp", ["-n", "4", "--set", "parallel.tp=2", "--set",
                                       "parallel.ep=2", "--timeline", str(trace)], 4)
-    recomputed = moe_run(tmp_path / "recompute", ["-n", "2", "--set", "parallel.ep=2", "--set",
-                                                  "memory.recompute='full'"], 4)
-    piped, _ = cli.train_rows_together(  # on four ranks forked once: no launch for each
-        [(tmp_path / "pp", MOE_TOML, ["parallel.pp=2", "parallel.microbatches=2",
-                                      "parallel.ep=2"], 4),
-         (tmp_path / "diloco", MOE_TOML, ["parallel.ep=2", "sync.method='diloco'",
-                                          "sync.groups=2", "sync.every=2"], 4)], 4)
     groups = [load_file(universal.export(c, c.parent / "model.safetensors")) for c in (
-        tmp_path / "diloco/run/checkpoints", tmp_path / "diloco/run/sync-group-1/checkpoints")]
+        diloco[1], tmp_path / "diloco/run/sync-group-1/checkpoints")]
     for name, value in groups[0].items():  # synchronized at step 4, experts by index too
         if not name.endswith("expert_bias"):  # each sync group's own, from its own load
             torch.testing.assert_close(groups[1][name], value, rtol=0, atol=0, msg=name)
-    sharded, _ = moe_run(tmp_path / "zero", ["-n", "4", "--set", "parallel.zero=2", "--set",
-                                             "parallel.ep=2"], 2)
-    resumed, zero_chain = moe_run(tmp_path / "zero", ["-n", "2", "--set", "parallel.zero=3",
-                                                      "--set", "parallel.ep=2", "--resume"], 4)
     exported = load_file(universal.export(one_ckpt, one_ckpt.parent / "model.safetensors"))
     for rows, ckpt in ((first + second + third, chain), tp_ep, recomputed, piped,
                        (sharded + resumed, zero_chain)):
@@ -577,24 +576,21 @@ def test_arch_hf_moe_trains_in_expert_parallel_layouts(tmp_path: Path) -> None:
     config = tmp_path / "hf.toml"
     config.write_text(HF_MOE_TOML.format(folder=tmp_path / "qwen3"))
 
-    def run(name: str, *args: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-        out, metrics = tmp_path / name, tmp_path / f"{name}.jsonl"
-        result = cli.dtrain("train", str(config), *args, "--set", "train.steps=3", "--set",
-                            f"train.out_dir='{out}'", "--metrics", str(metrics), timeout=170)
-        assert result.returncode == 0, result.stdout + result.stderr
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-        ckpt = out / "checkpoints"
-        return ([r["loss"] for r in rows if "loss" in r],
-                load_file(universal.export(ckpt, out / "model.safetensors")))
+    def trained(rows: list[dict], ckpt: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+        return ([r["loss"] for r in rows],
+                load_file(universal.export(ckpt, ckpt.parent / "model.safetensors")))
 
-    want, weights = run("one", "-n", "1")
-    for args in (["--set", "parallel.tp=2", "--set", "parallel.ep=2"],
-                 ["--set", "parallel.zero=2", "--set", "parallel.ep=4"]):
-        losses, got = run("-".join(args[1::2]), "-n", "4", *args)
+    text = config.read_text()  # forked once per world size, not a launch per run
+    ((rows, ckpt),) = cli.train_rows_together([(tmp_path / "one", text, [], 3)], 1)
+    want, weights = trained(rows, ckpt)
+    for rows, ckpt in cli.train_rows_together([
+            (tmp_path / "tp-ep", text, ["parallel.tp=2", "parallel.ep=2"], 3),
+            (tmp_path / "zero-ep", text, ["parallel.zero=2", "parallel.ep=4"], 3)], 4):
+        losses, got = trained(rows, ckpt)
         torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got, weights, rtol=1e-4, atol=5e-5)
     exported = tmp_path / "export"
-    result = cli.dtrain("export", str(tmp_path / "one" / "checkpoints"), str(exported),
+    result = cli.dtrain("export", str(tmp_path / "one" / "run" / "checkpoints"), str(exported),
                         "--format", "hf")
     assert result.returncode == 0, result.stdout + result.stderr
     model = dtrain.models.build(ModelConfig(arch="hf", init_from=str(tmp_path / "qwen3"),

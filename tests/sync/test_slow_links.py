@@ -17,7 +17,7 @@ from dtrain.checkpoint import universal
 from tests.faults.test_faults import RESTART
 from tests.models.test_models_train import weights
 from tests.support.cli import dtrain, one_error_line
-from tests.train.test_train import TINY, model_of, short_run
+from tests.train.test_train import TINY, forked_run, model_of, short_run
 
 SGD = ["--set", "optimizer.name='sgd'", "--set", "optimizer.momentum=0", "--set",
        "optimizer.grad_clip=0"]  # clipping each sync group is not clipping their mean
@@ -31,7 +31,7 @@ EVERY_STEP_AS_DILOCO = [*DILOCO, "--set", "sync.every=1", "--set",
 def test_diloco_every_step_without_momentum_equals_synchronous(tmp_path: Path) -> None:
     """Two sync groups of one rank, H = 1, outer lr 1, no momentum, SGD inside: each step's
     average of the sync groups' parameters is synchronous data parallelism's step."""
-    every = short_run(tmp_path, "every", ["-n", "2", *SGD])
+    every = forked_run(tmp_path, "every", ["-n", "2", *SGD])
     diloco = short_run(tmp_path, "diloco", ["-n", "2", *SGD, *EVERY_STEP_AS_DILOCO])
     assert "2 sync groups synchronized by diloco every 1 steps" in diloco[2]
     torch.testing.assert_close(diloco[0], every[0], rtol=1e-5, atol=1e-6)
@@ -49,7 +49,7 @@ def test_diloco_of_sync_groups_of_two_ranks_equals_synchronous(
     """The same with two sync groups of two ranks each on 4 ranks: ZeRO-1 inside (each rank
     sends its shard across), or tensor parallelism inside (each its blocks); against
     synchronous data parallelism of the same inside layout."""
-    every = short_run(tmp_path, "every", ["-n", "4", *SGD, *inside])
+    every = forked_run(tmp_path, "every", ["-n", "4", *SGD, *inside])
     diloco = short_run(tmp_path, "diloco", ["-n", "4", *SGD, *EVERY_STEP_AS_DILOCO,
                                             "--set", "sync.groups=2", *inside])
     assert banner in diloco[2]
@@ -64,7 +64,7 @@ def test_diloco_resumed_mid_round_continues_exactly(tmp_path: Path) -> None:
     first round), resumed to 6, equal 6 steps at once; each sync group kept its own
     checkpoints, with the round's anchor and the outer momentum."""
     args = ["-n", "2", *DILOCO, "--set", "sync.every=4"]
-    whole = short_run(tmp_path, "whole", args)
+    whole = forked_run(tmp_path, "whole", args)
     short_run(tmp_path, "run", args, steps=3)
     assert universal.Checkpoint(tmp_path / "run" / "sync-group-1" / "checkpoints").step == 3
     rest = short_run(tmp_path, "run", [*args, "--resume"])
@@ -82,7 +82,7 @@ def test_streaming_diloco_restarted_with_a_sync_in_flight_ends_as_uninterrupted(
     weights of the run that never stopped (a run's end applies the last one)."""
     args = ["-n", "2", *DILOCO, "--set", "sync.every=4",
             "--set", "sync.streaming=true"]
-    whole = short_run(tmp_path, "whole", args)
+    whole = forked_run(tmp_path, "whole", args)
     restarted = short_run(tmp_path, "restarted", [*args, *RESTART],
                           env={"DTRAIN_FAULT": "kill@step=5,rank=1"})
     assert "(step 4)" in restarted[2], restarted[2]
@@ -97,7 +97,7 @@ def test_compressed_run_resumed_continues_exactly(tmp_path: Path) -> None:
     one after the 5 of warm-up, shows in the weights only)."""
     args = ["-n", "2", "--set", "comm.compression='powersgd'",
             "--set", "comm.compression_rank=2"]
-    whole = short_run(tmp_path, "whole", args)
+    whole = forked_run(tmp_path, "whole", args)
     short_run(tmp_path, "run", args, steps=3)
     rest = short_run(tmp_path, "run", [*args, "--resume"])
     torch.testing.assert_close(rest[0], whole[0][3:], rtol=0, atol=0)

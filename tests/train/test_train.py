@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from dtrain.checkpoint import atomic, universal
 from dtrain.data import batches, open_data
 from dtrain.models.gpt import GPT, GPTConfig
-from tests.support.cli import TINY_MODEL, dtrain, one_error_line
+from tests.support.cli import TINY_MODEL, dtrain, one_error_line, train_rows_together
 
 TINY = TINY_MODEL + """
 [data]
@@ -102,6 +102,25 @@ def short_run_result(folder: Path, name: str, args: list[str], steps: int = 6,
                   timeout=170, **run)
 
 
+def forked_run(folder: Path, name: str, args: list[str], steps: int = 6
+               ) -> tuple[list[float], Path]:
+    """short_run's run by the Trainer on ranks forked once (tests.support.cli.
+    train_rows_together), without a launch: (losses, checkpoints). `args`: "-n N" and
+    "--set KEY=VALUE" only (a reference run, whose output nothing reads)."""
+    nproc, overrides = 1, []
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        if flag == "-n":
+            nproc = int(value)
+        else:
+            assert flag == "--set", f"forked_run takes -n and --set, not {flag}"
+            overrides.append(value)
+    overrides += ["model.n_layer=2", "optimizer.schedule='constant'", "logging.sample_tokens=0"]
+    ((rows, checkpoints),) = train_rows_together([(
+        folder / name, TINY.replace("eval_every = 20", "eval_every = 0"), overrides, steps)],
+        nproc)
+    return [r["loss"] for r in rows], checkpoints
+
+
 def model_of(checkpoints: Path) -> dict[str, torch.Tensor]:
     """The plain model's state_dict, as `dtrain export` writes it."""
     out = checkpoints.parent / "model.safetensors"
@@ -109,8 +128,8 @@ def model_of(checkpoints: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    return short_run(tmp_path_factory.mktemp("one"), "one", ["-n", "1"])
+def one_process_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], Path]:
+    return forked_run(tmp_path_factory.mktemp("one"), "one", ["-n", "1"])
 
 
 DP2_TP2 = ["-n", "4", "--set", "parallel.tp=2"]
@@ -168,8 +187,8 @@ def test_export_loads_into_the_plain_model_with_the_same_eval_loss(
     """`dtrain export` to .pt and .safetensors: a state_dict for the unparallelized GPT
     (tied head included) whose held-out loss is the run's final one."""
     folder = one_process_run[1]
-    records = [json.loads(line) for line in (folder.parent.parent / "one.jsonl").read_text()
-               .splitlines()]
+    records = [json.loads(line) for line in (folder.parent.parent / "metrics-0.jsonl")
+               .read_text().splitlines()]
     final = [r["eval_loss"] for r in records if "eval_loss" in r][-1]
     out = tmp_path / "model.pt"
     assert dtrain("export", str(folder), str(out)).returncode == 0
