@@ -317,11 +317,14 @@ def test_pipeline_stages_as_llama_3_ran_them() -> None:
     holds only the embedding, the last only the head); each stage keeps the activations
     its own schedule holds of its own layers (1F1B: p - rank micro-batches)."""
     from dtrain.planner.analytic.cluster import layers_in_flight, stage_layers
+    from dtrain.planner.analytic.published import llama_3_405b
 
-    assert [sum(s) for s in stage_layers(126, 16)] == [7] + [8] * 14 + [7]
-    split = stage_layers(126, 16, 8)
+    llama = llama_3_405b(8192)
+    assert [sum(s) for s in stage_layers(llama, 16)] == [7] + [8] * 14 + [7]
+    split = stage_layers(llama, 16, 8, "interleaved")
     assert split[0] == (0,) + (1,) * 7 and split[-1] == (1,) * 7 + (0,)
-    assert [sum(s) for s in stage_layers(96, 16, 6)] == [6] * 16
+    assert [sum(s) for s in stage_layers(dataclasses.replace(llama, layers=96), 16, 6,
+                                         "interleaved")] == [6] * 16
     assert layers_in_flight(16, 0, 32, (7,)) == 16 * 7
     assert layers_in_flight(16, 1, 32, (8,)) == 15 * 8
     assert layers_in_flight(16, 15, 32, (7,)) == 7

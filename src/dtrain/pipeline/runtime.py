@@ -130,6 +130,9 @@ class Pipeline:
         self.extra_loss, self.overlap = extra_loss, overlap
         self.actions = schedules.build(schedule, self.pp, self.rank, microbatches, self.chunks)
         self.place = Placement.of(schedule, self.pp, self.chunks)
+        self._last_backward = {a.chunk: i for i, a in enumerate(self.actions)
+                               if a.kind in "BW"}
+        """Each chunk's last action making gradients (its piece reduces them there)."""
         self.tied = list(tied)
         # Sharded pieces (ZeRO) keep gradients as shards, not in param.grad. With tied
         # weights they accumulate every micro-batch without communication; the tied
@@ -144,11 +147,6 @@ class Pipeline:
         first = next((p for piece in self.pieces for p in piece.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self._channels = Channels(self.group, self.device)
-        last_backward = {}
-        for i, action in enumerate(self.actions):
-            if action.kind in ("B", "W"):
-                last_backward[action.chunk] = i
-        self._last_backward = last_backward  # each chunk's last action making gradients
         # zero-bubble schedules: each backward in B (the input's gradient) and W (the
         # weights'), the weights' products split (dtrain.pipeline.split_backward)
         self.keepers = [WeightGrads.install(p) for p in self.pieces] \

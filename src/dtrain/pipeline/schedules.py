@@ -19,13 +19,13 @@ dependencies runs. With p stages, m micro-batches and v chunks per rank the idle
   input's gradient as soon as B is done and runs W where 1F1B would wait. No rank holds
   more micro-batches than 1F1B's first stage, p (a micro-batch lives from its F to its
   W); with F, B and W of equal time the bubble is (p-1)(F+B-W), a third of 1F1B's.
-
 - "zbv" (ZB-V, same paper): two chunks per rank placed in a V (`Placement`): rank r holds
   stages r and 2p-1-r, so the first rank holds both ends and the turn at the last rank
   needs no message. Each rank keeps at most 2p chunk-sized micro-batches live, 1F1B's
   peak (a chunk is half a stage), and with F, B and W of equal time the steady state has
-  no bubble: the lists are made by running the schedule on unit costs (`greedy`), each
-  rank taking a ready B first, then an F while under that memory, then a W.
+  no bubble. The paper's fixed order (`zb_v_rank`), whose idle time stays the same for
+  any m whatever the times; with fewer than 2p-1 micro-batches, lists made by running
+  the step on equal times (`greedy`).
 - "dualpipev" (DeepSeek-V3's DualPipe cut in half, the V placement): after a warm-up,
   each rank runs pairs, the forward of one micro-batch with the backward of another
   (`Action.with_next`), so that one's communication can run under the other's compute
@@ -206,6 +206,10 @@ def interleaved(pp: int, rank: int, microbatches: int, chunks: int) -> list[Acti
     return actions + [order(k, True) for k in range(total - warmup, total)]
 
 
+EQUAL = (1.0, 1.0, 1.0)
+"""F, B and W of a chunk taking the same time."""
+
+
 def build(name: str, pp: int, rank: int, microbatches: int, chunks: int = 1) -> list[Action]:
     """The actions rank `rank` of `pp` runs for one step.
 
@@ -237,19 +241,69 @@ def zb_h1(pp: int, rank: int, microbatches: int) -> list[Action]:
     return actions
 
 
-def zb_v(pp: int, microbatches: int, times: tuple[float, float, float] = (1, 1, 1)
-         ) -> list[list[Action]]:
-    """Every rank's actions under ZB-V (see the module doc), made by `greedy` on `times`
-    (F, B, W) with at most 2pp chunk-sized micro-batches live per rank."""
-    return greedy(Placement(pp, 2, v=True), microbatches, times, live=2 * pp)
+def zb_v(pp: int, microbatches: int) -> list[list[Action]]:
+    """Every rank's actions under ZB-V (see the module doc): the paper's handcrafted
+    order (`zb_v_rank`) where there are at least 2pp-1 micro-batches, else the lists
+    `greedy` makes on equal times with at most 2pp chunk-sized micro-batches live."""
+    if microbatches >= 2 * pp - 1:
+        return [zb_v_rank(pp, rank, microbatches) for rank in range(pp)]
+    return greedy(Placement(pp, 2, v=True), microbatches, EQUAL, live=2 * pp)
+
+
+def zb_v_rank(pp: int, rank: int, microbatches: int) -> list[Action]:
+    """Rank `rank`'s ZB-V order (Qi et al., 2023; torch's ScheduleZBVZeroBubble runs the
+    same): 2(p-r)-1 forwards of chunk 0; r of chunk 1 then chunk 0; p-r of F, B and W of
+    chunk 1; the steady state, F, B and W of chunk 0 then of chunk 1; r of B of chunk 0
+    then chunk 1; p-r of B and W of chunk 0; the Ws left, chunk 1's first. A fixed order
+    like 1F1B's: its idle time stays what it is at the first micro-batch whatever the F,
+    B and W times, where lists made for equal times idle more with every micro-batch
+    once W is much shorter than F and B. Needs m >= 2p-1."""
+    p, r, m = pp, rank, microbatches
+    actions: list[Action] = []
+    at = {kind: [0, 0] for kind in "FBW"}
+
+    def run(kind: str, chunk: int) -> None:
+        if at[kind][chunk] < m:
+            actions.append(Action(kind, at[kind][chunk], chunk))
+            at[kind][chunk] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        run("F", 0)
+    for _ in range(r):
+        run("F", 1)
+        run("F", 0)
+    for _ in range(p - r):
+        for kind in "FBW":
+            run(kind, 1)
+    while at["F"][1] < at["F"][0] or at["F"][0] < m:
+        run("F", 0)
+        run("B", 0)
+        run("W", 0)
+        for kind in "FBW":
+            run(kind, 1)
+    for _ in range(r):
+        run("B", 0)
+        run("B", 1)
+    for _ in range(p - r):
+        run("B", 0)
+        run("W", 0)
+    for chunk in (1, 0):
+        while at["W"][chunk] < at["B"][chunk]:
+            run("W", chunk)
+    return actions
 
 
 def greedy(place: Placement, microbatches: int, times: tuple[float, float, float],
            live: int) -> list[list[Action]]:
     """Run the step on `times` (F, B, W) and record what each rank chooses whenever it is
     free: a ready B (the oldest micro-batch, the later stage first), else a ready F while
-    fewer than `live` micro-batches are held (the later chunk first), else the oldest W.
-    Each chunk runs its forwards and its backwards in micro-batch order."""
+    fewer than `live` micro-batches are held (the later stage first; one place kept for
+    the later chunk's forward of a micro-batch the rank holds), else the oldest W. Each
+    chunk runs its forwards and its backwards in micro-batch order.
+
+    Raises:
+        DtrainError: a rank that can never go on.
+    """
     pp, m = place.pp, microbatches
     finish: dict[tuple[str, int, int], float] = {}  # (kind, micro, stage) -> end time
     lists: list[list[Action]] = [[] for _ in range(pp)]
@@ -263,19 +317,22 @@ def greedy(place: Placement, microbatches: int, times: tuple[float, float, float
         return key in finish and finish[key] <= now
 
     def choose(r: int, now: float) -> Action | None:
-        order = sorted(range(place.chunks), key=lambda c: -place.stage(r, c))
-        backs = []
-        for c in order:
+        backs, forwards = [], []
+        for c in range(place.chunks):
             j, s = nxt[("B", r, c)], place.stage(r, c)
             after = ("B", j, s + 1) if s + 1 < place.stages else ("F", j, s)
             if j < m and ready(("F", j, s), now) and ready(after, now):
                 backs.append(Action("B", j, c))
+            j = nxt[("F", r, c)]
+            limit = live
+            if c + 1 < place.chunks and nxt[("F", r, c + 1)] < j:  # keep a place for the
+                limit -= 1  # later chunk's forward of a micro-batch this rank holds
+            if j < m and held[r] < limit and (s == 0 or ready(("F", j, s - 1), now)):
+                forwards.append(Action("F", j, c))
         if backs:
-            return min(backs, key=lambda a: a.micro)
-        for c in order:
-            j, s = nxt[("F", r, c)], place.stage(r, c)
-            if j < m and held[r] < live and (s == 0 or ready(("F", j, s - 1), now)):
-                return Action("F", j, c)
+            return min(backs, key=lambda a: (a.micro, -place.stage(r, a.chunk)))
+        if forwards:
+            return min(forwards, key=lambda a: -place.stage(r, a.chunk))
         if waiting[r]:
             j, c = waiting[r][0]
             return Action("W", j, c)
@@ -287,11 +344,11 @@ def greedy(place: Placement, microbatches: int, times: tuple[float, float, float
         due = [x for x in range(pp) if len(lists[x]) < total and free[x] == now]
         chosen = next(((x, a) for x in due if (a := choose(x, now)) is not None), None)
         if chosen is None:  # the ranks due idle until the next action anywhere ends
-            later = [t for t in [*finish.values(), *free] if t > now]
-            if not later:
+            after = [t for t in [*finish.values(), *free] if t > now]
+            if not after:
                 raise DtrainError(f"pipeline schedule: ranks {due} can never go on")
             for x in due:
-                free[x] = min(later)
+                free[x] = min(after)
             continue
         r, action = chosen
         stage = place.stage(r, action.chunk)
@@ -454,10 +511,12 @@ def check_actions(lists: Sequence[Sequence[Action]], place: Placement,
 
 
 def simulate(lists: Sequence[Sequence[Action]], place: Placement,
-             times: tuple[float, float, float]) -> tuple[float, list[float]]:
+             times: tuple[float, float, float], comm: float = 0.0
+             ) -> tuple[float, list[float]]:
     """The step's length and each rank's idle share when every F, B and W of a chunk
-    takes `times` (a B not split from its W: B + W), messages free: each action starts
-    when its rank is free and what it needs has ended (lists that pass `check_actions`)."""
+    takes `times` (a B not split from its W: B + W) and a message between two ranks
+    `comm`: each action starts when its rank is free and what it needs has ended, plus
+    `comm` where that was on another rank (lists that pass `check_actions`)."""
     split = any(a.kind == "W" for actions in lists for a in actions)
     cost = {"F": times[0], "B": times[1] + (0 if split else times[2]), "W": times[2]}
     end: dict[tuple[str, int, int], float] = {}
@@ -471,7 +530,9 @@ def simulate(lists: Sequence[Sequence[Action]], place: Placement,
                 if any(n not in end for n in step.needs):
                     break
                 took = sum(cost[kind] for kind, _, _ in step.does)
-                free[rank] = max([free[rank]] + [end[n] for n in step.needs]) + took
+                free[rank] = max([free[rank]] + [
+                    end[n] + (comm if place.holder(n[2])[0] != rank else 0.0)
+                    for n in step.needs]) + took
                 end.update(dict.fromkeys(step.does, free[rank]))
                 busy[rank] += took
                 at[rank] += len(step.does)

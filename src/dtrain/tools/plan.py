@@ -12,6 +12,7 @@
         parallel.cp_method=allgather -n 8          # cp layouts attending by all-gather
     dtrain plan --hardware a100-80gb --nodes 192 --model-shape layers=80,hidden=12288,\
         heads=96,seq=2048,vocab=51200 --batch 2304   # a GPU cluster (dtrain.tools.plan_cluster)
+    dtrain plan --schedule-table --pp 4 --microbatches 8 --schedule zbv   # each rank's actions
 
 Figures are per rank, for the busiest rank of each layout (dtrain.planner). The compute
 rate defaults to a matrix multiply timed on this machine; link costs to the calibration
@@ -23,6 +24,12 @@ that does not fit so takes sequence parallelism, then recomputes more (selective
 full), whichever fits at the least time. `--recompute MODE` and `--sequence-parallel
 on|off` fix them instead. Context-parallel layouts (`cp2`: dtrain's GPT and Llama without
 dropout) attend by the config's `[parallel] cp_method`.
+
+Pipelines are planned with each schedule of `--schedules` that can run them (default: 1f1b,
+zb1p, zbv and dualpipev; the cluster planner adds interleaved), cut into stages as
+`[parallel] stage_layers` says. `--schedule-table` prints one pipeline's schedule instead:
+each rank's actions, the step's bubble and each rank's peak of live micro-batches,
+simulated (dtrain.planner.costs).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from dtrain.errors import ConfigError
+from dtrain.mesh.dims import SCHEDULES
 from dtrain.sizes import parse_size
 from dtrain.tools import check_output, plan_cluster, write_json
 
@@ -65,9 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "rank, GB/s (default: measured by dtrain bench comm --calibrate)")
     parser.add_argument("--latency", type=float, default=None, metavar="US",
                         help="seconds per collective call, in microseconds (with --bandwidth)")
-    parser.add_argument("--schedules", default="1f1b", metavar="LIST",
-                        help="pipeline schedules to consider: gpipe, 1f1b, zb1p, comma-separated "
-                             "(default 1f1b)")
+    parser.add_argument("--schedules", default="auto", metavar="LIST",
+                        help="pipeline schedules to consider, comma-separated: "
+                             f"{', '.join(SCHEDULES)} (default auto: 1f1b, zb1p, zbv and "
+                             "dualpipev; with --hardware interleaved too)")
     parser.add_argument("--recompute", default="auto",
                         choices=("auto", "none", "selective", "full"),
                         help="activation recomputation to plan with (default auto: the "
@@ -79,6 +88,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "without)")
     parser.add_argument("--json", metavar="PATH", help="also write the plan as JSON ('-': "
                         "standard output, instead of the table)")
+    table = parser.add_argument_group("one pipeline's schedule (--schedule-table)")
+    table.add_argument("--schedule-table", action="store_true",
+                       help="print each pipeline rank's actions (F3: forward of micro-batch "
+                       "3, B1.1: backward of micro-batch 1 on chunk 1, W0: weights' "
+                       "gradients, F3&: a forward paired with the backward after it), the "
+                       "simulated bubble and each rank's peak of live micro-batches")
+    table.add_argument("--pp", type=int, help="pipeline ranks (default: parallel.pp)")
+    table.add_argument("--microbatches", type=int,
+                       help="micro-batches per step (default: parallel.microbatches)")
+    table.add_argument("--schedule", choices=SCHEDULES,
+                       help="the schedule (default: parallel.schedule)")
+    table.add_argument("--times", metavar="F,B,W", default="1,1,1",
+                       help="relative time of a stage's forward, input gradient and "
+                       "weights' gradients of one micro-batch (default 1,1,1)")
+    table.add_argument("--comm", type=float, metavar="T", default=0.0,
+                       help="time of one message between two ranks, in --times' units "
+                       "(default 0)")
     plan_cluster.add_arguments(parser)
 
 
@@ -133,6 +159,10 @@ def plan_command(args: argparse.Namespace) -> None:
         ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")
         if getattr(args, key) is not None]
     config = load_config(args.config, overrides)
+    if args.schedule_table:
+        schedule_table_command(args, config)
+        return
+    _check_table_flags(args)
     if args.hardware is not None:
         plan_cluster.cluster_plan(args, config, hw_overrides)
         return
@@ -146,9 +176,9 @@ def plan_command(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value:g} must be a positive number")
     if args.latency is not None and not 0 <= args.latency < math.inf:
         raise ConfigError(f"--latency {args.latency:g} must be 0 or more")
-    schedules = tuple(s for s in args.schedules.split(",") if s)
-    if not schedules:
-        raise ConfigError("--schedules is empty: give gpipe, 1f1b or zb1p (several: 1f1b,zb1p)")
+    from dtrain.planner.traced import SCHEDULES as TRACED
+
+    schedules = plan_cluster.schedules_of(args.schedules, TRACED)
     check_output("--json", args.json)
     memory, memory_from = ((parse_size(args.memory, "--memory"), "given") if args.memory
                            else machine.device_memory(devices))
@@ -175,7 +205,7 @@ def plan_command(args: argparse.Namespace) -> None:
                           "recompute_modules out, or plan with --recompute MODE")
     estimates = plan(trace, devices, memory, batch, flops, links, config.optimizer.name,
                      config.train.grad_accum, config.comm.bucket_mb, schedules, modes, seq,
-                     config.parallel.cp_method)
+                     config.parallel.cp_method, config.parallel.stage_layers)
     if not estimates:
         raise ConfigError(f"no layout of {devices} devices splits a batch of {batch}: make "
                           "--batch a multiple of the device count")
@@ -207,6 +237,116 @@ def plan_command(args: argparse.Namespace) -> None:
     _print_table(info, estimates, why)
     if options:
         _print_sync(info["sync"], options)
+
+
+TABLE_ONLY = ("pp", "microbatches", "schedule")
+
+
+def _check_table_flags(args: argparse.Namespace) -> None:
+    """`--pp`, `--microbatches`, `--schedule`, `--times` and `--comm` go with
+    --schedule-table."""
+    given = [f"--{flag}" for flag in TABLE_ONLY if getattr(args, flag) is not None]
+    given += ["--times"] if args.times != "1,1,1" else []
+    given += ["--comm"] if args.comm else []
+    if given:
+        raise ConfigError(f"{', '.join(given)}: for one pipeline's --schedule-table; add it, "
+                          "or leave them out (a plan weighs every layout, with --schedules)")
+
+
+def _times(text: str) -> tuple[float, float, float]:
+    """`--times F,B,W` as three positive numbers.
+
+    Raises:
+        ConfigError: not three positive numbers.
+    """
+    try:
+        times = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        times = ()
+    if len(times) != 3 or not all(0 < t < math.inf for t in times):
+        raise ConfigError(f"--times {text!r}: give three positive numbers F,B,W (a stage's "
+                          "forward, input gradient and weights' gradients), e.g. 1,1,0.5")
+    return times[0], times[1], times[2]
+
+
+def schedule_table(schedule: str, pp: int, microbatches: int, chunks: int,
+                   times: tuple[float, float, float] = (1.0, 1.0, 1.0),
+                   comm: float = 0.0) -> dict:
+    """One pipeline's schedule as `--schedule-table` shows it: each rank's actions (the
+    lists the runtime executes), its peak of live micro-batches (in chunk-sized units) and
+    the stages it holds, and the bubble of the step simulated on `times` (a stage's F, B
+    and W of one micro-batch) with `comm` per message between ranks
+    (dtrain.planner.costs.bubble).
+
+    Raises:
+        ConfigError: the schedule cannot run so, or a negative `comm` (a one-line reason).
+    """
+    from dtrain.pipeline.schedules import check, peak_live
+    from dtrain.planner.costs import action_lists, bubble, placed, schedule_of, step_length
+
+    if pp < 2:
+        raise ConfigError(f"--schedule-table needs a pipeline: pp = {pp}; give --pp 2 or more "
+                          "(or parallel.pp)")
+    if not 0 <= comm < math.inf:
+        raise ConfigError(f"--comm {comm:g} must be 0 or more")
+    check(schedule, pp, microbatches, chunks)
+    named = schedule_of(schedule, chunks)
+    lists = action_lists(named, pp, microbatches, chunks)
+    place = placed(named, pp, chunks)
+    return {"schedule": schedule, "pp": pp, "microbatches": microbatches, "chunks": chunks,
+            "times": list(times), "comm": comm,
+            "bubble": bubble(pp, microbatches, chunks, schedule, times, comm),
+            "step": step_length(named, pp, microbatches, chunks, times, comm),
+            "ranks": [{"rank": r, "stages": [place.stage(r, c) for c in range(chunks)],
+                       "peak_live": peak_live(actions),
+                       "actions": [repr(a) for a in actions]}
+                      for r, actions in enumerate(lists)]}
+
+
+def schedule_table_command(args: argparse.Namespace, config: Config) -> None:
+    """Run `dtrain plan --schedule-table`: the flags, else the config's `[parallel]`."""
+    from dtrain.pipeline.schedules import V_SHAPED
+
+    if args.hardware is not None:
+        raise ConfigError("--schedule-table prints one pipeline's actions: leave --hardware "
+                          "out (a cluster plan weighs the schedules with --schedules)")
+    p = config.parallel
+    schedule = args.schedule or p.schedule
+    chunks = args.virtual_stages
+    if chunks is None:
+        if schedule in V_SHAPED:
+            chunks = 2
+        elif schedule == "interleaved":
+            chunks = max(2, p.virtual_stages)
+        else:
+            chunks = p.virtual_stages
+    table = schedule_table(schedule, p.pp if args.pp is None else args.pp,
+                           p.microbatches if args.microbatches is None else args.microbatches,
+                           chunks, _times(args.times), args.comm)
+    check_output("--json", args.json)
+    if args.json and write_json("--json", args.json, table):
+        return
+    print_schedule_table(table)
+
+
+def print_schedule_table(table: dict, out=sys.stdout) -> None:
+    """`schedule_table`'s figures: a header, then a row per rank."""
+    chunks = table["chunks"]
+    held = "stage" if chunks == 1 else "stages"
+    f, b, w = (f"{t:g}" for t in table["times"])
+    print(f"dtrain plan --schedule-table: {table['schedule']}, pp={table['pp']}, "
+          f"{table['microbatches']} micro-batches, {chunks} chunk{'s' if chunks > 1 else ''} "
+          f"per rank; F, B, W of a stage = {f}, {b}, {w}; a message {table['comm']:g}",
+          file=out)
+    print(f"bubble {table['bubble']:.2%} of a step of {table['step']:g} (every rank busy "
+          f"{table['step'] * (1 - table['bubble']):g}); live: the most micro-batches a rank "
+          "holds (chunk-sized), from F to W (to B where backward is whole)", file=out)
+    width = max(len(held), *(len(",".join(map(str, r["stages"]))) for r in table["ranks"]))
+    print(f"{'rank':>4} {held:>{width}} {'live':>4}  actions", file=out)
+    for row in table["ranks"]:
+        stages = ",".join(map(str, row["stages"]))
+        print(f"{row['rank']:>4} {stages:>{width}} {row['peak_live']:>4}  "
+              f"{' '.join(row['actions'])}", file=out)
 
 
 def _print_table(info: dict, estimates, why: str, out=sys.stdout) -> None:

@@ -30,9 +30,11 @@ import math
 import sys
 
 from dtrain.errors import ConfigError
+from dtrain.mesh.dims import SCHEDULES as NAMES
 from dtrain.planner.analytic.cluster import (
     CHUNKS,
     MICRO_SIZES,
+    SCHEDULES,
     ZERO_STAGES,
     ClusterEstimate,
     Software,
@@ -80,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "alltoall (Ulysses: heads split over cp); default: the fastest")
     group.add_argument("--microbatch", type=int, help="sequences per micro-batch (with "
                        "--layout)")
-    group.add_argument("--virtual-stages", type=int, help="pipeline chunks per GPU, the "
-                       "interleaved schedule (with --layout)")
+    group.add_argument("--virtual-stages", type=int, help="pipeline chunks per GPU: the "
+                       "interleaved schedule's (with --layout; zbv and dualpipev run 2), or "
+                       "--schedule-table's")
     group.add_argument("--zero", type=int, help="ZeRO stage 0-3 (with --layout)")
     group.add_argument("--attention", choices=("flash", "plain"), default="flash",
                        help="kernels: flash (no s x s scores kept, norms keep one tensor; "
@@ -108,6 +111,26 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
         else:
             config.append(item)
     return config, hw
+
+
+def schedules_of(text: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    """`--schedules`: "auto" (`default`) or comma-separated names of the schedules
+    (dtrain.mesh.dims.SCHEDULES).
+
+    Raises:
+        ConfigError: no name, or one that is no schedule.
+    """
+    if text.strip() == "auto":
+        return default
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    if not names:
+        raise ConfigError(f"--schedules is empty: give auto or some of {', '.join(NAMES)} "
+                          "(several: 1f1b,zb1p)")
+    for name in names:
+        if name not in NAMES:
+            raise ConfigError(f"--schedules: schedule={name!r} is not one: use auto or some of "
+                              f"{', '.join(NAMES)}")
+    return names
 
 
 def _layout(args: argparse.Namespace) -> dict[str, int] | None:
@@ -174,11 +197,12 @@ def cluster_plan(args: argparse.Namespace, config, hw_overrides: dict[str, str])
     modes = RECOMPUTE if args.recompute == "auto" else (args.recompute,)
     seq = (False, True) if args.sequence_parallel == "auto" else \
         (args.sequence_parallel == "on",)
+    schedules = schedules_of(args.schedules, SCHEDULES)
     layout = _layout(args)
     if layout is not None:
-        estimates = [_given(shape, cluster, batch, layout, args, modes, seq, soft)]
+        estimates = [_given(shape, cluster, batch, layout, args, modes, seq, soft, schedules)]
     else:
-        estimates = rank(shape, cluster, batch, modes, seq, soft)
+        estimates = rank(shape, cluster, batch, modes, seq, soft, schedules)
         if not estimates:
             raise ConfigError(f"no layout of {cluster.gpus} GPUs splits a batch of {batch} "
                               "with this model: make --batch a multiple of the data-parallel "
@@ -209,19 +233,27 @@ def _resolved_model(config):
 
 
 def _given(shape, cluster: Cluster, batch: int, layout: dict[str, int],
-           args: argparse.Namespace, modes, seq, soft: Software) -> ClusterEstimate:
-    """The given layout with its best options (those not fixed by the flags)."""
+           args: argparse.Namespace, modes, seq, soft: Software,
+           schedules: tuple[str, ...] = SCHEDULES) -> ClusterEstimate:
+    """The given layout with its best options (those not fixed by the flags), its
+    pipeline with the fastest of `schedules` that runs it."""
     tp, pp, dp, ep, cp = (layout[k] for k in ("tp", "pp", "dp", "ep", "cp"))
     micro = (args.microbatch,) if args.microbatch is not None else MICRO_SIZES
     chunks = (args.virtual_stages,) if args.virtual_stages is not None else CHUNKS
     zeros = (args.zero,) if args.zero is not None else ZERO_STAGES
     methods = (args.cp_method,) if args.cp_method else context_methods(shape, tp, cp)
     # the degrees, heads and layers; and, when the flags fix everything, the one choice
+    # one schedule asked for: the layout is checked with it (the V-shaped: on two chunks)
+    first = schedules[0] if len(schedules) == 1 and pp > 1 else None
+    if first in ("zbv", "dualpipev") and args.virtual_stages is None:
+        chunks = (2,)
+    if first == "interleaved" and chunks[0] == 1:
+        first = None
     check_layout(shape, cluster, batch, planned_layout(batch, tp, pp, dp, zeros[0], micro[0],
                                                        chunks[0], modes[0], ep=ep, cp=cp,
-                                                       cp_method=methods[0]))
+                                                       cp_method=methods[0], schedule=first))
     best = best_layout(shape, cluster, batch, tp, pp, dp, micro, chunks, zeros, modes, seq,
-                       soft, ep, cp, methods)
+                       soft, ep, cp, methods, schedules)
     if best is None:
         raise ConfigError(f"--layout {args.layout}: no micro-batch size splits a batch of "
                           f"{batch} over dp={dp}")

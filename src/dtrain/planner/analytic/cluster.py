@@ -12,8 +12,9 @@ is arithmetic on the shape (dtrain.planner.shape) and the hardware's figures
 FSDP): bf16 weights and activations, fp32 gradients, an fp32 master copy and Adam's two
 moments.
 
-Memory of the busiest GPU (of the pipeline stages that differ: the first, the last with
-the logits, and the first of the others holding each split of layers):
+Memory of the busiest GPU (of the pipeline GPUs that differ: the first, the last with
+the logits, under zbv and dualpipev the first with both, and the first of the others
+holding each split of layers):
 
     weights 2Ψ, gradients 4Ψ, optimizer 12Ψ (Ψ the stage's parameters / tp); ZeRO 1
     divides the optimizer by dp x cp (the model is replicated over cp), ZeRO 2 the
@@ -24,11 +25,12 @@ the logits, and the first of the others holding each split of layers):
     with flash attention, whose kernels' norms keep one tensor (`Software.lean_norms`:
     30·s·b·h); 2·s·b·h with full recomputation, plus one layer's working set; s / cp
     tokens of each sequence with context parallelism), times the layers and
-    micro-batches the stage's own schedule keeps in flight (`layers_in_flight`, over
-    dtrain.pipeline.schedules, the lists dtrain's runtime executes; the layers split as
-    `stage_layers` does, one short at the model's ends where they do not divide, as
-    Llama 3 ran); fp32 logits and their gradient on the last stage; and the hardware's
-    `reserved` bytes.
+    micro-batches the stage's own schedule keeps in flight (`layers_in_flight`: 1F1B,
+    interleaved, zb1p, zbv, dualpipev, over dtrain.pipeline.schedules, the lists dtrain's
+    runtime executes, or closed forms tested against them; the layers cut as dtrain's
+    `stage_layers = "auto"` cuts them, the embedding and the head weighing their
+    parameters, and placed as the schedule places them: `stage_layers`); fp32 logits and
+    their gradient on the stage with the head; and the hardware's `reserved` bytes.
 
 Time of one micro-batch through a stage: each matrix multiply (m x k by k x n, bf16)
 takes the longer of its FLOPs at `gemm_efficiency` of the peak rate and its operands'
@@ -45,7 +47,8 @@ inside a node, exposed; cp's exchanges of keys and values per layer (`context_se
 a ring's steps behind the attention of the block in hand, an all-gather and a
 reduce-scatter exposed, or Ulysses' all-to-alls exposed; a micro-batch's work is a
 cp-th of the sequence's); pp's sends of one micro-batch's activations (split over the
-tp GPUs, each on its own network port) at each stage boundary.
+tp GPUs, each on its own network port) at each of the busiest GPU's stage boundaries
+with another GPU (dtrain.planner.costs.sends: the V-shaped schedules twice 1F1B's).
 
 Mixture-of-experts blocks (a shape with `experts`): each MoE layer's routed experts are
 split over `ep` data-parallel GPUs (ep divides dp and the experts) and over tp (the
@@ -64,9 +67,13 @@ on the network to the others, both at once (the slower sets the time), exposed. 
 group is ep consecutive dp ranks, tp x ep consecutive GPUs; the experts' gradients are
 reduced over the dp / ep GPUs holding the same experts, tp x ep apart.
 
-The step is `m · slowest stage + the other stages / v` for m micro-batches and v virtual
-stages (dtrain.planner.costs.pipeline_seconds; the bubble: (p-1)/(v·m) of the ideal for
-equal stages), plus what data parallelism (over dp x cp GPUs) does not hide: the
+The step is `m · slowest stage + fill · the other stages / v` for m micro-batches and v
+virtual stages, `fill` the schedule's fill and drain as a share of 1F1B's, from the
+slowest stage's forward, input-gradient and weight-gradient times
+(dtrain.planner.costs.pipeline_seconds and fill_share: 1 for 1F1B and interleaved, whose
+bubble is (p-1)/(v·m) of the ideal for equal stages; a third of it for zb1p at equal
+times, a sixth for zbv and dualpipev), plus what data parallelism (over dp x cp GPUs)
+does not hide: the
 gradient all-reduce (ZeRO 1: the fp32 gradients reduce-scattered and the updated bf16
 weights all-gathered), hierarchical (reduce-scatter on NVLink among a node's GPUs of the
 group, across nodes on the network, back on NVLink), overlapped with the last
@@ -104,9 +111,17 @@ from dataclasses import dataclass
 
 from dtrain.errors import ConfigError
 from dtrain.mesh import Dims
-from dtrain.pipeline.schedules import build
+from dtrain.pipeline.schedules import SPLIT, V_SHAPED, build
 from dtrain.planner.analytic.hardware import Cluster, Hardware
-from dtrain.planner.costs import pipeline_seconds
+from dtrain.planner.costs import (
+    chunk_sizes,
+    fill_share,
+    holds_ends,
+    live_micro_batches,
+    pipeline_seconds,
+    schedule_of,
+    sends,
+)
 from dtrain.planner.planned import PlannedLayout
 from dtrain.planner.shape import ModelShape
 
@@ -116,21 +131,26 @@ MICRO_SIZES = (1, 2, 4, 8, 16)
 CHUNKS = (1, 2, 3, 4, 6, 8)
 ZERO_STAGES = (0, 1, 2, 3)
 DEFAULT_CP_METHOD = "allgather"  # Llama 3's, where a plan does not choose one
+SCHEDULES = ("1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
+"""The pipeline schedules a plan weighs (gpipe holds more than 1f1b for the same time)."""
 
 
 def planned_layout(batch: int, tp: int, pp: int, dp: int, zero: int = 0, micro_batch: int = 1,
                    virtual: int = 1, recompute: str = "full",
                    sequence_parallel: bool = False, ep: int = 1, cp: int = 1,
-                   cp_method: str = DEFAULT_CP_METHOD) -> PlannedLayout:
+                   cp_method: str = DEFAULT_CP_METHOD,
+                   schedule: str | None = None) -> PlannedLayout:
     """tp x cp x pp x dp GPUs with a ZeRO stage, `micro_batch` sequences per micro-batch
-    of a global batch of `batch`, `virtual` stages per pipeline GPU (the interleaved
-    schedule), recomputation, sequence parallelism, the experts split over `ep` of the dp
-    GPUs and each sequence over `cp` GPUs meeting by `cp_method`: one layout as this
-    planner plans it. A pipeline's micro-batches are those the batch leaves (without one,
-    they are gradient accumulation, as in dtrain's config). `check_layout` says whether
-    it can run."""
+    of a global batch of `batch`, `virtual` stages per pipeline GPU, the pipeline's
+    `schedule` (default: 1f1b, or interleaved over several virtual stages; zbv and
+    dualpipev run two), recomputation, sequence parallelism, the experts split over `ep`
+    of the dp GPUs and each sequence over `cp` GPUs meeting by `cp_method`: one layout as
+    this planner plans it. A pipeline's micro-batches are those the batch leaves (without
+    one, they are gradient accumulation, as in dtrain's config). `check_layout` says
+    whether it can run."""
     m = max(1, batch // max(1, dp * micro_batch)) if pp > 1 else 1
-    dims = Dims(dp, tp, pp, zero, m, "interleaved" if virtual > 1 else "1f1b", virtual,
+    named = schedule_of(schedule or "1f1b", virtual)
+    dims = Dims(dp, tp, pp, zero, m, named, virtual,  # type: ignore[arg-type]  # Dims checks it
                 ep=ep, cp=cp, sequence_parallel=sequence_parallel,
                 cp_method=cp_method)  # type: ignore[arg-type]  # Dims checks it: CP_METHODS
     return PlannedLayout(dims, recompute, micro_batch)
@@ -140,16 +160,19 @@ def cluster_label(planned: PlannedLayout) -> str:
     """A layout as this planner's tables show it, in Megatron-LM's order (tp innermost,
     first): `tp8 x cp16 x pp16 x dp8 x v8 mb1 zero1 sp allgather` (cp: the GPUs a
     sequence is split over, and after the options how they attend; ep: the dp GPUs the
-    experts are split over, as in `tp1 x pp4 x dp16 ep8`; v: virtual stages; mb:
-    sequences per micro-batch)."""
+    experts are split over, as in `tp1 x pp4 x dp16 ep8`; v: virtual stages of the
+    interleaved schedule; the other schedules but 1F1B by name, `tp8 x pp8 x dp24 zbv mb1`;
+    mb: sequences per micro-batch)."""
     layout = planned.dims
     experts = f" ep{layout.ep}" if layout.ep > 1 else ""
     parts = [f"tp{layout.tp}", f"pp{layout.pp}", f"dp{layout.dp}{experts}"]
     if layout.cp > 1:
         parts.insert(1, f"cp{layout.cp}")
-    if layout.virtual_stages > 1:
+    if layout.virtual_stages > 1 and layout.schedule == "interleaved":
         parts.append(f"v{layout.virtual_stages}")
-    text = " x ".join(parts) + f" mb{planned.micro_batch}"
+    named = f" {layout.schedule}" if layout.pp > 1 and \
+        layout.schedule not in ("1f1b", "interleaved") else ""
+    text = " x ".join(parts) + f"{named} mb{planned.micro_batch}"
     return text + (f" zero{layout.zero}" if layout.zero else "") + \
         (" sp" if planned.sequence_parallel else "") + \
         (f" {planned.cp_method}" if layout.cp > 1 else "")
@@ -209,6 +232,7 @@ class ClusterEstimate:
         return {"layout": self.label, "tp": layout.tp, "cp": layout.cp, "pp": layout.pp,
                 "dp": layout.dp, "ep": layout.ep, "cp_method": c.cp_method,
                 "zero": layout.zero, "microbatch": c.micro_batch,
+                "schedule": layout.schedule if layout.pp > 1 else None,
                 "virtual": layout.virtual_stages, "recompute": c.recompute,
                 "sequence_parallel": c.sequence_parallel,
                 "memory_per_gpu_bytes": int(self.memory["total"]),
@@ -290,67 +314,135 @@ def _mlp_activations(shape: ModelShape, tokens: int, moe: bool) -> float:
         2 * 2 * tokens * shape.top_k * shape.hidden + 4 * tokens * shape.experts
 
 
-@functools.cache
-def stage_layers(layers: int, pp: int, virtual: int = 1) -> tuple[tuple[int, ...], ...]:
-    """The layers of each pipeline GPU's chunks (GPU i's chunk j is virtual stage
-    j·pp + i, as dtrain's interleaved schedule and Megatron-LM number them):
-    ceil(layers / (pp·v)) each, one fewer in the chunks at the model's two ends (the
-    first and the last, then the second and the second-to-last, ...) where they do not
-    divide, since the first GPU also runs the embedding and the last the head and the
-    loss; Llama 3 405B's 126 layers over 16 stages: 7, 8 (x 14), 7, as Meta ran them
-    (Dubey et al. 2024, section 3.3.2; Megatron-LM's --decoder-first-pipeline-num-layers
-    and --decoder-last-pipeline-num-layers). So pp·v may exceed the layers by 2: the first
-    chunk holds only the embedding, the last only the head."""
-    chunks = pp * virtual
-    each = math.ceil(layers / chunks)
-    sizes = [each] * chunks
-    ends = dict.fromkeys(k for pair in zip(range(chunks), reversed(range(chunks)), strict=True)
-                         for k in pair)
-    for k in list(ends)[:chunks * each - layers]:
-        sizes[k] -= 1
-    return tuple(tuple(sizes[j * pp + i] for j in range(virtual)) for i in range(pp))
+def end_weights(shape: ModelShape) -> tuple[float, float]:
+    """The input part's parameters (the token and position embeddings) and the output
+    part's (the final norm and the head, a tied one's copy too) in blocks' worth, an
+    average block's: what dtrain's `stage_layers = "auto"` counts on the first and the
+    last stage (dtrain.pipeline.pieces.cut)."""
+    h = shape.hidden
+    block = (shape.dense_layers * shape.block_params()
+             + shape.moe_layers * shape.block_params(moe=True)) / shape.layers
+    gpt = shape.arch == "gpt"
+    inputs = shape.vocab * h + (shape.seq * h if gpt else 0)
+    outputs = shape.vocab * h + (2 * h if gpt else h)
+    return inputs / block, outputs / block
+
+
+def end_weighted_sizes(layers: int, stages: int, first: float = 0.0, last: float = 0.0,
+                       least_end: int = 0) -> list[int]:
+    """Layers of each of `stages` consecutive stages, the heaviest as light as can be when
+    the first also weighs `first` layers and the last `last` (dtrain's "auto" cut,
+    dtrain.pipeline.partition.balanced_sizes, for blocks of equal size): every stage at
+    least one layer, the two ends at least `least_end` (0: a stage may hold the embedding
+    or the head alone, as Megatron-LM can run it). Where several cuts are as good the
+    shorter stages are at the model's ends, the first and the last, then the second and
+    the second-to-last, ...: Llama 3 405B's 126 layers over 16 stages are 7, 8 (x 14), 7,
+    as Meta ran them (Dubey et al. 2024, section 3.3.2; Megatron-LM's
+    --decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers).
+
+    Raises:
+        ConfigError: fewer layers than the stages need.
+    """
+    if stages == 1:
+        return [layers]
+    extra = [first] + [0.0] * (stages - 2) + [last]
+    least = [least_end] + [1] * (stages - 2) + [least_end]
+    if sum(least) > layers:
+        raise ConfigError(f"{layers} layers do not fill {stages} pipeline stages: use at "
+                          f"most {layers + 2 - 2 * least_end} stages (pp x virtual stages)")
+
+    def caps(most: float) -> list[int]:
+        return [max(lo, math.floor(most - e + 1e-9)) for lo, e in zip(least, extra,
+                                                                        strict=True)]
+
+    # the lightest heaviest stage is a whole number of layers plus one of the extras
+    for most in sorted({k + e for k in range(layers + 1) for e in (0.0, first, last)}):
+        if all(lo + e <= most + 1e-9 for lo, e in zip(least, extra, strict=True)) and \
+                sum(caps(most)) >= layers:
+            break
+    sizes = caps(most)
+    ends = list(dict.fromkeys(k for pair in zip(range(stages), reversed(range(stages)),
+                                                strict=True) for k in pair))
+    excess = sum(sizes) - layers
+    while excess:
+        for k in ends:
+            if excess and sizes[k] > least[k]:
+                sizes[k] -= 1
+                excess -= 1
+    return sizes
 
 
 @functools.cache
-def _stage_counts(layers: int, pp: int, virtual: int) -> tuple[tuple[int, bool, bool, int], ...]:
+def stage_layers(shape: ModelShape, pp: int, virtual: int = 1, schedule: str = "1f1b"
+                 ) -> tuple[tuple[int, ...], ...]:
+    """The layers of each pipeline GPU's chunks, in chunk order: the model's layers cut
+    into pp·v stages by `end_weighted_sizes`, the first stage carrying the embedding's
+    parameters and the last the head's as blocks' worth (`end_weights`, dtrain's
+    `stage_layers = "auto"`), and placed as `schedule` places them (GPU i's chunk j is
+    stage j·pp + i as dtrain's interleaved schedule and Megatron-LM number them; under
+    zbv and dualpipev GPU i holds stages i and 2pp-1-i, the embedding and the head both
+    on GPU 0). The ends may hold no layer (the embedding or the head alone) except under
+    the schedules that split backward, whose every stage needs a layer's products."""
+    stages = pp * virtual
+    first, last = end_weights(shape) if stages > 1 else (0.0, 0.0)
+    sizes = end_weighted_sizes(shape.layers, stages, first, last,
+                               1 if schedule in SPLIT else 0)
+    return tuple(tuple(chunks) for chunks in chunk_sizes(sizes, schedule, pp, virtual))
+
+
+@functools.cache
+def _stage_counts(shape: ModelShape, pp: int, virtual: int, schedule: str
+                  ) -> tuple[tuple[int, bool, bool, int], ...]:
     """The pipeline GPUs' (layers, first, last) and how many GPUs have each
-    (`stage_layers`)."""
+    (`stage_layers`; first and last: holding the embedding's stage, the head's)."""
     counts: dict[tuple[int, bool, bool], int] = {}
-    for rank, chunks in enumerate(stage_layers(layers, pp, virtual)):
-        key = (sum(chunks), rank == 0, rank == pp - 1)
+    for rank, chunks in enumerate(stage_layers(shape, pp, virtual, schedule)):
+        key = (sum(chunks), *holds_ends(schedule, pp, virtual, rank))
         counts[key] = counts.get(key, 0) + 1
     return tuple((*key, count) for key, count in counts.items())
 
 
 @functools.cache
-def _stage_kinds(layers: int, pp: int, virtual: int) -> tuple[tuple[tuple[int, ...], int], ...]:
+def _stage_kinds(shape: ModelShape, pp: int, virtual: int, schedule: str
+                 ) -> tuple[tuple[tuple[int, ...], int], ...]:
     """The pipeline GPUs that differ (`stage_layers`), each as (its chunks' layers, its
     rank): the first (the embedding's), the last (the head's), and the first of the others
     holding each split of layers (with the same layers, a later GPU keeps fewer
-    activations in flight)."""
+    activations in flight under 1F1B; under the zero-bubble schedules as many or fewer)."""
     ranks: dict[tuple, int] = {}
-    for rank, chunks in enumerate(stage_layers(layers, pp, virtual)):
-        ranks.setdefault((chunks, rank == 0, rank == pp - 1), rank)
+    for rank, chunks in enumerate(stage_layers(shape, pp, virtual, schedule)):
+        ranks.setdefault((chunks, *holds_ends(schedule, pp, virtual, rank)), rank)
     return tuple((chunks, rank) for (chunks, _, _), rank in ranks.items())
 
 
 @functools.cache
-def layers_in_flight(pp: int, rank: int, microbatches: int, chunks: tuple[int, ...]) -> int:
+def layers_in_flight(pp: int, rank: int, microbatches: int, chunks: tuple[int, ...],
+                     schedule: str = "1f1b") -> int:
     """The most activations, in layers x micro-batches, pipeline GPU `rank` of `pp` keeps
-    between forwards and their backwards (dtrain.pipeline.schedules: 1F1B, or interleaved
-    over several chunks), its chunks holding `chunks` layers: a chunk without a layer
-    (the embedding's alone) keeps nothing."""
+    between forwards and their backwards (their W, under the schedules that split
+    backward), its chunks holding `chunks` layers (dtrain.pipeline.schedules): 1F1B
+    p - rank micro-batches; interleaved counted on its lists (a chunk without a layer
+    keeps nothing); zb1p p on every GPU; the V-shaped schedules by their micro-batch
+    counts at their peak (dtrain.planner.costs.live_micro_batches): zbv 2p of either
+    chunk, as many of each; dualpipev 2p - rank of the first chunk and rank + 1 of the
+    second."""
+    named = schedule_of(schedule, len(chunks))
     if pp == 1:  # one micro-batch at a time (gradient accumulation)
         return sum(chunks)
-    if len(chunks) == 1:  # 1F1B: p - rank - 1 warm-up forwards, then one more each backward
-        return min(pp - rank, microbatches) * chunks[0]
-    # interleaved: the warm-up forwards, then a forward and a backward at a time, whose
-    # chunks repeat every pp x v of them: 3 x pp micro-batches reach the most there is
-    live = most = 0
-    for action in build("interleaved", pp, rank, min(microbatches, 3 * pp), len(chunks)):
-        live += chunks[action.chunk] if action.kind == "F" else -chunks[action.chunk]
-        most = max(most, live)
-    return most
+    if named == "interleaved":
+        # the warm-up forwards, then a forward and a backward at a time, whose chunks
+        # repeat every pp x v of them: 3 x pp micro-batches reach the most there is
+        live = most = 0
+        for action in build("interleaved", pp, rank, min(microbatches, 3 * pp), len(chunks)):
+            live += chunks[action.chunk] if action.kind == "F" else -chunks[action.chunk]
+            most = max(most, live)
+        return most
+    if named == "dualpipev":
+        return (2 * pp - rank) * chunks[0] + (rank + 1) * chunks[1]
+    count = live_micro_batches(named, pp, rank, microbatches)
+    if named in V_SHAPED:
+        return count * sum(chunks) // 2
+    return count * chunks[0]
 
 
 def _collective(nbytes: float, n: int, share: float, link_gbps: float, latency_us: float,
@@ -432,16 +524,20 @@ def attention_seconds(shape: ModelShape, c: PlannedLayout, hw: Hardware,
 
 @functools.cache
 def _stage_seconds(shape: ModelShape, c: PlannedLayout, layers: int, last: bool,
-                   cluster: Cluster, soft: Software) -> tuple[float, float, float, float, float]:
-    """(compute, tp communication, cp exchanges, ep all-to-all, backward compute) of one
-    micro-batch on one stage of `layers` layers, the MoE layers among them in the model's
-    proportion (`c` as `_per_micro_batch` gives it: the key of its cache, which the
-    searches hit for every data and pipeline degree, ZeRO stage and schedule)."""
+                   cluster: Cluster, soft: Software
+                   ) -> tuple[float, float, float, float, float, float, float]:
+    """(compute, tp communication, cp exchanges, ep all-to-all, backward compute, forward
+    compute, weight-gradient compute) of one micro-batch on one stage of `layers` layers,
+    the MoE layers among them in the model's proportion (`c` as `_per_micro_batch` gives
+    it: the key of its cache, which the searches hit for every data and pipeline degree,
+    ZeRO stage and schedule). The weights' gradients (W, which the zero-bubble schedules
+    run apart) are the products of forward's linear layers again; the input's gradient (B)
+    is the rest of backward, recomputation included."""
     hw = cluster.hardware
     h, t, cp = shape.hidden, c.dims.tp, c.dims.cp
     tokens = c.micro_batch * shape.seq // cp
     share = shape.moe_layers / shape.layers
-    compute = backward = cp_s = 0.0
+    compute = backward = cp_s = forwards = weights = 0.0
     # a LoRA base computes no weight gradients (its adapters' products are negligible);
     # DPO's reference forward runs beside each forward, without backward
     frozen = 1.0 if shape.lora else 0.0
@@ -457,10 +553,15 @@ def _stage_seconds(shape: ModelShape, c: PlannedLayout, layers: int, last: bool,
         back = 2 * forward - frozen * linear_s + again
         compute += count * (forward + back + reference * forward)
         backward += count * back
+        forwards += count * (1 + reference) * forward
+        weights += count * (1 - frozen) * linear_s
         cp_s += count * context_seconds(shape, c, attention_s, cluster)
     if last:  # the output head: logits forward and backward, and the loss
-        compute += (3 - frozen + reference) * gemm_seconds(tokens, shape.vocab / t, h, hw)
-        compute += 12 * tokens * shape.vocab / t / _bandwidth(hw)
+        logits = gemm_seconds(tokens, shape.vocab / t, h, hw)
+        loss = 12 * tokens * shape.vocab / t / _bandwidth(hw)
+        compute += (3 - frozen + reference) * logits + loss
+        forwards += (1 + reference) * logits + loss
+        weights += (1 - frozen) * logits
     link, latency = _link(t <= cluster.gpus_per_node, hw)
     reductions = 4 + (2 if c.recompute == "full" else 0)
     calls = 2 if c.sequence_parallel else 1
@@ -469,7 +570,7 @@ def _stage_seconds(shape: ModelShape, c: PlannedLayout, layers: int, last: bool,
     exchanges = 4 + (2 if c.recompute == "full" else 0)  # dispatch and combine each way
     ep_s = layers * share * exchanges * all_to_all_seconds(
         all_to_all_bytes(shape, c.micro_batch, t, cp), c.dims.ep, t * cp, cluster)
-    return compute, tp_s, cp_s, ep_s, backward
+    return compute, tp_s, cp_s, ep_s, backward, forwards, weights
 
 
 def kv_block_bytes(shape: ModelShape, micro_batch: int, tp: int, cp: int) -> float:
@@ -586,23 +687,29 @@ def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
     layout = c.dims
     pp, v = layout.pp, layout.virtual_stages
     m = batch // (layout.dp * c.micro_batch)
-    kinds = _stage_counts(shape.layers, pp, v)
+    kinds = _stage_counts(shape, pp, v, layout.schedule)
     micro = _per_micro_batch(c)
     stages = [_stage_seconds(shape, micro, layers, last, cluster, soft)
               for layers, _, last, _ in kinds]
-    # pipeline sends: activations forward, gradients back, split over the tp GPUs' ports
+    # pipeline sends: activations forward, gradients back, split over the tp GPUs' ports;
+    # the busiest GPU's (the V-shaped schedules: twice 1F1B's, two chunks a GPU)
     tokens = c.micro_batch * shape.seq // layout.cp
     beyond = layout.tp * layout.cp * layout.dp >= cluster.gpus_per_node
     p2p = 0.0
     if pp > 1:
-        p2p = 2 * v * _collective(2 * tokens * shape.hidden / layout.tp, 2, 1.0,
-                                  *_link(not beyond, hw), hw)
+        p2p = _most_sends(layout.schedule, pp, v) * _collective(
+            2 * tokens * shape.hidden / layout.tp, 2, 1.0, *_link(not beyond, hw), hw)
     totals = [sum(stage[:4]) + p2p for stage in stages]
     slowest = max(totals)
-    slow_compute, slow_tp, slow_cp, slow_ep, backward = stages[totals.index(slowest)]
-    # every GPU's per micro-batch, the differing ones standing for those like them
+    slow_compute, slow_tp, slow_cp, slow_ep, backward, forward, weights_s = \
+        stages[totals.index(slowest)]
+    # every GPU's per micro-batch, the differing ones standing for those like them; the
+    # others fill and drain as the schedule lets them (its bubble at the slowest stage's
+    # forward, input-gradient and weight-gradient times)
+    fill = fill_share(layout.schedule, (forward, slow_compute - forward - weights_s,
+                                        weights_s)) if pp > 1 else 1.0
     pipeline = pipeline_seconds([total for total, (*_, count) in zip(totals, kinds, strict=True)
-                                 for _ in range(count)], m, v)
+                                 for _ in range(count)], m, v, fill)
     dense, experts = max((_trained(shape, layers, first, last, layout)
                           for layers, first, last, _ in kinds), key=sum)
     weights = max((_held(shape, layers, first, last, layout)
@@ -637,6 +744,13 @@ def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
         tokens_per_s=tokens_step / step,
         tflops_per_gpu=tokens_step * _flops(shape, c.recompute) / step / gpus / 1e12,
         mfu=tokens_step * _flops(shape) / step / gpus / hw.peak_flops)
+
+
+@functools.cache
+def _most_sends(schedule: str, pp: int, virtual: int) -> int:
+    """Messages per micro-batch of the pipeline GPU sending the most
+    (dtrain.planner.costs.sends)."""
+    return max(sends(schedule, pp, virtual, rank) for rank in range(pp))
 
 
 @functools.cache
@@ -746,11 +860,12 @@ def _memory(shape: ModelShape, c: PlannedLayout, m: int, hw: Hardware,
     if _expert_dp(layout) > 1:  # experts not already whole on the GPU
         block += shape.experts * shape.expert_params() / (layout.tp * layout.ep)
     out = []
-    for chunks, rank in _stage_kinds(shape.layers, pp, layout.virtual_stages):
-        last = rank == pp - 1
-        dense, experts = _held(shape, sum(chunks), rank == 0, last, layout)
-        dense_t, experts_t = _trained(shape, sum(chunks), rank == 0, last, layout)
-        acts = layers_in_flight(pp, rank, m, chunks) * per_layer + working + \
+    schedule = layout.schedule
+    for chunks, rank in _stage_kinds(shape, pp, layout.virtual_stages, schedule):
+        first, last = holds_ends(schedule, pp, layout.virtual_stages, rank)
+        dense, experts = _held(shape, sum(chunks), first, last, layout)
+        dense_t, experts_t = _trained(shape, sum(chunks), first, last, layout)
+        acts = layers_in_flight(pp, rank, m, chunks, schedule) * per_layer + working + \
             (logits if last else 0.0)
         weights = WEIGHT * (dense + experts)
         grads = GRAD * (dense_t + experts_t)  # what trains: gradients, optimizer state

@@ -5,15 +5,21 @@ The figures are data: Megatron-LM's Table 1 (Narayanan et al., 2021, "Efficient
 Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"), the 530B runs of
 Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models")
 and Llama 3 405B's Table 4 (Dubey et al., 2024, "The Llama 3 Herd of Models"); each helper
-plans a published layout as its authors ran it.
+plans a published layout as its authors ran it. The Zero Bubble paper's bubble rates and
+the times they were computed from check the pipeline schedules' bubbles
+(dtrain.planner.costs; tests/planner/test_plan_zero_bubble.py,
+benchmarks/plan_zero_bubble.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from dtrain.errors import DtrainError
 from dtrain.planner.analytic.cluster import CHUNKS, ClusterEstimate, Software
 from dtrain.planner.analytic.hardware import Cluster, hardware
 from dtrain.planner.analytic.search import best_layout
+from dtrain.planner.costs import bubble, fill_share
 from dtrain.planner.shape import ModelShape
 
 # params (B), heads, hidden, layers, tp, pp, GPUs, global batch, achieved TFLOP/s per GPU;
@@ -47,6 +53,10 @@ LLAMA_3_TABLE_4 = [
 ]
 
 
+MEGATRON_SCHEDULES = ("1f1b", "interleaved")
+"""The schedules those runs used: Megatron-LM's 1F1B, interleaved over virtual stages."""
+
+
 def megatron_row(row: tuple) -> tuple[ModelShape, Cluster, float, int, int, int, int, float]:
     """A row of MEGATRON_TABLE_1 as (shape, cluster, parameters in billions, tp, pp, GPUs,
     global batch, published TFLOP/s per GPU)."""
@@ -65,7 +75,8 @@ def published_layout(shape: ModelShape, cluster: Cluster, batch: int, tp: int, p
         DtrainError: the planner predicts the published layout does not fit.
     """
     best = best_layout(shape, cluster, batch, tp, pp, cluster.gpus // (tp * pp),
-                       zeros=(0,), recompute=(recompute,), sequence_parallel=(sp,), soft=soft)
+                       zeros=(0,), recompute=(recompute,), sequence_parallel=(sp,), soft=soft,
+                       schedules=MEGATRON_SCHEDULES)
     if best is None or not best.fits:
         raise DtrainError("the published layout is predicted not to fit")
     return best
@@ -89,7 +100,165 @@ def llama_row(row: tuple) -> tuple[ClusterEstimate, float]:
     shape = llama_3_405b(seq)
     cluster = Cluster(hardware("h100-80gb"), gpus // 8, 8)
     best = best_layout(shape, cluster, batch, tp, pp, dp, (1, 2), CHUNKS, (1,),
-                       sequence_parallel=(True,), cp=cp, cp_methods=("allgather",))
+                       sequence_parallel=(True,), cp=cp, cp_methods=("allgather",),
+                       schedules=MEGATRON_SCHEDULES)
     if best is None or not best.fits:
         raise DtrainError("the published layout is predicted not to fit")
     return best, best.tokens_per_s * shape.model_flops_per_token(causal=True) / gpus / 1e12
+
+
+# Qi et al., "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241, ICLR 2024), GPT-3-like
+# models on A100 80GB (Megatron-LM), sequence 1024. Table 3: layers, pipeline stages and
+# micro-batch size; Table 9 (appendix D): the profiled T_F, T_B, T_W and T_comm (ms) of one
+# stage and one micro-batch, from which Table 5 computes its bubble rates, (cost -
+# m(T_F + T_B + T_W)) / cost, cost the longest stage's time (section 5.3). 1F1B-I runs a
+# layer per chunk; ZB-1p is the schedule searched within 1F1B's memory, ZB-H1 the
+# handcrafted one (dtrain's zb1p); ZB-2p and ZB-H2 hold twice as much (dtrain has neither).
+ZERO_BUBBLE_LAYERS = {"1.5B": 22, "6.2B": 30, "14.6B": 46, "28.3B": 62}
+# model, p, m, T_F, T_B, T_W, T_comm
+ZERO_BUBBLE_TABLE_9 = [
+    ("1.5B", 8, 24, 18.522, 18.086, 9.337, 0.601),
+    ("1.5B", 8, 32, 18.513, 18.086, 9.331, 0.626),
+    ("1.5B", 8, 64, 18.546, 18.097, 9.321, 0.762),
+    ("6.2B", 8, 24, 29.718, 29.444, 19.927, 0.527),
+    ("6.2B", 8, 32, 29.802, 29.428, 19.530, 0.577),
+    ("6.2B", 8, 64, 29.935, 29.621, 19.388, 0.535),
+    ("14.6B", 16, 48, 11.347, 11.248, 8.132, 0.377),
+    ("14.6B", 16, 64, 11.307, 11.254, 8.101, 0.379),
+    ("14.6B", 16, 128, 11.325, 11.308, 8.109, 0.378),
+    ("28.3B", 32, 96, 10.419, 10.207, 7.715, 0.408),
+    ("28.3B", 32, 128, 10.408, 10.204, 7.703, 0.408),
+    ("28.3B", 32, 256, 10.402, 10.248, 7.698, 0.460),
+]
+# model, p, m, bubble rate of 1F1B, 1F1B-I, ZB-H1, ZB-H2, ZB-1p, ZB-2p
+ZERO_BUBBLE_TABLE_5 = [
+    ("1.5B", 8, 24, 0.2431, 0.1055, 0.1585, 0.1083, 0.1585, 0.0433),
+    ("1.5B", 8, 32, 0.1985, 0.0818, 0.1242, 0.0837, 0.1242, 0.0039),
+    ("1.5B", 8, 64, 0.1240, 0.0443, 0.0674, 0.0444, 0.0674, 0.0026),
+    ("6.2B", 8, 24, 0.2347, 0.0808, 0.1323, 0.0698, 0.1323, 0.0029),
+    ("6.2B", 8, 32, 0.1898, 0.0628, 0.1045, 0.0559, 0.1045, 0.0022),
+    ("6.2B", 8, 64, 0.1091, 0.0320, 0.0554, 0.0294, 0.0554, 0.0010),
+    ("14.6B", 16, 48, 0.2552, 0.1104, 0.1397, 0.0672, 0.1397, 0.0066),
+    ("14.6B", 16, 64, 0.2082, 0.0852, 0.1088, 0.0516, 0.1088, 0.0054),
+    ("14.6B", 16, 128, 0.1251, 0.0445, 0.0576, 0.0266, 0.0576, 0.0028),
+    ("28.3B", 32, 96, 0.2646, 0.1493, 0.1421, 0.0641, 0.1421, 0.0038),
+    ("28.3B", 32, 128, 0.2168, 0.1164, 0.1106, 0.0490, 0.1106, 0.0029),
+    ("28.3B", 32, 256, 0.1352, 0.0624, 0.0594, 0.0257, 0.0594, 0.0018),
+]
+# Table 8: the ZB-V runs (section 6: 2p chunks, micro-batches of 6, 2, 2 sequences); its
+# times are not published (Table 9 holds section 5's). model, p, m, bubble rate of 1F1B,
+# 1F1B-I, ZB-H1, ZB-H2, ZB-V
+ZERO_BUBBLE_TABLE_8 = [
+    ("6.2B", 16, 48, 0.2668, 0.1499, 0.1536, 0.0823, 0.0697),
+    ("6.2B", 16, 64, 0.2206, 0.1169, 0.1198, 0.0630, 0.0533),
+    ("6.2B", 16, 128, 0.1390, 0.0621, 0.0637, 0.0325, 0.0274),
+    ("14.6B", 24, 72, 0.2699, 0.1519, 0.1439, 0.0628, 0.0638),
+    ("14.6B", 24, 96, 0.2229, 0.1184, 0.1121, 0.0480, 0.0483),
+    ("14.6B", 24, 192, 0.1403, 0.0630, 0.0595, 0.0247, 0.0250),
+    ("28.3B", 32, 96, 0.2676, 0.1509, 0.1429, 0.0629, 0.0593),
+    ("28.3B", 32, 128, 0.2204, 0.1177, 0.1111, 0.0478, 0.0451),
+    ("28.3B", 32, 256, 0.1362, 0.0626, 0.0593, 0.0251, 0.0236),
+]
+
+
+def zero_bubble_times(model: str, p: int, m: int) -> tuple[tuple[float, float, float], float]:
+    """((T_F, T_B, T_W), T_comm) of Table 9's run of `model` at p stages and m
+    micro-batches, or (for Table 8's runs) of its run of `model` at the same m's rank among
+    its three, the nearest setting published.
+
+    Raises:
+        KeyError: a model the paper did not run.
+    """
+    rows = [r for r in ZERO_BUBBLE_TABLE_9 if r[0] == model]
+    if not rows:
+        raise KeyError(f"the Zero Bubble paper ran no {model} model")
+    exact = [r for r in rows if r[1:3] == (p, m)]
+    if exact:
+        row = exact[0]
+    else:
+        ms = sorted(r[2] for r in ZERO_BUBBLE_TABLE_8 if r[0] == model)
+        row = rows[ms.index(m)]
+    return (row[3], row[4], row[5]), row[6]
+
+
+def interleaved_chunks(model: str, p: int) -> int:
+    """1F1B-I's chunks per stage: a layer each, as many as a middle stage's layers."""
+    return -(-ZERO_BUBBLE_LAYERS[model] // p)
+
+
+@dataclass(frozen=True)
+class BubbleCheck:
+    """dtrain's bubble of a schedule against the Zero Bubble paper's, on the paper's times.
+
+    `ours` is `dtrain.planner.costs.bubble` (dtrain's own action lists simulated with the
+    paper's T_F, T_B, T_W and T_comm, what `command` prints) or, where `closed_form`, the
+    cluster planner's `fill_share` (messages free)."""
+
+    model: str
+    p: int
+    m: int
+    schedule: str  # dtrain's
+    published: str  # the paper's column
+    paper: float
+    ours: float
+    times: tuple[float, float, float]
+    comm: float
+    chunks: int = 1
+    closed_form: bool = False
+
+    @property
+    def relative(self) -> float:
+        """ours / paper - 1."""
+        return self.ours / self.paper - 1
+
+    @property
+    def command(self) -> str:
+        """The command that prints `ours` (the closed form: the benchmark's)."""
+        if self.closed_form:
+            return "python -m benchmarks.plan_zero_bubble"
+        chunks = f" --virtual-stages {self.chunks}" if self.schedule == "interleaved" else ""
+        times = ",".join(f"{t:g}" for t in self.times)
+        return (f"dtrain plan --schedule-table --pp {self.p} --microbatches {self.m} "
+                f"--schedule {self.schedule}{chunks} --times {times} --comm {self.comm:g}")
+
+
+def _check(model: str, p: int, m: int, schedule: str, published: str, paper: float,
+           chunks: int = 1, closed_form: bool = False) -> BubbleCheck:
+    times, comm = zero_bubble_times(model, p, m)
+    if closed_form:
+        total = sum(times)
+        idle = fill_share(schedule, times) * (p - 1) * total / chunks
+        ours = idle / (m * total + idle)
+    else:
+        ours = bubble(p, m, chunks, schedule, times, comm)
+    return BubbleCheck(model, p, m, schedule, published, paper, ours, times, comm, chunks,
+                       closed_form)
+
+
+def zero_bubble_checks() -> list[BubbleCheck]:
+    """Table 5's rows: 1F1B, 1F1B-I (dtrain's interleaved at a layer a chunk) and ZB-H1
+    (= ZB-1p there; dtrain's zb1p) against dtrain's lists on Table 9's times."""
+    checks = []
+    for model, p, m, one, inter, h1, _, _, _ in ZERO_BUBBLE_TABLE_5:
+        checks += [_check(model, p, m, "1f1b", "1F1B", one),
+                   _check(model, p, m, "interleaved", "1F1B-I", inter,
+                          interleaved_chunks(model, p)),
+                   _check(model, p, m, "zb1p", "ZB-H1 (= ZB-1p)", h1)]
+    return checks
+
+
+def zero_bubble_v_checks(models: tuple[str, ...] = ("6.2B", "14.6B", "28.3B"),
+                         most: int | None = None) -> list[BubbleCheck]:
+    """Table 8's rows of `models` (m up to `most`): ZB-V against dtrain's zbv lists and
+    against the cluster planner's closed form, with 1F1B and ZB-H1 beside them, all on
+    Table 9's times of the same model (Table 8's own are not published; the 28.3B runs
+    have the same p and m in both tables)."""
+    checks = []
+    for model, p, m, one, _, h1, _, zbv in ZERO_BUBBLE_TABLE_8:
+        if model not in models or (most is not None and m > most):
+            continue
+        checks += [_check(model, p, m, "1f1b", "1F1B", one),
+                   _check(model, p, m, "zb1p", "ZB-H1", h1),
+                   _check(model, p, m, "zbv", "ZB-V", zbv, 2),
+                   _check(model, p, m, "zbv", "ZB-V", zbv, 2, closed_form=True)]
+    return checks

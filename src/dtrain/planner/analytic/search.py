@@ -9,9 +9,12 @@ key/value heads and staying inside a node, cp cutting each sequence into 2 x cp 
 (the sequence divides by 2 x cp), pp at most the layers, and dp x micro-batch dividing the
 global batch; a mixture-of-experts model's experts are split over ep of the dp GPUs (ep
 dividing dp and the experts: every such ep is a layout of its own); it may take a ZeRO
-stage (3 only without pipelining), virtual stages (the interleaved schedule: pp > 1, at
-least pp x v - 2 layers, the two end chunks may hold only the embedding and the head,
-and the micro-batches in groups of pp). Each layout is planned with the fastest
+stage (3 only without pipelining) and, with pp > 1, each pipeline schedule asked for
+(`SCHEDULES` by default): 1f1b; interleaved over v virtual stages (at least pp x v - 2
+layers, the two end chunks may hold only the embedding and the head, and the
+micro-batches in groups of pp); zb1p (a layer on every stage); zbv and dualpipev (two
+chunks a GPU in a V, a layer on each; dualpipev at least 2 x pp micro-batches). Each
+layout is planned with the fastest
 recomputation mode, sequence parallelism setting and (cp > 1) context-parallel method
 that fit (cluster.evaluate; "alltoall" only where tp x cp divides the query and the
 key/value heads); a layout nothing makes fit keeps its smallest.
@@ -24,10 +27,12 @@ import functools
 import math
 
 from dtrain.errors import ConfigError
+from dtrain.pipeline.schedules import V_SHAPED
 from dtrain.planner.analytic.cluster import (
     CHUNKS,
     DEFAULT_CP_METHOD,
     MICRO_SIZES,
+    SCHEDULES,
     ZERO_STAGES,
     ClusterEstimate,
     Software,
@@ -74,12 +79,13 @@ def check_layout(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayo
     if layout.zero not in (0, 1, 2, 3) or (layout.zero == 3 and pp > 1):
         raise ConfigError(f"--zero {layout.zero}: use 0-3 (3 only without pipeline "
                           "parallelism)")
-    if v > 1:
-        m = batch // (dp * c.micro_batch)
-        if not _interleaves(shape, pp, v, m):
-            raise ConfigError(f"--virtual-stages {v} needs pp > 1, at least pp x v - 2 "
-                              f"= {pp * v - 2} layers (the model has {shape.layers}) "
-                              f"and the micro-batches ({m}) in groups of pp")
+    m = batch // (dp * c.micro_batch)
+    if layout.schedule == "interleaved" and not _interleaves(shape, pp, v, m):
+        raise ConfigError(f"--virtual-stages {v} needs pp > 1, at least pp x v - 2 "
+                          f"= {pp * v - 2} layers (the model has {shape.layers}) "
+                          f"and the micro-batches ({m}) in groups of pp")
+    if pp > 1 and not _runs(shape, pp, m, layout.schedule, v):
+        raise ConfigError(_why_not(shape, pp, m, layout.schedule, v))
     _check_context(shape, c)
     if c.sequence_parallel and tp == 1:
         raise ConfigError("sequence parallelism needs tp > 1")
@@ -107,6 +113,41 @@ def _check_context(shape: ModelShape, c: PlannedLayout) -> None:
         raise ConfigError(f"--cp-method alltoall splits the heads over tp x cp = {tp * cp}, "
                           f"which does not divide the model's {shape.heads} heads and "
                           f"{shape.kv_heads} key/value heads: use ring or allgather")
+
+
+def _runs(shape: ModelShape, pp: int, m: int, schedule: str, v: int) -> bool:
+    """Whether `schedule` runs on pp > 1 GPUs with v chunks each and m micro-batches."""
+    if schedule == "interleaved":
+        return _interleaves(shape, pp, v, m)
+    if schedule in V_SHAPED:
+        return v == 2 and shape.layers >= 2 * pp and (schedule == "zbv" or m >= 2 * pp)
+    return v == 1
+
+
+def _why_not(shape: ModelShape, pp: int, m: int, schedule: str, v: int) -> str:
+    """Why `_runs` refuses, in one line naming what to change."""
+    if schedule in V_SHAPED and v != 2:
+        return (f"--schedules {schedule} runs two chunks per GPU in a V: give "
+                "--virtual-stages 2")
+    if schedule in V_SHAPED and shape.layers < 2 * pp:
+        return (f"--schedules {schedule} puts a layer at least on each of 2 x pp = "
+                f"{2 * pp} stages, and the model has {shape.layers}: use pp <= "
+                f"{shape.layers // 2}")
+    if schedule == "dualpipev":
+        return (f"--schedules dualpipev needs at least 2 x pp = {2 * pp} micro-batches, and "
+                f"the batch leaves {m}: raise --batch or lower --microbatch")
+    return f"--schedules {schedule} runs one chunk per GPU: leave --virtual-stages out"
+
+
+def _pipelines(shape: ModelShape, pp: int, m: int, chunks: tuple[int, ...],
+               schedules: tuple[str, ...]) -> list[tuple[str, int]]:
+    """The (schedule, virtual stages) pairs of `schedules` that run a pipeline of pp GPUs
+    with m micro-batches, v among `chunks` (the V-shaped schedules take 2; no pipeline:
+    1f1b alone)."""
+    if pp == 1:
+        return [("1f1b", 1)] if 1 in chunks else []
+    return [(schedule, v) for schedule in schedules for v in chunks
+            if (schedule != "interleaved" or v > 1) and _runs(shape, pp, m, schedule, v)]
 
 
 def _interleaves(shape: ModelShape, pp: int, v: int, m: int) -> bool:
@@ -139,8 +180,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(shape: ModelShape, cluster: Cluster, batch: int) -> list[PlannedLayout]:
-    """Every layout the search considers, before recomputation and sequence parallelism."""
+def layouts(shape: ModelShape, cluster: Cluster, batch: int,
+            schedules: tuple[str, ...] = SCHEDULES) -> list[PlannedLayout]:
+    """Every layout the search considers, before recomputation and sequence parallelism
+    (each pipeline with each of `schedules` that runs it)."""
     found = []
     gpus = cluster.gpus
     for tp in _divisors(min(gpus, cluster.gpus_per_node)):
@@ -155,10 +198,10 @@ def layouts(shape: ModelShape, cluster: Cluster, batch: int) -> list[PlannedLayo
                 if batch % (dp * b):
                     continue
                 m = batch // (dp * b)
-                chunks = [v for v in CHUNKS if v == 1 or _interleaves(shape, pp, v, m)]
-                for v in chunks:
+                for schedule, v in _pipelines(shape, pp, m, CHUNKS, schedules):
                     for zero in range(4 if pp == 1 else 3) if dp * cp > 1 else (0,):
-                        found += [planned_layout(batch, tp, pp, dp, zero, b, v, ep=ep, cp=cp)
+                        found += [planned_layout(batch, tp, pp, dp, zero, b, v, ep=ep, cp=cp,
+                                                 schedule=schedule)
                                   for ep in shape.expert_degrees(dp)]
     return found
 
@@ -232,18 +275,21 @@ def best_layout(shape: ModelShape, cluster: Cluster, batch: int, tp: int, pp: in
                 zeros: tuple[int, ...] = ZERO_STAGES, recompute: tuple[str, ...] = RECOMPUTE,
                 sequence_parallel: tuple[bool, ...] = (False, True),
                 soft: Software = DEFAULT, ep: int = 1, cp: int = 1,
-                cp_methods: tuple[str, ...] | None = None) -> ClusterEstimate | None:
+                cp_methods: tuple[str, ...] | None = None,
+                schedules: tuple[str, ...] = SCHEDULES) -> ClusterEstimate | None:
     """tp x cp x pp x dp (the experts over `ep` of the dp GPUs) with the fastest of the
-    micro-batch sizes, virtual stages, ZeRO stages, recomputation modes,
-    sequence-parallel settings and context-parallel methods asked for (`fastest` of the
-    valid combinations, `check_layout`); None if no combination is valid."""
+    micro-batch sizes, pipeline schedules and their virtual stages, ZeRO stages,
+    recomputation modes, sequence-parallel settings and context-parallel methods asked
+    for (`fastest` of the valid combinations, `check_layout`); None if no combination is
+    valid."""
     found = []
     methods = cp_methods or context_methods(shape, tp, cp)
     for b in microbatches:
-        for v in chunks:
+        m = batch // (dp * b) if dp * b else 0
+        for schedule, v in _pipelines(shape, pp, m, chunks, schedules) if m else []:
             for zero in zeros:
                 choice = planned_layout(batch, tp, pp, dp, zero, b, v, recompute[0], ep=ep,
-                                        cp=cp, cp_method=methods[0])
+                                        cp=cp, cp_method=methods[0], schedule=schedule)
                 try:
                     check_layout(shape, cluster, batch, choice)
                 except ConfigError:
@@ -256,10 +302,12 @@ def best_layout(shape: ModelShape, cluster: Cluster, batch: int, tp: int, pp: in
 def rank(shape: ModelShape, cluster: Cluster, batch: int,
          recompute: tuple[str, ...] = RECOMPUTE,
          sequence_parallel: tuple[bool, ...] = (False, True),
-         soft: Software = DEFAULT) -> list[ClusterEstimate]:
-    """Every layout (see `layouts`), those that fit first, fastest first."""
+         soft: Software = DEFAULT,
+         schedules: tuple[str, ...] = SCHEDULES) -> list[ClusterEstimate]:
+    """Every layout (see `layouts`: pipelines with each of `schedules`), those that fit
+    first, fastest first."""
     estimates = [best_of(shape, cluster, batch, c, recompute, sequence_parallel, soft)
-                 for c in layouts(shape, cluster, batch)]
+                 for c in layouts(shape, cluster, batch, schedules)]
     return sorted(estimates, key=lambda e: (not e.fits, e.step_s, e.memory["total"]))
 
 

@@ -20,13 +20,15 @@ splits them. dtrain's GPT and Llama without dropout also take each context-paral
 `dp2 x cp2 ring`): dp = devices / (cp x tp x pp), each rank traced on its block_size / cp
 tokens of every sequence, attending by the cp method planned.
 
-Recomputation, sequence parallelism and the cp method are choices per layout: `plan(...,
+A pipeline's schedule, recomputation, sequence parallelism and the cp method are choices
+per layout: `plan(..., schedules=("1f1b", "zb1p", "zbv", "dualpipev"),
 recompute=("none", "selective", "full"), sequence_parallel=(False, True),
-cp_method="ring")` plans each layout with the fastest of them that fits (recomputation
-costs a forward of what it recomputes; sequence parallelism a few more calls), so a layout
-that fits as it is keeps everything, and one that does not falls back to sequence
-parallelism, then to recomputing the attention cores, then whole blocks. cp layouts are
-planned where `cp_method` names a method or more (none by default).
+cp_method="ring")` plans each layout with the fastest of them that fits (a zero-bubble
+schedule idles less and holds micro-batches until their W; recomputation costs a forward
+of what it recomputes; sequence parallelism a few more calls), so a layout that fits as it
+is keeps everything, and one that does not falls back to sequence parallelism, then to
+recomputing the attention cores, then whole blocks. cp layouts are planned where
+`cp_method` names a method or more (none by default).
 """
 
 from __future__ import annotations
@@ -37,18 +39,39 @@ import math
 from collections.abc import Callable
 
 from dtrain.mesh import Dims
+from dtrain.pipeline.schedules import V_SHAPED
 from dtrain.planner.traced.estimate import Estimate, estimate
 from dtrain.planner.traced.links import Links
 from dtrain.planner.traced.profile import Profile
 
 MICROBATCHES = (1, 2, 4)  # pipelines try m = pp times these
+SCHEDULES = ("1f1b", "zb1p", "zbv", "dualpipev")
+"""The pipeline schedules `dtrain plan` weighs by default: those needing no choice of
+chunks beyond the V's two (gpipe holds more than 1f1b for the same bubble; interleaved
+is weighed when asked, at two chunks a rank)."""
+
+
+def chunks_of(schedule: str) -> int:
+    """The chunks per rank a plan gives `schedule`: two for the V-shaped and interleaved
+    schedules, one for the others."""
+    return 2 if schedule in V_SHAPED or schedule == "interleaved" else 1
+
+
+def runs(schedule: str, pp: int, microbatches: int, blocks: int) -> bool:
+    """Whether `schedule` can run on `pp` ranks with `microbatches` (in groups of pp) over
+    `blocks` blocks: a block for each chunk, and DualPipeV's 2 x pp micro-batches."""
+    if pp * chunks_of(schedule) > blocks:
+        return False
+    return schedule != "dualpipev" or microbatches >= 2 * pp
 
 
 def layouts(profile: Profile, devices: int, batch: int, accum: int = 1,
             schedules: tuple[str, ...] = ("1f1b",)) -> list[Dims]:
     """Every layout of `devices` ranks the model and a global batch of `batch` allow: a
     mixture of experts' with each expert-parallel degree dividing dp and the experts, and
-    each context-parallel degree the model and the sequence allow (not with ep > 1)."""
+    each context-parallel degree the model and the sequence allow (not with ep > 1); a
+    pipeline's with each of `schedules` that can run it (`runs`: the V-shaped and
+    interleaved ones on two chunks a rank)."""
     found = []
     for cp in profile.context_degrees(devices):
         for tp in profile.tp_degrees(devices // cp):
@@ -68,9 +91,11 @@ def layouts(profile: Profile, devices: int, batch: int, accum: int = 1,
                         if batch % (dp * m):
                             continue
                         for schedule in schedules:
+                            if not runs(schedule, pp, m, profile.n_layer):
+                                continue
                             found.append(Dims(dp, tp, pp, zero, m,
                                               schedule,  # type: ignore[arg-type]  # Dims checks it
-                                              ep=ep, cp=cp))
+                                              chunks_of(schedule), ep=ep, cp=cp))
     return found
 
 
@@ -99,17 +124,21 @@ def plan(trace: Callable[..., Profile], devices: int, memory: float, batch: int,
          bucket_mb: float = 25.0, schedules: tuple[str, ...] = ("1f1b",),
          recompute: str | tuple[str, ...] = "none",
          sequence_parallel: bool | tuple[bool, ...] = False,
-         cp_method: str | tuple[str, ...] = ()) -> list[Estimate]:
+         cp_method: str | tuple[str, ...] = (), stage_layers: str = "") -> list[Estimate]:
     """The estimate of every layout (see `layouts`), fastest first. `trace(b)` profiles
     the model on a micro-batch of b sequences (activations are not quite linear in b:
     kernels differ by size, so each size is traced), `trace(b, cp, method)` on a
     context-parallel rank's share of each, attending by `method` (for cp layouts only:
     `profile_model(cfg, b, cp=cp, cp_method=method)`).
 
-    `recompute` (modes of RECOMPUTE), `sequence_parallel` and `cp_method`
-    (dtrain.context_parallel.METHODS; none, the default: no cp layouts) are the choices
-    each layout may take, preferred first: a layout gets the fastest that fits (the first
-    of those within 1%), or, if none fits, the one needing the least memory.
+    `schedules` (a pipeline's: those of them that run it, `runs`), `recompute` (modes of
+    RECOMPUTE), `sequence_parallel` and `cp_method` (dtrain.context_parallel.METHODS;
+    none, the default: no cp layouts) are the choices each layout may take, preferred
+    first: a layout gets the fastest that fits (the first of those within 1%), or, if none
+    fits, the one needing the least memory.
+    `stage_layers` cuts a pipeline's blocks into stages (`[parallel] stage_layers`: "",
+    "auto", or sizes, which only the layouts of as many stages take; the others cut
+    evenly).
     """
     modes = (recompute,) if isinstance(recompute, str) else tuple(recompute)
     seq = (sequence_parallel,) if isinstance(sequence_parallel, bool) else \
@@ -118,11 +147,18 @@ def plan(trace: Callable[..., Profile], devices: int, memory: float, batch: int,
     profile = functools.cache(trace)  # layouts share micro-batch sizes
     first = profile(max(1, batch // devices))  # the model's modes and shape
     out = []
+    # a pipeline's schedules are its choices too: one row per layout, its fastest schedule
+    groups: dict[Dims, list[Dims]] = {}
     for layout in layouts(first, devices, batch, accum, schedules):
-        per_micro = batch // (layout.dp * (accum if layout.pp == 1 else layout.microbatches))
+        groups.setdefault(layout.replace(schedule="1f1b", virtual_stages=1), []).append(layout)
+    for variants in groups.values():
+        per_micro = batch // (variants[0].dp * (accum if variants[0].pp == 1
+                                                else variants[0].microbatches))
         candidates = [estimate(profile(per_micro, layout.cp, method) if layout.cp > 1
                                else profile(per_micro), layout, memory, flops, links,
-                               optimizer, accum if layout.pp == 1 else 1, bucket_mb, mode, sp)
+                               optimizer, accum if layout.pp == 1 else 1, bucket_mb, mode, sp,
+                               _cut(stage_layers, layout))
+                      for layout in variants
                       for mode, sp, method in choices(first, layout, modes, seq, methods)]
         if not candidates:
             continue  # a cp layout none of the methods asked for runs
@@ -131,6 +167,14 @@ def plan(trace: Callable[..., Profile], devices: int, memory: float, batch: int,
                    else min(candidates, key=lambda e: e.total))
     # Steps within 1% of each other are a tie: then less traffic, then less memory.
     return sorted(out, key=lambda e: (not e.fits, _speed(e), sum(e.traffic.values()), e.total))
+
+
+def _cut(stage_layers: str, layout: Dims) -> str:
+    """`stage_layers` where it fits `layout`'s stages: explicit sizes only at their count."""
+    if stage_layers in ("", "auto") or layout.pp == 1:
+        return stage_layers
+    count = len(stage_layers.split(","))
+    return stage_layers if count == layout.pp * layout.virtual_stages else ""
 
 
 def _options(e: Estimate) -> str:

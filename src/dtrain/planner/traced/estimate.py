@@ -35,44 +35,53 @@ full gradient, a bucket), ZeRO 3's root unit's full gradient (from the head's ba
 the embedding's) and the block's whose backward is under way.
 
 Activations are the profile's, per micro-batch, with the recomputation mode planned
-(`[memory] recompute`: the profile traces each), times the micro-batches a
-stage holds at once: the most that the schedule (dtrain.pipeline.schedules, the very lists
-the runtime executes) leaves between a forward and its backward, plus what backward adds at
-its peak. Tensor parallelism divides the split part by tp; sequence parallelism also
-divides the part between its regions (norms, dropouts, residuals, and what pipeline stages
-send each other), leaving whole each column-parallel layer's gathered input. Under context
-parallelism the profile is a cp rank's, traced on its 1/cp of every sequence with the cp
-method's own attention (dtrain.planner.traced.profile): every activation is 1/cp of one
-process's, plus what the method holds of the other ranks' keys and values and, for the
-ring, its scores, block by block.
+(`[memory] recompute`: the profile traces each), times the micro-batches a stage holds at
+once: the most that the schedule (dtrain.pipeline.schedules, the very lists the runtime
+executes) leaves between a forward and its backward (its W, under the schedules that
+split backward: zb1p, zbv, dualpipev), each chunk's own, plus what backward adds at its
+peak. A pipeline's blocks are cut into stages as `[parallel] stage_layers` cuts them
+(`stage_blocks`) and placed as the schedule places them: under the V-shaped schedules
+rank 0 holds the first stage and the last, the embedding and the head. Tensor parallelism
+divides the split part by tp; sequence parallelism also divides the part between its
+regions (norms, dropouts, residuals, and what pipeline stages send each other), leaving
+whole each column-parallel layer's gathered input. Under context parallelism the profile
+is a cp rank's, traced on its 1/cp of every sequence with the cp method's own attention
+(dtrain.planner.traced.profile): every activation is 1/cp of one process's, plus what the
+method holds of the other ranks' keys and values and, for the ring, its scores, block by
+block.
 
 Traffic per step, in bytes of the buffers each collective is given: dp all-reduces the
 gradients once (ZeRO 1-2: reduce-scatter then all-gather the parameters; ZeRO 3 gathers
 each unit for every forward and backward; with ep > 1 the split experts' go over edp
-instead, the "edp" keys, and nowhere at ep = dp), tp all-reduces a micro-batch's activations
-twice per block forward and twice backward (sequence parallelism: an all-gather and a
-reduce-scatter each instead, moving the same bus bytes, and an all-reduce per replicated
-parameter's gradient), full recomputation repeats the forward's, pp sends each
-micro-batch's activations forward and their gradients back, and the first and last stage
-sum the tied embedding. With ep > 1 every MoE block (the stage's blocks in the model's
-proportion of MoE ones) all-to-alls each micro-batch's tokens over ep: tokens x k x hidden
-fp32 elements out to the experts and as many back (dispatch and combine) in forward, the
-same two in backward, and forward's again under full recomputation ("ep all_to_all"; the
-all-to-all of E token counts before each dispatch is left out, a few bytes). With cp > 1
-the gradients' "dp" collectives span dp x cp, and each attention layer exchanges, per
-micro-batch, a rank's key/value block of 2 x tokens/cp x kv heads/tp x head dim fp32
-elements: the ring sends it n - 1 times forward, and backward n - 1 times with n sends of
-its gradients ("cp send"); "allgather" all-gathers keys and values forward (two calls,
-the whole gathered buffer cp times the block) and reduce-scatters their gradients
-backward ("cp all_gather", "cp reduce_scatter"); "alltoall" all-to-alls q, k, v and the
-output forward, tokens/cp x heads/tp (kv heads for k and v) x head dim each, and their
-gradients backward ("cp all_to_all"). Selective and full recomputation both run
-attention's forward again, and its exchanges.
+instead, the "edp" keys, and nowhere at ep = dp), tp all-reduces a micro-batch's
+activations twice per block forward and twice backward (sequence parallelism: an all-
+gather and a reduce-scatter each instead, moving the same bus bytes, and an all-reduce
+per replicated parameter's gradient), full recomputation repeats the forward's, pp sends
+each micro-batch's activations forward and their gradients back at each stage boundary
+between two ranks (the V-shaped schedules twice 1F1B's: two chunks a rank, the turn at
+the last rank local; dtrain.planner.costs.sends), and the first and last stage sum the
+tied embedding when two ranks hold them. With ep > 1 every MoE block (the stage's blocks
+in the model's proportion of MoE ones) all-to-alls each micro-batch's tokens over ep:
+tokens x k x hidden fp32 elements out to the experts and as many back (dispatch and
+combine) in forward, the same two in backward, and forward's again under full
+recomputation ("ep all_to_all"; the all-to-all of E token counts before each dispatch is
+left out, a few bytes). With cp > 1 the gradients' "dp" collectives span dp x cp, and
+each attention layer exchanges, per micro-batch, a rank's key/value block of 2 x
+tokens/cp x kv heads/tp x head dim fp32 elements: the ring sends it n - 1 times forward,
+and backward n - 1 times with n sends of its gradients ("cp send"); "allgather" all-
+gathers keys and values forward (two calls, the whole gathered buffer cp times the block)
+and reduce-scatters their gradients backward ("cp all_gather", "cp reduce_scatter");
+"alltoall" all-to-alls q, k, v and the output forward, tokens/cp x heads/tp (kv heads for
+k and v) x head dim each, and their gradients backward ("cp all_to_all"). Selective and
+full recomputation both run attention's forward again, and its exchanges.
 
 Step time = compute + recomputation + the communication it does not hide. Compute is 6
 flops per parameter per token (of a mixture of experts', the active ones) plus attention
-(6·layers·seq·width per token), at the given rate, stretched by the pipeline bubble
-(p-1)/(m+p-1), (p-1)/(v·m+p-1) interleaved; every rank of a cp group does 1/cp of it.
+(6·layers·seq·width per token), at the given rate, stretched by the pipeline bubble:
+the schedule's own action lists simulated with its forward, input-gradient and
+weight-gradient flops (`pass_flops`; dtrain.planner.costs.bubble: (p-1)/(m+p-1) for
+1F1B, (p-1)/(v·m+p-1) interleaved, (p-1)/(3m+p-1) for zb1p at equal F, B and W);
+every rank of a cp group does 1/cp of it.
 Recomputation is one more forward of what is recomputed: 2 flops per block parameter per
 token plus attention's 2·layers·seq·width ("full"), or attention's alone ("selective").
 Each collective costs its calls times alpha plus its bus bytes times beta
@@ -96,8 +105,16 @@ from dataclasses import dataclass, field
 from dtrain.errors import ConfigError
 from dtrain.mesh import Dims
 from dtrain.pipeline.partition import balanced_sizes
-from dtrain.pipeline.schedules import build
-from dtrain.planner.costs import PARAM_BYTES, bubble
+from dtrain.pipeline.schedules import build, stage_balance
+from dtrain.planner.costs import (
+    PARAM_BYTES,
+    Times,
+    bubble,
+    chunk_sizes,
+    holds_ends,
+    placed,
+    sends,
+)
 from dtrain.planner.planned import PlannedLayout
 from dtrain.planner.traced.construction import construction_peak
 from dtrain.planner.traced.links import Links
@@ -175,10 +192,32 @@ class Estimate:
         }
 
 
-def stage_blocks(profile: Profile, pp: int, chunks: int = 1) -> list[list[int]]:
-    """Blocks of each virtual stage held by each pipeline rank (rank r: stages r, r+pp, ...)."""
-    sizes = balanced_sizes([1.0] * profile.n_layer, pp * chunks)
-    return [[sizes[c * pp + r] for c in range(chunks)] for r in range(pp)]
+def stage_blocks(profile: Profile, pp: int, chunks: int = 1, schedule: str = "1f1b",
+                 stage_layers: str = "") -> list[list[int]]:
+    """Blocks of each chunk of each pipeline rank, cut as the runtime cuts them
+    (`[parallel] stage_layers`, dtrain.pipeline.schedules.stage_balance and
+    dtrain.pipeline.pieces.cut): "" evenly (the blocks' parameters, which are equal), "auto"
+    with the input part's parameters counted on the first stage and the output part's on
+    the last (a tied head's weight too), or the sizes given, in stage order; and placed
+    as `schedule` places them (rank r: stages r, r+pp, ...; under the V-shaped schedules
+    r and 2pp-1-r).
+
+    Raises:
+        ConfigError: sizes that are not pp x chunks positive numbers adding up to the
+            blocks, or more stages than blocks.
+    """
+    stages = pp * chunks
+    balance = stage_balance(stage_layers, stages, profile.n_layer)
+    if isinstance(balance, list):
+        sizes = balance
+    elif balance == "auto":
+        block = float(profile.params_block.total)
+        head = profile.params_head.total + (profile.tied if stages > 1 else 0)
+        sizes = balanced_sizes([block] * profile.n_layer, stages,
+                               float(profile.params_embed.total), float(head))
+    else:
+        sizes = balanced_sizes([1.0] * profile.n_layer, stages)
+    return chunk_sizes(sizes, schedule, pp, chunks)
 
 
 def in_flight(layout: Dims, rank: int, per_chunk: list[float]) -> float:
@@ -207,35 +246,39 @@ class Options:
     recompute: str = "none"  # [memory] recompute
     sequence_parallel: bool = False
     cp_method: str = "ring"  # [parallel] cp_method, where cp > 1
+    stage_layers: str = ""  # [parallel] stage_layers: how the blocks are cut into stages
 
 
 def estimate(profile: Profile, layout: Dims, memory: float, flops: float, links: Links,
              optimizer: str = "adamw", accum: int = 1, bucket_mb: float = 25.0,
-             recompute: str = "none", sequence_parallel: bool = False) -> Estimate:
+             recompute: str = "none", sequence_parallel: bool = False,
+             stage_layers: str = "") -> Estimate:
     """The figures of `layout` for a global batch of
     `profile.micro_batch * dp * accum * microbatches` sequences, recomputing as
     `recompute` says, with sequence parallelism if `sequence_parallel` (see the module
-    doc). The profile is traced at the layout's cp, attending by the cp method planned
+    doc), a pipeline's blocks cut into stages as `stage_layers` says (`stage_blocks`).
+    The profile is traced at the layout's cp, attending by the cp method planned
     (`profile_model(..., cp=layout.cp, cp_method=...)`).
 
     Raises:
-        ConfigError: the profile has no figures for `recompute`, or was traced at another
-            cp.
+        ConfigError: the profile has no figures for `recompute`, was traced at another
+            cp, or `stage_layers` does not fit the layout's stages.
     """
     if profile.cp != layout.cp:
         raise ConfigError(f"{layout}: the profile is traced for cp = {profile.cp}; trace it "
                           f"with cp = {layout.cp} (profile_model(..., cp={layout.cp}))")
     options = Options(optimizer, accum, bucket_mb, recompute,
                       sequence_parallel and profile.sequence_parallel(layout.tp, layout.cp),
-                      profile.cp_method)
+                      profile.cp_method, stage_layers)
     ranks = [_rank(profile, layout, r, options) for r in range(layout.pp)]
     worst = max(ranks, key=lambda e: e.total)
     worst.fits = worst.total <= memory
     worst.bubble = bubble(layout.pp, layout.microbatches, layout.virtual_stages,
-                          layout.schedule)
+                          layout.schedule, pass_flops(profile, recompute))
     busiest = max(ranks, key=lambda e: sum(e.traffic.values()))
     worst.traffic = busiest.traffic
-    worst.compute_s, worst.recompute_s = _compute_s(profile, layout, accum, flops, recompute)
+    worst.compute_s, worst.recompute_s = _compute_s(profile, layout, accum, flops, recompute,
+                                                    stage_layers)
     step_s = _attention_s(profile, layout, flops) / layout.cp  # a ring step's, forward
     worst.comm_s = max(_exposed_comm_s(e, layout, links,
                                        worst.compute_s * 2 / 3 + worst.recompute_s, step_s)
@@ -284,8 +327,13 @@ def _rank(profile: Profile, layout: Dims, rank: int, options: Options) -> _RankF
     # the ranks holding the same parameters: dp x cp (cp splits only the sequences)
     tp, pp, n, ep = layout.tp, layout.pp, layout.dp * layout.cp, layout.ep
     sp = options.sequence_parallel
-    first, last = rank == 0, rank == pp - 1
-    blocks = stage_blocks(profile, pp, layout.virtual_stages)[rank] if profile.n_layer else [0]
+    chunks, schedule = layout.virtual_stages, layout.schedule
+    # whether each chunk is the first stage (the embedding's) and the last (the head's):
+    # under the V-shaped schedules rank 0 holds both
+    ends = [(stage == 0, stage == pp * chunks - 1) for stage in _stages(layout, rank)]
+    first, last = any(f for f, _ in ends), any(e for _, e in ends)
+    blocks = stage_blocks(profile, pp, chunks, schedule, options.stage_layers)[rank] \
+        if profile.n_layer else [0]
     held = profile.params_block * sum(blocks)
     # what trains (all but a LoRA run's frozen base): gradients and optimizer state
     trained = profile.trained("block") * sum(blocks)
@@ -322,7 +370,7 @@ def _rank(profile: Profile, layout: Dims, rank: int, options: Options) -> _RankF
         backward += grads  # and the gradients micro-batches accumulate before the buckets
     root = params - sum(blocks) * block_bytes  # the input and output parts
     figures = profile.activations(options.recompute)
-    micro = _per_micro(profile, figures, first, last, blocks)
+    micro = _per_micro(profile, figures, ends, blocks)
     flight = in_flight(layout, rank, [m.per_rank(tp, sp) for m in micro])
     extra = figures.peak_extra if last else figures.block_extra
     acts = flight + extra.per_rank(tp, sp)
@@ -356,26 +404,33 @@ def _rank(profile: Profile, layout: Dims, rank: int, options: Options) -> _RankF
     out = _RankFigures(planned, params, grads, state, acts, recompute=options.recompute,
                        grads_in_backward=backward)
     out.construction = construction_peak(layout, held, tensors)
-    out.traffic, out.calls = _traffic(profile, layout, held, first, last, blocks, options, unit)
+    out.traffic, out.calls = _traffic(profile, layout, held, rank, blocks, options, unit)
     return out
 
 
-def _per_micro(profile: Profile, figures, first: bool, last: bool,
+def _stages(layout: Dims, rank: int) -> list[int]:
+    """The virtual stage of each chunk of pipeline rank `rank`."""
+    place = placed(layout.schedule, layout.pp, layout.virtual_stages)
+    return [place.stage(rank, c) for c in range(layout.virtual_stages)]
+
+
+def _per_micro(profile: Profile, figures, ends: list[tuple[bool, bool]],
                blocks: list[int]) -> list[Activation]:
-    """Activation bytes of one micro-batch on each chunk of the rank."""
+    """Activation bytes of one micro-batch on each chunk of the rank, `ends[c]`: whether
+    chunk c is the first stage (with the embedding) and the last (with the head)."""
     received = Activation(seq=profile.micro_batch * profile.width)  # a stage's input
     out = []
-    for c, count in enumerate(blocks):
-        head = last and c == len(blocks) - 1
-        start = figures.embed if first and c == 0 else received
-        out.append(start + figures.block * count + (figures.head if head else Activation()))
+    for (first, last), count in zip(ends, blocks, strict=True):
+        start = figures.embed if first else received
+        out.append(start + figures.block * count + (figures.head if last else Activation()))
     return out
 
 
-def _traffic(profile: Profile, layout: Dims, held: Params, first: bool, last: bool,
-             blocks: list[int], options: Options, unit: float):
+def _traffic(profile: Profile, layout: Dims, held: Params, rank: int, blocks: list[int],
+             options: Options, unit: float):
     """(buffer bytes, calls) per "axis collective" (e.g. "dp all_reduce") in one step of
-    a rank holding `held` (before tp and ep divide it)."""
+    pipeline rank `rank`, holding `held` (before tp and ep divide it)."""
+    first, last = holds_ends(layout.schedule, layout.pp, layout.virtual_stages, rank)
     traffic: dict[str, float] = {}
     calls: dict[str, float] = {}
 
@@ -428,10 +483,11 @@ def _traffic(profile: Profile, layout: Dims, held: Params, first: bool, last: bo
             per_pass = regions + int(first) + int(last)
             add("tp all_reduce", per_pass * activation * passes, per_pass * passes)
     if layout.pp > 1:
-        sends = (2 - int(first) - int(last)) * layout.microbatches * layout.virtual_stages
+        count = sends(layout.schedule, layout.pp, layout.virtual_stages, rank) * \
+            layout.microbatches
         sent = activation / (layout.tp if options.sequence_parallel else 1)
-        add("pp send", sends * sent, sends)
-        if first or last:
+        add("pp send", count * sent, count)
+        if first != last:  # the tied weight's two copies on two ranks (the V: on one)
             add("pp all_reduce", PARAM_BYTES * profile.tied / layout.tp, 1)
     return traffic, calls
 
@@ -477,8 +533,32 @@ def _attention_s(profile: Profile, layout: Dims, flops: float) -> float:
     return 2 * profile.shape.seq * profile.shape.hidden * tokens / layout.tp / flops
 
 
+def pass_flops(profile: Profile, recompute: str = "none") -> Times:
+    """Flops per token of the whole model's forward (F), input gradient (B, with what
+    `recompute` runs again) and weights' gradients (W), as `_compute_s` counts them: the
+    times a pipeline's schedule is simulated on (`bubble`)."""
+    blocks, matmul, attention = _matmul_flops(profile)
+    again = {"none": 0.0, "selective": attention, "full": blocks + attention}[recompute]
+    reference = 2 if profile.reference else 0
+    return ((2 + reference) * (matmul + attention), 2 * matmul + 4 * attention + 2 * again,
+            2 * profile.trained_share * matmul)
+
+
+def _matmul_flops(profile: Profile) -> tuple[float, float, float]:
+    """Per token, halves of a forward's flops: (the blocks' parameters that multiply it,
+    with the head's, attention's layers x seq x width)."""
+    if profile.shape is None:
+        blocks = matmul = profile.params.total  # a user's model: all of it, once recomputed
+        return blocks, matmul, 0.0
+    shape = profile.shape
+    # the experts a token does not go to do no arithmetic for it
+    idle = shape.parameters() - shape.active_parameters()
+    blocks = shape.layers * profile.params_block.total - idle
+    return blocks, blocks + shape.vocab * shape.hidden, shape.layers * shape.seq * shape.hidden
+
+
 def _compute_s(profile: Profile, layout: Dims, accum: int, flops: float,
-               recompute: str = "none") -> tuple[float, float]:
+               recompute: str = "none", stage_layers: str = "") -> tuple[float, float]:
     """Seconds of arithmetic per step on one rank, the pipeline's idle share included:
     (training's, recomputation's). Per parameter and token: 2 flops forward, 2 for the
     input's gradient, 2 for the weight's where it trains (a LoRA base's does not), and
@@ -486,23 +566,15 @@ def _compute_s(profile: Profile, layout: Dims, accum: int, flops: float,
     devices = layout.world_size
     sequences = profile.micro_batch * layout.dp * accum * layout.microbatches
     tokens = sequences * max(profile.seq_len, 1)
-    if profile.shape is None:
-        blocks = matmul = profile.params.total  # a user's model: all of it, once recomputed
-        attention = 0.0
-    else:
-        shape = profile.shape
-        # the experts a token does not go to do no arithmetic for it
-        idle = shape.parameters() - shape.active_parameters()
-        blocks = shape.layers * profile.params_block.total - idle
-        matmul = blocks + shape.vocab * shape.hidden
-        attention = shape.layers * shape.seq * shape.hidden
+    blocks, matmul, attention = _matmul_flops(profile)
     again = {"none": 0.0, "selective": attention, "full": blocks + attention}[recompute]
     scale = tokens / devices / flops
     if layout.pp > 1:
-        most = max(sum(b) for b in stage_blocks(profile, layout.pp, layout.virtual_stages))
+        most = max(sum(b) for b in stage_blocks(profile, layout.pp, layout.virtual_stages,
+                                                layout.schedule, stage_layers))
         scale *= most * layout.pp / profile.n_layer  # the busiest stage sets the pace
         scale /= 1 - bubble(layout.pp, layout.microbatches, layout.virtual_stages,
-                            layout.schedule)
+                            layout.schedule, pass_flops(profile, recompute))
     reference = 2 if profile.reference else 0
     flops = (4 + 2 * profile.trained_share + reference) * matmul + (6 + reference) * attention
     return flops * scale, 2 * again * scale
