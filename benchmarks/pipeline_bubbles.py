@@ -11,12 +11,12 @@ or 4: the GPT's 8 layers in 2p chunks, m = 8 in groups of p for the interleaved 
    {2, 4, 8, 16}, those the schedule can run (interleaved: m a multiple of p; DualPipeV:
    m >= 2p): each rank's idle time (the step's time minus its compute, waiting for
    messages included as idle) over the step's time, from the Pipeline's own per-action
-   timeline; median of steps, mean of ranks; against (p-1)/(m+p-1), (p-1)/(v·m+p-1)
-   interleaved and (p-1)/(3m+p-1) for ZB-H1, and for ZB-V and DualPipeV the idle share of
-   their own action lists run on equal F, B and W times (schedules.simulate; ZB-V's is
-   (p-1)/(6m+p-1) once m >= p). Beside it each schedule's peak of live micro-batches
-   (`Pipeline.peak_live`, the most of any rank). Each micro-batch has the same size, so
-   steps grow with m;
+   timeline; median of steps, mean of ranks; against the planner's prediction
+   (dtrain.planner.costs.bubble: each schedule's own action lists run on equal F, B and W
+   times: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved, (p-1)/(3m+p-1)
+   for ZB-H1, (p-1)/(6m+p-1) for ZB-V and DualPipeV at m >= 2p). Beside it each
+   schedule's peak of live micro-batches (`Pipeline.peak_live`, the most of any rank).
+   Each micro-batch has the same size, so steps grow with m;
 2. benchmarks/pipeline_timeline.png (pipeline_timeline_pp4.png at p = 4): one 1F1B, one
    interleaved and one ZB-V step, forward, backward and W blocks per rank, like the
    figures of the GPipe, Megatron-LM and zero-bubble papers;
@@ -47,7 +47,7 @@ from dtrain.comm.timing import time_turns
 from dtrain.errors import ConfigError
 from dtrain.models import ModelConfig, build, resolve
 from dtrain.models.gpt import GPT, GPTConfig
-from dtrain.pipeline.schedules import V_SHAPED, Placement, check, simulate
+from dtrain.pipeline.schedules import V_SHAPED, check
 from dtrain.planner import bubble as planned_bubble
 
 CONFIG = GPTConfig(n_layer=8, n_head=8, n_embd=256, block_size=128)
@@ -91,12 +91,11 @@ def lanes() -> dtrain.Mesh:
 
 
 def ours(schedule: str, m: int, chunks: int, timeline: bool = False,
-         make: Callable[[], nn.Module] = make_gpt):
+         make: Callable[[], nn.Module] = make_gpt, overlap: bool = False):
     """dtrain's Pipeline on this rank's chunks of `make()` cut into p x `chunks` pieces."""
     pp = dist.get_world_size()
     mine = pipeline.pieces_for(pipeline.cut(make(), pp * chunks), schedule=schedule)
-    overlap = schedule == "dualpipev"  # as `dtrain train` runs it: pairs overlapped
-    if overlap:
+    if overlap:  # DualPipeV's pairs: the backward in a second thread
         lanes()
     pipe = pipeline.Pipeline(mine, microbatches=m, schedule=schedule, loss_fn=pipeline.lm_loss,
                              timeline=timeline, overlap=overlap)
@@ -141,20 +140,22 @@ def theirs(schedule: str, m: int) -> Callable[[], None]:
 
 
 def bubble(pipe: pipeline.Pipeline) -> float:
-    """This rank's idle share of the step: the step lasts until the slowest rank ends."""
+    """This rank's idle share of the step: the step lasts until the slowest rank ends; a
+    rank is busy while any of its actions computes (DualPipeV's overlapped pairs count
+    once)."""
     end = torch.tensor([max(e[4] for e in pipe.events)], dtype=torch.float64)
     comm.all_reduce(end, op="max")
-    busy = sum(e[4] - e[3] for e in pipe.events)
+    busy, reached = 0.0, 0.0
+    for start, stop in sorted((e[3], e[4]) for e in pipe.events):
+        busy += max(0.0, stop - max(start, reached))
+        reached = max(reached, stop)
     return 1 - busy / end.item()
 
 
 def theory(schedule: str, pp: int, m: int, chunks: int) -> float:
-    """The bubble of equal stages: the planner's formula, or for a V-shaped schedule the
-    mean idle share of its action lists with F, B and W of a chunk taking equal time."""
-    if schedule not in V_SHAPED:
-        return planned_bubble(pp, m, chunks, schedule)
-    lists = [pipeline.build(schedule, pp, r, m, chunks) for r in range(pp)]
-    return statistics.mean(simulate(lists, Placement.of(schedule, pp, chunks), (1, 1, 1))[1])
+    """The planner's bubble of equal stages (dtrain.planner.costs.bubble: the schedule's
+    own action lists run with F, B and W taking equal time, messages free)."""
+    return planned_bubble(pp, m, chunks, schedule)
 
 
 def measure_bubbles(args) -> tuple[list[tuple[str, int, float, float, int]], list[str]]:
@@ -234,6 +235,8 @@ def compare(args) -> dict[str, float]:
         chunks, make = (2, make_untied) if schedule in V_SHAPED else (1, make_gpt)
         candidates[f"dtrain {schedule}"] = ours(schedule, args.m, chunks, make=make)[1]
         candidates[f"torch {schedule}"] = theirs(schedule, args.m)
+    candidates["dtrain dualpipev overlapped"] = ours("dualpipev", args.m, 2, make=make_untied,
+                                                    overlap=True)[1]
     for run in candidates.values():
         run()
     counts = {name: args.rounds * args.steps for name in candidates}
@@ -300,11 +303,11 @@ def section(rows, skipped: list[str], medians, args, pp: int) -> list[str]:
                      f"{(measured - expected) * 100:+.1f} | {peak} |")
     lines += [
         "",
-        "Theory: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved, "
-        "(p-1)/(3m+p-1) for ZB-H1 (`zb1p`: B and W each taken as long as a forward); for "
-        "ZB-V (`zbv`) and DualPipeV (`dualpipev`), two chunks per rank in a V, the idle "
-        "share of their action lists run with a chunk's F, B and W of equal time "
-        "(`dtrain.pipeline.schedules.simulate`), (p-1)/(6m+p-1) for ZB-V once m >= p. "
+        "Theory: the planner's prediction (`dtrain.planner.costs.bubble`: each schedule's "
+        "own action lists run with F, B and W of equal time, messages free): "
+        "(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved, (p-1)/(3m+p-1) "
+        "for ZB-H1 (`zb1p`), (p-1)/(6m+p-1) for ZB-V (`zbv`) and DualPipeV (`dualpipev`, "
+        "m >= 2p), two chunks per rank in a V. "
         f"Timeline of one step: `benchmarks/{plot_path(pp).name}`.",
     ]
     if skipped:
@@ -325,6 +328,13 @@ def section(rows, skipped: list[str], medians, args, pp: int) -> list[str]:
         a, b = medians[f"dtrain {schedule}"], medians[f"torch {schedule}"]
         lines.append(f"| {schedule} vs {theirs_name} | {a * 1e3:.1f} | "
                      f"{b * 1e3:.1f} | **{a / b:.2f}** |")
+    a, b = medians["dtrain dualpipev overlapped"], medians["torch dualpipev"]
+    lines += [f"| dualpipev, pairs overlapped (`overlap_pairs = \"on\"`) vs ScheduleDualPipeV "
+              f"| {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f} |", "",
+              "Both halves of a DualPipeV pair run one after the other unless overlapped: "
+              "torch's by default, dtrain's where `overlap_pairs` is off (its default on "
+              "CPU cores). Overlapped, a pair's backward computes in a second thread, which "
+              "on this machine competes with the forward for the same cores."]
     return lines
 
 

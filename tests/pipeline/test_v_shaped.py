@@ -89,7 +89,8 @@ def test_v_schedules_idle_only_while_the_first_micro_batch_fills_the_pipe() -> N
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name, pp, microbatches", [
-    ("zbv", 2, 4), ("dualpipev", 4, 8),
+    ("zbv", 2, 4),
+    pytest.param("dualpipev", 4, 8, marks=pytest.mark.slow),
     pytest.param("dualpipev", 2, 4, marks=pytest.mark.slow),
     pytest.param("zbv", 4, 8, marks=pytest.mark.slow),
     pytest.param("zbv", 2, 8, marks=pytest.mark.slow),
@@ -115,6 +116,7 @@ def _evaluate_and_infer(base: torch.nn.Module, pp: int) -> dict:
     return {"loss": pipe.evaluate(x, y), "logits": pipe.infer(x)}
 
 
+@pytest.mark.slow  # 2 processes: 5-10 s
 @pytest.mark.timeout(60)
 def test_v_evaluation_and_inference_equal_the_whole_model() -> None:
     base = gpt()
@@ -184,7 +186,9 @@ HF_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule, layout, model", [
-    ("zbv", {"zero": 2}, "llama"), ("zbv", {"ep": 2, "dp": 2}, "moe"),
+    ("dualpipev", {"ep": 2, "dp": 2}, "moe"),
+    pytest.param("zbv", {"zero": 2}, "llama", marks=pytest.mark.slow),
+    pytest.param("zbv", {"ep": 2, "dp": 2}, "moe", marks=pytest.mark.slow),
     pytest.param("zbv", {}, "llama", marks=pytest.mark.slow),
     pytest.param("dualpipev", {}, "llama", marks=pytest.mark.slow),
     pytest.param("dualpipev", {"tp": 2}, "llama", marks=pytest.mark.slow),
@@ -192,12 +196,11 @@ HF_LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32,
     pytest.param("zbv", {"zero": 3}, "llama", marks=pytest.mark.slow),
     pytest.param("dualpipev", {"zero": 2}, "llama", marks=pytest.mark.slow),
     pytest.param("zbv", {"tp": 2}, "llama", marks=pytest.mark.slow),
-    pytest.param("dualpipev", {"ep": 2, "dp": 2}, "moe", marks=pytest.mark.slow),
     pytest.param("zbv", {"cp": 2}, "llama", marks=pytest.mark.slow),
     pytest.param("dualpipev", {"recompute": "full"}, "llama", marks=pytest.mark.slow),
     pytest.param("dualpipev", {"zero": 3}, "llama", marks=pytest.mark.slow),
-], ids=["zbv-zero2", "zbv-moe-ep2", "zbv", "dualpipev", "dualpipev-tp2", "zbv-hf",
-        "zbv-zero3", "dualpipev-zero2", "zbv-tp2", "dualpipev-moe-ep2", "zbv-cp2",
+], ids=["dualpipev-moe-ep2", "zbv-zero2", "zbv-moe-ep2", "zbv", "dualpipev", "dualpipev-tp2",
+        "zbv-hf", "zbv-zero3", "dualpipev-zero2", "zbv-tp2", "zbv-cp2",
         "dualpipev-recompute", "dualpipev-zero3"])
 def test_dtrain_train_with_v_schedules_equals_one_process(tmp_path: Path, schedule: str,
                                                           layout: dict, model: str) -> None:
@@ -210,6 +213,8 @@ def test_dtrain_train_with_v_schedules_equals_one_process(tmp_path: Path, schedu
     if model == "hf":
         (tmp_path / "config.json").write_text(json.dumps(HF_LLAMA))
         values = {"arch": "hf", "hf_config": str(tmp_path / "config.json"), "block_size": 32}
+    if schedule == "dualpipev":  # each pair's backward beside its forward, as on GPUs
+        layout["overlap_pairs"] = "on"
     nproc = 2 * layout.get("tp", 1) * layout.get("cp", 1) * (
         2 if layout.get("zero") or layout.get("dp") else 1)
     one = run_ranks(_trainer_runs, 1, [("one", _config(tmp_path, "one", {"nproc": 1},

@@ -71,7 +71,9 @@ class Pipelined(Holding):
         self.module = nn.ModuleList(wrapped)
         self.saved = HeldState(dims, self.optimizers, self.parts, self.names,
                                extras=[CompressionState(self.module)])
-        overlap = dims.schedule == "dualpipev"  # a pair's backward beside its forward
+        overlap = dims.schedule == "dualpipev" and (  # a pair's backward beside its forward
+            config.parallel.overlap_pairs == "on"
+            or (config.parallel.overlap_pairs == "auto" and device.type == "cuda"))
         if overlap:
             mesh.second_lane()
         self.pipe = pipeline.Pipeline(wrapped, group, microbatches=dims.microbatches,

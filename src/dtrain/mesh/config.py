@@ -33,9 +33,10 @@ class ParallelConfig:
     microbatches: int = positive(4)
     """With pp > 1: micro-batches each data-parallel rank's batch is cut into."""
     schedule: Schedule = "1f1b"
-    """With pp > 1: gpipe, 1f1b, interleaved (needs virtual_stages >= 2), or zb1p (ZB-H1:
-    each backward split in the input's gradient and the weights', which fill 1F1B's
-    bubble)."""
+    """With pp > 1: gpipe, 1f1b, interleaved (needs virtual_stages >= 2), or a zero-bubble
+    one, each backward split in the input's gradient and the weights', which fill the
+    bubble: zb1p (ZB-H1), and on virtual_stages = 2 placed in a V, zbv (ZB-V) and
+    dualpipev (DualPipeV, micro-batches >= 2 x pp)."""
     virtual_stages: int = positive(1)
     """Model chunks per pipeline rank (the interleaved schedule's v)."""
     stage_layers: str = ""
@@ -43,6 +44,11 @@ class ParallelConfig:
     "auto": the embedding's parameters counted on the first stage and the output head's
     on the last, so that a vocabulary-sized part weighs as the blocks it outweighs; or
     sizes in stage order, pp x virtual_stages of them adding up to the blocks ("2,3,3,2")."""
+    overlap_pairs: Literal["auto", "on", "off"] = "auto"
+    """With schedule = "dualpipev": compute each pair's backward in a second thread while
+    its forward computes, the backward's collectives on twin process groups, so that one's
+    communication runs under the other's compute. "auto": on CUDA devices (on CPU cores
+    the two threads compete for the same cores)."""
     zero: Literal[0, 1, 2, 3] = 0
     """Shard model state across the data-parallel ranks (dtrain.ZeRO): 1 optimizer state,
     2 and gradients, 3 and parameters; 0 replicates it (DataParallel)."""

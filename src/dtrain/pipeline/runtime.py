@@ -154,6 +154,11 @@ class Pipeline:
         if any(not keeper.installed for keeper in self.keepers):
             raise ConfigError(f"schedule {schedule!r} splits each backward at the linear layers' "
                               "products, and a piece of this rank has none: use '1f1b'")
+        self._whole = {i for i, (a, b) in enumerate(zip(self.actions, self.actions[1:],
+                                                        strict=False))
+                       if self.keepers and a.kind == "B" and b.kind == "W"
+                       and (a.micro, a.chunk) == (b.micro, b.chunk)}
+        """Indices of the Bs whose own W comes next: one backward computes both."""
 
     # ------------------------------------------------------------------ placement
     def _stage(self, chunk: int) -> int:
@@ -247,7 +252,9 @@ class Pipeline:
             action = actions[index]
             if action.with_next and backward and self.overlap:
                 self._pair(action, actions[index + 1], index, micro_in, micro_tg)
-                index += 2
+                if index + 1 in self._whole:
+                    self._mark(actions[index + 2])
+                index += 3 if index + 1 in self._whole else 2
                 continue
             start, waited = time.perf_counter(), self._channels.waited
             if action.kind == "F":
@@ -260,6 +267,9 @@ class Pipeline:
                 inp = self._timed(action, start, waited,
                                   functools.partial(self._backward, action, grad, index))
                 self._send_input_grad(action, inp)
+                if index in self._whole:  # its W done within it: an empty span at its end
+                    index += 1
+                    self._mark(actions[index])
             else:
                 self._timed(action, start, waited,
                             functools.partial(self._weights_of, action, index))
@@ -281,6 +291,12 @@ class Pipeline:
             self.events.append((action.kind, action.micro, action.chunk,
                                 began - self._origin, time.perf_counter() - self._origin))
         return result
+
+    def _mark(self, action: Action) -> None:
+        """An empty span on the timeline for `action`, done within the one before."""
+        if self.timeline:
+            now = self.events[-1][4]
+            self.events.append((action.kind, action.micro, action.chunk, now, now))
 
     def _pair(self, f: Action, b: Action, index: int, micro_in, micro_tg) -> None:
         """DualPipeV's overlapped pair: both halves' messages received, then B computed in
@@ -372,12 +388,14 @@ class Pipeline:
     def _backward(self, action: Action, grad: torch.Tensor | None, index: int
                   ) -> torch.Tensor:
         """B of the saved micro-batch (its weights' products deferred to W under a
-        zero-bubble schedule); the input, its gradient filled."""
+        zero-bubble schedule, unless its W comes next: then both at once, as the last
+        action making gradients where W would be); the input, its gradient filled."""
         chunk = action.chunk
         inp, out, extra = self._saved.pop((action.micro, chunk))
-        split = self.keepers[chunk].deferring(action.micro) if self.keepers \
+        whole = index in self._whole
+        split = self.keepers[chunk].deferring(action.micro) if self.keepers and not whole \
             else contextlib.nullcontext()
-        with self._quiet(chunk, index), split:
+        with self._quiet(chunk, index + whole), split:
             if grad is None:
                 (out if extra is None else out + extra).backward()
             elif extra is None:
