@@ -76,7 +76,8 @@ def outside() -> None:
     for nodes, tflops in MT_NLG:
         cluster = Cluster(hardware("a100-80gb"), nodes, 8)
         ours = best_layout(shape, cluster, 1920, 8, 35, nodes * 8 // 280, (1, 2), (1, 2, 3, 4, 6),
-                           (1,), ("full",), (False,), MEGATRON_2021)
+                           (1,), ("full",), (False,), MEGATRON_2021,
+                           schedules=("1f1b",))  # DeepSpeed's pipeline engine: 1F1B
         print(f"| MT-NLG 530B, {nodes * 8} A100s | {ours.label} | {tflops} TFLOP/s | "
               f"{ours.tflops_per_gpu:.1f} | {ours.tflops_per_gpu / tflops:.3f} |")
 
