@@ -159,6 +159,8 @@ class Pipeline:
                        if self.keepers and a.kind == "B" and b.kind == "W"
                        and (a.micro, a.chunk) == (b.micro, b.chunk)}
         """Indices of the Bs whose own W comes next: one backward computes both."""
+        self._plain = {(self.actions[i].micro, self.actions[i].chunk) for i in self._whole}
+        """Their (micro-batch, chunk): autograd's own products, nothing split or kept."""
 
     # ------------------------------------------------------------------ placement
     def _stage(self, chunk: int) -> int:
@@ -340,10 +342,11 @@ class Pipeline:
         """The piece's output (the last stage's: its loss share), kept for the backward,
         the losses counted."""
         chunk = action.chunk
-        if self._micro_positions is None:
-            out = self.pieces[chunk](inp)
-        else:
-            out = self.pieces[chunk](inp, positions=self._micro_positions[action.micro])
+        with self._products(action):
+            if self._micro_positions is None:
+                out = self.pieces[chunk](inp)
+            else:
+                out = self.pieces[chunk](inp, positions=self._micro_positions[action.micro])
         if self._is_last(chunk):
             loss = self.loss_fn(out, micro_tg[action.micro])
             out = loss / self.microbatches if self._weights is None else \
@@ -356,6 +359,13 @@ class Pipeline:
             self._saved[(action.micro, chunk)] = (inp, out, extra)
             self.peak_live = max(self.peak_live, len(self._saved))
         return out
+
+    def _products(self, action: Action) -> contextlib.AbstractContextManager[None]:
+        """Autograd's own linear products for a micro-batch whose W comes right after its
+        B (dtrain.pipeline.split_backward.WeightGrads.plain), else nothing."""
+        if (action.micro, action.chunk) in self._plain:
+            return self.keepers[action.chunk].plain()
+        return contextlib.nullcontext()
 
     def _send_output(self, action: Action, out: torch.Tensor) -> None:
         if not self._is_last(action.chunk):
@@ -394,7 +404,7 @@ class Pipeline:
         inp, out, extra = self._saved.pop((action.micro, chunk))
         whole = index in self._whole
         split = self.keepers[chunk].deferring(action.micro) if self.keepers and not whole \
-            else contextlib.nullcontext()
+            else self._products(action)
         with self._quiet(chunk, index + whole), split:
             if grad is None:
                 (out if extra is None else out + extra).backward()

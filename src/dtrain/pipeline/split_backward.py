@@ -84,6 +84,7 @@ class WeightGrads:
         self.kept: dict[int, list[Kept]] = {}
         self.installed = 0  # the products it splits
         self._micro: int | None = None
+        self._plain = False
 
     @classmethod
     def install(cls, piece: nn.Module) -> WeightGrads:
@@ -109,9 +110,19 @@ class WeightGrads:
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear, split (see the module doc)."""
-        if not torch.is_grad_enabled():
+        if self._plain or not torch.is_grad_enabled():
             return F.linear(x, weight, bias)
         return _SplitLinear.apply(x, weight, bias, self)
+
+    @contextlib.contextmanager
+    def plain(self) -> Iterator[None]:
+        """Inside, the products are autograd's own: for a micro-batch whose W comes right
+        after its B (one backward computes both), forward and any recomputation in it."""
+        self._plain = True
+        try:
+            yield
+        finally:
+            self._plain = False
 
     @contextlib.contextmanager
     def deferring(self, micro: int) -> Iterator[None]:
