@@ -43,7 +43,9 @@ def test_megatron_table_1(row) -> None:
     assert abs(shape.parameters() / 1e9 - params) <= max(0.02 * params, 0.05)
     predicted = published_layout(shape, cluster, batch, tp, pp)
     assert abs(predicted.tflops_per_gpu / tflops - 1) <= TOLERANCE, predicted.tflops_per_gpu
-    best = rank(shape, cluster, batch, soft=MEGATRON_2021)[0]
+    # the search over Megatron-LM's own schedules (those the published layout runs; the
+    # zero-bubble ones only add rows to rank): its best is at least the published layout
+    best = rank(shape, cluster, batch, soft=MEGATRON_2021, schedules=("1f1b", "interleaved"))[0]
     assert best.fits and best.step_s <= predicted.step_s * (1 + 1e-9)
 
 

@@ -89,6 +89,20 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def assert_refused(folder: Path, config_text: str, overrides: list[str], message: str,
+                   nproc: int = 2) -> None:
+    """`dtrain train` of `config_text` with `--set overrides` exits 2 with one error line
+    holding `message`, and writes nothing (no folder/run)."""
+    config = folder / "refused.toml"
+    config.write_text(config_text)
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    result = dtrain("train", str(config), "-n", str(nproc), *sets,
+                    "--set", f"train.out_dir='{folder / 'run'}'")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in one_error_line(result)
+    assert not (folder / "run").exists()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -34,7 +34,7 @@ from dtrain.comm.ops import (
     shard_sizes,
     shards,
 )
-from dtrain.comm.registry import GroupLike, resolve
+from dtrain.comm.registry import GroupLike, resolve, wrapped_groups
 from dtrain.timeline import CommSpan
 
 _TIMED = sys.modules[__name__]  # the calls auto's first choice times: these (dtrain.comm.cost)
@@ -64,6 +64,12 @@ def traffic(group: GroupLike = None, reset: bool = False) -> dict[str, int]:
     if reset:
         g.traffic.clear()
     return counts
+
+
+def sent_total() -> int:
+    """Bytes this rank has sent on every process group of its world so far, as `traffic`
+    counts them (the metrics' `sent_bytes` per step: the difference across a step)."""
+    return sum(sum(g.traffic.values()) for g in wrapped_groups())
 
 
 class Result(Generic[_R]):

@@ -30,3 +30,15 @@ class CommConfig:
     feedback): fewer bytes per step over slow links (dtrain.sync.compression)."""
     compression_rank: int = positive(4)
     """With compression = "powersgd": the rank of each gradient matrix's approximation."""
+    gather_dtype: Literal["auto", "bf16", "fp8", "int8"] = "auto"
+    """With parallel.zero > 0: the dtype ZeRO's weight all-gathers travel in (ZeRO++'s
+    qwZ): auto (the compute dtype), bf16, int8 (blockwise absmax scales, every device) or
+    fp8 (e4m3 with blockwise scales; CUDA devices of compute capability 8.9 and up). Each
+    rank dequantizes what it gathers; its own master weights stay exact."""
+    reduce_dtype: Literal["auto", "fp32", "bf16", "int8"] = "auto"
+    """With parallel.zero > 0: the dtype ZeRO's gradient reduce-scatters travel in (ZeRO++'s
+    qgZ): auto (the compute dtype), fp32, bf16 or int8 (blockwise scales, exchanged by
+    all-to-all and summed in fp32). Lossy ones keep what they dropped and add it to the
+    next step's gradient (error feedback)."""
+    quant_block: int = positive(256)
+    """Elements per scale of an int8 or fp8 gather or reduction."""

@@ -8,6 +8,7 @@ distribution); `shard_sizes` and `shard_offsets` say exactly where each shard li
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,24 @@ def bus_factor(op: str, ranks: int) -> float:
     return 1.0
 
 
+_Named = TypeVar("_Named", bound=enum.Enum)
+
+
+def parse_named(cls: type[_Named], value: _Named | str, what: str) -> _Named:
+    """The member of the string enum `cls` that `value` names (any case), or `value` itself.
+
+    Raises:
+        ValueError: an unknown name, the message naming `what` and the known names.
+    """
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(str(value).lower())
+    except ValueError:
+        names = ", ".join(str(member.value) for member in cls)
+        raise ValueError(f"unknown {what} {value!r}: use one of {names}") from None
+
+
 class ReduceOp(enum.Enum):
     """How values from different ranks combine."""
 
@@ -52,13 +71,7 @@ class ReduceOp(enum.Enum):
 
     @classmethod
     def parse(cls, op: ReduceOp | str) -> ReduceOp:
-        if isinstance(op, ReduceOp):
-            return op
-        try:
-            return cls(op.lower())
-        except (ValueError, AttributeError):
-            names = ", ".join(o.value for o in cls)
-            raise ValueError(f"unknown reduce op {op!r}: use one of {names}") from None
+        return parse_named(cls, op, "reduce op")
 
     def to_torch(self) -> dist.ReduceOp.RedOpType:
         """The torch op; AVG maps to SUM (dtrain divides itself, gloo has no AVG)."""

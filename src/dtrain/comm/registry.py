@@ -126,6 +126,11 @@ def _new(pg: dist.ProcessGroup, backend: str) -> TorchGroup | OverTorch:
     return HierarchicalGroup(below, hosts)
 
 
+def wrapped_groups() -> list[Group]:
+    """Every process group wrapped so far in this world (`wrap`)."""
+    return list(_wrapped.values())
+
+
 def forget_all() -> None:
     """Drop every wrapped group (their process groups are being destroyed)."""
     for wrapped in _wrapped.values():

@@ -63,6 +63,11 @@ def check_live(parallel: ParallelConfig) -> None:
                           "mixed precision keep more): use parallel.zero = 1 or 2 with "
                           "parallel.mixed_precision = \"fp32\", or fault_tolerance.mode = "
                           "\"restart\"")
+    if p.dp_replicate > 1:
+        raise ConfigError(f"{live}: the live replicas are hybrid sharding's replicas already "
+                          "(each one shards over its own ranks with ZeRO, and its shards are "
+                          "averaged with the other replicas' every step): set "
+                          "parallel.dp_replicate = 1")
     if p.dp > 1 and not p.zero:
         raise ConfigError(f"{live}: parallel.dp = {p.dp} is data parallelism inside a live "
                           "replica, which only ZeRO does (the live replicas are the data "

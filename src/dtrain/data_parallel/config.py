@@ -8,7 +8,9 @@ from dtrain.mesh.config import ParallelConfig
 
 
 def check_config(parallel: ParallelConfig, comm: CommConfig) -> None:
-    """ZeRO's mixed precision and DataParallel's gradient dtype, each with its own.
+    """ZeRO's mixed precision and DataParallel's gradient dtype, each with its own; ZeRO's
+    wire dtypes with ZeRO only (fp8's device is checked where the device is known:
+    `dtrain.comm.check_wire_dtype`).
 
     Raises:
         ConfigError: in one line naming what to change.
@@ -20,3 +22,8 @@ def check_config(parallel: ParallelConfig, comm: CommConfig) -> None:
     if p.zero and comm.grad_dtype != "fp32":
         raise ConfigError("comm.grad_dtype is for DataParallel; with parallel.zero set "
                           "parallel.mixed_precision instead")
+    for key in ("gather_dtype", "reduce_dtype"):
+        if getattr(comm, key) != "auto" and not p.zero:
+            raise ConfigError(f"comm.{key} = {getattr(comm, key)!r} is the dtype ZeRO's "
+                              f"{key.split('_')[0]}s travel in: set parallel.zero = 1, 2 or 3 "
+                              f"(or comm.{key} = \"auto\")")

@@ -125,17 +125,22 @@ def adapt(config: Config, world_size: int, most: int,
     keep = world_size % (p.tp * p.pp) == 0
     tp, pp = (p.tp, p.pp) if keep else (1, 1)
     accum = _accumulation(config, world_size, world_size // (tp * pp), pp, most)
-    if keep and accum == t.grad_accum and p.dp in (0, world_size // (tp * pp)):
+    replicas = p.dp_replicate if (world_size // (tp * pp * p.cp)) % p.dp_replicate == 0 else 1
+    if keep and accum == t.grad_accum and p.dp in (0, world_size // (tp * pp)) and \
+            replicas == p.dp_replicate:
         return config, ""
     choice = None if keep else choose(config, world_size, accum)
     values = config.to_dict()
     if choice is None:
-        values["parallel"].update(dp=0, tp=tp, pp=pp)
+        values["parallel"].update(dp=0, tp=tp, pp=pp, dp_replicate=replicas)
         values["train"]["grad_accum"] = accum
         how = "" if keep else f"; tp={p.tp} x pp={p.pp} does not divide it: dropped"
+        if replicas != p.dp_replicate:
+            how += f"; dp_replicate={p.dp_replicate} does not divide its ranks: one replica"
     else:
         layout = choice.dims
         values["parallel"].update(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=layout.zero,
+                                  dp_replicate=layout.dp_replicate,
                                   microbatches=layout.microbatches,
                                   sequence_parallel=choice.sequence_parallel)
         values["memory"]["recompute"] = choice.recompute

@@ -35,6 +35,10 @@ def train_command(args: argparse.Namespace) -> None:
         from dtrain.models.float8 import check_float8
 
         check_float8(_rank_device(config))
+    if config.comm.gather_dtype == "fp8":  # as float8: refused before any rank starts
+        from dtrain.comm import check_wire_dtype
+
+        check_wire_dtype("fp8", _rank_device(config), key="comm.gather_dtype")
     if args.metrics:
         config.logging.metrics = args.metrics
     if args.timeline:

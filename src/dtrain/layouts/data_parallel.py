@@ -46,7 +46,7 @@ class Replicated(Holding):
         experts = expert_group(mesh)
         same = mesh.group("dp_cp")  # the ranks holding the same parameters
         self.module = data_parallel(model, same, config, averaging, experts)
-        self.optimizers = [build_optimizer(model.parameters(), config.optimizer)]
+        self.optimizers = [build_optimizer(model, config.optimizer)]
         self.parts = [Tensors(self.names, list(model.parameters()), self.optimizers[0],
                               dp=mesh.place("dp_cp"))]
         self.saved = HeldState(self.dims, self.optimizers, self.parts, self.names,

@@ -251,10 +251,13 @@ class Tensors:
 
 @dataclass
 class Shards:
-    """Parameters held as ZeRO shards by one ZeRO wrapper (with its sharded optimizer)."""
+    """Parameters held as ZeRO shards by one ZeRO wrapper (with its sharded optimizer);
+    `writes` False on a replica other than the first under hybrid sharding, which holds
+    the same shards as the first and writes none of them."""
 
     names: Names
     zero: ZeRO
+    writes: bool = True
 
     def _own(self) -> dict[str, nn.Parameter]:
         return dict(self.zero.module.named_parameters())
@@ -275,6 +278,8 @@ class Shards:
         def writes(p: nn.Parameter) -> bool:
             return names.writes(p) and (only is None or names.canonical[id(p)] in only)
 
+        if not self.writes:
+            return
         shard = zero_state.sharded_state(self.zero)
         for k, group in enumerate(self.zero.layout):
             for n in group:
@@ -347,6 +352,8 @@ class FrozenShards:
 
     names: Names
     zero: ZeRO
+    writes: bool = True
+    """False on a replica other than the first (hybrid sharding), as Shards'."""
 
     def _own(self) -> dict[str, nn.Parameter]:
         return dict(self.zero.module.named_parameters())
@@ -362,6 +369,8 @@ class FrozenShards:
                 only: Collection[str] | None = None) -> None:
         """Add this rank's shards of them (`only`: of these parameters alone)."""
         names, own = self.names, self._own()
+        if not self.writes:
+            return
         for n, segs in zero_state.master_segments(self.zero, frozen=True).items():
             p = own[n]
             if not names.writes(p) or (only is not None and names.canonical[id(p)] not in only):

@@ -10,6 +10,7 @@ from torch import nn
 
 from dtrain import pipeline
 from dtrain.adapters.lora import compute_in, computed_in
+from dtrain.comm import GroupLike
 from dtrain.config import Config
 from dtrain.data.sequences import IGNORE, Batch
 from dtrain.data_parallel import DataParallel
@@ -20,7 +21,7 @@ from dtrain.layouts.data_parallel import data_parallel
 from dtrain.layouts.holding import Holding
 from dtrain.layouts.parts import Names, Shards, Tensors, expert_group, untrained
 from dtrain.layouts.state import CompressionState, HeldState
-from dtrain.layouts.zero import zero_of
+from dtrain.layouts.zero import ShardGroups, zero_of
 from dtrain.mesh import Mesh
 from dtrain.models import init
 from dtrain.optim import build_optimizer
@@ -56,16 +57,20 @@ class Pipelined(Holding):
                               twins=twins(tied))
         experts = expert_group(mesh)
         wrapped: list[ZeRO] | list[DataParallel]
+        reduced_over: GroupLike = dp  # the ranks whose gradient shards make up the norm
         if dims.zero:
-            wrapped = [zero_of(piece, dp, dims.zero, config, device, averaging, experts)
+            shard_groups = ShardGroups.of(mesh)
+            reduced_over = shard_groups.shard
+            wrapped = [zero_of(piece, shard_groups, dims.zero, config, device, averaging)
                        for piece in mine]
             self.optimizers = [z.optimizer for z in wrapped]
-            self.parts = [*(Shards(self.names, z) for z in wrapped),
+            self.parts = [*(Shards(self.names, z, shard_groups.first_replica)
+                            for z in wrapped),
                          *untrained(self.names, mine, place, device)]
         else:
             wrapped = [data_parallel(piece, dp, config, averaging, experts) for piece in mine]
             params = list(nn.ModuleList(mine).parameters())
-            self.optimizers = [build_optimizer(params, config.optimizer)]
+            self.optimizers = [build_optimizer(nn.ModuleList(mine), config.optimizer)]
             self.parts = [Tensors(self.names, params, self.optimizers[0],
                                  dp=place)]
         self.module = nn.ModuleList(wrapped)
@@ -81,7 +86,7 @@ class Pipelined(Holding):
                                       loss_fn=loss_fn, tied=tied,
                                       extra_loss=pipeline.extra_loss_of(model, mine),
                                       overlap=overlap)
-        self.groups = {"dp": dp, "tp": mesh.group("tp"), "pp": group,
+        self.groups = {"dp": reduced_over, "tp": mesh.group("tp"), "pp": group,
                        **({"ep": mesh.group("ep")} if experts else {})}
         self.loss_group = dp
 

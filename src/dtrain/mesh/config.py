@@ -49,6 +49,13 @@ class ParallelConfig:
     its forward computes, the backward's collectives on twin process groups, so that one's
     communication runs under the other's compute. "auto": on CUDA devices (on CPU cores
     the two threads compete for the same cores)."""
+    dp_replicate: int = positive(1)
+    """Hybrid sharding (HSDP): the data-parallel ranks (dp of them) split into this many
+    replicas of dp / dp_replicate ranks each; ZeRO shards the model state inside a replica
+    (the ranks of one machine: fast links) and each shard's gradient is then averaged with
+    the same shard of the other replicas (across machines: the fewest bytes on the slow
+    links). Must divide dp; needs zero = 1, 2 or 3 (dtrain.mesh.dims: dp_replicate x
+    dp_shard)."""
     zero: Literal[0, 1, 2, 3] = 0
     """Shard model state across the data-parallel ranks (dtrain.ZeRO): 1 optimizer state,
     2 and gradients, 3 and parameters; 0 replicates it (DataParallel)."""
@@ -89,6 +96,10 @@ class ParallelConfig:
     def check(self) -> None:
         """The rules between the section's own keys (the degrees against the world are
         `Dims.of`'s)."""
+        if self.dp_replicate > 1 and not self.zero:
+            raise ConfigError(f"parallel.dp_replicate = {self.dp_replicate} shards the model "
+                              "state inside each replica: set parallel.zero = 1, 2 or 3 (or "
+                              "dp_replicate = 1: DataParallel replicates over every rank)")
         if self.mixed_precision != "fp32" and not self.zero:
             raise ConfigError(f"parallel.mixed_precision = {self.mixed_precision!r} needs "
                               "parallel.zero = 1, 2 or 3 (DataParallel takes comm.grad_dtype)")

@@ -258,8 +258,12 @@ class Dims:
                                   f"{', '.join(map(str, allowed))}")
         if self.dp_shard % self.ep:
             dp = key("dp_shard").rpartition(".")[2]
+            ranks = f"{dp} = {self.dp_shard}"
+            if self.dp_replicate > 1:
+                ranks = (f"{self.dp_shard} in each of {key('dp_replicate')} = "
+                         f"{self.dp_replicate} replicas")
             raise ConfigError(f"{key('ep')} = {self.ep} does not divide the data-parallel "
-                              f"ranks ({dp} = {self.dp_shard}): experts split "
+                              f"ranks ({ranks}): experts split "
                               "over data-parallel ranks; choose an ep that divides "
                               f"{self.dp_shard}")
         if self.sequence_parallel and self.tp == 1:
@@ -267,7 +271,7 @@ class Dims:
                               "the sequence across the tensor-parallel ranks): set "
                               f"{key('tp')}")
         if self.exchange == "ps":
-            defaults = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0}
+            defaults = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0, "dp_replicate": 1}
             split = [f"{key(a)} = {getattr(self, a)}" for a, default in defaults.items()
                      if getattr(self, a) != default]
             if split:
@@ -312,7 +316,13 @@ class Dims:
         # in the product's words as `[parallel]` has always shown it: dp*cp*tp*pp
         degrees = _fit(world_size, {"sync": sync, "dp": p.dp or None, "cp": p.cp, "tp": p.tp,
                                     "pp": p.pp}, always=("tp", "pp"), inferred="dp")
-        return cls(dp_shard=degrees["dp"], tp=p.tp, pp=p.pp, cp=p.cp, sync=sync, ep=p.ep,
+        if degrees["dp"] % p.dp_replicate:
+            raise ConfigError(f"parallel.dp_replicate = {p.dp_replicate} does not divide the "
+                              f"data-parallel ranks (dp = {degrees['dp']}): choose a divisor "
+                              f"of {degrees['dp']} (the replicas of dp / dp_replicate ranks "
+                              "each)")
+        return cls(dp_shard=degrees["dp"] // p.dp_replicate, dp_replicate=p.dp_replicate,
+                   tp=p.tp, pp=p.pp, cp=p.cp, sync=sync, ep=p.ep,
                    zero=p.zero, microbatches=p.microbatches, schedule=p.schedule,
                    virtual_stages=p.virtual_stages, exchange=p.exchange,
                    cp_method=p.cp_method, sequence_parallel=p.sequence_parallel,
@@ -414,8 +424,11 @@ class Dims:
     # ------------------------------------------------------------------ words
     def __str__(self) -> str:
         """Short form, as the planner's table shows it: `dp2 x tp2 x pp2 (1f1b, m=4) zero1`
-        (`dp2 x cp2 x tp2` with context parallelism)."""
+        (`dp2 x cp2 x tp2` with context parallelism; `dp2x4 ... zero3`: HSDP, 2 replicas
+        of 4 sharding ranks)."""
         parts = [f"dp{self.dp}"] if self.dp > 1 or (self.tp == self.pp == self.cp == 1) else []
+        if self.dp_replicate > 1:  # HSDP: replicas x the ranks sharding inside each
+            parts = [f"dp{self.dp_replicate}x{self.dp_shard}"]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"tp{self.tp}"] if self.tp > 1 else []
         if self.pp > 1:
@@ -437,6 +450,9 @@ class Dims:
             how = (f"pipeline of {self.pp} stages ({self.schedule}, {self.microbatches} "
                    f"micro-batches) x {how}")
         experts = f" (experts split over {self.ep})" if self.ep > 1 else ""
+        if self.dp_replicate > 1:
+            return (f"{how} over {self.dp_shard}{experts}, in each of {self.dp_replicate} "
+                    "replicas (HSDP)")
         return f"{how} over {self.dp}{experts}"
 
     # ------------------------------------------------------------------ as plain values

@@ -1,5 +1,6 @@
-"""Arithmetic both planners share: the bytes of a parameter, and what a pipeline's schedule
-costs in idle time, messages and live micro-batches.
+"""Arithmetic both planners share: the bytes of a parameter, what a pipeline's schedule
+costs in idle time, messages and live micro-batches, and which hybrid-sharding degrees a
+layout may take (the last section).
 
 A pipeline of p ranks runs m micro-batches; under the interleaved and the V-shaped
 schedules each rank holds v chunks (virtual stages), a chunk 1/v of the rank's layers
@@ -41,6 +42,44 @@ and drain.
 `sends` counts the messages a rank sends per micro-batch (each chunk's output forward and
 its input's gradient back, unless the neighbouring stage is on the same rank: the V's turn
 at the last rank); `live_micro_batches` the most micro-batches a rank holds at once.
+
+Hybrid sharding (HSDP, `[parallel] dp_replicate = R` with `zero = 1, 2 or 3`;
+dtrain.mesh.dims): the dp data-parallel ranks split into R replicas of S = dp / R ranks.
+ZeRO shards the model state over a replica's S x cp ranks and keeps its gathers and
+reduce-scatters there; each rank's reduced gradient shard, Ψ/(S·cp) elements of the Ψ
+parameters it holds after tp and pp split the model (the split experts: over the S·cp /
+ep ranks holding them), is then all-reduced with the same shard of the other R - 1
+replicas, once per step. Per rank and step, against ZeRO over all dp x cp ranks:
+
+    across the replicas   2(R-1)/R x Ψ/(S·cp) x bytes of a gradient, in one all-reduce
+                          (ZeRO over all ranks: its gathers and reduce-scatters span them)
+    inside a replica      ZeRO's own traffic over S·cp ranks instead of dp·cp
+    memory                ZeRO's over S·cp ranks: the sharded state divided by S·cp, not
+                          dp·cp
+
+A replica is S x cp x tp consecutive ranks (the mesh puts dp_replicate outside dp_shard,
+cp and tp). The planners weigh every R of at least 2 dividing dp whose replica is part of
+one machine or whole machines: S x cp x tp divides the ranks of a machine or is a multiple
+of them (`replica_degrees`). Whole machines are the point: ZeRO's many collectives stay on
+a machine's fast links (NVLink) and only the all-reduce of one shard per step crosses the
+slow ones between machines. Part of a machine is weighed too, though it rarely pays: its
+shards are larger (S smaller) and its all-reduce crosses machines as much. Replicas
+straddling a machine boundary are not weighed (their gathers would cross it, without the
+shard all-reduce getting any smaller), nor S = 1 (ZeRO over one rank is DataParallel,
+`zero = 0`), nor R = 1 (plain ZeRO, which every ZeRO layout already is).
+
+HSDP wins where the links between machines are slow against those inside one and the
+model state fits S x cp ranks: ZeRO-3 over every rank gathers the weights across
+machines for each micro-batch's forward and backward and reduce-scatters its gradients
+there, where HSDP sends one shard's all-reduce per step. Where the state does not fit S
+ranks, the layout does not fit and is not picked; where the network is as fast as the
+machine's links, the extra all-reduce buys nothing and plain ZeRO (or another layout)
+wins. Each planner costs the all-reduce on its own links, as one more of the step's
+data-parallel collectives: the cluster planner (dtrain.planner.analytic.cluster)
+hierarchically, NVLink inside a node and the network across, beside the last
+micro-batch's; the traced one (dtrain.planner.traced.estimate) at its links' alpha and
+beta, the network's where the replicas span machines (dtrain.planner.traced.links),
+behind backward.
 """
 
 from __future__ import annotations
@@ -174,11 +213,13 @@ def live_micro_batches(schedule: str, pp: int, rank: int, microbatches: int) -> 
                       "count them on its action lists")
 
 
+@functools.cache
 def placed(schedule: str, pp: int, chunks: int) -> Placement:
     """Where each (rank, chunk) runs under `schedule` (dtrain.pipeline.schedules.Placement)."""
     return Placement.of(schedule_of(schedule, chunks), pp, chunks)
 
 
+@functools.cache
 def holds_ends(schedule: str, pp: int, chunks: int, rank: int) -> tuple[bool, bool]:
     """Whether rank `rank` holds the first stage (the embedding's) and the last (the
     head's): under the V-shaped schedules rank 0 holds both."""
@@ -193,3 +234,22 @@ def chunk_sizes(sizes: Sequence[int], schedule: str, pp: int, chunks: int
     place = placed(schedule, pp, chunks)
     return [[sizes[place.stage(r, c)] for c in range(chunks)] for r in range(pp)]
 
+
+def replica_degrees(dp: int, inner: int, per_node: int, ep: int = 1) -> list[int]:
+    """The `dp_replicate` degrees R a planner weighs for a layout of `dp` data-parallel
+    ranks, each with `inner` ranks beside it (cp x tp), on machines of `per_node` ranks:
+    every R >= 2 dividing dp whose replicas of S = dp / R ranks (S >= 2, a multiple of
+    `ep`: experts split inside a replica) take S x inner consecutive ranks that divide
+    `per_node` (part of a machine) or are a multiple of it (whole machines); ascending
+    (none where a figure is not positive)."""
+    if min(dp, inner, per_node, ep) < 1:
+        return []
+    found = []
+    for replicas in range(2, dp // 2 + 1):
+        if dp % replicas:
+            continue
+        shard = dp // replicas
+        span = shard * inner
+        if shard % ep == 0 and (per_node % span == 0 or span % per_node == 0):
+            found.append(replicas)
+    return found

@@ -14,6 +14,12 @@ recompute`) changes no rank's place, only what it holds, so it sits beside them.
 `micro_batch` (sequences per micro-batch) is the analytic planner's: it plans a global
 batch of any size, which the traced planner's layouts cut into `dp x microbatches` (or
 accumulated) parts.
+
+A plan becomes a config by `parallel_section` (the `[parallel]` table: dp the whole
+data-parallel degree, dp_replicate its replicas under hybrid sharding) and `overrides`
+(those keys and `memory.recompute` as `--set` names them), which both planners' `--json`
+output carries beside each layout and the planner's own check runs by
+(dtrain.planner.traced.measure).
 """
 
 from __future__ import annotations
@@ -27,7 +33,20 @@ from dtrain.mesh.dims import CP_METHODS
 RECOMPUTE = ("none", "selective", "full")
 """The recomputation modes, from the least memory saved (and time spent) to the most."""
 
-__all__ = ["CP_METHODS", "RECOMPUTE", "PlannedLayout"]
+__all__ = ["CP_METHODS", "RECOMPUTE", "PlannedLayout", "parallel_section"]
+
+
+def parallel_section(dims: Dims) -> dict[str, object]:
+    """The `[parallel]` keys (dtrain.mesh.config.ParallelConfig) that make `dims` on its
+    world size (`Dims.of` reads them back to the same degrees and options): dp is the
+    whole data-parallel degree, dp_replicate x dp_shard, and dp_replicate the replicas of
+    hybrid sharding (1 without). The launch's `nproc`, the sync groups and parameter
+    servers are not a planner's and are left out."""
+    return {"dp": dims.dp, "dp_replicate": dims.dp_replicate, "tp": dims.tp, "pp": dims.pp,
+            "cp": dims.cp, "ep": dims.ep, "zero": dims.zero,
+            "microbatches": dims.microbatches, "schedule": dims.schedule,
+            "virtual_stages": dims.virtual_stages, "cp_method": dims.cp_method,
+            "sequence_parallel": dims.sequence_parallel}
 
 
 @dataclass(frozen=True)
@@ -80,6 +99,15 @@ class PlannedLayout:
         batch = f" mb{self.micro_batch}" if self.micro_batch else ""
         method = f" {self.cp_method}" if self.dims.cp > 1 else ""
         return f"{self.dims}{batch}{method}{' sp' if self.sequence_parallel else ''}"
+
+    def overrides(self) -> dict[str, object]:
+        """The config keys that choose this layout, as `--set` names them
+        (`parallel.dp`, `parallel.dp_replicate`, ..., `memory.recompute`): with
+        `parallel.nproc` (or a launcher's world) of the layout's world size, `dtrain
+        train` runs it."""
+        section = {f"parallel.{key}": value for key, value in
+                   parallel_section(self.dims).items()}
+        return {**section, "memory.recompute": self.recompute}
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON values: the Dims' `to_dict()` and the options."""

@@ -28,16 +28,18 @@ from typing import Any
 import torch
 
 from dtrain import comm
-from dtrain.comm.ops import bus_factor
+from dtrain.comm.quantized import (
+    WireDtype,
+    dequantize,
+    message_bytes,
+    pack,
+    quantize,
+    sent_bytes,
+    unpack,
+)
 from dtrain.errors import DtrainError
 
 FLOAT_BYTES = 4
-INT8_MAX = 127
-
-
-def sent_bytes(collective: str, whole_bytes: int, n_ranks: int) -> int:
-    """Bytes one rank sends in `collective` of `whole_bytes`, as `comm.traffic` counts."""
-    return int(bus_factor(collective, n_ranks) * whole_bytes) if n_ranks > 1 else 0
 
 
 class Compressor:
@@ -284,7 +286,8 @@ class Int8(Compressor):
     on both quantizations.
 
     The bucket (padded with zeros) is split into n shards of s = ceil(N / n) elements,
-    each quantized in chunks of `chunk` (scale = max|x| / 127, q = round(x / scale)):
+    each quantized in chunks of `chunk` (scale = max|x| / 127, q = round(x / scale):
+    dtrain.comm.quantized's int8, whose blocks are these chunks):
     1. all_to_all: rank j receives every rank's j-th shard (int8 and scales, as bytes),
        dequantizes and averages them;
     2. rank j re-quantizes its averaged shard and all_gather hands it to everyone, who
@@ -317,16 +320,15 @@ class Int8(Compressor):
                               "per scale, e.g. 256 to 1024)")
         self.chunk = chunk
 
-    def _message_bytes(self, numel: int, n_ranks: int) -> tuple[int, int, int]:
-        """Shard elements s, chunks per shard k, and the bytes of one shard's message."""
+    def _message_bytes(self, numel: int, n_ranks: int) -> tuple[int, int]:
+        """Shard elements s, and the bytes of one shard's message."""
         shard = -(-numel // n_ranks)
-        chunks = -(-shard // self.chunk)
-        return shard, chunks, shard + FLOAT_BYTES * chunks
+        return shard, message_bytes(shard, WireDtype.INT8, self.chunk)
 
     def bytes_per_step(self, shapes: Sequence[torch.Size], n_ranks: int) -> float:
         """An all_to_all and an all_gather of n messages of s + 4 ceil(s / chunk) bytes,
         s = ceil(N / n): 2 (n-1)/n x n (s + 4 ceil(s / chunk))."""
-        _, _, width = self._message_bytes(sum(math.prod(s) for s in shapes), n_ranks)
+        _, width = self._message_bytes(sum(math.prod(s) for s in shapes), n_ranks)
         to_all = sent_bytes("all_to_all", n_ranks * width, n_ranks)
         gather = sent_bytes("all_gather", n_ranks * width, n_ranks)
         return to_all + gather
@@ -335,52 +337,25 @@ class Int8(Compressor):
                 g: comm.Group) -> None:
         n = g.size
         numel = grads.numel()
-        shard, chunks, width = self._message_bytes(numel, n)
+        shard, width = self._message_bytes(numel, n)
         residual = self._kept("residual", key, numel, grads.device)
         padded = grads.new_zeros(n * shard)
         torch.add(grads, residual, out=padded[:numel])
-        rows = padded.view(n, shard)
-        q, scales = self._quantize(rows, chunks)
+        q, scales = quantize(padded.view(n, shard), WireDtype.INT8, self.chunk)
         torch.sub(padded[:numel], self._dequantize(q, scales).reshape(-1)[:numel], out=residual)
-        received = comm.all_to_all(_pack(q, scales).view(-1), group=g).view(n, width)
-        mine = self._dequantize(*_unpack(received, shard)).sum(0).div_(n)
+        received = comm.all_to_all(pack(q, scales).view(-1), group=g).view(n, width)
+        mine = self._dequantize(*unpack(received, shard, WireDtype.INT8)).sum(0).div_(n)
         mine += self._kept("shard_residual", key, shard, grads.device)
-        q, scales = self._quantize(mine.view(1, shard), chunks)
+        q, scales = quantize(mine.view(1, shard), WireDtype.INT8, self.chunk)
         torch.sub(mine, self._dequantize(q, scales).reshape(-1),
                   out=self._kept("shard_residual", key, shard, grads.device))
-        gathered = comm.all_gather(_pack(q, scales).view(-1), group=g,
+        gathered = comm.all_gather(pack(q, scales).view(-1), group=g,
                                    algorithm=self.algorithm).view(n, width)
-        grads.copy_(self._dequantize(*_unpack(gathered, shard)).reshape(-1)[:numel])
-
-    def _chunked(self, rows: torch.Tensor, chunks: int) -> torch.Tensor:
-        """`rows` (count x s) zero-padded to whole chunks: count x chunks x chunk."""
-        padded = rows.new_zeros(rows.shape[0], chunks * self.chunk)
-        padded[:, : rows.shape[1]] = rows
-        return padded.view(rows.shape[0], chunks, self.chunk)
-
-    def _quantize(self, rows: torch.Tensor, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """int8 values (count x s) and fp32 scales (count x chunks) of `rows`."""
-        pieces = self._chunked(rows, chunks)
-        scales = pieces.abs().amax(dim=2) / INT8_MAX
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero chunk
-        q = torch.round(pieces / safe.unsqueeze(2)).clamp_(-INT8_MAX, INT8_MAX)
-        return q.to(torch.int8).view(rows.shape[0], -1)[:, : rows.shape[1]], scales
+        grads.copy_(self._dequantize(*unpack(gathered, shard, WireDtype.INT8)).reshape(-1)[:numel])
 
     def _dequantize(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """fp32 values (count x s) of int8 `q` with its `scales`."""
-        pieces = self._chunked(q, scales.shape[1]) * scales.unsqueeze(2)
-        return pieces.view(q.shape[0], -1)[:, : q.shape[1]]
-
-
-def _pack(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """One byte row per shard: its int8 values, then its fp32 scales' bytes (one message
-    per collective instead of two)."""
-    return torch.cat([q.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
-
-
-def _unpack(rows: torch.Tensor, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_pack` undone: each row's int8 values (its first `shard` bytes) and fp32 scales."""
-    return rows[:, :shard].view(torch.int8), rows[:, shard:].contiguous().view(torch.float32)
+        return dequantize(q, scales, self.chunk)
 
 
 COMPRESSORS: dict[str, type[Compressor]] = {"powersgd": PowerSGD, "int8": Int8}

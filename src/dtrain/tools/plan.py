@@ -73,6 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "rank, GB/s (default: measured by dtrain bench comm --calibrate)")
     parser.add_argument("--latency", type=float, default=None, metavar="US",
                         help="seconds per collective call, in microseconds (with --bandwidth)")
+    parser.add_argument("--ranks-per-machine", type=int, metavar="N",
+                        help="the devices are machines of N ranks joined by --network: a "
+                        "collective spanning machines costs the network's figures (how "
+                        "hybrid sharding, dp_replicate, is weighed)")
+    parser.add_argument("--network", type=float, metavar="GB/S",
+                        help="bandwidth per rank between machines, GB/s (with "
+                        "--ranks-per-machine)")
+    parser.add_argument("--network-latency", type=float, default=None, metavar="US",
+                        help="microseconds per collective call between machines (with "
+                        "--network; default: --latency's)")
     parser.add_argument("--schedules", default="auto", metavar="LIST",
                         help="pipeline schedules to consider, comma-separated: "
                              f"{', '.join(SCHEDULES)} (default auto: 1f1b, zb1p, zbv and "
@@ -119,10 +129,16 @@ def _links(args: argparse.Namespace):
     from dtrain.planner.traced import machine
     from dtrain.planner.traced.links import DEFAULT_LATENCY_US, Links
 
-    if args.bandwidth is not None:
-        latency = args.latency if args.latency is not None else DEFAULT_LATENCY_US
-        return Links.given(args.bandwidth, latency)
-    return machine.links()
+    latency = args.latency if args.latency is not None else DEFAULT_LATENCY_US
+    links = Links.given(args.bandwidth, latency) if args.bandwidth is not None else \
+        machine.links()
+    if (args.ranks_per_machine is None) != (args.network is None):
+        raise ConfigError("--ranks-per-machine and --network go together: the machines' "
+                          "size and the bandwidth between them")
+    if args.ranks_per_machine is not None:
+        across = args.network_latency if args.network_latency is not None else latency
+        links = links.across_machines(args.ranks_per_machine, args.network, across)
+    return links
 
 
 def plan_choices(args: argparse.Namespace, config: Config

@@ -54,7 +54,7 @@ from dtrain.planner.planned import CP_METHODS, RECOMPUTE
 from dtrain.planner.shape import ModelShape, parse_shape
 from dtrain.tools import check_output, write_json
 
-LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "ep")
+LAYOUT_KEYS = ("tp", "cp", "pp", "dp", "ep", "dp_replicate")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,11 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "kv_heads, ffn, tied, dropout, head_dim, qk_norm; a mixture of "
                        "experts (arch=llama): experts, top_k, and optionally moe_ffn, "
                        "shared_experts, moe_layers (default: the config's model)")
-    group.add_argument("--layout", metavar="tp=T,pp=P,dp=D[,cp=C][,ep=E]", help="evaluate "
-                       "this layout only (its best micro-batch, virtual stages, ZeRO stage, "
-                       "recomputation and cp method unless given); cp splits every sequence "
-                       "over C GPUs (context parallelism, default 1); ep splits a MoE "
-                       "model's experts over E of the dp GPUs (default 1)")
+    group.add_argument("--layout", metavar="tp=T,pp=P,dp=D[,cp=C][,ep=E][,dp_replicate=R]",
+                       help="evaluate this layout only (its best micro-batch, virtual stages, "
+                       "ZeRO stage, recomputation and cp method unless given); cp splits "
+                       "every sequence over C GPUs (context parallelism, default 1); ep "
+                       "splits a MoE model's experts over E of the dp GPUs (default 1); "
+                       "dp_replicate: hybrid sharding, ZeRO inside R replicas of dp / R "
+                       "GPUs (default 1)")
     group.add_argument("--cp-method", choices=CP_METHODS, help="how the cp GPUs attend over "
                        "the whole sequence: ring (key/value blocks passed around, behind "
                        "the attention), allgather (keys and values gathered: Llama 3's) or "
@@ -145,7 +147,7 @@ def _layout(args: argparse.Namespace) -> dict[str, int] | None:
         key, _, value = item.partition("=")
         if key.strip() not in LAYOUT_KEYS or not value.strip().isdigit():
             raise ConfigError(f"--layout {args.layout!r}: give tp=T,pp=P,dp=D and "
-                              "optionally cp=C and ep=E (whole numbers)")
+                              "optionally cp=C, ep=E and dp_replicate=R (whole numbers)")
         degrees[key.strip()] = int(value)
     return {k: degrees.get(k, 1) for k in LAYOUT_KEYS}
 
@@ -237,10 +239,12 @@ def _given(shape, cluster: Cluster, batch: int, layout: dict[str, int],
            schedules: tuple[str, ...] = SCHEDULES) -> ClusterEstimate:
     """The given layout with its best options (those not fixed by the flags), its
     pipeline with the fastest of `schedules` that runs it."""
-    tp, pp, dp, ep, cp = (layout[k] for k in ("tp", "pp", "dp", "ep", "cp"))
+    tp, pp, dp, ep, cp, replicas = (layout[k] for k in ("tp", "pp", "dp", "ep", "cp",
+                                                        "dp_replicate"))
     micro = (args.microbatch,) if args.microbatch is not None else MICRO_SIZES
     chunks = (args.virtual_stages,) if args.virtual_stages is not None else CHUNKS
-    zeros = (args.zero,) if args.zero is not None else ZERO_STAGES
+    zeros = (args.zero,) if args.zero is not None else \
+        tuple(z for z in ZERO_STAGES if z or replicas == 1)  # hybrid sharding: ZeRO
     methods = (args.cp_method,) if args.cp_method else context_methods(shape, tp, cp)
     # the degrees, heads and layers; and, when the flags fix everything, the one choice
     # one schedule asked for: the layout is checked with it (the V-shaped: on two chunks)
@@ -251,9 +255,10 @@ def _given(shape, cluster: Cluster, batch: int, layout: dict[str, int],
         first = None
     check_layout(shape, cluster, batch, planned_layout(batch, tp, pp, dp, zeros[0], micro[0],
                                                        chunks[0], modes[0], ep=ep, cp=cp,
-                                                       cp_method=methods[0], schedule=first))
+                                                       cp_method=methods[0], schedule=first,
+                                                       replicas=replicas))
     best = best_layout(shape, cluster, batch, tp, pp, dp, micro, chunks, zeros, modes, seq,
-                       soft, ep, cp, methods, schedules)
+                       soft, ep, cp, methods, schedules, replicas=(replicas,))
     if best is None:
         raise ConfigError(f"--layout {args.layout}: no micro-batch size splits a batch of "
                           f"{batch} over dp={dp}")

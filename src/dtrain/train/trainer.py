@@ -290,11 +290,11 @@ class Trainer:
                 self.stream = self._stream_from(at - 1)
             step = at
             faults.at("step", step)
-            begin = time.perf_counter()
+            begin, sent = time.perf_counter(), comm.sent_total()
             self.speed.begin()
             with timeline.span("step", "step", step=step):
                 step_loss = self.step()
-            elapsed = time.perf_counter() - begin
+            elapsed, sent = time.perf_counter() - begin, comm.sent_total() - sent
             if step == self.start + 1 and config.train.compile:  # once, what compiling took
                 self.progress.write(compiled.report(compiled.compile_stats()))
             self.losses.append(step_loss)
@@ -310,7 +310,8 @@ class Trainer:
                 # a float: dtrain's learning rates are not tensors
                 "lr": self.schedulers[0].get_last_lr()[0],  # type: ignore[dict-item]
                 "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed, **figures,
-                "grad_norm": self.grad_norm, **self.membership.step_metrics(), **compared,
+                "grad_norm": self.grad_norm, "sent_bytes": sent,
+                **self.membership.step_metrics(), **compared,
                 **self._moe_metrics(), **self._token_metrics(tokens_per_step, elapsed),
                 **self._preference_metrics(training=True)}
             faults.at("record", step)

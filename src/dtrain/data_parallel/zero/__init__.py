@@ -44,13 +44,15 @@ then builds the same optimizer class with the same options over this rank's shar
 get a zero gradient (in one process their gradient would stay None and the optimizer
 would skip them).
 
-Modules, one concern each (no import cycle: flat <- units <- optimizer <- wrapper, units
-<- state_io <- wrapper, units <- offload <- wrapper):
+Modules, one concern each (no import cycle: flat <- units <- muon <- optimizer <- wrapper,
+units <- state_io <- wrapper, units <- offload <- wrapper):
 
 - flat: the flat units' layout, parameters end to end and their shards.
 
 - units: `Unit`, one flat unit's tensors on this rank (`ZeRO.units`), and their packing.
 - optimizer: the factory's optimizer rebuilt over this rank's shard pieces.
+- muon: Muon over shards (`ShardedMuon`): each matrix's update sent whole to an owner rank,
+  orthogonalized there, and its pieces sent back.
 - offload: the optimizer state, master shards and step on the host (`offload_device`).
 - wrapper: the `ZeRO` module (hooks, gathers, reduce-scatters, step, clip, grad_parts).
 - state_io: state in and out, full and sharded (`from dtrain.data_parallel.zero import

@@ -4,7 +4,9 @@ The optimizer factory is called once with the module's parameters; it may build 
 groups with their own options. `group_index` reads which group each parameter is in, and
 `shard_optimizer` builds the same optimizer class with the same options over the pieces
 of each unit's master shard that fall in each group (an empty placeholder piece keeps a
-group that meets no shard of this rank, so groups stay aligned across ranks).
+group that meets no shard of this rank, so groups stay aligned across ranks). A Muon
+template (dtrain.optim.Muon), whose matrices cannot be orthogonalized in pieces, becomes
+the distributed one of dtrain.data_parallel.zero.muon.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from dtrain.data_parallel.zero.muon import ShardedMuon
 from dtrain.data_parallel.zero.units import Unit
 from dtrain.errors import DtrainError
+from dtrain.optim import Muon
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -40,7 +44,11 @@ def group_index(template: torch.optim.Optimizer,
 def shard_optimizer(template: torch.optim.Optimizer, units: list[Unit]
                     ) -> torch.optim.Optimizer:
     """The template's class and options over this rank's pieces of each parameter group
-    (recorded in each unit's `pieces`)."""
+    (recorded in each unit's `pieces`); for a Muon template, a ShardedMuon.
+
+    Raises:
+        ConfigError: a Muon template over offloaded units (ShardedMuon).
+    """
     pieces: list[list[nn.Parameter]] = [[] for _ in template.param_groups]
     for unit in units:
         for group, lo, hi in unit.flat.pieces(unit.rank):
@@ -52,6 +60,8 @@ def shard_optimizer(template: torch.optim.Optimizer, units: list[Unit]
         params = pieces[k] or [empty_piece(units[0].master)]  # keep groups aligned
         groups.append({**{key: v for key, v in options.items() if key != "params"},
                        "params": params})
+    if isinstance(template, Muon):
+        return ShardedMuon(groups, template, units)
     accepted = inspect.signature(type(template)).parameters  # defaults may hold more
     return type(template)(groups, **{k: v for k, v in template.defaults.items()
                                      if k in accepted})

@@ -187,9 +187,18 @@ def _merge(shards: list[dict[str, Any]]) -> tuple[Segments, dict[str, Segments]]
     return params, state
 
 
-def _fill(unit: Unit, segments: SegmentsIn, out: torch.Tensor) -> None:
-    """Copy into `out` (laid out like the unit's shard) the elements `segments` hold."""
+def _fill(unit: Unit, segments: SegmentsIn, out: torch.Tensor, absent_ok: bool = False
+          ) -> set[str]:
+    """Copy into `out` (laid out like the unit's shard) the elements `segments` hold; the
+    names of the parameters they hold nothing of (`absent_ok`: an optimizer state key some
+    parameters do not have, such as Muon's momentum beside AdamW's moments).
+
+    Raises:
+        DtrainError: a parameter is covered in part only (or not at all, unless
+            `absent_ok`).
+    """
     lo, hi = unit.flat.shard(unit.rank)
+    absent = set()
     for span in unit.flat.spans(lo, hi):
         covered = 0
         for s_lo, s_hi, values in segments.get(span.name, ()):
@@ -198,9 +207,12 @@ def _fill(unit: Unit, segments: SegmentsIn, out: torch.Tensor) -> None:
                 out[span.at + a - span.lo : span.at + b - span.lo] = values[a - s_lo : b - s_lo]
                 covered += b - a
             del values  # segments read on demand (dtrain.layouts.parts) go before the next
-        if covered < span.hi - span.lo:
+        if covered == 0 and absent_ok:
+            absent.add(span.name)
+        elif covered < span.hi - span.lo:
             raise DtrainError(f"ZeRO state is missing elements of parameter {span.name!r}: "
                               "pass the shards of every rank of the run that saved it")
+    return absent
 
 
 @torch.no_grad()
@@ -213,14 +225,19 @@ def load_segments(z: ZeRO, params: SegmentsIn, state: dict[str, Segments] | None
         _fill(unit, params, unit.master)
         if state is None:
             continue
-        shards = {}
+        shards, absent = {}, {}
         for key, segments in state.items():
             shards[key] = torch.zeros_like(unit.master, dtype=torch.float32)
-            _fill(unit, segments, shards[key])
+            absent[key] = _fill(unit, segments, shards[key], absent_ok=True)
+        spans = list(unit.flat.spans(*unit.flat.shard(unit.rank)))
         for group, lo, hi, piece in unit.pieces:
+            # a piece takes the keys its parameters have (a checkpoint of another layout
+            # holds each parameter's own: Muon's matrices a momentum, the rest AdamW's)
+            names = {span.name for span in spans if lo <= span.at < hi}
             z.optimizer.state[piece] = {
                 **{key: v.clone() for key, v in scalars[group].items()},
-                **{key: shards[key][lo:hi].to(piece.dtype).clone() for key in shards},
+                **{key: shards[key][lo:hi].to(piece.dtype).clone() for key in shards
+                   if not absent[key] & names},
             }
     if state is not None:  # empty placeholder pieces carry the group's scalars too
         for k, param_group in enumerate(z.optimizer.param_groups):

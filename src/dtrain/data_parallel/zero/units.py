@@ -8,7 +8,7 @@ the module's parameters view, this rank's master shard, and the gradient buffers
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,10 +16,39 @@ import torch
 from torch import nn
 
 from dtrain import comm
+from dtrain.comm.collectives import Result
+from dtrain.comm.quantized import DEFAULT_BLOCK, Decoding, WireDtype
 from dtrain.data_parallel.zero.flat import FlatUnit, Span, split_by_size
 from dtrain.errors import DtrainError
 
 Named = list[tuple[str, nn.Parameter]]
+
+
+@dataclass(frozen=True)
+class Wires:
+    """The dtypes a unit's collectives travel in (dtrain.comm.quantized: ZeRO++'s qwZ and
+    qgZ); None sends the compute dtype as it is.
+
+    Attributes:
+        gather: the weights' all-gathers ("bf16", "fp8", "int8"): every rank dequantizes
+            every shard, its own too, so all compute with the same weights; the master
+            shards stay exact.
+        reduce: the gradients' reduce-scatters ("fp32", "bf16", "int8"); a wire narrower
+            than the compute dtype keeps what it dropped in the unit's `residual` and
+            sends it with the next step's gradient (error feedback).
+        block: elements per scale of an int8 or fp8 wire.
+    """
+
+    gather: str | None = None
+    reduce: str | None = None
+    block: int = DEFAULT_BLOCK
+
+    def lossy_reduce(self, compute: torch.dtype) -> bool:
+        """Whether the reduce wire drops precision the compute dtype has."""
+        if self.reduce is None:
+            return False
+        wire = WireDtype.parse(self.reduce)
+        return wire.blockwise or wire.itemsize < compute.itemsize
 
 
 @dataclass(eq=False)  # a unit is itself (`unit in units` by identity)
@@ -54,6 +83,9 @@ class Unit:
             `grad_shard`, set by the offloaded step.
         resident: offloaded stage 3: this rank's shard on the compute device, in the
             compute dtype, which the gathers read (the master being on the host).
+        wires: the dtypes its gathers and reduce-scatters travel in.
+        residual: with a lossy reduce wire, what the last reduce-scatters' quantization
+            dropped (fp32, the whole unit), added to the next one's gradient.
     """
 
     flat: FlatUnit
@@ -71,6 +103,8 @@ class Unit:
     grad_shard: torch.Tensor | None = None
     offloaded: bool = False
     resident: torch.Tensor | None = None
+    wires: Wires = field(default_factory=Wires)
+    residual: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -111,11 +145,17 @@ class Unit:
         holds one copy of itself from the moment its gather starts, never a second."""
         if self.gathered or self.gathering is not None:
             return
-        shard = self.resident if self.resident is not None else self.master.to(self.full.dtype)
         if self.full.stride(0) == 0:  # built in split form and never gathered: no memory yet
             self._allocate_full()
         else:
             self.full.untyped_storage().resize_(self.flat.padded * self.full.element_size())
+        if self.wires.gather is not None:  # quantized from the master itself
+            shard = self.resident if self.resident is not None else self.master
+            self.gathering = comm.quantized_all_gather(
+                shard, self.wires.gather, group=self.group, async_op=True,
+                algorithm=algorithm, out=self.full, block=self.wires.block)
+            return
+        shard = self.resident if self.resident is not None else self.master.to(self.full.dtype)
         self.gathering = comm.all_gather(shard, group=self.group, async_op=True,
                                          algorithm=algorithm, out=self.full)
 
@@ -154,6 +194,20 @@ class Unit:
         params = dict(zip(self.flat.names, self.flat.params, strict=True))
         for span in self.flat.spans(*self.flat.shard(self.rank)):
             yield span, params[span.name]
+
+    def reduce_scatter(self, grad: torch.Tensor, algorithm: str
+                       ) -> Result[torch.Tensor] | Decoding[torch.Tensor]:
+        """Start averaging `grad` (the whole unit's) over `group` in `wires.reduce`; the
+        handle's `wait()` is this rank's shard."""
+        if self.wires.reduce is None:
+            return comm.reduce_scatter(grad, op="avg", group=self.group, async_op=True,
+                                       algorithm=algorithm)
+        if self.wires.lossy_reduce(grad.dtype) and self.residual is None:
+            self.residual = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
+        return comm.quantized_reduce_scatter(grad, self.wires.reduce, op="avg",
+                                             group=self.group, async_op=True,
+                                             algorithm=algorithm, block=self.wires.block,
+                                             residual=self.residual)
 
     def grad_buffer(self) -> torch.Tensor:
         """`grad`, created as zeros (the whole unit, padded, in the compute dtype) if it
@@ -199,15 +253,22 @@ class Reducing:
     buffer: torch.Tensor
 
 
-def settle(works: list[Reducing], keep: int = IN_FLIGHT) -> None:
-    """Wait for all but the `keep` latest of `works` and add each one's result to the unit's
-    shard gradient: a unit's whole gradient is kept until its collective has read it, so a
-    bounded number in flight bounds backward's memory."""
+def add_reduced(unit: Unit, reduced: torch.Tensor) -> None:
+    """Add a unit's reduced gradient shard to what its shard gradient holds."""
+    unit.shard_grad().add_(reduced, alpha=unit.scale)
+
+
+def settle(works: list[Reducing], keep: int = IN_FLIGHT,
+           arrive: Callable[[Unit, torch.Tensor], None] = add_reduced) -> None:
+    """Wait for all but the `keep` latest of `works` and hand each one's result to `arrive`
+    (by default added to the unit's shard gradient; under hybrid sharding first averaged
+    across the replicas): a unit's whole gradient is kept until its collective has read
+    it, so a bounded number in flight bounds backward's memory."""
     while len(works) > keep:
         done = works.pop(0)
         reduced, unit = done.work.wait(), done.unit
         del done  # the buffer, read, goes before the shard gradient (if new) comes
-        unit.shard_grad().add_(reduced, alpha=unit.scale)
+        arrive(unit, reduced)
         if unit.grad is not None:  # stage 1 keeps its buffer for the next step
             unit.grad.zero_()
 
@@ -288,7 +349,8 @@ class Sharding:
 def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage: int,
                 units: list[nn.Module] | None, bucket_mb: float, sharding: Sharding,
                 param_dtype: torch.dtype, compute_dtype: torch.dtype,
-                device: torch.device | None = None, frozen: Named | None = None) -> Built:
+                device: torch.device | None = None, frozen: Named | None = None,
+                wires: Wires | None = None) -> Built:
     """Pack `named` (trainable parameters) into units: stage 3 one per submodule of
     `units` (default every element of every nn.ModuleList) plus the root; stages 1-2
     buckets of about `bucket_mb` in reverse order. Each sharding group of `sharding` gets
@@ -299,14 +361,16 @@ def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage
     Parameters on the meta device (a model built in split form, dtrain.models.init) get
     uninitialized memory on `device` instead of copies: at stage 3 only this rank's shard
     (`full` has no memory until its first gather), the values to be restored into the
-    shards."""
+    shards. `wires`: the dtypes the units' collectives travel in; a quantized gather gives
+    every unit a master shard of its own (the gathered `full` holds what every rank
+    dequantized, not the exact shard)."""
     def make(run: Named, group: comm.Group, scale: float, unit_module: nn.Module | None
              ) -> Unit:
         run = sorted(run, key=lambda item: group_of[id(item[1])])
         flat = FlatUnit([n for n, _ in run], [p for _, p in run],
                         [group_of[id(p)] for _, p in run], group.size)
         return _make_unit(flat, group, scale, unit_module, stage, param_dtype, compute_dtype,
-                          device)
+                          device, wires or Wires())
 
     if stage != 3:
         built = [make(bucket, group, scale, None)
@@ -320,7 +384,7 @@ def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage
     def make_frozen(run: Named, group: comm.Group, unit_module: nn.Module) -> Unit:
         flat = FlatUnit([n for n, _ in run], [p for _, p in run], [0] * len(run), group.size)
         return _make_unit(flat, group, 1.0, unit_module, stage, frozen_dtype, frozen_compute,
-                          device)
+                          device, wires or Wires())
 
     per_module = [[make(run, group, scale, unit_module)
                    for run, group, scale in sharding.runs(module_named)]
@@ -356,34 +420,38 @@ def _module_runs(module: nn.Module, named: Named, units: list[nn.Module] | None
 @torch.no_grad()
 def _make_unit(flat: FlatUnit, group: comm.Group, scale: float, module: nn.Module | None,
                stage: int, param_dtype: torch.dtype, compute_dtype: torch.dtype,
-               device: torch.device | None = None) -> Unit:
-    mixed = compute_dtype != param_dtype
+               device: torch.device | None = None, wires: Wires = Wires()) -> Unit:
+    own = compute_dtype != param_dtype or stage == 3 or wires.gather is not None
     lo, hi = flat.shard(group.rank)
     if flat.params[0].is_meta:
-        return _empty_unit(flat, group, scale, module, stage, lo, hi, param_dtype,
-                           compute_dtype, device or torch.device("cpu"))
+        unit = _empty_unit(flat, group, scale, module, stage, lo, hi, param_dtype,
+                           compute_dtype, device or torch.device("cpu"), own)
+        unit.wires = wires
+        return unit
+    mixed = compute_dtype != param_dtype
     values = torch.zeros(flat.padded, dtype=param_dtype, device=flat.params[0].device)
     for p, offset in zip(flat.params, flat.offsets, strict=True):
         values[offset : offset + p.numel()] = p.detach().reshape(-1)
     full = values if not mixed else values.to(compute_dtype)
-    master = values[lo:hi] if not mixed and stage < 3 else values[lo:hi].clone()
+    master = values[lo:hi].clone() if own else values[lo:hi]
     for p, offset in zip(flat.params, flat.offsets, strict=True):
         p.data = full[offset : offset + p.numel()].view(p.shape)
-    return Unit(flat, group, full, master, module, scale)
+    return Unit(flat, group, full, master, module, scale, wires=wires)
 
 
 def _empty_unit(flat: FlatUnit, group: comm.Group, scale: float, module: nn.Module | None,
                 stage: int, lo: int, hi: int, param_dtype: torch.dtype,
-                compute_dtype: torch.dtype, device: torch.device) -> Unit:
+                compute_dtype: torch.dtype, device: torch.device, own: bool) -> Unit:
     """A unit of meta parameters: memory for what this rank holds, values to come. Stages
     1 and 2 hold every parameter, views of `full`; stage 3 only its shard: `full` and the
     parameters are `unallocated` until the unit is first gathered, so that no rank ever
-    holds a whole unit while the model is built."""
+    holds a whole unit while the model is built. `own`: the master shard is a tensor of
+    its own, not a view of `full`."""
     if stage == 3:
         full = unallocated(flat.padded, compute_dtype, device)
     else:
         full = torch.empty(flat.padded, dtype=compute_dtype, device=device)
-    if stage == 3 or compute_dtype != param_dtype:
+    if own:
         master = torch.zeros(hi - lo, dtype=param_dtype, device=device)
     else:
         master = full[lo:hi]

@@ -19,7 +19,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from dtrain import comm
+from dtrain.comm.collectives import Result
 from dtrain.comm.group import Handle
+from dtrain.comm.quantized import DEFAULT_BLOCK
 from dtrain.data_parallel import clip, late_grads
 from dtrain.data_parallel.agreement import (
     agreement_device,
@@ -40,6 +42,8 @@ from dtrain.data_parallel.zero.units import (
     Reducing,
     Sharding,
     Unit,
+    Wires,
+    add_reduced,
     build_units,
     one_dtype,
     segment,
@@ -63,6 +67,7 @@ class ZeRO(nn.Module):
             optimizer whose state is per element, shaped like the parameter).
         stage: 1 (optimizer state), 2 (and gradients) or 3 (and parameters).
         group: the data-parallel group (e.g. `mesh.group("dp")`); default the world.
+            Under hybrid sharding, the ranks of one replica (`mesh.group("dp_shard", "cp")`).
         mixed_precision: "bf16" or "fp16" to compute and communicate in that dtype while
             the optimizer updates fp32 master weights; fp16 adds dynamic loss scaling
             (call `model.backward(loss)`). None computes in the parameters' dtype.
@@ -91,6 +96,20 @@ class ZeRO(nn.Module):
             gradient shard copied to the host and its parameters back in the background
             (dtrain.data_parallel.zero.offload); None (default) keeps them on the module's
             device.
+        replicate_group: hybrid sharding (HSDP): the ranks that hold the same shards in
+            the other replicas (`mesh.group("dp_replicate")`): each unit's reduced gradient
+            shard is averaged over them as soon as its reduce-scatter inside `group` is
+            done (an all-reduce of 1/N of the unit: the only traffic across replicas), so
+            every replica steps the same shards. None (default): `group` is every rank
+            holding the model.
+        gather_dtype: the dtype the weights' all-gathers travel in (ZeRO++'s qwZ): "bf16",
+            "fp8" or "int8" (blockwise scales of `quant_block` elements; dtrain.comm.quantized),
+            every rank dequantizing every shard, its own too (the master shards stay
+            exact); None: the compute dtype.
+        reduce_dtype: the dtype the gradients' reduce-scatters travel in (qgZ): "fp32",
+            "bf16" or "int8" (each destination's chunk quantized, exchanged by all-to-all,
+            summed in fp32); one narrower than the compute dtype keeps what it dropped and
+            adds it to the next step's gradient (error feedback). None: the compute dtype.
         frozen: parameters that do not train (requires_grad False) to shard too at stage 3
             (a LoRA run's base): each rank keeps its shard, gathered with its module for
             forward and backward and freed after, with no gradient buffer or optimizer
@@ -116,6 +135,10 @@ class ZeRO(nn.Module):
         expert_group: comm.GroupLike = None,
         offload_device: torch.device | str | None = None,
         frozen: Sequence[nn.Parameter] = (),
+        replicate_group: comm.GroupLike = None,
+        gather_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        quant_block: int = DEFAULT_BLOCK,
     ) -> None:
         super().__init__()
         if stage not in (1, 2, 3):
@@ -132,6 +155,8 @@ class ZeRO(nn.Module):
         self.group = comm.resolve(group)
         self.rank = self.group.rank
         self.size = self.group.size
+        replicas = None if replicate_group is None else comm.resolve(replicate_group)
+        self.replicate = replicas if replicas is not None and replicas.size > 1 else None
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise DtrainError("ZeRO: the module has no trainable parameters")
@@ -141,11 +166,15 @@ class ZeRO(nn.Module):
             expert_ranks = comm.resolve(expert_group)
             sharding = Sharding(self.group, apart, expert_ranks,
                                 expert_ranks.size / self.size)
-        if self.size > 1:
-            check_same_model([p for _, p in named], self.group, "ZeRO", algorithm)
-            broadcast_state(module, self.group, algorithm, skip=apart)
-            if experts and expert_ranks.size > 1:  # the sharding's apart_group
-                broadcast_tensors(experts, expert_ranks, algorithm)
+        for over in (self.replicate, self.group):  # the replicas first, then inside one
+            if over is None or over.size == 1:
+                continue
+            check_same_model([p for _, p in named], over, "ZeRO", algorithm)
+            broadcast_state(module, over, algorithm, skip=apart)
+            if experts and over is self.replicate:
+                broadcast_tensors(experts, over, algorithm)
+        if experts and expert_ranks.size > 1:  # the sharding's apart_group
+            broadcast_tensors(experts, expert_ranks, algorithm)
         self.param_dtype = one_dtype(named)
         self.compute_dtype = parse_dtype(mixed_precision) or self.param_dtype
         self.mixed = self.compute_dtype != self.param_dtype
@@ -165,9 +194,11 @@ class ZeRO(nn.Module):
         # trainable parameters, never reduced or stepped; stages 1-2 leave them whole
         kept = {id(p) for p in frozen if not p.requires_grad} if stage == 3 else set()
         still = [(n, p) for n, p in module.named_parameters() if id(p) in kept]
+        wires = Wires(gather_dtype, reduce_dtype, quant_block)
         built = build_units(module, named, group_of, stage, units, bucket_mb, sharding,
                             self.param_dtype, self.compute_dtype,
-                            torch.device(device) if device is not None else None, still)
+                            torch.device(device) if device is not None else None, still,
+                            wires)
         self.units: list[Unit] = built.units  # in the order their gradients are reduced
         self.frozen: list[Unit] = built.frozen  # stage 3: the frozen parameters' units
         frozen_name = {id(p): n for n, p in still}
@@ -188,6 +219,8 @@ class ZeRO(nn.Module):
         self._finalize_queued = False
         self._next_launch = 0
         self._works: list[Reducing] = []  # reduce-scatters in flight, oldest first
+        # HSDP: reduced shards being averaged across the replicas, oldest first
+        self._crossing: list[tuple[Unit, Result[torch.Tensor]]] = []
         self._late: list[tuple[Unit, int, torch.Tensor, late_grads.Finisher]] = []
         self._hooks = [module.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
         for unit in self.units:
@@ -336,7 +369,7 @@ class ZeRO(nn.Module):
                 # while this unit's gradients are still few. They stay autograd's own
                 # until the last, packed then into the unit's buffer (`Unit.pack_grads`):
                 # its backward holds them as they come, not a whole buffer from the first.
-                settle(self._works, 0)
+                self._settle(0)
                 self._prefetch_before(unit)
         unit.pending -= 1
         if unit.pending == 0:
@@ -361,12 +394,27 @@ class ZeRO(nn.Module):
     def _launch(self, unit: Unit) -> None:
         grad = unit.grad
         assert grad is not None  # launched once its gradients are all in
-        work = comm.reduce_scatter(grad, op="avg", group=unit.group, async_op=True,
-                                   algorithm=self.algorithm)
-        self._works.append(Reducing(unit, work, grad))
+        self._works.append(Reducing(unit, unit.reduce_scatter(grad, self.algorithm), grad))
         if self.stage >= 2:
             unit.grad = None  # released once the collective is waited for (`settle`)
-        settle(self._works, IN_FLIGHT if self.stage < 3 else 1)
+        self._settle(IN_FLIGHT if self.stage < 3 else 1)
+
+    def _settle(self, keep: int) -> None:
+        """Wait for all but `keep` of the reduce-scatters in flight (`settle`); under
+        hybrid sharding each one's shard then goes on across the replicas."""
+        settle(self._works, keep, self._arrive if self.replicate is not None else add_reduced)
+
+    def _arrive(self, unit: Unit, reduced: torch.Tensor) -> None:
+        """HSDP: start averaging a unit's reduced shard with the same shard of the other
+        replicas; at most `IN_FLIGHT` at a time, added to the shard gradient as each ends."""
+        self._crossing.append((unit, comm.all_reduce(reduced, op="avg", group=self.replicate,
+                                                     async_op=True, algorithm=self.algorithm)))
+        self._cross(IN_FLIGHT)
+
+    def _cross(self, keep: int) -> None:
+        while len(self._crossing) > keep:
+            unit, work = self._crossing.pop(0)
+            add_reduced(unit, work.wait())
 
     @torch.no_grad()
     def _finalize(self) -> None:
@@ -391,7 +439,8 @@ class ZeRO(nn.Module):
         for unit in self.units[self._next_launch :]:
             unit.grad_buffer()
             self._launch(unit)
-        settle(self._works, 0)
+        self._settle(0)
+        self._cross(0)
         self._next_launch = 0
         self._overflow = None
         if self.averaging is not None:  # then each shard over the other live replicas
@@ -489,6 +538,11 @@ class ZeRO(nn.Module):
         for unit in self.units:
             if len(works) == IN_FLIGHT:
                 _finish_gather(*works.pop(0))
+            if unit.wires.gather is not None:  # dequantized into `full`; the master apart
+                works.append((None, comm.quantized_all_gather(
+                    unit.master, unit.wires.gather, group=unit.group, async_op=True,
+                    algorithm=self.algorithm, out=unit.full, block=unit.wires.block)))
+                continue
             in_place = unit.master_in_full
             shard = unit.master if in_place else unit.master.to(unit.full.dtype, copy=True)
             works.append((None if in_place else shard,

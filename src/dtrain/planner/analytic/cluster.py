@@ -17,8 +17,9 @@ the logits, under zbv and dualpipev the first with both, and the first of the ot
 holding each split of layers):
 
     weights 2Ψ, gradients 4Ψ, optimizer 12Ψ (Ψ the stage's parameters / tp); ZeRO 1
-    divides the optimizer by dp x cp (the model is replicated over cp), ZeRO 2 the
-    gradients too, ZeRO 3 the weights (plus two layers gathered); activations per layer
+    divides the optimizer by dp x cp (the model is replicated over cp; under hybrid
+    sharding by a replica's dp_shard x cp), ZeRO 2 the gradients too, ZeRO 3 the weights
+    (plus two layers gathered); activations per layer
     and micro-batch as Korthikanti et al. (2022) count them (34·s·b·h + 5·a·s²·b bytes
     for GPT, divided by tp where tensor parallelism splits them, and where sequence
     parallelism does; generalized to grouped-query attention and SwiGLU; no s² terms
@@ -81,6 +82,19 @@ micro-batch's backward; ZeRO 2 reduce-scatters each micro-batch's gradients behi
 backward; ZeRO 3 gathers the weights for each micro-batch behind its compute; and the
 optimizer step at memory bandwidth (30 bytes per parameter held).
 
+Hybrid sharding (HSDP, `dp_replicate` R > 1; dtrain.planner.costs): ZeRO's collectives
+above run over a replica's S = dp / R GPUs (x cp), and once a step each GPU's fp32
+gradient shard, Ψ/(S·cp) parameters (the experts' over S·cp / ep), is all-reduced over
+the R GPUs holding the same shard, S·cp·tp apart (`replica_seconds`): hierarchical as
+above, so with replicas of whole nodes all of it crosses the network,
+2(R-1)/R x 4Ψ/(S·cp) bytes per GPU (`replica_traffic`). It is one more of the last
+micro-batch's collectives, hidden as they are: ZeRO 1 and 2 behind its backward with
+the reduce-scatter (and ZeRO 1's gather), ZeRO 3 behind its compute with its gathers and
+reduce-scatter. The phases of one collective and the collectives of one window add up
+here (a replica of whole nodes reduce-scatters on the network too); HSDP gains where it
+sends fewer bytes: ZeRO 3 (and 2) over every GPU cross the network for every
+micro-batch, the replicas once a step.
+
 FP8 (`Software.float8`, `dtrain plan --precision fp8`; torchao's float8 training, dtrain's
 `[train] float8`): the blocks' linear layers (attention's projections, the MLP, a MoE
 layer's shared experts) multiply at the hardware's dense FP8 rate (`fp8_tflops`) at the
@@ -139,20 +153,30 @@ def planned_layout(batch: int, tp: int, pp: int, dp: int, zero: int = 0, micro_b
                    virtual: int = 1, recompute: str = "full",
                    sequence_parallel: bool = False, ep: int = 1, cp: int = 1,
                    cp_method: str = DEFAULT_CP_METHOD,
-                   schedule: str | None = None) -> PlannedLayout:
+                   schedule: str | None = None, replicas: int = 1) -> PlannedLayout:
     """tp x cp x pp x dp GPUs with a ZeRO stage, `micro_batch` sequences per micro-batch
     of a global batch of `batch`, `virtual` stages per pipeline GPU, the pipeline's
     `schedule` (default: 1f1b, or interleaved over several virtual stages; zbv and
     dualpipev run two), recomputation, sequence parallelism, the experts split over `ep`
-    of the dp GPUs and each sequence over `cp` GPUs meeting by `cp_method`: one layout as
+    of the dp GPUs, each sequence over `cp` GPUs meeting by `cp_method`, and the dp GPUs
+    in `replicas` hybrid-sharding replicas (dp_replicate; ZeRO inside each): one layout as
     this planner plans it. A pipeline's micro-batches are those the batch leaves (without
     one, they are gradient accumulation, as in dtrain's config). `check_layout` says
-    whether it can run."""
+    whether it can run.
+
+    Raises:
+        ConfigError: `replicas` does not divide dp (and what Dims refuses).
+    """
+    if replicas < 1 or dp % replicas:
+        raise ConfigError(f"dp_replicate={replicas} does not divide dp={dp}: the replicas "
+                          "of hybrid sharding hold dp / dp_replicate GPUs each")
     m = max(1, batch // max(1, dp * micro_batch)) if pp > 1 else 1
     named = schedule_of(schedule or "1f1b", virtual)
-    dims = Dims(dp, tp, pp, zero, m, named, virtual,  # type: ignore[arg-type]  # Dims checks it
-                ep=ep, cp=cp, sequence_parallel=sequence_parallel,
-                cp_method=cp_method)  # type: ignore[arg-type]  # Dims checks it: CP_METHODS
+    dims = Dims(dp // replicas, tp, pp, zero, m,
+                named,  # type: ignore[arg-type]  # Dims checks it
+                virtual, ep=ep, cp=cp, sequence_parallel=sequence_parallel,
+                cp_method=cp_method,  # type: ignore[arg-type]  # Dims checks it: CP_METHODS
+                dp_replicate=replicas)
     return PlannedLayout(dims, recompute, micro_batch)
 
 
@@ -162,10 +186,13 @@ def cluster_label(planned: PlannedLayout) -> str:
     sequence is split over, and after the options how they attend; ep: the dp GPUs the
     experts are split over, as in `tp1 x pp4 x dp16 ep8`; v: virtual stages of the
     interleaved schedule; the other schedules but 1F1B by name, `tp8 x pp8 x dp24 zbv mb1`;
-    mb: sequences per micro-batch)."""
+    mb: sequences per micro-batch; hybrid sharding's replicas as the Dims show them,
+    `tp1 x pp1 x dp4x8 mb2 zero3`: 4 replicas of 8 GPUs)."""
     layout = planned.dims
     experts = f" ep{layout.ep}" if layout.ep > 1 else ""
-    parts = [f"tp{layout.tp}", f"pp{layout.pp}", f"dp{layout.dp}{experts}"]
+    dp = f"{layout.dp_replicate}x{layout.dp_shard}" if layout.dp_replicate > 1 else \
+        f"{layout.dp}"
+    parts = [f"tp{layout.tp}", f"pp{layout.pp}", f"dp{dp}{experts}"]
     if layout.cp > 1:
         parts.insert(1, f"cp{layout.cp}")
     if layout.virtual_stages > 1 and layout.schedule == "interleaved":
@@ -230,7 +257,8 @@ class ClusterEstimate:
     def to_dict(self) -> dict:
         c, layout = self.planned, self.planned.dims
         return {"layout": self.label, "tp": layout.tp, "cp": layout.cp, "pp": layout.pp,
-                "dp": layout.dp, "ep": layout.ep, "cp_method": c.cp_method,
+                "dp": layout.dp, "dp_replicate": layout.dp_replicate, "ep": layout.ep,
+                "cp_method": c.cp_method,
                 "zero": layout.zero, "microbatch": c.micro_batch,
                 "schedule": layout.schedule if layout.pp > 1 else None,
                 "virtual": layout.virtual_stages, "recompute": c.recompute,
@@ -239,7 +267,8 @@ class ClusterEstimate:
                 "memory_bytes": {k: int(v) for k, v in self.memory.items()},
                 "fits": self.fits, "step_time_s": self.step_s, "time_s": self.parts,
                 "bubble": self.bubble, "tokens_per_s": self.tokens_per_s,
-                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu}
+                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
+                "config": c.overrides()}
 
 
 def gemm_seconds(m: float, n: float, k: float, hw: Hardware, count: float = 1) -> float:
@@ -715,20 +744,25 @@ def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
     weights = max((_held(shape, layers, first, last, layout)
                    for layers, first, last, _ in kinds), key=sum)
     window = backward / v if soft.overlap_dp else 0.0  # one micro-batch's backward
+    # hybrid sharding: the gradient shards' all-reduce across the replicas, once a step,
+    # one more of the last micro-batch's collectives (the module doc); 0 without
+    across = replica_seconds(GRAD, dense, experts, layout, cluster)
     if layout.zero == 0:  # one gradient all-reduce
         exposed = max(0.0, _grad_seconds(GRAD, dense, experts, 2, c, cluster) - window)
     elif layout.zero == 1:  # the gradients reduce-scattered, the updated bf16 weights gathered
-        exposed = max(0.0, _grad_seconds(GRAD, dense, experts, 1, c, cluster)
+        exposed = max(0.0, _grad_seconds(GRAD, dense, experts, 1, c, cluster) + across
                       + _grad_seconds(WEIGHT, dense, experts, 1, c, cluster) - window)
     elif layout.zero == 2:  # each micro-batch's gradients reduce-scattered, the weights gathered
-        exposed = m * max(0.0, _grad_seconds(GRAD, dense, experts, 1, c, cluster) - window) + \
-            _grad_seconds(WEIGHT, dense, experts, 1, c, cluster)
+        scatter = _grad_seconds(GRAD, dense, experts, 1, c, cluster)
+        exposed = (m - 1) * max(0.0, scatter - window) + max(0.0, scatter + across - window) \
+            + _grad_seconds(WEIGHT, dense, experts, 1, c, cluster)
     else:  # ZeRO 3 gathers the weights (a frozen base's too) for forward and backward
         per_micro = _grad_seconds(GRAD + 2 * WEIGHT, dense, experts, 1, c, cluster) \
             if not shape.lora else _grad_seconds(GRAD, dense, experts, 1, c, cluster) + \
             _grad_seconds(2 * WEIGHT, *weights, 1, c, cluster)
-        exposed = m * max(0.0, per_micro - slowest)
-    held = dense / _dp_cp(layout) + experts / _expert_dp(layout) if layout.zero else \
+        exposed = (m - 1) * max(0.0, per_micro - slowest) + \
+            max(0.0, per_micro + across - slowest)
+    held = dense / _sharded_over(layout) + experts / _expert_dp(layout) if layout.zero else \
         dense + experts
     optimizer_s = OPTIMIZER_BYTES * held / _bandwidth(hw)
     step = pipeline + exposed + optimizer_s
@@ -780,14 +814,50 @@ def _trained(shape: ModelShape, layers: int, first: bool, last: bool,
     return adapters / layout.tp, 0.0
 
 
-def _dp_cp(layout: Dims) -> int:
-    """GPUs holding the same dense parameters: dp x cp (cp GPUs hold the whole model)."""
-    return layout.dp * layout.cp
+def _sharded_over(layout: Dims) -> int:
+    """GPUs ZeRO shares the dense parameters out over (DataParallel averages their
+    gradients over them): dp_shard x cp, which is dp x cp without hybrid sharding (cp GPUs
+    hold the whole model) and a replica's GPUs with it."""
+    return layout.dp_shard * layout.cp
 
 
 def _expert_dp(layout: Dims) -> int:
-    """GPUs holding the same experts: dp x cp / ep."""
-    return layout.dp * layout.cp // layout.ep
+    """GPUs ZeRO shares the same experts out over: dp_shard x cp / ep."""
+    return layout.dp_shard * layout.cp // layout.ep
+
+
+def replica_bytes(per_param: float, dense: float, experts: float, layout: Dims) -> float:
+    """Bytes of the gradient shard a GPU all-reduces across hybrid sharding's replicas:
+    `per_param` bytes of each parameter of its shard, `dense` / (dp_shard x cp) of the
+    dense ones it holds and `experts` / (dp_shard x cp / ep) of the experts'; 0 without
+    replicas."""
+    if layout.dp_replicate == 1:
+        return 0.0
+    return per_param * (dense / _sharded_over(layout) + experts / _expert_dp(layout))
+
+
+def replica_traffic(per_param: float, dense: float, experts: float, layout: Dims,
+                    cluster: Cluster) -> tuple[float, float]:
+    """(bytes on NVLink, bytes on the network) each GPU sends in the all-reduce of its
+    gradient shard (`replica_bytes`) over the dp_replicate GPUs holding the same shard,
+    dp_shard x cp x tp apart (`dp_traffic`): with replicas of whole nodes all of it on the
+    network, 2(R-1)/R of the shard."""
+    return dp_traffic(replica_bytes(per_param, dense, experts, layout), 2,
+                      layout.dp_replicate, _replica_gap(layout), cluster)
+
+
+def replica_seconds(per_param: float, dense: float, experts: float, layout: Dims,
+                    cluster: Cluster) -> float:
+    """Seconds of the all-reduce `replica_traffic` counts, hierarchical (`_dp_seconds`);
+    0 without replicas."""
+    return _dp_seconds(replica_bytes(per_param, dense, experts, layout), 2,
+                       layout.dp_replicate, _replica_gap(layout), cluster)
+
+
+def _replica_gap(layout: Dims) -> int:
+    """GPUs between the same shard's holders in two replicas: a replica's dp_shard x cp x
+    tp GPUs (the mesh puts dp_replicate outside them)."""
+    return layout.dp_shard * layout.cp * layout.tp
 
 
 def _grad_seconds(per_param: float, dense: float, experts: float, passes: int,
@@ -798,25 +868,39 @@ def _grad_seconds(per_param: float, dense: float, experts: float, passes: int,
     near as the cp GPUs, tp apart)."""
     layout = c.dims
     apart = layout.tp * (layout.ep if layout.cp == 1 else 1)
-    return _dp_seconds(per_param * dense, passes, _dp_cp(layout), layout.tp, cluster) + \
+    return _dp_seconds(per_param * dense, passes, _sharded_over(layout), layout.tp, cluster) + \
         _dp_seconds(per_param * experts, passes, _expert_dp(layout), apart, cluster)
+
+
+def _spread(n: int, apart: int, cluster: Cluster) -> tuple[int, int]:
+    """(GPUs of a group of n, `apart` GPUs apart, in each node; the nodes it spans)."""
+    per_node = max(1, min(n, cluster.gpus_per_node // apart))
+    return per_node, n // per_node
+
+
+def dp_traffic(nbytes: float, passes: int, n: int, apart: int,
+               cluster: Cluster) -> tuple[float, float]:
+    """(bytes on NVLink, bytes on the network) each GPU sends in `_dp_seconds`'
+    collective: passes x (k-1)/k of `nbytes` among a node's k GPUs of the group, and
+    passes x (nodes-1)/nodes of its 1/k part across the nodes."""
+    per_node, nodes = _spread(n, apart, cluster)
+    return (passes * nbytes * (per_node - 1) / per_node,
+            passes * nbytes / per_node * (nodes - 1) / nodes)
 
 
 def _dp_seconds(nbytes: float, passes: int, n: int, apart: int, cluster: Cluster) -> float:
     """Reduce-scatter (`passes` 1; an all-gather moves the same bytes) or all-reduce (2)
     of `nbytes` over n GPUs `apart` GPUs apart, hierarchical: a node holds several of
     them when the gap leaves room; they reduce-scatter on NVLink, the parts cross the
-    network, and (all-reduce) come back the same way."""
+    network, and (all-reduce) come back the same way (`dp_traffic`)."""
     if n == 1:
         return 0.0
     hw = cluster.hardware
-    per_node = max(1, min(n, cluster.gpus_per_node // apart))
-    nodes = n // per_node
-    inside = _collective(nbytes, per_node, passes * (per_node - 1) / per_node, hw.intra_gbps,
-                         hw.intra_latency_us, hw, passes)
-    across = _collective(nbytes / per_node, nodes, passes * (nodes - 1) / nodes,
-                         hw.inter_gbps, hw.inter_latency_us, hw, passes)
-    return inside + across
+    per_node, nodes = _spread(n, apart, cluster)
+    inside, across = dp_traffic(nbytes, passes, n, apart, cluster)
+    return _collective(inside, per_node, 1.0, hw.intra_gbps, hw.intra_latency_us, hw,
+                       passes) + \
+        _collective(across, nodes, 1.0, hw.inter_gbps, hw.inter_latency_us, hw, passes)
 
 
 @functools.cache
@@ -870,8 +954,8 @@ def _memory(shape: ModelShape, c: PlannedLayout, m: int, hw: Hardware,
         weights = WEIGHT * (dense + experts)
         grads = GRAD * (dense_t + experts_t)  # what trains: gradients, optimizer state
         state = STATE * (dense_t + experts_t)
-        sharded = dense / _dp_cp(layout) + experts / _expert_dp(layout)
-        sharded_t = dense_t / _dp_cp(layout) + experts_t / _expert_dp(layout)
+        sharded = dense / _sharded_over(layout) + experts / _expert_dp(layout)
+        sharded_t = dense_t / _sharded_over(layout) + experts_t / _expert_dp(layout)
         if layout.zero >= 1:
             state = STATE * sharded_t
         if layout.zero >= 2:

@@ -13,7 +13,10 @@ stage (3 only without pipelining) and, with pp > 1, each pipeline schedule asked
 (`SCHEDULES` by default): 1f1b; interleaved over v virtual stages (at least pp x v - 2
 layers, the two end chunks may hold only the embedding and the head, and the
 micro-batches in groups of pp); zb1p (a layer on every stage); zbv and dualpipev (two
-chunks a GPU in a V, a layer on each; dualpipev at least 2 x pp micro-batches). Each
+chunks a GPU in a V, a layer on each; dualpipev at least 2 x pp micro-batches); a ZeRO
+layout also with each hybrid-sharding degree dp_replicate whose replicas are part of one
+node or whole nodes (dtrain.planner.costs.replica_degrees: `dp4x8`, 4 replicas of 8 GPUs,
+ZeRO inside each and their gradient shards all-reduced across them). Each
 layout is planned with the fastest
 recomputation mode, sequence parallelism setting and (cp > 1) context-parallel method
 that fit (cluster.evaluate; "alltoall" only where tp x cp divides the query and the
@@ -44,11 +47,14 @@ from dtrain.planner.analytic.cluster import (
     planned_layout,
 )
 from dtrain.planner.analytic.hardware import Cluster
+from dtrain.planner.costs import replica_degrees
 from dtrain.planner.planned import CP_METHODS, RECOMPUTE, PlannedLayout
 from dtrain.planner.shape import ModelShape
 
 DEFAULT = Software()
 MIN_CHUNK = 128  # tokens: the shortest of a sequence's 2 x cp chunks the search considers
+Measured = tuple[PlannedLayout, dict[str, float]]
+"""An option of a layout and its memory figures (`memory_of`)."""
 
 
 def check_layout(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout) -> None:
@@ -79,6 +85,9 @@ def check_layout(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayo
     if layout.zero not in (0, 1, 2, 3) or (layout.zero == 3 and pp > 1):
         raise ConfigError(f"--zero {layout.zero}: use 0-3 (3 only without pipeline "
                           "parallelism)")
+    if layout.dp_replicate > 1 and not layout.zero:
+        raise ConfigError(f"dp_replicate={layout.dp_replicate}: hybrid sharding shards the "
+                          "model state inside each replica: give a ZeRO stage 1-3 (--zero)")
     m = batch // (dp * c.micro_batch)
     if layout.schedule == "interleaved" and not _interleaves(shape, pp, v, m):
         raise ConfigError(f"--virtual-stages {v} needs pp > 1, at least pp x v - 2 "
@@ -183,7 +192,9 @@ def _divisors(n: int) -> list[int]:
 def layouts(shape: ModelShape, cluster: Cluster, batch: int,
             schedules: tuple[str, ...] = SCHEDULES) -> list[PlannedLayout]:
     """Every layout the search considers, before recomputation and sequence parallelism
-    (each pipeline with each of `schedules` that runs it)."""
+    (each pipeline with each of `schedules` that runs it; a ZeRO layout also with each
+    hybrid-sharding degree its nodes allow, right after it, fewest replicas first: the
+    order in which they hold more, which `rank` counts on)."""
     found = []
     gpus = cluster.gpus
     for tp in _divisors(min(gpus, cluster.gpus_per_node)):
@@ -201,9 +212,16 @@ def layouts(shape: ModelShape, cluster: Cluster, batch: int,
                 for schedule, v in _pipelines(shape, pp, m, CHUNKS, schedules):
                     for zero in range(4 if pp == 1 else 3) if dp * cp > 1 else (0,):
                         found += [planned_layout(batch, tp, pp, dp, zero, b, v, ep=ep, cp=cp,
-                                                 schedule=schedule)
-                                  for ep in shape.expert_degrees(dp)]
+                                                 schedule=schedule, replicas=r)
+                                  for ep in shape.expert_degrees(dp)
+                                  for r in _replicas(dp, tp * cp, cluster, ep, zero)]
     return found
+
+
+def _replicas(dp: int, inner: int, cluster: Cluster, ep: int, zero: int) -> list[int]:
+    """1, and with ZeRO the hybrid-sharding degrees of dp GPUs, each with `inner` (cp x
+    tp) beside it, on the cluster's nodes (dtrain.planner.costs.replica_degrees)."""
+    return [1, *(replica_degrees(dp, inner, cluster.gpus_per_node, ep) if zero else [])]
 
 
 def best_of(shape: ModelShape, cluster: Cluster, batch: int, planned: PlannedLayout,
@@ -213,6 +231,17 @@ def best_of(shape: ModelShape, cluster: Cluster, batch: int, planned: PlannedLay
     """`planned` with the fastest of the recomputation modes, sequence-parallel settings
     and context-parallel methods asked for (by default every one `context_methods`
     allows) that fits, or the one needing the least memory if none fits."""
+    fitting, smallest = _measured(shape, cluster, batch, planned, recompute,
+                                  sequence_parallel, soft, cp_methods)
+    return _fastest_of(shape, cluster, batch, fitting or [smallest], soft)
+
+
+def _measured(shape: ModelShape, cluster: Cluster, batch: int, planned: PlannedLayout,
+              recompute: tuple[str, ...], sequence_parallel: tuple[bool, ...],
+              soft: Software, cp_methods: tuple[str, ...] | None
+              ) -> tuple[list[Measured], Measured]:
+    """(the options of `best_of` that fit, each with its memory; the one needing the least
+    memory among those that do not, or the first that fits if all do)."""
     layout = planned.dims
     methods = tuple(dict.fromkeys(cp_methods or context_methods(shape, layout.tp, layout.cp)))
     if soft.flash_attention and "none" in recompute:  # selective keeps as much then, slower
@@ -234,11 +263,14 @@ def best_of(shape: ModelShape, cluster: Cluster, batch: int, planned: PlannedLay
                 break
             if smallest is None or memory["total"] < smallest[1]["total"]:
                 smallest = (choice, memory)
-    if not fitting:  # none fits: the one needing the least memory
-        assert smallest is not None  # the options were measured, none fitting
-        fitting = [smallest]
-    return fastest([evaluate(shape, cluster, batch, c, soft, memory)
-                    for c, memory in fitting])
+    smallest = smallest or fitting[0]  # none fits: the one needing the least memory
+    return fitting, smallest
+
+
+def _fastest_of(shape: ModelShape, cluster: Cluster, batch: int, options: list[Measured],
+                soft: Software) -> ClusterEstimate:
+    """The `fastest` of the measured `options`, evaluated."""
+    return fastest([evaluate(shape, cluster, batch, c, soft, memory) for c, memory in options])
 
 
 def _by_speed(shape: ModelShape, planned: PlannedLayout, methods: tuple[str, ...],
@@ -276,21 +308,24 @@ def best_layout(shape: ModelShape, cluster: Cluster, batch: int, tp: int, pp: in
                 sequence_parallel: tuple[bool, ...] = (False, True),
                 soft: Software = DEFAULT, ep: int = 1, cp: int = 1,
                 cp_methods: tuple[str, ...] | None = None,
-                schedules: tuple[str, ...] = SCHEDULES) -> ClusterEstimate | None:
+                schedules: tuple[str, ...] = SCHEDULES,
+                replicas: tuple[int, ...] = (1,)) -> ClusterEstimate | None:
     """tp x cp x pp x dp (the experts over `ep` of the dp GPUs) with the fastest of the
     micro-batch sizes, pipeline schedules and their virtual stages, ZeRO stages,
-    recomputation modes, sequence-parallel settings and context-parallel methods asked
-    for (`fastest` of the valid combinations, `check_layout`); None if no combination is
-    valid."""
+    hybrid-sharding degrees (`replicas`: dp_replicate; by default 1, ZeRO over all dp
+    GPUs), recomputation modes, sequence-parallel settings and context-parallel methods
+    asked for (`fastest` of the valid combinations, `check_layout`); None if no
+    combination is valid."""
     found = []
     methods = cp_methods or context_methods(shape, tp, cp)
     for b in microbatches:
         m = batch // (dp * b) if dp * b else 0
         for schedule, v in _pipelines(shape, pp, m, chunks, schedules) if m else []:
-            for zero in zeros:
-                choice = planned_layout(batch, tp, pp, dp, zero, b, v, recompute[0], ep=ep,
-                                        cp=cp, cp_method=methods[0], schedule=schedule)
+            for zero, r in ((z, r) for z in zeros for r in replicas):
                 try:
+                    choice = planned_layout(batch, tp, pp, dp, zero, b, v, recompute[0],
+                                            ep=ep, cp=cp, cp_method=methods[0],
+                                            schedule=schedule, replicas=r)
                     check_layout(shape, cluster, batch, choice)
                 except ConfigError:
                     continue
@@ -305,10 +340,36 @@ def rank(shape: ModelShape, cluster: Cluster, batch: int,
          soft: Software = DEFAULT,
          schedules: tuple[str, ...] = SCHEDULES) -> list[ClusterEstimate]:
     """Every layout (see `layouts`: pipelines with each of `schedules`), those that fit
-    first, fastest first."""
-    estimates = [best_of(shape, cluster, batch, c, recompute, sequence_parallel, soft)
-                 for c in layouts(shape, cluster, batch, schedules)]
+    first, fastest first; of hybrid sharding's only those that fit (the same layout
+    sharded over every dp GPU needs less memory, and is there) and could be faster: where
+    the layout sharded over every dp GPU exposes none of its data-parallel traffic, its
+    hybrid forms, which change only that traffic (and hold more, so recompute no less),
+    cannot win and are not weighed."""
+    estimates = []
+    unfit: set[PlannedLayout] = set()  # layouts that, over some replicas or none, do not fit
+    exposed: dict[PlannedLayout, float] = {}  # plain layout -> its exposed dp seconds
+    for c in layouts(shape, cluster, batch, schedules):
+        plain = _plain(c)
+        if plain in unfit:  # more replicas, smaller: they hold more, and do not fit either
+            continue
+        if c.dims.dp_replicate > 1 and exposed.get(plain) == 0.0:
+            continue
+        fitting, smallest = _measured(shape, cluster, batch, c, recompute, sequence_parallel,
+                                      soft, None)
+        if fitting or c.dims.dp_replicate == 1:
+            estimates.append(_fastest_of(shape, cluster, batch, fitting or [smallest], soft))
+            if c.dims.dp_replicate == 1:  # `layouts` gives a plain layout before its replicas
+                exposed[plain] = estimates[-1].parts.get("dp", 0.0)
+        if not fitting:
+            unfit.add(plain)
     return sorted(estimates, key=lambda e: (not e.fits, e.step_s, e.memory["total"]))
+
+
+def _plain(c: PlannedLayout) -> PlannedLayout:
+    """`c` sharded over all its dp GPUs, without hybrid sharding's replicas."""
+    if c.dims.dp_replicate == 1:
+        return c
+    return dataclasses.replace(c, dims=c.dims.replace(dp_shard=c.dims.dp, dp_replicate=1))
 
 
 def recommend(estimates: list[ClusterEstimate]) -> tuple[ClusterEstimate | None, str]:

@@ -18,7 +18,11 @@ table's `dp4 ep2`): its routed experts split over ep of the dp ranks, as dtrain'
 splits them. dtrain's GPT and Llama without dropout also take each context-parallel degree
 `cp` dividing the devices whose 2 x cp chunks cut the sequence (ep = 1 there; the table's
 `dp2 x cp2 ring`): dp = devices / (cp x tp x pp), each rank traced on its block_size / cp
-tokens of every sequence, attending by the cp method planned.
+tokens of every sequence, attending by the cp method planned. A ZeRO layout also takes
+each hybrid-sharding degree `dp_replicate` the ranks' machines allow (the table's `dp2x4
+zero3`: 2 replicas of 4 ranks; dtrain.planner.costs): a replica part of one machine or
+whole machines, on `links.machine` ranks each (every rank on one machine unless the links
+say otherwise, `Links.across_machines`).
 
 A pipeline's schedule, recomputation, sequence parallelism and the cp method are choices
 per layout: `plan(..., schedules=("1f1b", "zb1p", "zbv", "dualpipev"),
@@ -40,6 +44,7 @@ from collections.abc import Callable
 
 from dtrain.mesh import Dims
 from dtrain.pipeline.schedules import V_SHAPED
+from dtrain.planner.costs import replica_degrees
 from dtrain.planner.traced.estimate import Estimate, estimate
 from dtrain.planner.traced.links import Links
 from dtrain.planner.traced.profile import Profile
@@ -66,12 +71,14 @@ def runs(schedule: str, pp: int, microbatches: int, blocks: int) -> bool:
 
 
 def layouts(profile: Profile, devices: int, batch: int, accum: int = 1,
-            schedules: tuple[str, ...] = ("1f1b",)) -> list[Dims]:
+            schedules: tuple[str, ...] = ("1f1b",), per_node: int = 0) -> list[Dims]:
     """Every layout of `devices` ranks the model and a global batch of `batch` allow: a
     mixture of experts' with each expert-parallel degree dividing dp and the experts, and
     each context-parallel degree the model and the sequence allow (not with ep > 1); a
     pipeline's with each of `schedules` that can run it (`runs`: the V-shaped and
-    interleaved ones on two chunks a rank)."""
+    interleaved ones on two chunks a rank); a ZeRO layout's also with each hybrid-sharding
+    degree dp_replicate its replicas allow on machines of `per_node` ranks (0: all of
+    them on one; dtrain.planner.costs.replica_degrees)."""
     found = []
     for cp in profile.context_degrees(devices):
         for tp in profile.tp_degrees(devices // cp):
@@ -79,24 +86,32 @@ def layouts(profile: Profile, devices: int, batch: int, accum: int = 1,
                 if (devices // (cp * tp)) % pp or (pp > 1 and pp > profile.n_layer):
                     continue
                 dp = devices // (cp * tp * pp)
-                # ZeRO shards over dp x cp; experts split over dp alone, and not under cp
+                # ZeRO shards over dp x cp (or a replica's); experts split over dp alone,
+                # and not under cp
                 for zero, ep in itertools.product(range(4) if dp * cp > 1 else (0,),
                                                   profile.expert_degrees(dp) if cp == 1
                                                   else [1]):
-                    if pp == 1:
-                        if batch % (dp * accum) == 0:
-                            found.append(Dims(dp, tp, 1, zero, ep=ep, cp=cp))
-                        continue
-                    for m in (pp * k for k in MICROBATCHES):
-                        if batch % (dp * m):
-                            continue
-                        for schedule in schedules:
-                            if not runs(schedule, pp, m, profile.n_layer):
-                                continue
-                            found.append(Dims(dp, tp, pp, zero, m,
-                                              schedule,  # type: ignore[arg-type]  # Dims checks it
-                                              chunks_of(schedule), ep=ep, cp=cp))
+                    hybrid = replica_degrees(dp, cp * tp, per_node or devices, ep) \
+                        if zero else []
+                    for replicas in [1, *hybrid]:
+                        found += _variants(profile, batch, accum, schedules,
+                                           Dims(dp // replicas, tp, pp, zero, ep=ep, cp=cp,
+                                                dp_replicate=replicas))
     return found
+
+
+def _variants(profile: Profile, batch: int, accum: int, schedules: tuple[str, ...],
+              layout: Dims) -> list[Dims]:
+    """`layout` as it may run a global batch of `batch`: whole when the batch splits into
+    its dp ranks x `accum`; a pipeline with pp times each of MICROBATCHES micro-batches
+    under each of `schedules` that runs it."""
+    dp, pp = layout.dp, layout.pp
+    if pp == 1:
+        return [layout] if batch % (dp * accum) == 0 else []
+    return [layout.replace(microbatches=m, schedule=schedule,
+                           virtual_stages=chunks_of(schedule))
+            for m in (pp * k for k in MICROBATCHES) if batch % (dp * m) == 0
+            for schedule in schedules if runs(schedule, pp, m, profile.n_layer)]
 
 
 def choices(profile: Profile, layout: Dims, recompute: tuple[str, ...],
@@ -149,7 +164,7 @@ def plan(trace: Callable[..., Profile], devices: int, memory: float, batch: int,
     out = []
     # a pipeline's schedules are its choices too: one row per layout, its fastest schedule
     groups: dict[Dims, list[Dims]] = {}
-    for layout in layouts(first, devices, batch, accum, schedules):
+    for layout in layouts(first, devices, batch, accum, schedules, links.machine):
         groups.setdefault(layout.replace(schedule="1f1b", virtual_stages=1), []).append(layout)
     for variants in groups.values():
         per_micro = batch // (variants[0].dp * (accum if variants[0].pp == 1

@@ -7,8 +7,9 @@ blocks, its pipeline pieces, or its ZeRO shards) and fills it from the initial v
 group at a time, its rows copied straight into place: one tensor's filling needs one group
 on top of what the rank holds (fp32, 4 bytes each; Ψ is what the rank holds after tp and
 pp split the model and ep its experts, N = dp x cp, the ranks holding the same
-parameters; ZeRO 3's shards hold a rank's experts over the dp / ep ranks holding the same
-ones, every expert's over N):
+parameters, or a replica's dp_shard x cp under hybrid sharding; ZeRO 3's shards hold a
+rank's experts over the dp_shard / ep ranks holding the same ones, every expert's over
+N):
 
     dp (DataParallel)   parameters 4Ψ, then each tensor in turn (the gradient buckets
                         are allocated at the first backward)
@@ -52,8 +53,8 @@ def construction_peak(layout: Dims, held: Params, tensors: list[ParamTensor],
     (elements before tp divides them) and fills them from `tensors` one at a time.
     `chunk`: elements per generator group (default dtrain.models.init.CHUNK)."""
     chunk = init.CHUNK if chunk is None else chunk
-    psi, n = held.per_rank(layout.tp, layout.ep), layout.dp * layout.cp
-    sharded = held.per_rank(layout.tp) / n  # split experts: E / ep over dp / ep ranks
+    psi, n = held.per_rank(layout.tp, layout.ep), layout.dp_shard * layout.cp
+    sharded = held.per_rank(layout.tp) / n  # split experts: E / ep over dp_shard / ep ranks
     # a group, and a tp block read from it whole
     draw = max((group_elements(t, chunk) + piece(t, layout) for t in tensors), default=0.0)
     if not layout.zero:

@@ -4,8 +4,9 @@ A layout is dp x cp x tp x pp ranks with a ZeRO stage and, for pipelines, micro-
 and a schedule; a mixture of experts' also an expert-parallel degree ep, carved from dp.
 The figures follow what dtrain's own strategies hold (fp32 parameters, Ψ of them on a rank
 after tp and pp split the model and ep its experts, N = dp x cp, the ranks holding the
-same parameters, K bytes of optimizer state per parameter: 8 for Adam, 4 for SGD with
-momentum):
+same parameters (under hybrid sharding a replica's dp_shard x cp, the ranks ZeRO shards
+over: dtrain.planner.costs), K bytes of optimizer state per parameter: 8 for Adam, 4 for
+SGD with momentum):
 
     zero 0 (DataParallel)  params 4Ψ   grads 4Ψ (the buckets)     optimizer KΨ
     zero 1                 params 4Ψ   grads 4Ψ + 4Ψ/N (shard)    optimizer KΨ/N
@@ -53,8 +54,11 @@ block.
 Traffic per step, in bytes of the buffers each collective is given: dp all-reduces the
 gradients once (ZeRO 1-2: reduce-scatter then all-gather the parameters; ZeRO 3 gathers
 each unit for every forward and backward; with ep > 1 the split experts' go over edp
-instead, the "edp" keys, and nowhere at ep = dp), tp all-reduces a micro-batch's
-activations twice per block forward and twice backward (sequence parallelism: an all-
+instead, the "edp" keys, and nowhere at ep = dp; under hybrid sharding these span a
+replica, and each unit's reduced shard, 1/N of its bytes, is all-reduced across the
+dp_replicate replicas: "dp_replicate all_reduce", 2(R-1)/R of it sent), tp all-reduces a
+micro-batch's activations twice per block forward and twice backward (sequence
+parallelism: an all-
 gather and a reduce-scatter each instead, moving the same bus bytes, and an all-reduce
 per replicated parameter's gradient), full recomputation repeats the forward's, pp sends
 each micro-batch's activations forward and their gradients back at each stage boundary
@@ -85,8 +89,8 @@ every rank of a cp group does 1/cp of it.
 Recomputation is one more forward of what is recomputed: 2 flops per block parameter per
 token plus attention's 2·layers·seq·width ("full"), or attention's alone ("selective").
 Each collective costs its calls times alpha plus its bus bytes times beta
-(dtrain.planner.traced.links; an all-to-all sends (n-1)/n of its buffer); dp's and edp's
-gradient collectives overlap backward (2/3 of compute, and the recomputation; only the
+(dtrain.planner.traced.links; an all-to-all sends (n-1)/n of its buffer); dp's, edp's and
+the replicas' gradient collectives overlap backward (2/3 of compute, and the recomputation; only the
 excess counts); the ring's sends overlap its steps, each a 1/cp share of a layer's
 attention (forward 2·seq·width per token, backward twice that), so per step only
 max(0, send - step) counts (backward: a key/value send and a gradient send beside each
@@ -123,7 +127,7 @@ from dtrain.planner.traced.profile import Activation, Params, Profile
 STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
 RING = "cp send"
 """The ring's key/value blocks and their gradients, rank to rank."""
-GRADIENT_AXES = ("dp", "edp")
+GRADIENT_AXES = ("dp", "edp", "dp_replicate")
 """The axes whose collectives carry gradients and parameters, behind backward."""
 
 
@@ -174,8 +178,9 @@ class Estimate:
     def to_dict(self) -> dict:
         layout = self.dims
         return {
-            "layout": self.label, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
-            "ep": layout.ep, "cp": layout.cp, "zero": layout.zero,
+            "layout": self.label, "dp": layout.dp, "dp_replicate": layout.dp_replicate,
+            "tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "cp": layout.cp,
+            "zero": layout.zero,
             "microbatches": layout.microbatches,
             "schedule": layout.schedule if layout.pp > 1 else None,
             "recompute": self.recompute, "sequence_parallel": layout.sequence_parallel,
@@ -189,6 +194,7 @@ class Estimate:
             "fits": self.fits, "traffic_bytes": {k: int(v) for k, v in self.traffic.items()},
             "bubble": self.bubble, "compute_s": self.compute_s,
             "recompute_s": self.recompute_s, "comm_s": self.comm_s, "step_s": self.step_s,
+            "config": self.planned.overrides(),
         }
 
 
@@ -324,8 +330,9 @@ class _RankFigures(Estimate):
 
 
 def _rank(profile: Profile, layout: Dims, rank: int, options: Options) -> _RankFigures:
-    # the ranks holding the same parameters: dp x cp (cp splits only the sequences)
-    tp, pp, n, ep = layout.tp, layout.pp, layout.dp * layout.cp, layout.ep
+    # the ranks ZeRO shards over: dp x cp (cp splits only the sequences), a replica's
+    # dp_shard x cp under hybrid sharding
+    tp, pp, n, ep = layout.tp, layout.pp, layout.dp_shard * layout.cp, layout.ep
     sp = options.sequence_parallel
     chunks, schedule = layout.virtual_stages, layout.schedule
     # whether each chunk is the first stage (the embedding's) and the last (the head's):
@@ -375,8 +382,8 @@ def _rank(profile: Profile, layout: Dims, rank: int, options: Options) -> _RankF
     extra = figures.peak_extra if last else figures.block_extra
     acts = flight + extra.per_rank(tp, sp)
     if layout.zero:
-        # the dense part over dp x cp; the rank's E / ep experts over the dp / ep ranks
-        # holding them: every expert over dp
+        # the dense part over N; the rank's E / ep experts over the dp_shard / ep ranks
+        # holding them: every expert over dp_shard
         sharded, sharded_trained = held.per_rank(tp) / n, trained.per_rank(tp) / n
         state = k * sharded_trained
         shard = weights(sharded, sharded_trained)  # stage 3 shards a frozen base too
@@ -442,19 +449,24 @@ def _traffic(profile: Profile, layout: Dims, held: Params, rank: int, blocks: li
     passes = layout.microbatches if layout.pp > 1 else options.accum
     grads = PARAM_BYTES * held.per_rank(layout.tp, layout.ep)
     experts = PARAM_BYTES * held.experts / layout.ep if layout.ep > 1 else 0.0
-    # (axis, its ranks, gradient bytes, ZeRO 3's units): split experts average over edp
-    groups = [("dp", layout.dp * layout.cp, grads - experts, sum(blocks) + 1),
-              ("edp", layout.dp // layout.ep, experts, sum(blocks))]
+    # (axis, its ranks, gradient bytes, ZeRO 3's units): split experts average over edp;
+    # under hybrid sharding both inside a replica, each unit's shard then across replicas
+    groups = [("dp", layout.dp_shard * layout.cp, grads - experts, sum(blocks) + 1),
+              ("edp", layout.dp_shard // layout.ep, experts, sum(blocks))]
     for axis, size, nbytes, zero3_units in groups:
-        if size == 1 or not nbytes:
+        if not nbytes:
             continue
         buckets = max(1, math.ceil(nbytes / unit))
+        units = buckets if layout.zero < 3 else zero3_units
+        if layout.dp_replicate > 1:
+            add("dp_replicate all_reduce", nbytes / size, units)
+        if size == 1:
+            continue
         if layout.zero == 0:
             add(f"{axis} all_reduce", nbytes, buckets)
         else:
             add(f"{axis} reduce_scatter", nbytes, buckets)
             gathers = 1 if layout.zero < 3 else 2 * passes
-            units = buckets if layout.zero < 3 else zero3_units
             add(f"{axis} all_gather", nbytes * gathers, units * gathers)
     activation = profile.micro_batch * profile.width
     if layout.ep > 1 and profile.shape is not None:

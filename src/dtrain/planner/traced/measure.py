@@ -28,6 +28,7 @@ from dtrain.mesh import Dims, Mesh
 from dtrain.models import init
 from dtrain.models.config import ModelConfig
 from dtrain.models.gpt import GPTConfig
+from dtrain.planner.planned import parallel_section
 from dtrain.planner.traced.profile import model_config
 from dtrain.planner.traced.tracker import LiveBytes
 
@@ -55,12 +56,8 @@ def run_config(cfg: GPTConfig | ModelConfig, layout: Dims, batch: int,
         "model": dataclasses.asdict(model_config(cfg)),
         "optimizer": {"name": "adamw"},
         "train": {"batch_size": batch, "seed": 0},
-        "parallel": {"nproc": layout.world_size, "dp": layout.dp, "cp": layout.cp,
-                     "cp_method": cp_method,
-                     "tp": layout.tp, "pp": layout.pp, "zero": layout.zero,
-                     "microbatches": layout.microbatches, "schedule": layout.schedule,
-                     "virtual_stages": layout.virtual_stages, "ep": layout.ep,
-                     "sequence_parallel": sequence_parallel},
+        "parallel": {**parallel_section(layout), "nproc": layout.world_size,
+                     "cp_method": cp_method, "sequence_parallel": sequence_parallel},
         "comm": {"bucket_mb": bucket_mb},
         "memory": {"recompute": recompute},
     })
