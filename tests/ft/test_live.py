@@ -312,11 +312,12 @@ def shard_of(whole: dict[str, torch.Tensor], position: int) -> dict[str, torch.T
 
 def group_replica_main(port: int, replica: int, position: int, plan: dict[str, Any],
                        out: str) -> None:
-    """One rank of a replica of two ranks (its own world of 2), tensor parallel or ZeRO-2
-    inside (plan["inside"]); dies where told."""
+    """One rank of a replica of two ranks (its own world of 2), tensor parallel or ZeRO
+    inside (plan["inside"]: "tp"; "zero": ZeRO-2; "zero3": ZeRO-3, the parameters gathered
+    only to compute; "bf16": ZeRO-2 in bf16 over fp32 masters); dies where told."""
     import dtrain
     from dtrain import tensor_parallel as tp
-    from dtrain.ft.live import LiveAveraging, LiveReplicas
+    from dtrain.ft.live import LiveAveraging, LiveReplicas, handover
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
@@ -325,10 +326,12 @@ def group_replica_main(port: int, replica: int, position: int, plan: dict[str, A
                             timeout=timedelta(seconds=20))
     live = LiveReplicas(store, replica, SLOTS, position=position, positions=2,
                         **plan["timeouts"])
-    zero = plan["inside"] == "zero"
+    zero = plan["inside"] != "tp"
     if zero:  # each rank takes half the replica's slice; the shards' state is the ranks'
         net = make_model(seed=replica + 1)
-        model = dtrain.ZeRO(net, lambda params: torch.optim.Adam(params, lr=0.01), stage=2,
+        model = dtrain.ZeRO(net, lambda params: torch.optim.Adam(params, lr=0.01),
+                            stage=3 if plan["inside"] == "zero3" else 2,
+                            mixed_precision="bf16" if plan["inside"] == "bf16" else None,
                             averaging=LiveAveraging(live))
     else:
         net = tp.parallelize(make_model(seed=replica + 1), TP_PLAN)
@@ -336,9 +339,11 @@ def group_replica_main(port: int, replica: int, position: int, plan: dict[str, A
         optimizer = make_optimizer(net)
         live.track(optimizer=optimizer)
     victim = plan.get("victim") == (replica, position) and not plan.get("generation")
-    ran, step = [], 0
+    ran, step, computing = [], 0, {}
     while step < plan["steps"]:
         step = live.begin_step(step)
+        if plan["inside"] != "zero3":  # the weights a step computes with (stage 3: none yet)
+            computing[step] = handover.digest([p.data for p in net.parameters()])
         store.set(f"progress/{replica}.{position}", str(step))
         if victim and step == plan["at"]:
             os._exit(1)
@@ -354,20 +359,25 @@ def group_replica_main(port: int, replica: int, position: int, plan: dict[str, A
         time.sleep(plan.get("pace", 0.0))
         step += 1
     live.close()
-    torch.save({"params": {k: v.clone() for k, v in net.state_dict().items()},
+    state = model.state_dict() if zero else net.state_dict()  # ZeRO's: from its masters
+    torch.save({"params": {k: v.clone() for k, v in state.items()}, "computing": computing,
                 "history": live.history, "ran": ran, "position": position}, out)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("inside", [pytest.param("tp", marks=pytest.mark.slow), "zero"])
+@pytest.mark.parametrize("inside", [
+    pytest.param("tp", marks=pytest.mark.slow), "zero",
+    pytest.param("zero3", marks=pytest.mark.slow), pytest.param("bf16", marks=pytest.mark.slow)])
 def test_replicas_of_two_ranks_lose_and_regain_a_whole_replica(tmp_path: Path,
                                                                inside: str) -> None:
-    """Three replicas of two ranks each, tensor parallel (tp=2) or ZeRO-2 inside. Rank 1
-    of replica 2 dies as step 3 begins: its replica is dropped at both positions (its rank
-    0, alive, is stopped as a supervisor would); a new replica 2 of two fresh ranks joins,
-    each sent its position's parameters and Adam state by a live peer; every rank's
-    parameters (tp: its shards) equal a one-process simulation of exactly the slices that
-    took part each step."""
+    """Three replicas of two ranks each, tensor parallel (tp=2) or ZeRO inside (ZeRO-2;
+    ZeRO-3; ZeRO-2 in bf16 over fp32 masters). Rank 1 of replica 2 dies as step 3 begins:
+    its replica is dropped at both positions (its rank 0, alive, is stopped as a
+    supervisor would); a new replica 2 of two fresh ranks joins, each sent its position's
+    master shards (tp: parameters), loss scaler and Adam state by a live peer; the
+    replacement's weights equal its peers' bit for bit, and every rank's parameters (tp:
+    its shards) a one-process simulation of exactly the slices that took part each step
+    (in fp32: bf16's computation rounds otherwise)."""
     steps = 14
     # Eight processes on two cores: a new gloo group of three replicas may take seconds to
     # connect, and a rank that misses a step's deadline falls out of the quorum; if the
@@ -411,9 +421,17 @@ def test_replicas_of_two_ranks_lose_and_regain_a_whole_replica(tmp_path: Path,
     counts = [len(history[s]) for s in range(steps)]
     assert 3 < first < steps - 1 and newcomers[1]["ran"][0] == first, newcomers[0]["ran"]
     assert counts == [3] * 3 + [2] * (first - 3) + [3] * (steps - first), counts
+    for newcomer in newcomers:  # what its peer at the same position holds, bit for bit
+        peer = results[0, newcomer["position"]]
+        torch.testing.assert_close(newcomer["params"], peer["params"], rtol=0, atol=0)
+        # and computes with, from its first step (ZeRO: rebuilt from the masters it was sent)
+        assert all(newcomer["computing"][s] == peer["computing"][s]
+                   for s in newcomer["computing"]), (newcomer["computing"], peer["computing"])
+    if inside == "bf16":
+        return
     reference = simulate(history, steps)
     for result in [*results.values(), *newcomers]:
-        want = reference if inside == "zero" else shard_of(reference, result["position"])
+        want = shard_of(reference, result["position"]) if inside == "tp" else reference
         torch.testing.assert_close(result["params"], want, rtol=1e-5, atol=1e-6)
 
 
@@ -451,15 +469,18 @@ def test_the_store_keeps_only_the_last_rounds_keys() -> None:
 
 
 def test_live_replicas_refuse_what_a_replacement_could_not_be_sent_in_one_line() -> None:
-    """Replicas of tp x pp ranks with ZeRO 1-2 inside are fine; stage 3, mixed precision,
-    plain dp inside a replica, interleaved pipelines and parameter servers are refused."""
+    """Replicas of tp x pp ranks with ZeRO 1-3 inside, in fp32 or mixed precision, are
+    fine; plain dp inside a replica, hybrid sharding's replicas inside one, interleaved
+    pipelines and parameter servers are refused."""
     live = "fault_tolerance.mode='live'"
-    for fine in (["parallel.tp=2", "parallel.pp=2"], ["parallel.zero=2", "parallel.dp=2"]):
+    for fine in (["parallel.tp=2", "parallel.pp=2"], ["parallel.zero=2", "parallel.dp=2"],
+                 ["parallel.zero=3", "parallel.dp=2"],
+                 ["parallel.zero=1", "parallel.mixed_precision='bf16'"]):
         load_config(None, [live, *fine])
     for keys, words in (
-            (["parallel.zero=3"], "ZeRO stages 1 and 2 in fp32"),
-            (["parallel.zero=1", "parallel.mixed_precision='bf16'"], "stages 1 and 2 in fp32"),
             (["parallel.dp=2"], "parallel.dp = 2 is data parallelism inside a live replica"),
+            (["parallel.zero=3", "parallel.dp=2", "parallel.dp_replicate=2"],
+             "the live replicas are hybrid sharding's replicas already"),
             (["parallel.pp=2", "parallel.virtual_stages=2", "parallel.schedule='interleaved'",
               "model.n_layer=4", "parallel.microbatches=4"],
              "one pipeline piece per rank"),
@@ -590,15 +611,16 @@ def test_dtrain_train_drops_a_killed_replica_and_takes_its_replacement_back(
     ["parallel.tp=2"],
     ["parallel.pp=2", "model.n_layer=2", "train.batch_size=16"],
     ["parallel.zero=2", "parallel.dp=2"],
-], ids=["tp", "pp", "zero"])
+    ["parallel.zero=3", "parallel.dp=2", "parallel.mixed_precision='bf16'"],
+], ids=["tp", "pp", "zero", "zero3-bf16"])
 def test_dtrain_train_replicas_of_two_ranks_lose_and_regain_one(tmp_path: Path,
                                                                 layout: list[str]) -> None:
     """`dtrain train -n 4 --max-restarts 1` with live replicas of two ranks each (tp=2, a
-    pipeline of 2 stages, or ZeRO-2 over 2): rank 3 (replica 1's second) is SIGKILLed as
-    step 5 begins; its supervisor and its partner's start the replica again and it rejoins
-    from the live replica: the metrics show 2 replicas, 1 from step 5, then 2 again, one
-    record per step, none lost or repeated. (The run is long; the test stops it once the
-    replica is back for 10 steps.)"""
+    pipeline of 2 stages, ZeRO-2 over 2, or ZeRO-3 over 2 in bf16): rank 3 (replica 1's
+    second) is SIGKILLed as step 5 begins; its supervisor and its partner's start the
+    replica again and it rejoins from the live replica: the metrics show 2 replicas, 1 from
+    step 5, then 2 again, one record per step, none lost or repeated. (The run is long; the
+    test stops it once the replica is back for 10 steps.)"""
     out, counts = lose_and_regain(tmp_path, 4, 3, layout, back_for=10, timeout=180)
     assert "2 live replica(s) of 2 rank(s)" in out, out
     assert "replica 1 (its rank 1) was killed by SIGKILL; started again" in out, out

@@ -57,12 +57,6 @@ def check_live(parallel: ParallelConfig) -> None:
         raise ConfigError(f"{live} keeps collective live replicas alive, not parallel.exchange "
                           f"= {p.exchange!r}: use parallel.exchange = \"collective\" or "
                           "fault_tolerance.mode = \"restart\"")
-    if p.zero == 3 or (p.zero and p.mixed_precision != "fp32"):
-        raise ConfigError(f"{live} works with ZeRO stages 1 and 2 in fp32 (a replacement is "
-                          "sent the parameters and its shard's optimizer state; stage 3 and "
-                          "mixed precision keep more): use parallel.zero = 1 or 2 with "
-                          "parallel.mixed_precision = \"fp32\", or fault_tolerance.mode = "
-                          "\"restart\"")
     if p.dp_replicate > 1:
         raise ConfigError(f"{live}: the live replicas are hybrid sharding's replicas already "
                           "(each one shards over its own ranks with ZeRO, and its shards are "
@@ -71,7 +65,7 @@ def check_live(parallel: ParallelConfig) -> None:
     if p.dp > 1 and not p.zero:
         raise ConfigError(f"{live}: parallel.dp = {p.dp} is data parallelism inside a live "
                           "replica, which only ZeRO does (the live replicas are the data "
-                          "parallelism): set parallel.zero = 1 or 2, or parallel.dp = 0")
+                          "parallelism): set parallel.zero = 1, 2 or 3, or parallel.dp = 0")
     if p.pp > 1 and p.virtual_stages > 1:
         raise ConfigError(f"{live} reduces one pipeline piece per rank: use "
                           "parallel.virtual_stages = 1, or fault_tolerance.mode = \"restart\"")

@@ -35,7 +35,7 @@ from dtrain.data_parallel.agreement import (
     broadcast_tensors,
     check_same_model,
 )
-from dtrain.data_parallel.averaging import Averaging
+from dtrain.data_parallel.averaging import Averaging, Carried
 from dtrain.data_parallel.buckets import Bucket, build_buckets, launch_ready
 from dtrain.data_parallel.clip import GradPart
 from dtrain.errors import DtrainError
@@ -138,7 +138,7 @@ class DataParallel(nn.Module):
                 raise DtrainError("DataParallel(averaging=...) averages over the live replicas the "
                                   "averaging chooses, its own way: leave group= and "
                                   "algorithm= unset")
-            averaging.attach(module, None)
+            averaging.attach(Carried.of(module), None)
             self.group, self.size = None, 0  # size: the averaging's, per step
         self.algorithm = algorithm
         self.grad_dtype = parse_dtype(grad_dtype)

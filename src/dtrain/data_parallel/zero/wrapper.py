@@ -29,7 +29,7 @@ from dtrain.data_parallel.agreement import (
     broadcast_tensors,
     check_same_model,
 )
-from dtrain.data_parallel.averaging import Averaging
+from dtrain.data_parallel.averaging import Averaging, Carried
 from dtrain.data_parallel.buckets import launch_ready
 from dtrain.data_parallel.clip import GradPart
 from dtrain.data_parallel.wrapper import parse_dtype
@@ -214,7 +214,9 @@ class ZeRO(nn.Module):
         self.optimizer = shard_optimizer(template, self.units)
         self.averaging = averaging
         if averaging is not None:
-            averaging.attach(module, self.optimizer)
+            self._scaler = torch.zeros(2, dtype=torch.float64)  # what a replacement is sent
+            averaging.attach(Carried(self._carried, self._trained, self._carried_in),
+                             self.optimizer)
         self._sync = True
         self._finalize_queued = False
         self._next_launch = 0
@@ -237,6 +239,25 @@ class ZeRO(nn.Module):
                     lambda m, args, out, k=k: self._after_forward(k, out)))
             self._hooks.append(module.register_forward_hook(self._after_root_forward))
             self._free(self._held)
+
+    # ----------------------------------------------------------------- live replicas
+    def _carried(self) -> list[torch.Tensor]:
+        """The state a joining live replica is sent, beside the optimizer's: this rank's
+        master shards (the parameters are rebuilt from them; at stage 3 they are all
+        there is), the frozen parameters' shards, the buffers, and the loss scaler's
+        state (the scale and its count of good steps, in `_scaler`)."""
+        self._scaler[0], self._scaler[1] = self._scale, self._good_steps
+        return [*self._trained(), *(u.master for u in self.frozen),
+                *(b.data for b in self.module.buffers()), self._scaler]
+
+    def _trained(self) -> list[torch.Tensor]:
+        return [unit.master for unit in self.units]
+
+    def _carried_in(self) -> None:
+        """A joining live replica's tensors are in: the parameters rebuilt from the
+        masters, the loss scaler's state taken back."""
+        self._scale, self._good_steps = float(self._scaler[0]), int(self._scaler[1])
+        self.publish_masters()
 
     # ----------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

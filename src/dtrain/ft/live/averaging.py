@@ -10,10 +10,10 @@ its reduce-scatter inside the replica, with the same shard of the other replicas
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from dtrain import comm
 from dtrain.comm.group import Handle
+from dtrain.data_parallel.averaging import Carried
 from dtrain.errors import DtrainError
 from dtrain.ft.live.group import ReplicaLost
 from dtrain.ft.live.replicas import LiveReplicas, Outcome
@@ -30,8 +30,8 @@ class LiveAveraging:
     def __init__(self, live: LiveReplicas) -> None:
         self.live = live
 
-    def attach(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        self.live.track(module=module, optimizer=optimizer if optimizer else None)
+    def attach(self, carried: Carried, optimizer: torch.optim.Optimizer | None) -> None:
+        self.live.carry(carried, optimizer=optimizer if optimizer else None)
 
     def start(self, buffer: torch.Tensor) -> Handle:
         if self.live.group is None:

@@ -1,9 +1,12 @@
 """A replica's training state as it travels to a replacement: tensors plus a JSON manifest.
 
-What a live peer sends a joining replica (dtrain.ft.live): the module's parameters
-and buffers, the optimizer's state, the step number and the caller's small "extra" dict
-(e.g. the data position). Tensors go by broadcast over the quorum's group, in an order
-both sides derive from the same model and from the manifest; everything else (step,
+What a live peer sends a joining replica (dtrain.ft.live): the model state its strategy
+carries (a module's parameters and buffers; ZeRO's master shards, which at stage 3 and
+under mixed precision are what the parameters are made from, and its loss scaler: a
+dtrain.data_parallel.averaging.Carried), the optimizer's state, the step number and the
+caller's small "extra" dict (e.g. the data position). Tensors go by broadcast over the
+quorum's group, in an order both sides derive from the same model and from the
+manifest; everything else (step,
 extra, optimizer hyper-parameters, the names, shapes and dtypes of the optimizer's
 tensors) is JSON that the sender writes to the job's store. Nothing is pickled, so a
 replica never runs code that came over the network.
@@ -19,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from dtrain import comm
+from dtrain.data_parallel.averaging import Carried
 from dtrain.errors import DtrainError
 
 SaveExtra = Callable[[], dict[str, Any]]
@@ -30,18 +33,19 @@ LoadExtra = Callable[[dict[str, Any]], None]
 
 @dataclass
 class Tracked:
-    """What a replica sends a joiner: its module, its optimizer, and `save_extra()`, a small
-    JSON dict that `load_extra(dict)` restores on the joiner (e.g. the data position)."""
+    """What a replica sends a joiner: its model state, its optimizer, and `save_extra()`, a
+    small JSON dict that `load_extra(dict)` restores on the joiner (e.g. the data
+    position)."""
 
-    module: nn.Module | None = None
+    carried: Carried | None = None
     optimizer: torch.optim.Optimizer | None = None
     save_extra: SaveExtra | None = None
     load_extra: LoadExtra | None = None
 
-    def update(self, module: nn.Module | None, optimizer: torch.optim.Optimizer | None,
+    def update(self, carried: Carried | None, optimizer: torch.optim.Optimizer | None,
                save_extra: SaveExtra | None, load_extra: LoadExtra | None) -> None:
         """Keep each of these that is not None."""
-        self.module = module or self.module
+        self.carried = carried or self.carried
         self.optimizer = optimizer or self.optimizer
         self.save_extra = save_extra or self.save_extra
         self.load_extra = load_extra or self.load_extra
@@ -51,16 +55,17 @@ def transfer(tracked: Tracked, group: comm.Group, src: int, post: Callable[[str]
              fetch: Callable[[], str], load: bool) -> None:
     """Send group rank `src`'s tracked state to every member (a collective call): `src`
     posts the manifest (JSON) with `post`, the others `fetch` it; then the tensors are
-    broadcast. Module tensors are written in place everywhere (they are equal on healthy
-    members); the optimizer state and extra are applied where `load`.
+    broadcast. The model state's tensors are written in place everywhere (they are equal
+    on healthy members); the optimizer state and extra are applied, and the model state
+    taken in (`Carried.loaded`), where `load`.
 
     Raises:
         DtrainError: no module is tracked, or the models differ.
     """
-    if tracked.module is None:
+    if tracked.carried is None:
         raise DtrainError("live recovery has no module: wrap it with "
                           "DataParallel(module, live=...) before begin_step")
-    tensors = module_tensors(tracked.module)
+    tensors = tracked.carried.tensors()
     if group.rank == src:
         described, received = optimizer_manifest(tracked.optimizer)
         post(json.dumps({"model": signature(tensors), "optimizer": described,
@@ -76,14 +81,10 @@ def transfer(tracked: Tracked, group: comm.Group, src: int, post: Callable[[str]
     received = optimizer_buffers(manifest["optimizer"], tracked.optimizer)
     broadcast_tensors(tensors + received, src, group)
     if load:
+        tracked.carried.loaded()
         load_optimizer(tracked.optimizer, manifest["optimizer"], received)
         if tracked.load_extra is not None:
             tracked.load_extra(manifest["extra"])
-
-
-def module_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """The module's parameters and buffers, in registration order (the wire order)."""
-    return [t.data for t in (*module.parameters(), *module.buffers())]
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -91,11 +92,11 @@ _CHUNK = 1 << 22  # elements widened to int64 at a time
 
 
 @torch.no_grad()
-def digest(module: nn.Module) -> str:
-    """A fingerprint of the module's trained parameters (those that take gradients), bit
-    for bit: equal parameters give equal digests on any device and in any process; a
-    changed element, or elements moved within a tensor, change it (but for a collision of
-    two weighted 64-bit sums per tensor).
+def digest(trained: list[torch.Tensor]) -> str:
+    """A fingerprint of the trained tensors (a module's parameters that take gradients;
+    ZeRO's master shards: `Carried.trained`), bit for bit: equal tensors give equal
+    digests on any device and in any process; a changed element, or elements moved within
+    a tensor, change it (but for a collision of two weighted 64-bit sums per tensor).
 
     Each tensor's bits, as integers, are summed plain and weighted by position (integer
     sums: exact, whatever the order of a reduction), chunk by chunk so that the widened
@@ -103,7 +104,7 @@ def digest(module: nn.Module) -> str:
     take no gradient are left out: a live replica's may be its own (a router's balancing
     bias moves by its own replica's load)."""
     sums = []
-    for p in (p for p in module.parameters() if p.requires_grad):
+    for p in trained:
         bits = p.detach().reshape(-1).view(_BITS[p.element_size()])
         weights = torch.arange(1, min(bits.numel(), _CHUNK) + 1, device=bits.device)
         plain = torch.zeros((), dtype=torch.int64, device=bits.device)

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.data_parallel.averaging import Carried
 from dtrain.errors import DtrainError
 from dtrain.ft.live import handover
 from dtrain.ft.live.group import LiveGroup, ReplicaLost
@@ -174,10 +175,18 @@ class LiveReplicas:
     def track(self, module: nn.Module | None = None,
               optimizer: torch.optim.Optimizer | None = None,
               save_extra: SaveExtra | None = None, load_extra: LoadExtra | None = None) -> None:
-        """Register what a joining replica is sent: the module (DataParallel does it), the
-        optimizer, and `save_extra()` -> a small JSON dict that `load_extra(dict)` restores
-        on the joiner (e.g. the data position). Call before the first `begin_step`."""
-        self.tracked.update(module, optimizer, save_extra, load_extra)
+        """Register what a joining replica is sent: the module (DataParallel and ZeRO do it,
+        as the state they carry), the optimizer, and `save_extra()` -> a small JSON dict
+        that `load_extra(dict)` restores on the joiner (e.g. the data position). Call
+        before the first `begin_step`."""
+        self.carry(None if module is None else Carried.of(module), optimizer, save_extra,
+                   load_extra)
+
+    def carry(self, carried: Carried | None, optimizer: torch.optim.Optimizer | None = None,
+              save_extra: SaveExtra | None = None, load_extra: LoadExtra | None = None
+              ) -> None:
+        """`track` with the model state as its strategy carries it (`Carried`)."""
+        self.tracked.update(carried, optimizer, save_extra, load_extra)
 
     @property
     def size(self) -> int:
@@ -267,7 +276,7 @@ class LiveReplicas:
 
         A replacement sent the wrong state (another position's experts, a stale copy)
         shows here at the next comparison, instead of as a run that drifts unseen."""
-        if not self.committed or self.step is None or self.tracked.module is None:
+        if not self.committed or self.step is None or self.tracked.carried is None:
             return None
         members = self.history[self.step]
         step = self.step
@@ -275,7 +284,7 @@ class LiveReplicas:
         def key(rank: str) -> str:
             return f"w/{step}/{rank}"
 
-        self._store.set(key(self._me), handover.digest(self.tracked.module))
+        self._store.set(key(self._me), handover.digest(self.tracked.carried.trained()))
         if self._me != rank_key(members[0], 0):
             return None
         ranks = self._ranks(list(members))
