@@ -136,6 +136,7 @@ def write(results: dict, timed: dict[str, float], args: argparse.Namespace) -> N
           + ", ".join(f"{lr:g}: {loss:.3f}" for lr, loss in r["swept"].items())
           + f") | {r['loss']:.4f} | {r['eval']:.4f} |" for (m, o), r in results.items()],
         "",
+        *edges(results),
         "Step time of the built-in job on 4 ranks (median over "
         f"{args.rounds} alternating rounds of {args.timing_steps} steps, the first 5 of each "
         "left out):",
@@ -151,6 +152,17 @@ def write(results: dict, timed: dict[str, float], args: argparse.Namespace) -> N
         f"end: {os.getloadavg()[0]:.1f}.",
     ]
     replace_section("muon", lines)
+
+
+def edges(results: dict) -> list[str]:
+    """A line for each run whose kept rate is the sweep's largest or smallest: its best may
+    lie beyond the sweep, and its comparison is then a lower bound on what it can do."""
+    at_edge = [f"{m}, {o} ({r['lr']:g})" for (m, o), r in results.items()
+               if len(r["swept"]) > 1 and r["lr"] in (min(r["swept"]), max(r["swept"]))]
+    if not at_edge:
+        return []
+    return ["At the sweep's edge (their best rate may lie beyond it, so each is a lower "
+            f"bound on what that optimizer reaches here): {'; '.join(at_edge)}.", ""]
 
 
 if __name__ == "__main__":
