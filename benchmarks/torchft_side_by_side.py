@@ -320,12 +320,15 @@ def run_dtrain(folder: Path, config: Path, kill_at: int | None) -> dict:
 # --- the measures -----------------------------------------------------------------------
 
 def measures(run: dict, calm: dict, kill_at: int) -> dict:
-    """What one disturbed run lost and took, against its side's undisturbed run."""
+    """What one disturbed run lost and took, against its side's undisturbed run. A moment
+    the run ended before (no step without the dead live replica, or none with its
+    replacement back: a short `--steps`) is None, reported as not reached."""
     records, killed = run["records"], run["killed"]
     done = [r for r in records if r["committed"]]
     steps = [r["step"] for r in done]
-    alone = next(r for r in done if r["time"] > killed and r["live_replicas"] == 1)
-    back = next(r for r in done if r["time"] > alone["time"] and r["live_replicas"] == GROUPS)
+    alone = next((r for r in done if r["time"] > killed and r["live_replicas"] == 1), None)
+    back = None if alone is None else next(
+        (r for r in done if r["time"] > alone["time"] and r["live_replicas"] == GROUPS), None)
     before = {r["step"]: r["loss"] for r in done if r["step"] < kill_at}
     calm_loss = {r["step"]: r["loss"] for r in calm["records"] if r["committed"]}
     diff = max((run["weights"][k] - calm["weights"][k]).abs().max().item()
@@ -335,9 +338,10 @@ def measures(run: dict, calm: dict, kill_at: int) -> dict:
         "steps_missing_or_repeated": len(set(range(1, max(steps) + 1)) ^ set(steps))
         + len(steps) - len(set(steps)),
         "one_replica_steps": sum(1 for r in done if r["live_replicas"] < GROUPS),
-        "kill_to_survivors_step_s": round(alone["time"] - killed, 2),
-        "kill_to_replacement_started_s": round(run["restarted"] - killed, 2),
-        "kill_to_rejoined_step_s": round(back["time"] - killed, 2),
+        "kill_to_survivors_step_s": None if alone is None else round(alone["time"] - killed, 2),
+        "kill_to_replacement_started_s": None if run["restarted"] is None
+        else round(run["restarted"] - killed, 2),
+        "kill_to_rejoined_step_s": None if back is None else round(back["time"] - killed, 2),
         "losses_before_kill_equal": all(before[s] == calm_loss[s] for s in before),
         "final_weights_equal": diff == 0.0,
         "final_weights_max_diff": diff,
@@ -368,6 +372,8 @@ def table(report: dict, args: argparse.Namespace) -> list[str]:
     ]
 
     def cell(value: object, key: str) -> str:
+        if value is None:  # the run ended first
+            return f"not within the {args.steps} steps"
         if isinstance(value, bool):
             return "yes" if value else "no"
         if key.endswith("_s"):

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.config import load_config
+from dtrain.errors import ConfigError
 from tests.support.cli import dtrain
 from tests.support.paths import ROOT
 
@@ -410,6 +412,78 @@ def test_architecture_names_every_module_of_the_tree() -> None:
     packages = {name for name in tree if name.endswith("/__init__.py")}
     assert sorted(named - tree) == [], "named in docs/architecture.md but not in the tree"
     assert sorted(tree - packages - named) == [], "in the tree but not in docs/architecture.md"
+
+
+NOT_YET = {
+    "data parallel": ["buffer re-broadcast"],
+    "ZeRO": ["a stage per unit", "FP8 gathers run on a GPU"],
+    "mixture of experts": ["experts split over tp", "ep with compression"],
+    "speed": ["graph-traced collectives (tp, cp, MoE are graph breaks)"],
+    "long context": ["GPU fused kernels inside the ring",
+                     "MoE capacity and balance loss under cp"],
+    "pipeline": ["V schedules with live replicas"],
+    "parameter server": ["resending a push lost with a crashed server"],
+    "collectives": ["CUDA tensors on `shm`"],
+    "adapters and preferences": ["PiSSA",
+                                 "DPO in pp and cp, without adapters under ZeRO-3 or resumed"],
+    "documents and instructions": ["packed documents in a custom module"],
+    "memory": ["parameter offload"],
+    "checkpoints": ["`copies` with the parameter server or local SGD/DiLoCo"],
+    "choosing a layout": ["tp overlap in the cluster model"],
+}
+"""The features known not done, by README feature-table row: what its "not yet" cell may
+list ("; " between features). A feature built leaves this list and the cell together, and
+goes to BUILT."""
+BUILT = {
+    "a multi-host save without a shared filesystem":
+        "tests/launch/test_multihost.py::test_a_hosts_lost_folder_is_refilled_from_the_copies_bit_for_bit",
+    "`copies` with the parameter server, live replicas":
+        "tests/checkpoint/test_live_copies.py::test_dtrain_train_live_replicas_copy_checkpoints_and_resume_from_either_host",
+}
+"""Features once listed as not yet, now built, with the test that shows each working: no
+"not yet" cell may name them again."""
+STILL_REFUSED = {
+    "checkpoints": [["checkpoint.copies=1", "parallel.exchange='ps'"],
+                    ["checkpoint.copies=1", "sync.method='diloco'"],
+                    ["checkpoint.copies=1", "sync.method='local_sgd'"]],
+}
+"""Configs a row's "not yet" features are refused in (a one-line ConfigError): once one is
+accepted, the feature is built and the cell is stale."""
+
+
+def feature_table() -> dict[str, tuple[str, list[str]]]:
+    """README's feature table: row (the first cell's words, links dropped) -> (its working
+    cell, the features of its "not yet" cell)."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| feature | working | not yet |"):].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        feature, working, not_yet = (cell.strip() for cell in line.strip("|").split(" | "))
+        name = re.sub(r"\[([^]]+)\]\([^)]*\)", r"\1", feature)
+        rows[name] = (working, [f.strip() for f in not_yet.split("; ") if f.strip()])
+    return rows
+
+
+def test_readme_lists_as_not_yet_only_features_known_not_done() -> None:
+    """Each "not yet" cell of README's feature table names only features of NOT_YET (a new
+    one is added there with it) and none of BUILT, whose tests exist; a row whose features
+    a config still refuses (STILL_REFUSED) is refused them yet."""
+    rows = feature_table()
+    assert set(NOT_YET) <= set(rows), "NOT_YET names a row README's table does not have"
+    for row, (_, not_yet) in rows.items():
+        unknown = [f for f in not_yet if f not in NOT_YET.get(row, [])]
+        assert unknown == [], f"README's {row!r} row lists {unknown} as not yet: built " \
+            "(move it to the working cell and to BUILT) or not (add it to NOT_YET)"
+    for feature, test in BUILT.items():
+        path, _, name = test.partition("::")
+        assert f"def {name}(" in (ROOT / path).read_text(), f"{feature}: {test} is gone"
+        assert all(feature not in cell for _, cells in rows.values() for cell in cells), \
+            f"README lists {feature!r} as not yet: it is built ({test})"
+    for row, configs in STILL_REFUSED.items():
+        for sets in configs:
+            with pytest.raises(ConfigError, match="is not supported yet"):
+                load_config(None, sets)
+            assert rows[row][1], f"README's {row!r} row: its not-yet cell was emptied"
 
 
 def sync_examples() -> None:

@@ -51,7 +51,7 @@ from safetensors import SafetensorError
 
 from dtrain import world as world_mod
 from dtrain.checkpoint import universal
-from dtrain.checkpoint.copies import HostCopies
+from dtrain.checkpoint.copies import Copies
 from dtrain.errors import DtrainError
 
 if TYPE_CHECKING:  # comm is imported where it is used, as universal.save does
@@ -122,7 +122,7 @@ def save(folder: str | Path, step: int, pieces: list[universal.Piece],
          extra: dict[str, Any], meta: dict[str, Any], keep_last: int,
          group: GroupLike | Literal["world"] = "world",
          rank_tensors: dict[str, torch.Tensor] | None = None,
-         copies: HostCopies | None = None) -> PendingSave:
+         copies: Copies | None = None) -> PendingSave:
     """Copy this rank's `pieces` (and `extra`, `meta`, `rank_tensors`) to memory, then
     write them in the background as `universal.save(...)` with the same arguments would;
     returns the save, which `wait()`s for it. Called by every rank of `group` in the same

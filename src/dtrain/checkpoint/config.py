@@ -31,13 +31,15 @@ class CheckpointConfig:
     """Hosts without a shared filesystem: each host writes its ranks' files into its own
     `train.out_dir` and sends a copy to this many other hosts (checkpoint copies, at most
     the hosts minus one); resume and `dtrain export` then work with any `copies` hosts'
-    folders lost. 0: every host sees one shared `train.out_dir`."""
+    folders lost. Under live replicas the replica that writes a checkpoint sends it whole
+    to this many other hosts' replicas. 0: every host sees one shared `train.out_dir`."""
 
 
 def check_config(checkpoint: CheckpointConfig, refused: dict[str, bool]) -> None:
     """Checkpoint copies on other hosts are written by the ranks that write a checkpoint
-    together; `refused` names each setting that keeps its own state apart (parameter
-    servers, live replicas, sync groups) and whether it is on.
+    together (or, under live replicas, sent by the one that writes it); `refused` names
+    each setting that keeps its own state apart (parameter servers, sync groups) and
+    whether it is on.
 
     Raises:
         ConfigError: copies asked for with one of them.

@@ -30,28 +30,37 @@ Each step ends in an all-gather of the ranks' outcomes, so a failure anywhere fa
 save on every rank with the same line. A checkpoint is listed only once all its copies
 are written (3 after 2), and the one before it is dropped only once every host lists the
 new one (4 after 3): a crash at any moment leaves the previous checkpoint, or the new
-one, listed and whole on every host that is left.
+one, listed and whole on every host that is left (three hosts' ranks SIGKILLed at random
+moments of their saves, 50 times under `make soak`: tests/checkpoint/test_checkpoint_copies.py).
 
 Resume (`resume`, collective): each host's first rank reports the checkpoints its folder
-lists and which of their files it has; the newest step whose files the hosts hold
-between them is chosen, and each host is sent the files it lacks (a host whose folder was
-lost gets all of them), verified by the index's checksums; every rank then opens the
-checkpoint from its own folder, in any layout, as from a shared one.
+lists, which of their files it has, and whether its copy of each index matches the digest
+its folder recorded. From the newest down, the hosts check their copies of a checkpoint's
+files against that index's digests; the first checkpoint whose every file some host holds
+good is taken. A newer one with a file on no host (a save cut short between two hosts'
+listings) is passed over; one with a file whose every copy is damaged is moved aside on
+every host (dtrain.checkpoint.fallback), and the first rank says so in one line. Then each
+host is sent every file it lacks or holds damaged (the damaged copy moved into damaged/
+first; a host whose folder was lost gets all of them): by the next host that holds it good,
+and if that copy arrives wrong (its digest differs), by the one after, in turn. Every rank
+then opens the checkpoint from its own folder, in any layout, as from a shared one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError
 
-from dtrain import comm
-from dtrain.checkpoint import atomic, transfer, universal
+from dtrain import comm, env
+from dtrain.checkpoint import atomic, fallback, transfer, universal
 from dtrain.errors import ConfigError, DtrainError
 
 HostListing = dict[str, dict[str, Any]]
@@ -71,9 +80,21 @@ def check_copies(copies: int, hosts: int) -> None:
                           f"host(s): set it to at most {hosts - 1}")
 
 
-def step_of(name: str) -> int:
-    """The step of a checkpoint folder's name (`step-00000200`, or `step-00000200.1`)."""
-    return int(name.removeprefix("step-").split(".")[0])
+class Copies(Protocol):
+    """Checkpoint copies on other hosts, as training saves and resumes through them: a
+    job's hosts (`HostCopies`), or live replicas' (dtrain.checkpoint.live_copies)."""
+
+    def keep(self, folder: Path) -> None:
+        """Keep this host's copies in `folder`, its checkpoints folder, from now on."""
+
+    def save(self, folder: Path, step: int, pieces: list[universal.Piece],
+             extra: dict[str, Any], meta: dict[str, Any], keep_last: int,
+             rank_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+        """Save this rank's part of the checkpoint of `step`, copies included; its folder
+        here."""
+
+    def resume(self, where: str | Path) -> str | None:
+        """The checkpoint to resume from in this host's folder, fetched where it lacks it."""
 
 
 @dataclass
@@ -91,25 +112,31 @@ class HostCopies:
     copies: int
 
     @classmethod
-    def open(cls, copies: int, host: int) -> HostCopies:
+    def open(cls, copies: int, host: int) -> Copies:
         """The copies of a job whose rank runs on the host of node rank `host`: makes their
         gloo group (collective over the world: every rank calls it at the same point).
+        Under live replicas (each a world of its own, written by whichever is first), the
+        copies between their hosts instead (dtrain.checkpoint.live_copies).
 
         Raises:
             ConfigError: `copies` is more than the hosts minus one.
         """
         import torch.distributed as dist
 
-        from dtrain.comm.group import timeout_of
+        if copies and env.LIVE_ID.is_set():
+            from dtrain.checkpoint.live_copies import LiveCopies
 
+            return LiveCopies.open(copies)
         if not dist.is_initialized():  # one process: one host
             check_copies(copies, 1)
-        pg = dist.new_group(backend="gloo", timeout=timeout_of(dist.group.WORLD))
-        group = comm.wrap(pg, "gloo")
+        group = transfer.side_group()
         nodes = comm.all_gather(torch.tensor([host], dtype=torch.int64), group=group).tolist()
         order = sorted(set(nodes))
         check_copies(copies, len(order))
         return cls(group, [order.index(n) for n in nodes], copies)
+
+    def keep(self, folder: Path) -> None:
+        """Nothing to do: every host's ranks write their own folder at each save."""
 
     @property
     def host(self) -> int:
@@ -211,17 +238,20 @@ class HostCopies:
         return every
 
     def resume(self, where: str | Path) -> str | None:
-        """The checkpoint to resume from, on this host, with every file it lacks fetched
-        from a host that has it: `where` is a checkpoints folder (the newest checkpoint the
-        hosts hold between them; None when no host lists any) or one checkpoint in it
-        (`step-NNNNNNNN`). Collective over every rank.
+        """The checkpoint to resume from, on this host, with every file it lacks (or holds
+        damaged) fetched from a host that holds a good copy: `where` is a checkpoints
+        folder (the newest checkpoint the hosts hold whole and good between them; None when
+        no host lists any) or one checkpoint in it (`step-NNNNNNNN`, that one or an error).
+        Newer checkpoints are skipped where some file of theirs is on no host (a save cut
+        short), and moved aside on every host where no copy of some file verifies
+        (dtrain.checkpoint.fallback); the first rank says so in one line. Collective over
+        every rank.
 
         Raises:
-            DtrainError: no host left holds some file of the checkpoint, or a copy failed.
+            DtrainError: no checkpoint the hosts hold verifies whole (each named, nothing
+                moved), or no holder could send a good copy of a file.
         """
-        where = Path(where)
-        step = step_of(where.name) if where.name.startswith("step-") else None
-        folder = where.parent if step is not None else where
+        folder, step = universal.folder_and_step(where)
         mine: HostListing = {}
         error = ""
         if self.leads:
@@ -231,44 +261,227 @@ class HostCopies:
                 error = str(exc)
         listed = [e["listed"] for e in self._agreed({"error": error, "listed": mine})]
         listed = [listed[self.leader(h)] for h in range(self.count)]
-        chosen = _newest_whole(listed, step, folder)
-        if chosen is None:
+        candidates = sorted({int(s) for h in listed for s in h}, reverse=True)
+        if step is None and not candidates:
             return None
-        key = str(chosen)
-        files = next(h[key]["files"] for h in listed if key in h and h[key]["files"] is not None)
-        name = f"step-{chosen:08d}"
-        target = folder / listed[self.host][key]["name"] if key in listed[self.host] \
-            else universal.unpublished(folder, chosen)
+        seen: list[fallback.Skipped] = []
+        for candidate in candidates if step is None else [step]:
+            copies = _Copies.of(listed, candidate)
+            good = self._verified(folder, copies)
+            lacking = copies.lacking(good)
+            if lacking is None:
+                break
+            seen.append(lacking)
+        else:
+            if step is not None:
+                s = seen[0]
+                raise DtrainError(f"checkpoint {s.name} in {folder}: {s.file} is {s.what} "
+                                  "(checkpoint.copies keeps each file on that many hosts "
+                                  "beyond its own)")
+            raise fallback.none_verifies(folder, seen)
+        # A file on no host at all is a save cut short between two hosts' listings (or
+        # hosts lost): nothing there is damaged. Files that are there and wrong are.
+        damaged = [s for s in seen if s.why != "missing"]
+        said = self._move_damaged(folder, listed, damaged, copies.name)
+        repaired = self._fetch_all(folder, copies, good)
+        if self.group.rank == 0 and (said or repaired):
+            print(f"dtrain: {'; '.join(filter(None, [said, repaired]))}", file=sys.stderr,
+                  flush=True)
+        return str(folder / copies.here(self.host))
+
+    def _verified(self, folder: Path, copies: _Copies) -> list[list[str]]:
+        """Which files of the checkpoint `copies` each host holds good copies of (its first
+        rank checks their digests): collective."""
+        error, good = "", []
+        if self.leads and copies.lists(self.host):
+            try:
+                good = copies.good_here(folder, self.host)
+            except OSError as exc:
+                error = str(exc)
+        every = self._agreed({"error": error, "good": good})
+        return [every[self.leader(h)]["good"] for h in range(self.count)]
+
+    def _move_damaged(self, folder: Path, listed: list[HostListing],
+                      skipped: list[fallback.Skipped], taken: str) -> str:
+        """Move each host's copies of the `skipped` checkpoints into its damaged/ (its first
+        rank); the line that says so ("" when none was skipped). Collective."""
+        if not skipped:
+            return ""
+        moved: dict[str, Path | None] = {}
         error = ""
         if self.leads:
-            error = _attempt(lambda: _make(target), str)
+            names = [listed[self.host][str(universal.step_of(s.name))]["name"] for s in skipped
+                     if str(universal.step_of(s.name)) in listed[self.host]]
+            try:
+                moved = fallback.move_aside(folder, names)
+            except OSError as exc:
+                error = f"a damaged checkpoint could not be moved aside: {exc}"
         self._agreed({"error": error})
-        for host in range(self.count):
-            have = set(listed[host][key]["has"]) if key in listed[host] else set()
-            for file in [*sorted(files), universal.INDEX]:
-                if file in have:
-                    continue
-                src = min(h for h in range(self.count)
-                          if key in listed[h] and file in listed[h][key]["has"])
-                error = self._fetch(folder / listed[src][key]["name"] / file, self.leader(src),
-                                    host, target / file, files.get(file)) or error
+        shown = {s.name: moved.get(s.name, folder / fallback.DAMAGED / s.name)
+                 for s in skipped}
+        return fallback.describe(folder, skipped, shown, taken, " on each host that held it")
+
+    def _fetch_all(self, folder: Path, copies: _Copies, good: list[list[str]]) -> str:
+        """Give every host a good copy of every file of the checkpoint `copies`: each file a
+        host lacks, or holds damaged (moved aside first), is sent by a host that holds a
+        good one; a copy that arrives wrong is asked again of the next holder, in turn.
+        Then the hosts that did not list it list it. Returns the line that names the
+        damaged files replaced ("" when none was). Collective.
+
+        Raises:
+            DtrainError: every holder of some file failed to send a good copy.
+        """
+        target = folder / copies.here(self.host) if copies.lists(self.host) \
+            else universal.unpublished(folder, copies.step)
+        error = ""
+        if self.leads:
+            error = _attempt(lambda: copies.make_room(folder, self.host, good[self.host]), str)
         self._agreed({"error": error})
-        if self.leads and key not in listed[self.host]:
-            error = _attempt(lambda: _list(folder, target, folder / name, chosen), str)
+        pending = [(h, f) for h in range(self.count) for f in copies.files()
+                   if f not in good[h]]
+        tried: dict[tuple[int, str], list[str]] = {}  # what each holder asked answered
+        attempt = 0
+        while pending:
+            failed: list[list[int | str]] = []
+            for host, file in pending:
+                holders = copies.holders(file, host, good)
+                if attempt >= len(holders):
+                    said = "; ".join(tried.get((host, file), [])) or "no host holds a good copy"
+                    raise DtrainError(f"checkpoint {copies.name}: no host could send host "
+                                      f"{host} a good copy of {file} ({said})")
+                src = holders[attempt]
+                why = self._fetch(folder / copies.here(src) / file, self.leader(src), host,
+                                  target / file, copies.digest(file))
+                if why:
+                    failed.append([host, file, f"host {src}: {why}"])
+            every = self._agreed({"error": "", "failed": failed})
+            pending = []
+            for host, file, why in (f for e in every for f in e["failed"]):
+                pending.append((int(host), str(file)))
+                tried.setdefault((int(host), str(file)), []).append(str(why))
+            pending.sort()
+            attempt += 1
+        name = copies.name
+        if self.leads and not copies.lists(self.host):
+            error = _attempt(lambda: _list(folder, target, folder / name, copies.step,
+                                           copies.digest(universal.INDEX)), str)
         self._agreed({"error": error})
-        return str(folder / listed[self.host][key]["name"] if key in listed[self.host]
-                   else folder / name)
+        return copies.repaired(folder, good)
 
     def _fetch(self, source: Path, src: int, host: int, target: Path,
                sha256: str | None) -> str:
         """One file of a resume's: `source` sent by rank `src` to `host`'s first rank, which
-        writes it as `target`; this rank's error, or ""."""
+        writes it as `target` if it matches `sha256`; on that rank, why it did not arrive
+        good ("" when it did, and on every other rank). A sender's own error shows as the
+        receiver's."""
         g, dst = self.group, self.leader(host)
         if g.rank == src:
-            return _attempt(lambda: transfer.send_file(source, dst, g), str)
-        if g.rank == dst:
+            _attempt(lambda: transfer.send_file(source, dst, g), str)
+        elif g.rank == dst:
             return _attempt(lambda: transfer.recv_file(target, src, g, sha256), str)
         return ""
+
+
+@dataclass
+class _Copies:
+    """The hosts' copies of the checkpoint of one step, as their listings say.
+
+    Attributes:
+        step: its step.
+        listed: every host's listing (a host may not list it).
+        files_of: its files and their digests, from the index of the first host whose index
+            verifies (None: none does).
+        index: the digest of that index, as its checkpoints folder recorded it (None: none
+            recorded, an older dtrain's checkpoint).
+    """
+
+    step: int
+    listed: list[HostListing]
+    files_of: dict[str, str] | None
+    index: str | None
+
+    @classmethod
+    def of(cls, listed: list[HostListing], step: int) -> _Copies:
+        key = str(step)
+        held = [h[key] for h in listed if key in h and h[key]["files"] is not None]
+        return cls(step, listed, held[0]["files"] if held else None,
+                   held[0]["index"] if held else None)
+
+    @property
+    def name(self) -> str:
+        return f"step-{self.step:08d}"
+
+    def lists(self, host: int) -> bool:
+        """Whether `host`'s folder lists the checkpoint."""
+        return str(self.step) in self.listed[host]
+
+    def here(self, host: int) -> str:
+        """The checkpoint's folder name on `host` (its listed one, or the plain name)."""
+        return self.listed[host].get(str(self.step), {}).get("name", self.name)
+
+    def files(self) -> list[str]:
+        """Its files, the index last (published with the folder)."""
+        return [*sorted(self.files_of or {}), universal.INDEX]
+
+    def digest(self, file: str) -> str | None:
+        return self.index if file == universal.INDEX else (self.files_of or {}).get(file)
+
+    def good_here(self, folder: Path, host: int) -> list[str]:
+        """(On `host`.) Its files whose copy in `folder` matches its digest: the index when
+        it is the one that verified."""
+        mine = self.listed[host][str(self.step)]
+        path = folder / mine["name"]
+        good = [f for f, digest in (self.files_of or {}).items()
+                if f in mine["has"] and atomic.sha256(path / f) == digest]
+        same_index = mine["files"] is not None and mine["index"] == self.index
+        return good + ([universal.INDEX] if same_index else [])
+
+    def lacking(self, good: list[list[str]]) -> fallback.Skipped | None:
+        """The first file no host holds a good copy of (None: the checkpoint is whole)."""
+        if self.files_of is None:
+            whys = [h[str(self.step)]["why"] for h in self.listed if str(self.step) in h]
+            why = next((w for w in whys if w), "missing")
+            return fallback.Skipped(self.name, universal.INDEX, f"{why} on every host", why)
+        for file in self.files():
+            if not any(file in g for g in good):
+                present = any(file in h[str(self.step)]["has"] for h in self.listed
+                              if str(self.step) in h)
+                why = "checksum mismatch" if present else "missing"
+                what = universal.MISMATCH if present else "missing"
+                return fallback.Skipped(self.name, file, f"{what} on every host", why)
+        return None
+
+    def holders(self, file: str, host: int, good: list[list[str]]) -> list[int]:
+        """The hosts holding a good copy of `file`, the next after `host` first."""
+        count = len(self.listed)
+        return [h for h in ((host + j) % count for j in range(1, count)) if file in good[h]]
+
+    def make_room(self, folder: Path, host: int, good: list[str]) -> None:
+        """(On `host`.) The folder its fetched files go into: a listed one, its damaged
+        files moved into damaged/; or a fresh hidden one."""
+        mine = self.listed[host].get(str(self.step))
+        if mine is None:
+            _make(universal.unpublished(folder, self.step))
+            return
+        for file in self.files():
+            if file in mine["has"] and file not in good:
+                fallback.aside(folder / mine["name"] / file, folder, f"{mine['name']}/{file}")
+
+    def repaired(self, folder: Path, good: list[list[str]]) -> str:
+        """The line naming each host's damaged files replaced by a good copy ("": none)."""
+        said = []
+        for host, listing in enumerate(self.listed):
+            mine = listing.get(str(self.step))
+            if mine is None:
+                continue
+            bad = [f for f in self.files() if f in mine["has"] and f not in good[host]]
+            if bad:
+                said.append(f"host {host}'s {', '.join(bad)}")
+        if not said:
+            return ""
+        return (f"checkpoint {self.name}: {'; '.join(said)} did not verify: moved to "
+                f"{folder.name}/{fallback.DAMAGED}/{self.name}/ there, good copies "
+                "fetched from the hosts that hold them")
 
 
 def _attempt(action, failed) -> str:
@@ -288,39 +501,30 @@ def _listing(folder: Path) -> HostListing:
         if entry.get("format") != universal.FORMAT:
             continue
         path = folder / entry["file"]
-        try:
-            files = json.loads((path / universal.INDEX).read_text())["files"]
-        except (OSError, ValueError, KeyError, TypeError):
-            files = None
+        files, why = _index_files(path, entry.get("sha256"))
         has = [p.name for p in path.iterdir() if p.is_file()] if path.is_dir() else []
-        listing[str(entry["step"])] = {"name": entry["file"], "files": files, "has": has}
+        listing[str(entry["step"])] = {"name": entry["file"], "files": files, "why": why,
+                                       "index": entry.get("sha256"), "has": has}
     return listing
 
 
-def _newest_whole(listings: list[HostListing], step: int | None, folder: Path) -> int | None:
-    """The newest step (or `step`) whose files, and an index, the hosts hold between them.
-
-    Raises:
-        DtrainError: `step` is not whole, or some host lists checkpoints and none is whole.
-    """
-    steps = sorted({int(s) for h in listings for s in h}, reverse=True)
-    if step is None and not steps:
-        return None
-    missing = ""
-    for candidate in steps if step is None else [step]:
-        key = str(candidate)
-        indexes = [h[key]["files"] for h in listings if key in h and h[key]["files"] is not None]
-        if not indexes:
-            missing = missing or f"{universal.INDEX} of step {candidate}"
-            continue
-        has = {f for h in listings if key in h for f in h[key]["has"]}
-        lacking = sorted(set(indexes[0]) - has)
-        if not lacking:
-            return candidate
-        missing = missing or f"{lacking[0]} of step {candidate}"
-    raise DtrainError(f"no checkpoint in {folder} that the hosts left hold whole: "
-                      f"{missing or f'step {step}'} is on none of them (checkpoint.copies "
-                      "keeps each file on that many hosts beyond its own)")
+def _index_files(path: Path, digest: str | None) -> tuple[dict[str, str] | None, str]:
+    """The files and digests the index.json of the checkpoint `path` lists, if it matches
+    `digest` (the one its checkpoints folder recorded; None: not recorded); else None and
+    why not."""
+    try:
+        raw = (path / universal.INDEX).read_bytes()
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as exc:
+        return None, f"unreadable ({exc.strerror})"
+    if digest is not None and hashlib.sha256(raw).hexdigest() != digest:
+        return None, "checksum mismatch"
+    try:
+        files = json.loads(raw)["files"]
+    except (ValueError, KeyError, TypeError):
+        return None, "unreadable"
+    return (files, "") if isinstance(files, dict) else (None, "unreadable")
 
 
 def _make(target: Path) -> None:
@@ -330,13 +534,15 @@ def _make(target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
 
 
-def _list(folder: Path, tmp: Path, final: Path, step: int) -> None:
-    """Make the checkpoint fetched into `tmp` visible as `final` and list it, in step order."""
+def _list(folder: Path, tmp: Path, final: Path, step: int, index: str | None) -> None:
+    """Make the checkpoint fetched into `tmp` visible as `final` and list it, in step order,
+    with its index's digest (`index`; computed when None)."""
     if final.exists():  # unlisted: left by a save that crashed before listing it
         shutil.rmtree(final)
     tmp.rename(final)
     atomic.fsync(folder)
     entries = [e for e in atomic.read_index(folder) if e["file"] != final.name]
-    entries.append({"file": final.name, "step": step, "format": universal.FORMAT})
+    entries.append(universal.listing(final.name, step,
+                                     index or atomic.sha256(final / universal.INDEX)))
     entries.sort(key=lambda e: e["step"])
     atomic.replace_index(folder, entries, len(entries))

@@ -4,7 +4,9 @@ A save writes every rank's pieces of the model and optimizer (its Holding's `sta
 into a universal checkpoint (dtrain.checkpoint.universal), with the run's config, layout,
 optimizer options, learning-rate schedule, fp16 loss scale and each rank's RNG state.
 Restoring sets the same from a checkpoint of any layout; the RNG only when the layout is
-the one that saved it (its ranks are then the same ranks). `save_in_background` copies the
+the one that saved it (its ranks are then the same ranks). A resume from a checkpoints
+folder takes the newest checkpoint there that verifies, one rank moving the damaged newer
+ones aside (`fall_back`, dtrain.checkpoint.fallback). `save_in_background` copies the
 same state to memory and writes it from a thread while training goes on. A run with
 adapters saves only the parameters it names (`only`: the adapters, without their frozen
 base, whose identity the metadata records; dtrain.adapters.checkpoints).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -22,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from dtrain import env
-from dtrain.checkpoint import atomic, background
+from dtrain.checkpoint import atomic, background, fallback, universal
 from dtrain.checkpoint.background import PendingSave
 from dtrain.checkpoint.checkpointable import Checkpointable, CheckpointGroup
-from dtrain.checkpoint.copies import HostCopies
+from dtrain.checkpoint.copies import Copies
 from dtrain.checkpoint.universal import FORMAT, Checkpoint
 from dtrain.checkpoint.universal import save as save_pieces
 from dtrain.errors import ConfigError, DtrainError
@@ -51,6 +54,48 @@ def resume_path(resume: str, out_dir: str | Path) -> str | None:
         if not atomic.read_index(resume):
             return None
     return resume or None
+
+
+def fall_back(path: str | None, device: torch.device) -> str | None:
+    """`path` (as `resume_path` gave it) once the newest checkpoint there verifies: where it
+    is a checkpoints folder, the first rank resuming from it moves the damaged newest
+    ones aside and prints the line that says so (dtrain.checkpoint.fallback); the others
+    wait for its word, so that every rank opens the same checkpoint. Collective over the
+    world (a live replica's, under live replicas); returns `path` itself.
+
+    Raises:
+        ConfigError: none there verifies, or one is of another format (the same line on
+            every rank, nothing moved).
+    """
+    from dtrain import comm
+    from dtrain.checkpoint.transfer import all_gather_json
+
+    if not dist.is_initialized():
+        said, error = _fall_back_alone(path)
+    else:
+        world = comm.resolve(None)
+        paths = all_gather_json(path or "", world, device)
+        leads = bool(path) and paths.index(str(path)) == world.rank  # the first with it
+        said, error = _fall_back_alone(path) if leads else ("", "")
+        outcome: dict[str, object] = {"error": error}
+        every = all_gather_json(outcome, world, device)
+        error = next((str(e["error"]) for e in every if e["error"]), "")
+    if error:
+        raise ConfigError(f"checkpoint.resume: {error}")
+    if said:
+        print(f"dtrain: {said}", file=sys.stderr, flush=True)
+    return path
+
+
+def _fall_back_alone(path: str | None) -> tuple[str, str]:
+    """`fallback.fall_back` of `path` if it is a checkpoints folder: (its line, "") or
+    ("", the error)."""
+    try:
+        if not path or universal.is_checkpoint(Path(path)):
+            return "", ""
+        return fallback.fall_back(Path(path)), ""
+    except (DtrainError, OSError) as exc:
+        return "", str(exc)
 
 
 def agreed_resume(path: str | None, device: torch.device) -> str | None:
@@ -83,14 +128,16 @@ def agreed_resume(path: str | None, device: torch.device) -> str | None:
 
 
 def open_checkpoint(path: str, model: dict[str, Any]) -> Checkpoint:
-    """The checkpoint at `path`, checked to hold the model configured as `model` (the
-    config's `[model]` section).
+    """The checkpoint at `path` (of a checkpoints folder, the newest that verifies: nothing
+    is moved here, `fall_back` does that), checked to hold the model configured as `model`
+    (the config's `[model]` section).
 
     Raises:
-        ConfigError: no checkpoint there, a damaged one, or one of another model.
+        ConfigError: no checkpoint there, none that verifies, a damaged one named by its
+            path, or one of another model.
     """
     try:
-        ckpt = Checkpoint(path)
+        ckpt = fallback.open_newest(path)
     except DtrainError as exc:
         raise ConfigError(f"checkpoint.resume: {exc}") from None
     saved = ckpt.meta.get("config", {}).get("model")
@@ -104,7 +151,7 @@ def open_checkpoint(path: str, model: dict[str, Any]) -> Checkpoint:
 
 def save(folder: Path, step: int, held: Checkpointable, schedulers: list, config: dict[str, Any],
          keep_last: int, described: dict[str, Any] | None = None,
-         copies: HostCopies | None = None, only: Collection[str] | None = None) -> Path:
+         copies: Copies | None = None, only: Collection[str] | None = None) -> Path:
     """Every rank of `held.checkpoint_group` writes the pieces it owns into the checkpoint
     of `step` in `folder`, with its RNG state; the first adds the run's description
     (`config`: the config as a dict; `described`: more keys for the metadata, such as the
@@ -131,7 +178,7 @@ def save(folder: Path, step: int, held: Checkpointable, schedulers: list, config
 def save_in_background(folder: Path, step: int, held: Checkpointable, schedulers: list,
                        config: dict[str, Any], keep_last: int,
                        described: dict[str, Any] | None = None,
-                       copies: HostCopies | None = None,
+                       copies: Copies | None = None,
                        only: Collection[str] | None = None) -> PendingSave:
     """`save`, written by a background thread (dtrain.checkpoint.background): waits for the
     previous background save, copies this step's state to CPU memory and returns; training

@@ -23,17 +23,22 @@ one process, and no rank ever holds more than one whole tensor beyond its own st
 Saving is atomic: the ranks write into a hidden `.step-00000200.tmp/`; once all have
 written, the first rank writes index.json, renames the folder into place and lists it in
 the checkpoints folder's index (dtrain.checkpoint), so a crash at any moment leaves the
-previous checkpoint as the newest listed one. Loading verifies every file's checksum and
-names the file that is missing or damaged.
+previous checkpoint as the newest listed one. The checkpoints folder's index records the
+SHA-256 of each checkpoint's index.json, which records those of its other files. Loading
+verifies every file against its checksum and names the one that is missing or damaged
+(`Damaged`); a resume then takes the newest checkpoint that verifies
+(dtrain.checkpoint.fallback).
 
     dtrain export runs/default/checkpoints model.safetensors   # one plain state_dict
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +59,21 @@ if TYPE_CHECKING:  # comm is imported where save uses it
 FORMAT = "dtrain.universal/1"
 INDEX = "index.json"
 MODEL, OPTIM = "model/", "optim/"
+MISMATCH = "corrupted (checksum mismatch)"
+
+
+class Damaged(DtrainError):
+    """A checkpoint one of whose files is missing or does not verify.
+
+    Attributes:
+        file: the file.
+        what: what is wrong with it, as the error says it ("corrupted (checksum mismatch)").
+        why: the same in a few words ("checksum mismatch", "missing", "unreadable").
+    """
+
+    def __init__(self, message: str, file: Path, what: str, why: str) -> None:
+        super().__init__(message)
+        self.file, self.what, self.why = file, what, why
 
 
 @dataclass
@@ -222,7 +242,6 @@ def publish(folder: Path, step: int, size: int, meta: dict[str, Any], keep_last:
     (None: drop nothing yet); returns where it now is (raises OSError). `copies`: where
     each file lies when hosts keep copies (dtrain.checkpoint.copies), into the index."""
     tmp = unpublished(folder, step)
-    final = folder / f"step-{step:08d}"
     tensors: dict[str, dict[str, Any]] = {}
     files: dict[str, str] = {}
     extra: dict[str, Any] = {}
@@ -244,6 +263,27 @@ def publish(folder: Path, step: int, size: int, meta: dict[str, Any], keep_last:
     (tmp / INDEX).write_text(json.dumps(index, indent=1))
     atomic.fsync(tmp / INDEX)
     atomic.fsync(tmp)
+    return place(folder, step, keep_last)
+
+
+def place(folder: Path, step: int, keep_last: int | None, by_step: bool = False) -> Path:
+    """Make the whole checkpoint of `step` in its hidden folder (files and index.json,
+    flushed) visible and list it as the newest (`by_step`: in step order, for a copy that
+    may arrive after a newer save), with its index's digest; then drop all but the newest
+    `keep_last` (None: drop nothing yet). Returns where it now is (raises OSError). A save
+    publishes so, and so does a copy received from another host
+    (dtrain.checkpoint.live_copies), in another thread of the same process: the index is
+    read and written again by one of them at a time."""
+    with _placing:
+        return _place(folder, step, keep_last, by_step)
+
+
+_placing = threading.Lock()
+
+
+def _place(folder: Path, step: int, keep_last: int | None, by_step: bool) -> Path:
+    tmp = unpublished(folder, step)
+    final = folder / f"step-{step:08d}"
     listed = atomic.read_index(folder)
     again = [e for e in listed if e.get("step") == step and e.get("format") == FORMAT]
     # The step saved before (a resumed run): the new copy gets a name of its own, and the
@@ -256,11 +296,37 @@ def publish(folder: Path, step: int, size: int, meta: dict[str, Any], keep_last:
     os.replace(tmp, target)
     atomic.fsync(folder)
     entries = [e for e in listed if e not in again]
-    entries.append({"file": target.name, "step": step, "format": FORMAT})
+    entries.append(listing(target.name, step, atomic.sha256(target / INDEX)))
+    if by_step:
+        entries.sort(key=lambda e: e.get("step", -1))
     atomic.replace_index(folder, entries, len(entries) if keep_last is None else keep_last)
     for entry in again:
         shutil.rmtree(folder / entry["file"], ignore_errors=True)
     return target
+
+
+def listing(name: str, step: int, index_sha256: str) -> dict[str, Any]:
+    """The entry of the checkpoint folder `name` in its checkpoints folder's index: its
+    step, format, and the SHA-256 of its index.json (which holds those of its other files)."""
+    return {"file": name, "step": step, "format": FORMAT, "sha256": index_sha256}
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Whether `path` is one checkpoint's folder (damaged or not), rather than a checkpoints
+    folder.
+
+    Raises:
+        DtrainError: it is a checkpoint of another format.
+    """
+    own = path / INDEX
+    if not own.exists():  # a checkpoint that lost its index is still one
+        return path.name.startswith("step-") and path.is_dir()
+    data = _own_index(path)
+    if isinstance(data, dict) and "format" in data:
+        _check_format(own, data)
+        return True
+    return not (isinstance(data, dict) and "checkpoints" in data) and (
+        path.name.startswith("step-") or any(path.glob("rank-*.safetensors")))
 
 
 def latest(path: str | Path) -> Path:
@@ -271,20 +337,32 @@ def latest(path: str | Path) -> Path:
         DtrainError: nothing there is a checkpoint, or it is of another format.
     """
     path = Path(path)
-    own = path / INDEX
-    if own.exists():
-        data = _own_index(path)
-        if isinstance(data, dict) and "format" in data:
-            _check_format(own, data)
-            return path
-        if not (isinstance(data, dict) and "checkpoints" in data) and (
-                path.name.startswith("step-") or any(path.glob("rank-*.safetensors"))):
-            return path  # a damaged checkpoint: Checkpoint() names what is wrong
+    if is_checkpoint(path):
+        return path  # if damaged, Checkpoint() names what is wrong
     entries = [e for e in atomic.read_index(path) if e.get("format") == FORMAT]
     if not entries:
-        raise DtrainError(f"no checkpoint in {path}: give a checkpoints folder or one "
-                          "step-NNNNNNNN folder in it")
+        raise nothing_in(path)
     return path / entries[-1]["file"]
+
+
+def step_of(name: str) -> int:
+    """The step of a checkpoint folder's name (`step-00000200`, or `step-00000200.1`)."""
+    return int(name.removeprefix("step-").split(".")[0])
+
+
+def folder_and_step(where: str | Path) -> tuple[Path, int | None]:
+    """What a resume from `where` means: (the checkpoints folder, the step of the one
+    checkpoint it names, or None for the newest)."""
+    where = Path(where)
+    if where.name.startswith("step-"):
+        return where.parent, step_of(where.name)
+    return where, None
+
+
+def nothing_in(path: Path) -> DtrainError:
+    """The error for a folder that holds no checkpoint."""
+    return DtrainError(f"no checkpoint in {path}: give a checkpoints folder or one "
+                       "step-NNNNNNNN folder in it")
 
 
 def _own_index(path: Path) -> object:
@@ -316,6 +394,19 @@ def of_step(path: Path, step: int) -> Path | None:
     return path / found[-1]["file"] if found else None
 
 
+def recorded_sha256(path: Path) -> str | None:
+    """The SHA-256 of the checkpoint `path`'s index.json as its checkpoints folder's index
+    records it; None where it is not listed there, or listed without one (an older
+    dtrain's), or that index cannot be read (opening a checkpoint by its own path does
+    not need it)."""
+    try:
+        entries = atomic.read_index(path.parent)
+    except DtrainError:
+        return None
+    found = [e.get("sha256") for e in entries if e.get("file") == path.name]
+    return found[-1] if found and isinstance(found[-1], str) else None
+
+
 def previous(path: Path) -> Path | None:
     """The checkpoint listed before `path` in its folder's index, if any."""
     entries = [e for e in atomic.read_index(path.parent) if e.get("format") == FORMAT]
@@ -335,31 +426,24 @@ class Checkpoint:
             Their checkpoint of the same step is used.
 
     Raises:
-        DtrainError: no checkpoint there, or one of its files is missing or damaged (the
-            message names it, and the previous checkpoint if there is one).
+        Damaged: one of its files is missing or damaged (the message names it, and the
+            previous checkpoint if there is one).
+        DtrainError: no checkpoint there, or one of another format.
     """
 
     def __init__(self, path: str | Path, also: Sequence[str | Path] = ()) -> None:
         self.path = latest(path)
-        index = self.path / INDEX
-        try:
-            self.index = json.loads(index.read_text())
-        except (OSError, ValueError) as exc:
-            raise self._damaged(index, f"unreadable ({exc})") from None
-        _check_format(index, self.index)
-        lacking = [k for k in ("files", "step", "meta", "extra", "tensors") if k not in self.index]
-        if lacking:
-            raise self._damaged(index, f"incomplete (no {', '.join(map(repr, lacking))})")
+        self.index = self._verified_index()
         others = [of_step(Path(o), self.index["step"]) for o in also]
         self._where: dict[str, Path] = {}
         for name, digest in self.index["files"].items():
             places = [p for p in (self.path / name, *(o / name for o in others if o))
                       if p.exists()]
             if not places:
-                raise self._damaged(self.path / name, "missing" + self._elsewhere())
+                raise self._damaged(self.path / name, "missing" + self._elsewhere(), "missing")
             good = next((p for p in places if atomic.sha256(p) == digest), None)
             if good is None:
-                raise self._damaged(places[0], "corrupted (checksum mismatch)")
+                raise self._damaged(places[0], MISMATCH, "checksum mismatch")
             self._where[name] = good
         self.step: int = self.index["step"]
         self.meta: dict[str, Any] = self.index["meta"]
@@ -368,11 +452,34 @@ class Checkpoint:
         self._open: dict[str, Any] = {}
         self._cache: tuple[str, torch.Tensor] | None = None
 
-    def _damaged(self, file: Path, what: str) -> DtrainError:
+    def _verified_index(self) -> dict[str, Any]:
+        """The checkpoint's index.json, read and checked: of this format, whole, and with
+        the SHA-256 its checkpoints folder's index recorded for it (where it did: an older
+        dtrain recorded none). The format is checked first: a checkpoint of another
+        version is not a damaged one."""
+        index = self.path / INDEX
+        if not index.exists():
+            raise self._damaged(index, "missing", "missing")
+        try:
+            raw = index.read_bytes()
+            data = json.loads(raw)
+        except (OSError, ValueError) as exc:
+            raise self._damaged(index, f"unreadable ({exc})", "unreadable") from None
+        _check_format(index, data)
+        lacking = [k for k in ("files", "step", "meta", "extra", "tensors") if k not in data]
+        if lacking:
+            what = f"incomplete (no {', '.join(map(repr, lacking))})"
+            raise self._damaged(index, what, what)
+        recorded = recorded_sha256(self.path)
+        if recorded is not None and hashlib.sha256(raw).hexdigest() != recorded:
+            raise self._damaged(index, MISMATCH, "checksum mismatch")
+        return data
+
+    def _damaged(self, file: Path, what: str, why: str) -> Damaged:
         before = previous(self.path)
         hint = f"; the previous checkpoint is {before}" if before else ""
-        return DtrainError(f"checkpoint file {file} is {what}: this checkpoint cannot be "
-                           f"loaded{hint}")
+        return Damaged(f"checkpoint file {file} is {what}: this checkpoint cannot be "
+                       f"loaded{hint}", file, what, why)
 
     def _elsewhere(self) -> str:
         """Where a file missing here may be: other hosts' folders, for a checkpoint whose

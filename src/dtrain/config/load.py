@@ -144,7 +144,6 @@ def _validate(config: Config) -> None:
     model = with_preset(config.model, presets())
     check_layout(model, p)
     check_checkpoint(config.checkpoint, {"parallel.exchange = \"ps\"": p.exchange == "ps",
-                                         "fault_tolerance.mode = \"live\"": live,
                                          f"sync.method = {config.sync.method!r}":
                                          config.sync.method != "every_step"})
     check_data_parallel(p, config.comm)

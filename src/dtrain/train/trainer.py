@@ -151,11 +151,14 @@ class Trainer:
         # sync groups, synchronized every sync.every steps, each keep checkpoints of their own
         self.run_dir = Path(tc.out_dir) / (f"sync-group-{group}" if group else "")
         if self.host_copies is not None:  # from this host's folder, filled from the others
+            self.host_copies.keep(self.run_dir / "checkpoints")  # (live replicas' keeper)
             spec = training.resume_spec(config.checkpoint.resume)
             resume_from = spec and self.host_copies.resume(
                 self.run_dir / "checkpoints" if spec == "auto" else spec)
         else:
             resume_from = training.resume_path(config.checkpoint.resume, self.run_dir)
+            # the newest that verifies: damaged newer ones moved aside by one rank
+            resume_from = training.fall_back(resume_from, world.device)
         if groups > 1:
             resume_from = training.agreed_resume(resume_from, world.device)
         self.resume = open_checkpoint(resume_from, config) if resume_from else None
