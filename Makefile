@@ -31,14 +31,16 @@ test-slow: $(STAMP)
 # a host crashed and rejoined 20 times in a row, 20 whole hosts of a live job lost in turn,
 # the etcd leader killed 10 times, 50 SIGKILLs at random moments of blocking saves, 50 of
 # background saves and 50 of replicated saves (checkpoint.copies), 100 clean exits of the
-# pipeline example. The host drills need root (network namespaces), the etcd ones etcd-server.
+# pipeline example, 20 parameter servers killed in turn and replaced. The host drills need
+# root (network namespaces), the etcd ones etcd-server.
 SOAK := tests/launch/test_multihost.py::test_a_host_restarted_after_a_crash_rejoins_and_resumes \
 	tests/ft/test_host_loss.py::test_losing_any_host_rank_0s_first_loses_no_step \
 	tests/store/test_etcd.py::test_killing_the_etcd_leader_mid_run_loses_no_step \
 	tests/faults/test_faults.py::test_sigkill_at_random_moments_of_saving_never_loses_the_newest_checkpoint \
 	tests/checkpoint/test_background_save.py::test_sigkill_at_random_moments_of_background_saving_never_loses_the_newest \
 	tests/checkpoint/test_checkpoint_copies.py::test_sigkill_at_random_moments_of_replicated_saving_never_loses_the_newest \
-	tests/launch/test_exit.py::test_pipeline_example_exits_cleanly_every_time_with_native_collectives
+	tests/launch/test_exit.py::test_pipeline_example_exits_cleanly_every_time_with_native_collectives \
+	tests/ps/test_replacement.py::test_servers_killed_in_turn_are_replaced_every_time
 
 soak: $(STAMP)
 	DTRAIN_SOAK_ROUNDS=full $(PY) -m pytest -q -m '' $(SOAK)

@@ -333,6 +333,23 @@ FAULTS: dict[str, Fault] = {
               "copies 2: exit 0, the backup serving; copies 1: the job fails naming the "
               "server", "0 with a backup", "none with a backup: 28 pushes each applied once",
               "at once (its sockets close)"),
+    "tests/ps/test_replacement.py::test_a_killed_server_is_replaced_and_the_next_death_survived":
+        Fault("a parameter server SIGKILLed after step 2 and replaced, then another after "
+              "step 5 ({case})", "a new server takes the slot and joins every chain; the "
+              "run survives the next death", "0",
+              "none: every push applied once on every copy; = one process",
+              "the new server's start-up", per_case=2),
+    "tests/ps/test_replacement.py::test_servers_killed_in_turn_are_replaced_every_time":
+        Fault("a parameter server of 3 (2 copies) SIGKILLed every 2 steps, each slot in "
+              "turn, each replaced", "replaced each time once the chains are whole", "0",
+              "none: every push applied once on every copy; = one process",
+              "the new server's start-up", rounds=(4, 20)),
+    "tests/ps/test_replacement.py::test_a_lost_machine_is_replaced_on_another_and_the_next_loss_survived":
+        Fault("a parameter server's machine lost (link cut, processes killed) after step 2, "
+              "replaced on a spare; then another's after step 5 (copies {case})",
+              "a server on the spare machine takes the slot; the run survives the next loss",
+              "0", "none: every push applied once on every copy; = one process",
+              "the new server's start-up", per_case=2),
     # ------------------------------------------------------------ exits
     "tests/launch/test_exit.py::test_pipeline_example_exits_cleanly_every_time_with_native_collectives":
         Fault("`dtrain run -n 2 examples/pipeline.py`, native collectives, ranks pinned to "

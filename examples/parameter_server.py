@@ -4,13 +4,16 @@
     dtrain run -n 2 --servers 2 examples/parameter_server.py --consistency ssp --staleness 2
     dtrain run -n 4 --servers 1 examples/parameter_server.py --consistency async
     dtrain run -n 2 --servers 2 examples/parameter_server.py --copies 2        # backups
+    dtrain run -n 2 --servers 3 examples/parameter_server.py --copies 3        # two each
 
 `dtrain run` starts the servers (dtrain's own loop: no code of yours) and the workers,
 which run this script. Worker 0 seeds the servers with its model and the settings; each
 worker trains on its own part of the data, pushing gradients and pulling parameters.
 `--die-at-step N` makes worker 1 kill itself there (SIGKILL), to watch the job go on;
 with `--copies 2` each shard has a backup on another server, so a server may die too
-(`DTRAIN_FAULT=kill@push=20,rank=0` kills server 0 as its 20th clock's push arrives).
+(`DTRAIN_FAULT=kill@push=20,rank=0` kills server 0 as its 20th clock's push arrives): its
+launcher starts a new server 0, which copies its shards from their live copies and joins
+their chains while the workers go on, so the next death is survived too.
 Needs scikit-learn for the data (`pip install scikit-learn`).
 """
 

@@ -29,8 +29,7 @@ from dtrain.checkpoint.copies import HostCopies
 from dtrain.checkpoint.live_copies import DISK, LiveCopies
 from dtrain.testing import fork_server
 from tests.checkpoint.test_fallback import CONFIG
-from tests.support import forked
-from tests.support.cli import dtrain, free_port
+from tests.support.cli import dtrain, train_apart
 from tests.train.test_train import model_of
 
 SLOTS = 3
@@ -183,25 +182,7 @@ def _two_hosts(folder: Path, steps: int, *flags: str) -> None:
     """`dtrain train` of LIVE_COPIES as two machines on loopback (node 0 holds the store),
     one live replica each, each machine's out_dir its own (folder/A/run, folder/B/run):
     both end well."""
-    (folder / "job.toml").write_text(LIVE_COPIES)
-    port, procs = free_port(), []
-    for node, host in enumerate("AB"):
-        (folder / host).mkdir(exist_ok=True)
-        procs.append(forked.start(
-            ["train", str(folder / "job.toml"), "-n", "1", "--nnodes", "2", "--node-rank",
-             str(node), "--master", f"127.0.0.1:{port}", "--set", f"train.steps={steps}",
-             "--set", f"train.out_dir='{folder / host / 'run'}'", *flags],
-            env={**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_TIMEOUT": "30"},
-            out=folder / f"{host}.out", cwd=folder / host))
-    try:
-        codes = [proc.wait(timeout=150) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    outputs = "".join((folder / f"{h}.out").read_text(errors="replace") for h in "AB")
-    assert codes == [0, 0], outputs
+    train_apart(folder, LIVE_COPIES, steps, *flags)
 
 
 @pytest.mark.slow

@@ -25,9 +25,7 @@ case nothing else covers; 20 under make soak, every host several times). Needs r
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,9 +36,8 @@ from dtrain.checkpoint import atomic
 from tests.store.test_etcd import LIVE, records
 from tests.support import forked, soak
 from tests.support.etcd_cluster import EtcdCluster, etcd_binary
-from tests.support.netns import Host, ip
+from tests.support.netns import Host, bridged
 from tests.support.poll import until
-from tests.support.tools import missing
 
 pytestmark = pytest.mark.slow
 
@@ -52,39 +49,12 @@ def three_hosts(tmp_path: Path) -> Iterator[list[Host]]:
     """Three namespaces on a bridge, loopback up in each; removed after the test, every
     process in them killed first. The bridge is this machine's, with an address of its own
     on the hosts' subnet, so the test reaches the hosts' etcd members as a client would."""
-    if sys.platform != "linux" or shutil.which("ip") is None:
-        missing("needs Linux and iproute2's `ip` to make network namespaces")
     etcd_binary()
     tag = f"{os.getpid() % 100000}"
-    bridge = f"dtbr{tag}"
     hosts = [Host(f"dtrain-h{i}-{tag}", f"dth{i}{tag}"[:15], f"{SUBNET}.{i + 1}")
              for i in range(3)]
-    made: list[str] = []
-    try:
-        for host in hosts:
-            result = ip("netns", "add", host.ns, check=False)
-            if result.returncode != 0:
-                missing(f"cannot make network namespaces (`ip netns add` failed: "
-                            f"{result.stderr.strip()}); run as root to simulate hosts")
-            made.append(host.ns)
-        ip("link", "add", bridge, "type", "bridge")
-        ip("addr", "add", f"{SUBNET}.254/24", "dev", bridge)
-        ip("link", "set", bridge, "up")
-        for i, host in enumerate(hosts):
-            port = f"{bridge}p{i}"
-            ip("link", "add", host.ifname, "netns", host.ns, "type", "veth", "peer", "name", port)
-            ip("link", "set", port, "master", bridge)
-            ip("link", "set", port, "up")
-            ip("-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", host.ifname)
-            ip("-n", host.ns, "link", "set", host.ifname, "up")
-            ip("-n", host.ns, "link", "set", "lo", "up")
-        yield hosts
-    finally:
-        for host in hosts:
-            host.kill_all()
-        for ns in made:
-            ip("netns", "del", ns, check=False)
-        ip("link", "del", bridge, check=False)
+    with bridged(hosts, f"dtbr{tag}", SUBNET) as made:
+        yield made
 
 
 def _launcher(host: Host, node_rank: int, folder: Path, cluster: EtcdCluster, name: str,

@@ -422,13 +422,13 @@ NOT_YET = {
     "long context": ["GPU fused kernels inside the ring",
                      "MoE capacity and balance loss under cp"],
     "pipeline": ["V schedules with live replicas"],
-    "parameter server": ["resending a push lost with a crashed server"],
+    "parameter server": ["a lost machine's servers replaced by `dtrain run` itself"],
     "collectives": ["CUDA tensors on `shm`"],
     "adapters and preferences": ["PiSSA",
                                  "DPO in pp and cp, without adapters under ZeRO-3 or resumed"],
     "documents and instructions": ["packed documents in a custom module"],
     "memory": ["parameter offload"],
-    "checkpoints": ["`copies` with the parameter server or local SGD/DiLoCo"],
+    "checkpoints": ["`copies` with local SGD/DiLoCo"],
     "choosing a layout": ["tp overlap in the cluster model"],
 }
 """The features known not done, by README feature-table row: what its "not yet" cell may
@@ -439,12 +439,15 @@ BUILT = {
         "tests/launch/test_multihost.py::test_a_hosts_lost_folder_is_refilled_from_the_copies_bit_for_bit",
     "`copies` with the parameter server, live replicas":
         "tests/checkpoint/test_live_copies.py::test_dtrain_train_live_replicas_copy_checkpoints_and_resume_from_either_host",
+    "`copies` with the parameter server":
+        "tests/ps/test_snapshot_copies.py::test_dtrain_train_with_parameter_servers_resumes_after_a_hosts_disk_is_lost",
+    "resending a push lost with a crashed server":
+        "tests/ps/test_ps.py::test_a_push_in_flight_when_its_server_dies_is_applied_once",
 }
 """Features once listed as not yet, now built, with the test that shows each working: no
 "not yet" cell may name them again."""
 STILL_REFUSED = {
-    "checkpoints": [["checkpoint.copies=1", "parallel.exchange='ps'"],
-                    ["checkpoint.copies=1", "sync.method='diloco'"],
+    "checkpoints": [["checkpoint.copies=1", "sync.method='diloco'"],
                     ["checkpoint.copies=1", "sync.method='local_sgd'"]],
 }
 """Configs a row's "not yet" features are refused in (a one-line ConfigError): once one is

@@ -212,6 +212,8 @@ def test_a_worker_that_starts_late_is_not_taken_for_a_silent_one(late: str) -> N
 
 @pytest.mark.timeout(60)
 def test_sync_can_fail_instead_of_going_on_without_a_worker() -> None:
+    """Worker 1 registers (its first pull) and falls silent: with on_worker_loss="fail"
+    the server stops the job, naming it, once its silence passes the timeout."""
     server = ps.Server(WORKERS, SECRET, numel(model()))
     raised: list[Exception] = []
     thread = threading.Thread(target=lambda: raised.extend(_raises(server.serve)))
@@ -221,11 +223,15 @@ def test_sync_can_fail_instead_of_going_on_without_a_worker() -> None:
     m = model()
     worker = ps.Worker(m, settings, [server.address], 0, SECRET, timeout=20)
     worker.start()
+    silent = ps.Worker(model(), settings, [server.address], 1, SECRET, timeout=1)
+    silent.start()
     nn.functional.cross_entropy(m(batch(0)[0]), batch(0)[1]).backward()
     with pytest.raises(DtrainError, match="worker 1 sent nothing for 1s; the job stops"):
         worker.step()
     thread.join(10)
     assert "worker 1 sent nothing" in str(raised[0])  # the server process exits non-zero
+    with pytest.raises(DtrainError, match="did not answer a stop"):
+        silent.close()  # its connections closed: the server is gone
 
 
 def _raises(fn) -> list[Exception]:
@@ -347,7 +353,10 @@ def test_a_push_in_flight_when_its_server_dies_is_applied_once(point: str) -> No
     duplicates = survivor["shards"]["0"]["duplicates"]
     assert resent >= 1  # the push that met the fault, at least
     if point == "push":
-        assert duplicates == 0  # the head died before relaying anything of clock 3
+        # The head died before relaying the push that met the fault: its resend is applied,
+        # not dropped. (The other worker's push of clock 2 may have been relayed and not yet
+        # acknowledged, its round already applied at the head: its resend is a duplicate.)
+        assert duplicates < resent
     else:
         assert 1 <= duplicates <= resent
     assert survivor["shards"]["1"]["duplicates"] == 0  # its head never died
@@ -360,9 +369,11 @@ def test_a_push_in_flight_when_its_server_dies_is_applied_once(point: str) -> No
 @pytest.mark.parametrize("copies", [2, 1])
 def test_dtrain_run_survives_a_killed_server_with_a_backup(copies: int) -> None:
     """`dtrain run -n 2 --servers 2`, server 0 SIGKILLed (DTRAIN_FAULT) as the pushes of
-    clock 10 arrive. With 2 copies of each shard the job finishes with exit 0 and server 1
-    applied each worker's 28 pushes exactly once to both shards; with 1 copy the job
-    fails, as before."""
+    clock 10 arrive. With 2 copies of each shard the job finishes with exit 0, server 1
+    applied each worker's 28 pushes exactly once to both shards, and server 0's launcher
+    started a new server 0 (which joined the chains, and then holds the same counts, or
+    found the job done first: a start takes seconds, the run not many more); with 1 copy
+    the job fails, as before."""
     result = dtrain("run", "-n", "2", "--servers", "2", EXAMPLE, "--copies", str(copies),
                     "--epochs", "1", env={env.FAULT.name: "kill@push=10,rank=0"},
                     timeout=230)
@@ -373,7 +384,11 @@ def test_dtrain_run_survives_a_killed_server_with_a_backup(copies: int) -> None:
         assert "error: rank 2 " in result.stderr  # server 0's rank is blamed, not a worker
         return
     assert result.returncode == 0, result.stderr
-    for shard in (0, 1):  # resends it dropped, if any, are not counted as applied
-        assert (f"parameter server 1, shard {shard}: pushes applied per worker {{0: 28, 1: 28}}"
-                ", resends dropped") in result.stderr
+    assert "a new parameter server 0 starts and joins their chains" in result.stderr
+    joined = "parameter server 0 joined the chains of shards [0, 1]" in result.stderr
+    assert joined or "parameter server 0: the job's workers are done" in result.stderr
+    for server, shard in ((1, 0), (1, 1), *(((0, 0), (0, 1)) if joined else ())):
+        # resends it dropped, if any, are not counted as applied
+        assert (f"parameter server {server}, shard {shard}: pushes applied per worker "
+                "{0: 28, 1: 28}, resends dropped") in result.stderr
     assert result.stdout.count("after 28 steps") == 2

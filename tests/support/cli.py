@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dtrain.testing import fork_server
+from tests.support import forked
 from tests.support.forked import run_cli
 
 TINY_MODEL = """
@@ -173,3 +174,22 @@ def train_rows_together(runs: list[tuple[Path, str, list[str], int]], nproc: int
         rows = [json.loads(line) for line in Path(metrics).read_text().splitlines()]
         out.append(([r for r in rows if "loss" in r], folder / "run" / "checkpoints"))
     return out
+
+
+def train_apart(folder: Path, config_text: str, steps: int, *flags: str,
+                env: dict[str, str] | None = None) -> str:
+    """`dtrain train` of `config_text` as two machines on loopback (node 0 holds the
+    store), `-n 1` each, each machine's out_dir its own (folder/A/run, folder/B/run), with
+    `flags` and the extra `env`; both must end well. Returns their output (folder/A.out,
+    folder/B.out)."""
+    (folder / "job.toml").write_text(config_text)
+    port, launched = free_port(), []
+    for node, host in enumerate("AB"):
+        (folder / host).mkdir(exist_ok=True)
+        launched.append(forked.start(
+            ["train", str(folder / "job.toml"), "-n", "1", "--nnodes", "2", "--node-rank",
+             str(node), "--master", f"127.0.0.1:{port}", "--set", f"train.steps={steps}",
+             "--set", f"train.out_dir='{folder / host / 'run'}'", *flags],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_TIMEOUT": "30", **(env or {})},
+            out=folder / f"{host}.out", cwd=folder / host))
+    return forked.wait_all(launched, 150, [folder / f"{h}.out" for h in "AB"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import io
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -73,12 +74,34 @@ def _main(args: list[str], env: dict[str, str], cwd: str | None, out: str, err: 
     streams it was given, then the CLI's main, whose return value is the exit code."""
     os.setsid()
     if netns is not None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {netns}")
-        os.close(fd)
+        enter(netns)
     run_cli(args, env, cwd, out, err)
+
+
+def enter(netns: str) -> None:
+    """Move this process into network namespace `netns`, as `ip netns exec` would (for a
+    single-threaded one, a child just forked: other threads would stay where they were)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), f"setns into {netns}")
+    os.close(fd)
+
+
+def wait_all(launched: list[Launched], timeout: float, outputs: list[Path]) -> str:
+    """Wait for every command of `launched`, each up to `timeout` seconds, then kill any
+    still running (its whole session); fails unless all exited 0. Returns the `outputs`
+    files' text, joined."""
+    try:
+        codes = [proc.wait(timeout=timeout) for proc in launched]
+    finally:
+        for proc in launched:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    said = "".join(out.read_text(errors="replace") for out in outputs)
+    assert codes == [0] * len(launched), said
+    return said
 
 
 def run_cli(args: list[str], env: dict[str, str], cwd: str | None, out: str,

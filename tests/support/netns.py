@@ -1,17 +1,23 @@
 """Machines simulated on one: network namespaces, each standing for a host, and what a
-test started in them (tests/launch/test_multihost.py, tests/ft/test_host_loss.py). Needs root and
-iproute2's `ip`; the tests that make namespaces skip, saying why, without them."""
+test started in them (tests/launch/test_multihost.py, tests/ft/test_host_loss.py,
+tests/ps/test_replacement.py). Needs root and iproute2's `ip`; the tests that make
+namespaces skip, saying why, without them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support import forked
+from tests.support.tools import missing
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -69,3 +75,42 @@ def _zombie(pid: int) -> bool:
         return "zombie" in Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return True
+
+
+@contextlib.contextmanager
+def bridged(hosts: list[Host], bridge: str, subnet: str) -> Iterator[list[Host]]:
+    """`hosts`' namespaces, made and linked to a bridge of this machine named `bridge`,
+    loopback up in each; the bridge has address `subnet`.254 on the hosts' subnet, so the
+    test reaches the hosts as a client on their network would. Afterwards every process in
+    them is killed and all of it removed. Skips the test (`missing`) where namespaces
+    cannot be made."""
+    if sys.platform != "linux" or shutil.which("ip") is None:
+        missing("needs Linux and iproute2's `ip` to make network namespaces")
+    made: list[str] = []
+    ports = [f"{bridge}p{i}" for i in range(len(hosts))]
+    try:
+        for host in hosts:
+            result = ip("netns", "add", host.ns, check=False)
+            if result.returncode != 0:
+                missing(f"cannot make network namespaces (`ip netns add` failed: "
+                        f"{result.stderr.strip()}); run as root to simulate hosts")
+            made.append(host.ns)
+        ip("link", "add", bridge, "type", "bridge")
+        ip("addr", "add", f"{subnet}.254/24", "dev", bridge)
+        ip("link", "set", bridge, "up")
+        for host, port in zip(hosts, ports, strict=True):
+            ip("link", "add", host.ifname, "netns", host.ns, "type", "veth", "peer", "name", port)
+            ip("link", "set", port, "master", bridge)
+            ip("link", "set", port, "up")
+            ip("-n", host.ns, "addr", "add", f"{host.addr}/24", "dev", host.ifname)
+            ip("-n", host.ns, "link", "set", host.ifname, "up")
+            ip("-n", host.ns, "link", "set", "lo", "up")
+        yield hosts
+    finally:
+        for host, port in zip(hosts, ports, strict=True):
+            host.kill_all()
+            # at once: the kernel frees a deleted namespace's end of the pair a little later
+            ip("link", "del", port, check=False)
+        for ns in made:
+            ip("netns", "del", ns, check=False)
+        ip("link", "del", bridge, check=False)

@@ -37,9 +37,9 @@ class CheckpointConfig:
 
 def check_config(checkpoint: CheckpointConfig, refused: dict[str, bool]) -> None:
     """Checkpoint copies on other hosts are written by the ranks that write a checkpoint
-    together (or, under live replicas, sent by the one that writes it); `refused` names
-    each setting that keeps its own state apart (parameter servers, sync groups) and
-    whether it is on.
+    together (or, under live replicas, sent by the one that writes it; parameter servers'
+    snapshots are carried in each host's first worker's files); `refused` names each
+    setting that keeps its own state apart (sync groups) and whether it is on.
 
     Raises:
         ConfigError: copies asked for with one of them.

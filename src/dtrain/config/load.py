@@ -143,8 +143,7 @@ def _validate(config: Config) -> None:
     p, live = config.parallel, config.fault_tolerance.live
     model = with_preset(config.model, presets())
     check_layout(model, p)
-    check_checkpoint(config.checkpoint, {"parallel.exchange = \"ps\"": p.exchange == "ps",
-                                         f"sync.method = {config.sync.method!r}":
+    check_checkpoint(config.checkpoint, {f"sync.method = {config.sync.method!r}":
                                          config.sync.method != "every_step"})
     check_data_parallel(p, config.comm)
     if p.pp > 1:

@@ -16,10 +16,14 @@ the job, as in any dtrain run.
 
 A server killed that way does not end the job either when worker 0's settings keep
 backups (`copies` >= 2, read from the job's store: dtrain.ps.job): the next copy of each
-of its shards takes over (dtrain.ps.chain) and its role process exits 0 with one line
-naming the lost server. Should every copy of a shard die, the workers stop the job with
-an error naming the shard. With `copies` = 1 a killed server fails the job (the agent
-restarts it with restarts left, and servers resume from their snapshots).
+of its shards takes over (dtrain.ps.chain), and its role process says so in one line and
+starts a new server in its slot, which copies the slot's shards from live copies while
+the workers go on and joins their chains (dtrain.ps.joining): each shard has its
+`copies` copies again, and the next death is survived the same way. A new server is
+started after each such death, without the drill of DTRAIN_FAULT (it struck the first).
+Should every copy of a shard die, the workers stop the job with an error naming the
+shard. With `copies` = 1 a killed server fails the job (the agent restarts it with
+restarts left, and servers resume from their snapshots).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dtrain.errors import ConfigError, exit_code_of
 from dtrain.launch import bootstrap
 from dtrain.ps import job
 
-SERVE = "serve"
+SERVE, JOIN = "serve", "--join"
 
 
 def plan(command: list[str], workers: int, servers: int, nnodes: int, host: str = "127.0.0.1",
@@ -69,13 +73,15 @@ def _env_int(name: str) -> int:
     return int(os.environ[name])
 
 
-def _supervise(command: list[str]) -> tuple[int, str | None]:
-    """Run `command` as a child (it dies with this process) and pass it the launcher's
-    SIGTERM and SIGINT; its exit code, and the name of the signal that killed it when that
-    was not one passed on (None otherwise)."""
+def _supervise(command: list[str], leave_out: tuple[str, ...] = ()) -> tuple[int, str | None]:
+    """Run `command` as a child (it dies with this process), with this environment less
+    the variables `leave_out` names, and pass it the launcher's SIGTERM and SIGINT; its
+    exit code, and the name of the signal that killed it when that was not one passed on
+    (None otherwise)."""
     # This process (run through bootstrap) notes the exit time for the launcher, not the
     # child: the launcher blames the failed rank that ended first.
-    quiet = {k: v for k, v in os.environ.items() if k != env.EXIT_DIR.name}
+    quiet = {k: v for k, v in os.environ.items()
+             if k != env.EXIT_DIR.name and k not in leave_out}
     child = subprocess.Popen(bootstrap.command(command), env=quiet)
     stopping: list[int] = []
 
@@ -94,18 +100,24 @@ def _exit_code(code: int) -> int:
 
 
 def _run_server(index: int) -> int:
-    code, killed_by = _supervise([sys.executable, "-u", "-m", "dtrain.launch.roles", SERVE])
-    if killed_by is None:
-        return _exit_code(code)
-    copies = job.copies()
-    if copies < 2:
-        print(f"dtrain: parameter server {index} was killed by {killed_by}; with no backup "
-              "of its shard ([ps] copies = 1) the job stops", file=sys.stderr, flush=True)
-        return _exit_code(code)
-    print(f"dtrain: parameter server {index} was killed by {killed_by}; the next copies of "
-          f"its shards take over ({copies} copies of each) and the job goes on",
-          file=sys.stderr, flush=True)
-    return 0
+    serve = [sys.executable, "-u", "-m", "dtrain.launch.roles", SERVE]
+    join: list[str] = []
+    leave_out: tuple[str, ...] = ()
+    while True:
+        code, killed_by = _supervise([*serve, *join], leave_out)
+        if killed_by is None:
+            return _exit_code(code)
+        copies = job.copies()
+        if copies < 2:
+            print(f"dtrain: parameter server {index} was killed by {killed_by}; with no "
+                  "backup of its shard ([ps] copies = 1) the job stops", file=sys.stderr,
+                  flush=True)
+            return _exit_code(code)
+        print(f"dtrain: parameter server {index} was killed by {killed_by}; the next copies "
+              f"of its shards take over ({copies} copies of each) and the job goes on\n"
+              f"dtrain: a new parameter server {index} starts and joins their chains in its "
+              "place", file=sys.stderr, flush=True)
+        join, leave_out = [JOIN], (env.FAULT.name,)
 
 
 def _run_worker(index: int, command: list[str]) -> int:
@@ -124,8 +136,8 @@ def _run_worker(index: int, command: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if argv == [SERVE]:  # the child of a server's role process
-        return exit_code_of(job.serve_from_env)
+    if argv[:1] == [SERVE]:  # the child of a server's role process
+        return exit_code_of(lambda: job.serve_from_env(join=argv[1:] == [JOIN]))
     workers, servers = int(argv[0]), int(argv[1])
     command = argv[3:]  # after "--"
     local, node = _env_int("LOCAL_RANK"), _env_int("GROUP_RANK")

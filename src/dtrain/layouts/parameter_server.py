@@ -9,13 +9,14 @@ from typing import cast
 
 from torch import nn
 
-from dtrain import ps
+from dtrain import comm, env, ps
 from dtrain.config import Config
 from dtrain.data_parallel.clip import GradPart
 from dtrain.layouts.holding import Holding
 from dtrain.layouts.parts import Names, Tensors
-from dtrain.layouts.state import HeldState
+from dtrain.layouts.state import HeldState, RankExtra
 from dtrain.mesh import Mesh
+from dtrain.ps.host_snapshots import HostSnapshots
 
 
 def ps_settings(config: Config) -> ps.Settings:
@@ -41,9 +42,17 @@ class ParameterServer(Holding):
         self.optimizers = [ps.RemoteOptimizer(self.worker)]
         self.parts = [Tensors(self.names, list(model.parameters()))]
         # The first worker writes its copy of the model alone; the optimizer state lives
-        # in the servers' snapshots.
-        self.saved = HeldState(self.dims, self.optimizers, self.parts, self.names,
-                               checkpoint_group=None, writes_checkpoint=mesh.world.is_main)
+        # in the servers' snapshots. Hosts without a shared folder (checkpoint copies,
+        # written by every rank together) carry them in their first worker's files.
+        world, self._apart = mesh.world, config.checkpoint.copies > 0
+        snapshots, servers = env.PS_SNAPSHOT_DIR.get(), config.ps.servers
+        here = range(world.node_rank * servers, (world.node_rank + 1) * servers)
+        carried: list[RankExtra] = [HostSnapshots(snapshots, here)] \
+            if self._apart and snapshots and world.local_rank == 0 else []
+        writes_model = world.is_main or not self._apart
+        self.saved = HeldState(self.dims, self.optimizers, self.parts if writes_model else [],
+                               self.names, checkpoint_group="world" if self._apart else None,
+                               writes_checkpoint=self._apart or world.is_main, extras=carried)
         self.groups = {}  # each worker clips its own gradient
         self.lockstep = False  # each worker steps at its own pace
         self.accum = config.train.grad_accum
@@ -65,6 +74,8 @@ class ParameterServer(Holding):
         self.optimizers[0].zero_grad(set_to_none=True)
 
     def start(self) -> None:
+        if self._apart:  # each host's snapshots are back before the servers are seeded
+            comm.barrier()
         self.worker.start()  # worker 0 seeds the servers with the (restored) weights
 
     def close(self) -> None:

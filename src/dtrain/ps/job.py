@@ -7,7 +7,9 @@ the latter to tell a server's death the job survives from one it does not: `copi
 each server waits for the count (its sockets refuse frames larger than
 its shard), binds a free port, publishes its address in the same store, and serves
 (`serve_from_env`: no user code); a worker's `ps.Worker` reads the addresses from the
-store (`server_addresses`).
+store (`server_addresses`). A server started in a dead one's place (`join`) reads the dead
+one's address there, publishes its own in its stead, and joins the chains of its slot
+(dtrain.ps.joining).
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ def server_addresses(numel: int, publish: bool, copies: int = 1,
     return _addresses(store, n, timeout_s)
 
 
-def serve_from_env(start_timeout_s: float = 600.0) -> None:
-    """Run this process as server INDEX of the job until every worker is done.
+def serve_from_env(start_timeout_s: float = 600.0, join: bool = False) -> None:
+    """Run this process as server INDEX of the job until every worker is done; with
+    `join`, in the place of the server INDEX that died (if that one had published its
+    address; else as it would have started).
 
     Raises:
         DtrainError: worker 0 did not publish its model's size within `start_timeout_s`
@@ -113,13 +117,29 @@ def serve_from_env(start_timeout_s: float = 600.0) -> None:
     except RuntimeError:
         raise DtrainError(f"parameter server {index}: worker 0 did not publish its model's "
                           f"size within {start_timeout_s:.0f}s; see its output above") from None
+    slot = _key(f"server/{index}")
+    replaced = store.get(slot).decode() if join and store.check([slot]) else None
     server = Server(int(_need(env.PS_WORKERS)), secret(), int(store.get(_key("numel"))),
                     index=index, servers=n, bind=f"tcp://{host}:0",
                     snapshot_dir=env.PS_SNAPSHOT_DIR.get(),
-                    snapshot_every=env.PS_SNAPSHOT_EVERY.get())
-    store.set(_key(f"server/{index}"), server.address)
-    server.set_peers(_addresses(store, n, start_timeout_s))
-    server.serve()
+                    snapshot_every=env.PS_SNAPSHOT_EVERY.get(), join=replaced is not None)
+    store.set(slot, server.address)
+    peers = _addresses(store, n, start_timeout_s)
+    if replaced is not None:
+        peers[index] = replaced
+    server.set_peers(peers)
+    finished = [_key(f"finished/{i}") for i in range(n)]
+
+    def job_over() -> bool:
+        """A server finishes once every worker is done: a new one that could not join by
+        then has nothing left to do (nor when the store is gone with the job)."""
+        try:
+            return any(store.check([key]) for key in finished)
+        except RuntimeError:
+            return True
+
+    server.serve(job_over=job_over)
+    store.set(_key(f"finished/{index}"), "1")
 
 
 def copies(timeout_s: float = 30.0) -> int:

@@ -9,6 +9,9 @@ backup that saw the head's sequence holds what the head held, sync rounds in pro
 included. A push carries its id, (worker, clock): one already applied is counted as a
 duplicate and not applied again, so a worker may resend one whose acknowledgement never
 came. The consistency models (`ready`) are described in dtrain.ps.server.
+
+Everything a copy holds is its `state()`: what a snapshot saves, and what a live copy
+sends a server that joins the chain in a dead one's place (`load_state` takes either).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,10 +60,12 @@ class ShardCopy:
         snapshots: folder for this copy's snapshots (None: none); a copy made on a folder
             holding snapshots resumes from the newest.
         snapshot_every: snapshot after every this many applied updates (0: never).
+        resume: resume from the newest snapshot in `snapshots`, if any (False: the copy
+            will take another's state, `load_state`).
     """
 
     def __init__(self, shard: int, numel: int, workers: int, snapshots: Path | None = None,
-                 snapshot_every: int = 0) -> None:
+                 snapshot_every: int = 0, resume: bool = True) -> None:
         self.shard, self.numel, self.workers = shard, numel, workers
         self.settings: Settings | None = None
         self.param: torch.nn.Parameter | None = None
@@ -70,8 +76,11 @@ class ShardCopy:
         """Pushes applied, per worker (a duplicate is not one)."""
         self.duplicates = 0
         """Pushes received again after they were applied (resends), and not applied."""
+        self.copied_from: dict[str, object] | None = None
+        """For a copy made from another's state (a server that joined the chain): its
+        updates and pushes applied per worker at that cut."""
         self.snapshots, self.snapshot_every = snapshots, snapshot_every
-        if snapshots is not None and atomic.read_index(snapshots):
+        if resume and self._snapshotted():
             self._restore()
 
     @property
@@ -90,6 +99,9 @@ class ShardCopy:
             raise BadMessage(f"worker {m.worker} sent init: only worker 0 seeds the servers")
         if self.initialized:
             log.info("shard %d: init again from worker 0; kept its values", self.shard)
+            return
+        if self._snapshotted():  # put there since this copy was made (a checkpoint's copy)
+            self._restore()
             return
         if m.tensor is None or m.tensor.dtype != torch.float32:
             raise BadMessage("init needs a float32 tensor")
@@ -122,6 +134,10 @@ class ShardCopy:
         self.optimizer.step()
         self.param.grad = None
         self.updates += 1
+
+    def _updated(self) -> None:
+        """An update is applied and its bookkeeping done: snapshot if one is due (a
+        snapshot taken before a sync round is cleared would apply that round again)."""
         if self.snapshot_every and self.updates % self.snapshot_every == 0:
             self._snapshot()
 
@@ -149,6 +165,7 @@ class ShardCopy:
             # 1/W of each push: a round of W pushes moves the parameters as far as one
             # sync step, so one lr means the same per sample in every mode.
             self._apply(m.tensor / self.workers, lr)
+            self._updated()
             return
         c.round_sum = m.tensor.clone() if c.round_sum is None else c.round_sum.add_(m.tensor)
         c.round_from.add(m.worker)
@@ -173,6 +190,7 @@ class ShardCopy:
         self._apply(c.round_sum / len(c.round_from), c.round_lr)
         c.version = max(c.of[w] for w in c.round_from)
         c.round_sum, c.round_from = None, set()
+        self._updated()
 
     def ready(self, clock: int) -> bool:
         """Whether a pull of a worker at `clock` may be answered now."""
@@ -185,31 +203,76 @@ class ShardCopy:
         return True
 
     def stats(self) -> dict[str, object]:
-        """What this copy applied: pushes per worker, duplicates dropped, optimizer steps."""
+        """What this copy applied: pushes per worker (those of the state it was copied
+        from included), duplicates dropped, optimizer steps, and where it was copied."""
         return {"applied": {str(w): n for w, n in self.applied.items()},
                 "duplicates": self.duplicates, "updates": self.updates,
-                "clocks": {str(w): n for w, n in self.clocks.of.items()}}
+                "clocks": {str(w): n for w, n in self.clocks.of.items()},
+                "copied_from": self.copied_from}
+
+    # ------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any]:
+        """Everything this copy holds (its values, optimizer state, clocks, the sync round
+        being gathered, its counters), as tensors and plain values; the tensors are this
+        copy's own, which its next update changes."""
+        c = self.clocks
+        return {"settings": self.settings.to_json(), "param": self.param.detach(),
+                "optimizer": self.optimizer.state_dict(), "updates": self.updates,
+                "clocks": {str(w): v for w, v in c.of.items()}, "version": c.version,
+                "done": sorted(c.done), "dropped": sorted(c.dropped),
+                "round": {"from": sorted(c.round_from), "lr": c.round_lr,
+                          **({} if c.round_sum is None else {"sum": c.round_sum})},
+                "applied": {str(w): n for w, n in self.applied.items()},
+                "duplicates": self.duplicates}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take over `state()` of another copy of this shard, or a snapshot's (one written
+        before the sync round and the counters were kept lacks them: none is taken).
+
+        Raises:
+            ConfigError: settings that do not validate.
+            KeyError, TypeError, ValueError, RuntimeError: a state of another form or shard.
+        """
+        settings = Settings.from_json(state["settings"])
+        param = torch.nn.Parameter(state["param"].clone())
+        if param.numel() != self.numel:
+            raise ValueError(f"a state of {param.numel()} values for shard {self.shard}, which "
+                             f"holds {self.numel}")
+        optimizer = settings.build_optimizer([param])
+        optimizer.load_state_dict(_optimizer_state(state["optimizer"], optimizer.state_dict()))
+        c = Clocks(of=dict.fromkeys(range(self.workers), 0))
+        c.of.update({int(w): int(v) for w, v in state["clocks"].items()})
+        c.version = int(state["version"])
+        c.done, c.dropped = set(state.get("done", [])), set(state["dropped"])
+        gathered = state.get("round", {})
+        c.round_from, c.round_lr = set(gathered.get("from", [])), gathered.get("lr")
+        c.round_sum = gathered["sum"].clone() if "sum" in gathered else None
+        self.settings, self.param, self.optimizer, self.clocks = settings, param, optimizer, c
+        self.updates = int(state["updates"])
+        self.applied.update({int(w): int(n) for w, n in state.get("applied", {}).items()})
+        self.duplicates = int(state.get("duplicates", 0))
 
     # ------------------------------------------------------------------ snapshots
+    def _snapshotted(self) -> bool:
+        return self.snapshots is not None and bool(atomic.read_index(self.snapshots))
+
     def _snapshot(self) -> None:
-        c = self.clocks
-        state = {"settings": self.settings.to_json(), "param": self.param.detach(),
-                 "optimizer": self.optimizer.state_dict(), "updates": self.updates,
-                 "clocks": {str(w): v for w, v in c.of.items()}, "version": c.version,
-                 "dropped": sorted(c.dropped)}
-        atomic.save(self.snapshots, self.updates, state, keep_last=2)
+        atomic.save(self.snapshots, self.updates, self.state(), keep_last=2)
 
     def _restore(self) -> None:
-        state = atomic.load(self.snapshots)
-        self.settings = Settings.from_json(state["settings"])
-        self.param = torch.nn.Parameter(state["param"].clone())
-        self.optimizer = self.settings.build_optimizer([self.param])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.updates = state["updates"]
-        self.clocks.of.update({int(w): v for w, v in state["clocks"].items()})
-        self.clocks.version = state["version"]
-        self.clocks.dropped = set(state["dropped"])
+        self.load_state(atomic.load(self.snapshots))
         log.warning("shard %d resumed from its snapshot at update %d", self.shard, self.updates)
+
+
+def _optimizer_state(saved: dict[str, Any], fresh: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's state_dict as it came through JSON (from another copy), in torch's
+    own form again, taking the types from a `fresh` state_dict of the same optimizer:
+    parameter ids as integers (JSON made them strings; torch would skip them) and options
+    that were tuples (Adam's betas) as tuples."""
+    groups = [{k: tuple(v) if isinstance(mine.get(k), tuple) else v for k, v in theirs.items()}
+              for mine, theirs in zip(fresh["param_groups"], saved["param_groups"],
+                                      strict=True)]
+    return {"state": {int(k): v for k, v in saved["state"].items()}, "param_groups": groups}
 
 
 def _lr(m: Message) -> float | None:

@@ -4,7 +4,9 @@ A message is three ZeroMQ frames: the header (UTF-8 JSON: op, worker, clock, for
 its dtype and length, the shard it is about, a relay number when one server passes it
 down a shard's chain of copies, and an optional JSON object of settings), a 32-byte
 HMAC-SHA256 of header and payload under the job's shared secret, and the payload (the
-tensor's bytes, sent without a copy; empty when there is none). `unpack` checks all of it
+tensor's bytes, sent without a copy; empty when there is none). A structure holding
+several tensors (a shard copy's whole state) travels as one message per tensor and one of
+JSON that says where each goes (`split_tensors`, `join_tensors`). `unpack` checks all of it
 and raises BadMessage with the reason, so a server can log and drop a malformed or forged
 message and go on serving.
 
@@ -24,7 +26,11 @@ from typing import Any, TypeGuard
 import torch
 import zmq
 
-OPS = ("init", "push", "pull", "stop", "drop", "stats", "reply")
+OPS = ("init", "push", "pull", "stop", "drop", "stats", "reply", "chain", "join", "part",
+       "state")
+SERVER_OPS = ("join", "part", "state")
+"""What servers send each other beside relays: a new server's request to join a shard's
+chain (and that event, relayed), and a shard copy's state in parts (dtrain.ps.server)."""
 HEADER_BYTES = 64 << 10
 """The most a header may take (settings, stats of a few shard copies): far above any
 legitimate one, and the margin `frame_limit` adds to a shard's bytes."""
@@ -143,3 +149,56 @@ def unpack(secret: bytes, frames: list[Any]) -> Message:
         if value is not None and (not _is_integer(value) or value < 0):
             raise BadMessage(f"malformed header: {name} {value!r} is not a count")
     return Message(op, worker, clock, tensor, str(head.get("error", "")), meta, shard, relay)
+
+
+TENSOR_KEY = "__tensor__"
+
+
+def split_tensors(value: object) -> tuple[object, list[torch.Tensor]]:
+    """`value` (dicts with string keys, lists, tuples, numbers, strings, None and tensors,
+    nested) as JSON, each tensor replaced by {TENSOR_KEY: its place, "shape": ...}, and
+    the tensors in that order, flattened, to be sent one a message.
+
+    Raises:
+        ValueError: a tensor of a dtype the wire does not carry, or a value JSON lacks.
+    """
+    tensors: list[torch.Tensor] = []
+
+    def walk(v: object) -> object:
+        if isinstance(v, torch.Tensor):
+            if v.dtype not in _NAMES:
+                raise ValueError(f"a {v.dtype} tensor does not travel between servers")
+            tensors.append(v.detach().reshape(-1))
+            return {TENSOR_KEY: len(tensors) - 1, "shape": list(v.shape)}
+        if isinstance(v, dict):
+            return {str(k): walk(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [walk(x) for x in v]
+        if v is None or isinstance(v, bool | int | float | str):
+            return v
+        raise ValueError(f"{type(v).__name__} {v!r} does not travel between servers")
+
+    return walk(value), tensors
+
+
+def join_tensors(value: object, tensors: list[torch.Tensor]) -> object:
+    """`split_tensors`' JSON with its tensors put back in place.
+
+    Raises:
+        BadMessage: a place or shape that the tensors received do not fit.
+    """
+    if isinstance(value, dict) and TENSOR_KEY in value:
+        place, shape = value[TENSOR_KEY], value.get("shape")
+        if not _is_integer(place) or not 0 <= place < len(tensors) \
+                or not isinstance(shape, list) or not all(_is_integer(n) for n in shape):
+            raise BadMessage(f"malformed state: tensor {place!r} of shape {shape!r}")
+        try:
+            return tensors[place].reshape(shape)
+        except RuntimeError:
+            raise BadMessage(f"malformed state: tensor {place} does not have shape "
+                             f"{shape}") from None
+    if isinstance(value, dict):
+        return {k: join_tensors(x, tensors) for k, x in value.items()}
+    if isinstance(value, list):
+        return [join_tensors(x, tensors) for x in value]
+    return value

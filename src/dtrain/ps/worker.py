@@ -18,7 +18,9 @@ With `Settings.copies` > 1 every shard has backup copies (dtrain.ps.chain). A wo
 watches its connection to each server (dtrain.ps.link); when one drops, it sends what that
 server had not answered, and all that follows, to the shard's next copy, which takes over.
 A resent push carries the same id (this worker, its clock), so a copy that already has it
-acknowledges it without applying it again.
+acknowledges it without applying it again. Each answer carries the shard's chain as its
+head knows it, so a server that joined in a dead one's place (dtrain.ps.server) is known,
+and connected to, before the worker needs it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -34,9 +37,20 @@ from torch import nn
 
 from dtrain.comm.ops import shard_offsets
 from dtrain.errors import ConfigError, DtrainError
-from dtrain.ps import chain, job, link
+from dtrain.ps import job, link
+from dtrain.ps.chain import Chain
 from dtrain.ps.settings import Settings
 from dtrain.ps.wire import BadMessage, Message, pack, unpack
+
+
+@dataclass
+class Request:
+    """A request to a shard's head, kept until it is answered (to send it again)."""
+
+    op: str
+    tensor: torch.Tensor | None
+    meta: dict | None
+    to: str  # the address it was sent to
 
 
 class Worker:
@@ -79,12 +93,17 @@ class Worker:
         self.ranges = list(itertools.pairwise(bounds))
         self._context = zmq.Context()
         largest = max(hi - lo for lo, hi in self.ranges)
-        self._links = [link.connect(self._context, address, largest,
-                                    watch=self.settings.copies > 1)
-                       for address in self.servers]
-        self.dead: set[int] = set()
-        """Servers whose connection dropped; their shards go to the next copy."""
-        self._in_flight: dict[int, tuple[str, torch.Tensor | None, dict | None]] = {}
+        self._largest = largest
+        self._links: dict[str, tuple[zmq.Socket, zmq.Socket | None]] = {}
+        for address in self.servers:
+            self._link(address)
+        self.chains = [Chain.first(k, self.servers, self.settings.copies)
+                       for k in range(len(self.servers))]
+        """Each shard's live copies in order, as the servers last said (the first is its
+        head)."""
+        self.dead: set[str] = set()
+        """Addresses of servers whose connection dropped; their shards go to the next copy."""
+        self._in_flight: dict[int, Request] = {}
         """shard -> the request sent to its head and not answered yet (to resend)."""
         self.resent_pushes = 0
         """Pushes sent again, with the same id, to the next copy of a shard whose head died
@@ -125,39 +144,80 @@ class Worker:
         return torch.cat(parts) if parts else torch.zeros(0)
 
     # ------------------------------------------------------------------ messages
-    def _head(self, k: int) -> int:
-        head = chain.head(k, len(self.servers), self.settings.copies, self.dead)
+    def _link(self, address: str) -> tuple[zmq.Socket, zmq.Socket | None]:
+        """The connection to the server at `address` (made at first use: a server that
+        joined in a dead one's place is connected to once a chain names it)."""
+        if address not in self._links:
+            self._links[address] = link.connect(self._context, address, self._largest,
+                                                watch=self.settings.copies > 1)
+        return self._links[address]
+
+    def _head(self, k: int) -> str:
+        head = self.chains[k].head
         if head is None:
-            holders = chain.holders(k, len(self.servers), self.settings.copies)
-            raise DtrainError(f"shard {k} is lost: every server holding a copy of it "
-                              f"({', '.join(self.servers[s] for s in holders)}) is gone")
-        return head
+            raise DtrainError(f"shard {k} is lost: every server holding a copy of it is gone "
+                              f"({', '.join(sorted(self.dead))})")
+        return head.address
 
     def _send(self, k: int, op: str, tensor: torch.Tensor | None = None,
               meta: dict | None = None) -> None:
         """Send `op` about shard k to its head, and remember it until it is answered."""
-        self._in_flight[k] = (op, tensor, meta)  # the tensor too: ZeroMQ sends from it
+        head = self._head(k)
+        self._in_flight[k] = Request(op, tensor, meta, head)  # the tensor: ZeroMQ sends from it
         message = Message(op, self.rank, self.clock, tensor, meta=meta, shard=k)
-        self._links[self._head(k)][0].send_multipart(pack(self.secret, message), copy=False)
+        self._link(head)[0].send_multipart(pack(self.secret, message), copy=False)
         self.sent_bytes += 0 if tensor is None else tensor.numel() * tensor.element_size()
 
-    def _lost(self, s: int) -> None:
-        """Server s's connection dropped: resend what it had not answered to the next
-        copies of its shards."""
-        self.dead.add(s)
-        for k, (op, tensor, meta) in list(self._in_flight.items()):
-            if chain.head(k, len(self.servers), self.settings.copies, self.dead - {s}) == s:
-                self._send(k, op, tensor, meta)
-                self.resent_pushes += op == "push"
+    def _lost(self, address: str) -> None:
+        """The connection to the server at `address` dropped: resend what it had not
+        answered to the next copies of its shards."""
+        self.dead.add(address)
+        for c in self.chains:
+            c.remove({address})
+        socket, monitor = self._links.pop(address)
+        link.close(socket, monitor)
+        self._resend(lambda k: True)
 
-    def _read(self, s: int, op: str) -> Message:
-        address = self.servers[s]
+    def _resend(self, which: Callable[[int], bool]) -> None:
+        """Send again, to its shard's head now, each request in flight to a server that is
+        no longer in its shard's chain, of the shards `which` accepts."""
+        for k, r in list(self._in_flight.items()):
+            if which(k) and r.to not in self.chains[k].addresses:
+                self._send(k, r.op, r.tensor, r.meta)
+                self.resent_pushes += r.op == "push"
+
+    def _learn(self, answer: Message) -> None:
+        """Take the chain an answer carries as its shard's (less the servers seen gone)."""
+        chain = (answer.meta or {}).get("chain")
+        if chain is None or answer.shard is None:
+            return
         try:
-            answer = unpack(self.secret, self._links[s][0].recv_multipart(copy=False))
+            learned = Chain.from_json(chain)
+        except ValueError as exc:
+            raise DtrainError(f"a parameter server answered with a malformed chain of shard "
+                              f"{answer.shard}: {exc}") from None
+        learned.remove(self.dead)
+        self.chains[answer.shard] = learned
+        # A request sent to a head that the chain no longer lists (gone, and seen so by
+        # the head that sent this) goes to the new head.
+        self._resend(lambda k: k == answer.shard)
+
+    def _read(self, address: str, op: str) -> Message | None:
+        """The answer waiting on the connection to `address` (None: news of a chain,
+        taken in, which answers nothing; or a late answer of a server the request was
+        taken from, ignored)."""
+        try:
+            answer = unpack(self.secret, self._links[address][0].recv_multipart(copy=False))
         except BadMessage as exc:
             raise DtrainError(f"cannot read parameter server {address}'s answer to a {op} "
                               f"({exc}): do the workers and servers share the job's "
                               "secret?") from None
+        if answer.op == "chain":
+            self._learn(answer)
+            return None
+        asked = self._in_flight.get(answer.shard) if answer.shard is not None else None
+        if asked is not None and asked.to != address:
+            return None
         if answer.error:
             raise DtrainError(f"parameter server {address} refused a {op}: {answer.error}")
         if answer.shard not in self._in_flight:
@@ -165,6 +225,7 @@ class Worker:
                               f"{answer.shard}, which was not asked")
         if answer.tensor is not None:
             self.received_bytes += answer.tensor.numel() * answer.tensor.element_size()
+        self._learn(answer)
         return answer
 
     def _collect(self, op: str) -> list[Message]:
@@ -175,25 +236,26 @@ class Worker:
         deadline = time.monotonic() + self.timeout_ms / 1000
         while self._in_flight:
             poller = zmq.Poller()
-            asked = {self._head(k) for k in self._in_flight}
-            for s in asked:
-                for socket in self._links[s]:
+            asked = {r.to for r in self._in_flight.values()}
+            for address in asked:
+                for socket in self._links[address]:
                     if socket is not None:
                         poller.register(socket, zmq.POLLIN)
             ready = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
             if not ready:
-                names = ", ".join(self.servers[s] for s in sorted(asked))
-                raise DtrainError(f"parameter server {names} did not answer a {op} within "
-                                  f"{self.timeout_ms / 1000:.0f}s")
-            for s in sorted(asked):
-                socket, monitor = self._links[s]
+                raise DtrainError(f"parameter server {', '.join(sorted(asked))} did not answer "
+                                  f"a {op} within {self.timeout_ms / 1000:.0f}s")
+            for address in sorted(asked):
+                socket, monitor = self._links[address]
                 if socket in ready:
-                    answer = self._read(s, op)
+                    answer = self._read(address, op)
+                    if answer is None:
+                        continue
                     assert answer.shard is not None  # _read checked it was asked
                     answers[answer.shard] = answer
                     del self._in_flight[answer.shard]
                 elif monitor is not None and monitor in ready and link.gone(monitor):
-                    self._lost(s)
+                    self._lost(address)
                     deadline = time.monotonic() + self.timeout_ms / 1000
         return [answers[k] for k in sorted(answers)]
 
@@ -282,6 +344,6 @@ class Worker:
         finally:
             for hook in self._hooks:
                 hook.remove()
-            for socket, monitor in self._links:
+            for socket, monitor in self._links.values():
                 link.close(socket, monitor)
             self._context.term()
