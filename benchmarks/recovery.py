@@ -14,7 +14,15 @@ since the newest checkpoint). Two ways of recovering:
 - live: `[fault_tolerance] mode = "live"`: the other live replicas drop rank 1 within the
   step and go on; its supervisor starts it again and it recovers from a live peer;
 - live-tp: the same with live replicas of two tensor-parallel ranks (`parallel.tp = 2`):
-  the other live replica goes on, and rank 1's (ranks 0 and 1) is started again whole.
+  the other live replica goes on, and rank 1's (ranks 0 and 1) is started again whole;
+- restart-zero3 and live-zero3: ZeRO-3 in bf16 mixed precision, over the 4 ranks
+  restarted from the newest checkpoint, or in live replicas of two ZeRO-3 ranks
+  (`parallel.dp = 2`), whose replacement is sent its shards' fp32 masters, optimizer state
+  and loss scaler by the live replica.
+
+A second time is read for every way: from the kill to the end of the first step the killed
+rank took part in again (a restart: the same step; live replicas: the first step with every
+live replica back, its replacement started from its warm standby).
 
 benchmarks/live_recovery.py measures the library's live replicas alone, and the time a
 replacement takes to catch up from a live peer against loading from disk.
@@ -83,17 +91,29 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
     return None
 
 
-def trial(how: str, folder: Path) -> tuple[float, int]:
-    """(seconds from the kill to the end of the first step begun after it, steps lost)
-    of one run."""
+ZERO3 = ["--set", "parallel.zero=3", "--set", "parallel.mixed_precision='bf16'"]
+WAYS = {
+    "restart": ("restart from the newest checkpoint", []),
+    "elastic": ("new elastic round from the newest checkpoint", []),
+    "live": ("live: the others go on", []),
+    "live-tp": ("live, live replicas of 2 tp ranks: the other goes on", ["--set", "parallel.tp=2"]),
+    "restart-zero3": ("ZeRO-3 over 4 ranks in bf16: restart from the newest checkpoint", ZERO3),
+    "live-zero3": ("live, live replicas of 2 ZeRO-3 ranks in bf16: the other goes on",
+                   [*ZERO3, "--set", "parallel.dp=2"]),
+}
+"""Each way of recovering: its row and the flags it adds."""
+
+
+def trial(how: str, folder: Path) -> tuple[float, float, int]:
+    """(seconds from the kill to the end of the first step begun after it, to the end of
+    the first step the killed rank took part in again, steps lost) of one run."""
     config = folder / "job.toml"
     config.write_text(CONFIG)
     metrics = folder / "metrics.jsonl"
     flags = []
     if how.startswith("live"):
         flags = ["--set", "fault_tolerance.mode='live'"]
-    if how == "live-tp":
-        flags += ["--set", "parallel.tp=2"]
+    flags += WAYS[how][1]
     if how == "elastic":
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -123,8 +143,17 @@ def trial(how: str, folder: Path) -> tuple[float, int]:
         done = max(r["step"] for r in _records(metrics) if r["time"] < after[0]["time"]
                    and r["time"] - r["step_time_s"] <= killed)
         lost = done - (after[0]["step"] - 1)
+        whole = _records(metrics)[0].get("live_replicas")
+        while whole is not None and not any(  # live: the first step with every replica back
+                r["live_replicas"] == whole for r in _records(metrics)
+                if r["time"] > after[0]["time"]):
+            assert proc.poll() is None, "the run ended before the live replica came back"
+            time.sleep(0.05)
+        back = after[0] if whole is None else next(
+            r for r in _records(metrics)
+            if r["time"] > after[0]["time"] and r["live_replicas"] == whole)
         assert proc.wait(timeout=300) == 0
-        return after[0]["time"] - killed, lost
+        return after[0]["time"] - killed, back["time"] - killed, lost
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -137,17 +166,18 @@ def main() -> None:
     args = parser.parse_args()
     load = os.getloadavg()[0]
     rows = []
-    for how in ("restart", "elastic", "live", "live-tp"):
-        seconds, lost = [], []
+    for how in WAYS:
+        seconds, again, lost = [], [], []
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as tmp:
-                s, n = trial(how, Path(tmp))
+                s, b, n = trial(how, Path(tmp))
             seconds.append(s)
+            again.append(b)
             lost.append(n)
-            print(f"{how}: {s:.1f} s from the kill to the next step, {n} step(s) lost",
-                  flush=True)
+            print(f"{how}: {s:.1f} s from the kill to the next step, {b:.1f} s to the killed "
+                  f"rank's next step, {n} step(s) lost", flush=True)
         rows.append((how, statistics.median(seconds), min(seconds), max(seconds),
-                     statistics.median(lost)))
+                     statistics.median(again), statistics.median(lost)))
     lines = [
         "## Recovery: from a rank's SIGKILL to the next completed step (4 ranks, 2 cores)",
         "",
@@ -156,15 +186,12 @@ def main() -> None:
         f"SIGKILLed once step {KILL_AFTER_STEP} is recorded; checkpoints every 4 steps.",
         "",
         "| recovery | seconds from the kill to the end of the first step begun after it "
-        "(median) | min | max | steps lost |",
-        "|---|---|---|---|---|",
+        "(median) | min | max | seconds to the killed rank's next step (median) | steps lost |",
+        "|---|---|---|---|---|---|",
     ]
-    for how, med, low, high, lost in rows:
-        what = {"restart": "restart from the newest checkpoint", "elastic": "new elastic round "
-                "from the newest checkpoint", "live": "live: the others go on",
-                "live-tp": "live, live replicas of 2 tp ranks: the other goes on"}[how]
-        lines.append(f"| {what} | {med:.1f} | {low:.1f} | "
-                     f"{high:.1f} | {lost:g} |")
+    for how, med, low, high, again, lost in rows:
+        lines.append(f"| {WAYS[how][0]} | {med:.1f} | {low:.1f} | {high:.1f} | {again:.1f} | "
+                     f"{lost:g} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:

@@ -275,9 +275,10 @@ def run_torchft(folder: Path, config: Path, kill_at: int | None, restarts: int =
 
 # --- dtrain: dtrain train with live replicas --------------------------------------------
 
-def run_dtrain(folder: Path, config: Path, kill_at: int | None) -> dict:
+def run_dtrain(folder: Path, config: Path, kill_at: int | None, standby: bool = True) -> dict:
     """`dtrain train` with live replicas once (the victim SIGKILLed within step
-    `kill_at`, unless None)."""
+    `kill_at`, unless None), each rank's replacement started from a warm standby process
+    or, `standby=False`, from a fresh one."""
     from dtrain.checkpoint.universal import Checkpoint
     from dtrain.launch.waker import children
 
@@ -286,6 +287,7 @@ def run_dtrain(folder: Path, config: Path, kill_at: int | None) -> dict:
                "--max-restarts", "1", "--metrics", str(metrics),
                "--set", "fault_tolerance.mode='live'", "--set", f"fault_tolerance.step_timeout="
                f"{TIMEOUT_S}", "--set", "parallel.dp=2", "--set", "parallel.zero=2",
+               "--set", f"fault_tolerance.standby={str(standby).lower()}",
                "--set", f"train.out_dir='{folder / 'run'}'"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL,
                             stderr=open(folder / "dtrain.log", "w"),
@@ -354,62 +356,111 @@ def step_time(run: dict) -> float:
     return gaps[len(gaps) // 2]
 
 
-def table(report: dict, args: argparse.Namespace) -> list[str]:
-    sides = [s for s in ("torchft", "dtrain") if s in report]
-    rows = [
-        ("seconds per step, undisturbed (median)", "step_s"),
-        ("steps lost (computed by the survivors, then thrown away)", "steps_lost"),
-        ("steps missing or repeated in the record", "steps_missing_or_repeated"),
-        ("steps averaged over one live replica (torchft: replica group) only", "one_replica_steps"),
-        ("SIGKILL -> the survivors' first completed step without the dead live replica",
-         "kill_to_survivors_step_s"),
-        ("SIGKILL -> the replacement's processes started", "kill_to_replacement_started_s"),
-        ("SIGKILL -> the first step the replacement took part in", "kill_to_rejoined_step_s"),
-        ("losses before the kill equal the undisturbed run's", "losses_before_kill_equal"),
-        ("final weights equal the undisturbed run's", "final_weights_equal"),
-        ("final weights: largest difference from the undisturbed run",
-         "final_weights_max_diff"),
-    ]
+SIDES = {"torchft": run_torchft, "dtrain": run_dtrain,
+         "dtrain, no standby": lambda folder, config, kill_at:
+             run_dtrain(folder, config, kill_at, standby=False)}
+"""Each side and how it runs: dtrain as it is (a replacement started from a warm standby
+process, `fault_tolerance.standby = true`, the default) and with fresh processes only."""
+TIMES = ("kill_to_survivors_step_s", "kill_to_replacement_started_s", "kill_to_rejoined_step_s")
 
-    def cell(value: object, key: str) -> str:
+
+def summary(runs: list[dict]) -> dict:
+    """Several killed runs of one side at one kill point as one: the median of each time
+    (None if any run did not reach that moment), the worst of the counts, all of the
+    equalities."""
+    def median(values: list) -> float | None:
+        if any(v is None for v in values):
+            return None
+        ordered = sorted(values)
+        return ordered[len(ordered) // 2]
+
+    out = {key: median([r[key] for r in runs]) for key in TIMES}
+    out.update({f"{key}_each": [r[key] for r in runs] for key in TIMES})
+    for key in ("steps_lost", "steps_missing_or_repeated", "final_weights_max_diff"):
+        out[key] = max(r[key] for r in runs)
+    out["one_replica_steps"] = median([r["one_replica_steps"] for r in runs])
+    for key in ("losses_before_kill_equal", "replacement_equals_survivor"):
+        if key in runs[0]:
+            out[key] = all(r[key] for r in runs)
+    out["final_weights_equal"] = any(r["final_weights_equal"] for r in runs)
+    return out
+
+
+def table(report: dict, args: argparse.Namespace) -> list[str]:
+    sides = [s for s in SIDES if s in report]
+    each = [("seconds per step, undisturbed (median)", "step_s", None)]
+    for kill_at in args.kill_at:
+        at = f" (kill in step {kill_at})"
+        each += [
+            ("steps lost (computed by the survivors, then thrown away)" + at, "steps_lost",
+             kill_at),
+            ("steps missing or repeated in the record" + at, "steps_missing_or_repeated",
+             kill_at),
+            ("steps averaged over one live replica (torchft: replica group) only" + at,
+             "one_replica_steps", kill_at),
+            ("SIGKILL -> the survivors' first completed step without the dead live replica"
+             + at, "kill_to_survivors_step_s", kill_at),
+            ("SIGKILL -> the replacement's processes started" + at,
+             "kill_to_replacement_started_s", kill_at),
+            ("**SIGKILL -> the first step the replacement took part in**" + at,
+             "kill_to_rejoined_step_s", kill_at),
+            ("losses before the kill equal the undisturbed run's" + at,
+             "losses_before_kill_equal", kill_at),
+            ("final weights: largest difference from the undisturbed run" + at,
+             "final_weights_max_diff", kill_at),
+        ]
+
+    def cell(side: str, key: str, kill_at: int | None) -> str:
+        found = report[side] if kill_at is None else report[side][str(kill_at)]
+        value = found[key]
         if value is None:  # the run ended first
             return f"not within the {args.steps} steps"
         if isinstance(value, bool):
             return "yes" if value else "no"
         if key.endswith("_s"):
-            return f"{value:.2f} s"
+            runs = found.get(f"{key}_each", [])
+            spread = "" if len(runs) < 2 else \
+                " (" + ", ".join("-" if v is None else f"{v:.2f}" for v in runs) + ")"
+            return f"{value:.2f} s{spread}"
         if isinstance(value, float):
             return f"{value:.2g}"
         return str(value)
 
+    kills = " ".join(map(str, args.kill_at))
     lines = [
         "## Live replicas beside torchft: one live replica's SIGKILL, 2 live replicas of 2 ranks",
         "",
         f"Command: `python benchmarks/torchft_side_by_side.py --steps {args.steps} "
-        f"--kill-at {args.kill_at} --write` (torchft {report['torchft_version']}, torch "
-        f"{torch.__version__}, gloo on CPU, {os.cpu_count()} cores; load average "
-        f"{report['load_before']:.1f} before, {report['load_after']:.1f} after; one run of "
-        "each). dtrain's GPT (2 layers, 128 wide, blocks of 128 tokens), global batch 16, "
-        "AdamW, the same seed and data on both sides; rank 3 (replica 1's second rank) is "
-        f"SIGKILLed once step {args.kill_at - 1} "
-        "is recorded, and started again (torchft: its group restarted by the driver, as "
-        "torchrun's agent would; dtrain: `--max-restarts 1`). torchft: the lighthouse's "
+        f"--kill-at {kills} --repeat {args.repeat} --write` (torchft "
+        f"{report['torchft_version']}, torch {torch.__version__}, gloo on CPU, "
+        f"{os.cpu_count()} cores; load average {report['load_before']:.1f} before, "
+        f"{report['load_after']:.1f} after). Each side runs once undisturbed and "
+        f"{args.repeat} times per kill point, the sides taking turns; times are medians, "
+        "each run's in brackets. dtrain's GPT (2 layers, 128 wide, blocks of 128 tokens), "
+        "global batch 16, AdamW, the same seed and data on both sides; rank 3 (replica 1's "
+        "second rank) is SIGKILLed once the step before the kill point is recorded, and "
+        "started again (torchft: its group restarted by the driver, as torchrun's agent "
+        "would; dtrain: `--max-restarts 1`, the replica's other rank restarted too by its "
+        "supervisor). torchft: the lighthouse's "
         f"`--min_replicas 1 --heartbeat_timeout_ms {int(HEARTBEAT_S * 1000)} "
         f"--join_timeout_ms 5000`, Manager timeout {TIMEOUT_S:g} s, gradients averaged "
         "inside each group then across groups; dtrain: `fault_tolerance.step_timeout = "
         f"{TIMEOUT_S:g}`, heartbeat timeout {HEARTBEAT_S:g} s, ZeRO-2 over each replica's 2 "
-        "ranks (live replicas refuse plain data parallelism inside a replica).",
+        "ranks (live replicas refuse plain data parallelism inside a replica), its "
+        "replacement started from each rank's warm standby (`fault_tolerance.standby`, the "
+        "default) and, in the last column, from fresh processes.",
         "",
         "| measure | " + " | ".join(sides) + " |",
         "|---|" + "---|" * len(sides),
     ]
-    for what, key in rows:
-        lines.append(f"| {what} | " + " | ".join(cell(report[s][key], key) for s in sides)
-                     + " |")
+    for what, key, kill_at in each:
+        lines.append(f"| {what} | " + " | ".join(cell(s, key, kill_at) for s in sides) + " |")
     if "torchft" in report:
-        same = "equal" if report["torchft"]["replacement_equals_survivor"] else "differ from"
-        lines += ["", f"torchft's restarted group ends with weights that {same} the surviving "
-                  "group's (it healed from it)."]
+        same = all(report["torchft"][str(k)]["replacement_equals_survivor"]
+                   for k in args.kill_at)
+        lines += ["", f"torchft's restarted group ends with weights that "
+                  f"{'equal' if same else 'differ from'} the surviving group's (it healed "
+                  "from it)."]
     if "cross_side_max_diff" in report:
         lines += ["", "The two undisturbed runs' final weights differ by up to "
                   f"{report['cross_side_max_diff']:.2g}: the sides run the same shapes, "
@@ -422,8 +473,11 @@ def table(report: dict, args: argparse.Namespace) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--kill-at", type=int, default=10)
-    parser.add_argument("--only", choices=("torchft", "dtrain"), default=None)
+    parser.add_argument("--kill-at", type=int, nargs="+", default=[10, 60],
+                        help="the steps a kill falls in, each a run of its own")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="killed runs per side and kill point")
+    parser.add_argument("--only", choices=tuple(SIDES), default=None)
     parser.add_argument("--keep", default=None, help="keep the runs' files in this folder")
     parser.add_argument("--json", default=None)
     parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
@@ -432,33 +486,42 @@ def main() -> None:
 
     report: dict = {"torchft_version": version("torchft"), "load_before": os.getloadavg()[0]}
     folder = Path(args.keep or tempfile.mkdtemp(prefix="torchft-side-"))
-    calm_weights, first_loss = {}, {}
+    sides = [side for side in SIDES if args.only in (None, side)]
+    calm: dict[str, dict] = {}
+    killed: dict[tuple[str, int], list[dict]] = {}
+
+    def once(side: str, name: str, kill_at: int | None) -> dict:
+        where = folder / side.replace(", ", "-").replace(" ", "-") / name
+        where.mkdir(parents=True, exist_ok=True)
+        run = SIDES[side](where, write_config(where, args.steps), kill_at)
+        print(f"{side} {name}: done", file=sys.stderr, flush=True)
+        return run
+
     try:
-        for side, run in (("torchft", run_torchft), ("dtrain", run_dtrain)):
-            if args.only not in (None, side):
-                continue
-            runs = {}
-            for name, kill_at in (("calm", None), ("killed", args.kill_at)):
-                where = folder / side / name
-                where.mkdir(parents=True, exist_ok=True)
-                runs[name] = run(where, write_config(where, args.steps), kill_at)
-                print(f"{side} {name}: done", file=sys.stderr, flush=True)
-            calm_weights[side] = runs["calm"]["weights"]
-            first_loss[side] = runs["calm"]["records"][0]["loss"]
-            report[side] = {"step_s": step_time(runs["calm"]),
-                            **measures(runs["killed"], runs["calm"], args.kill_at)}
-            if side == "torchft":
-                assert runs["calm"]["groups_equal"], "the undisturbed groups differ"
-                report[side]["replacement_equals_survivor"] = runs["killed"]["groups_equal"]
+        for side in sides:
+            calm[side] = once(side, "calm", None)
+        for kill_at in args.kill_at:
+            for turn in range(args.repeat):  # the sides take turns: alike conditions
+                for side in sides:
+                    run = once(side, f"killed-{kill_at}-{turn}", kill_at)
+                    found = measures(run, calm[side], kill_at)
+                    if side == "torchft":
+                        found["replacement_equals_survivor"] = run["groups_equal"]
+                    killed.setdefault((side, kill_at), []).append(found)
     finally:
         if args.keep is None:
             shutil.rmtree(folder, ignore_errors=True)
-    if len(calm_weights) == 2:
-        report["first_losses"] = " vs ".join(f"{side} {first_loss[side]:.4f}"
+    for side in sides:
+        if side == "torchft":
+            assert calm[side]["groups_equal"], "the undisturbed groups differ"
+        report[side] = {"step_s": step_time(calm[side]),
+                        **{str(k): summary(killed[side, k]) for k in args.kill_at}}
+    if "torchft" in calm and "dtrain" in calm:
+        report["first_losses"] = " vs ".join(f"{side} {calm[side]['records'][0]['loss']:.4f}"
                                              for side in ("torchft", "dtrain"))
         report["cross_side_max_diff"] = max(
-            (calm_weights["torchft"][k] - calm_weights["dtrain"][k]).abs().max().item()
-            for k in calm_weights["dtrain"])
+            (calm["torchft"]["weights"][k] - calm["dtrain"]["weights"][k]).abs().max().item()
+            for k in calm["dtrain"]["weights"])
     report["load_after"] = os.getloadavg()[0]
     print(json.dumps(report))
     if args.json:

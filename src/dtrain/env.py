@@ -155,6 +155,9 @@ LIVE_SLOTS = _var("LIVE_SLOTS", int, None, "an integer",
 LIVE_INCARNATION = _var("LIVE_INCARNATION", int, 0, "an integer",
                         "0 for a live replica's first process, then 1, 2, ... for its "
                         "replacements")
+LIVE_READY_FD = _var("LIVE_READY_FD", int, None, "a file descriptor",
+                     "where a live replica's rank writes one byte once it has taken part "
+                     "in a step: its supervisor then starts the rank's warm standby")
 LIVE_RANKS = _var("LIVE_RANKS", int, 1, "an integer",
                   "ranks per live replica: dp x tp x pp of the config")
 PS_SERVERS = _var("PS_SERVERS", int, None, "an integer",

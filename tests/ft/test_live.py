@@ -525,16 +525,17 @@ sample_tokens = 0
 
 
 def lose_and_regain(tmp_path: Path, nproc: int, rank: int, sets: list[str],
-                    back_for: int, timeout: float, point: str = "step") -> tuple[str, list[int]]:
-    """`dtrain train -n nproc --max-restarts 1` of LIVE_JOB with `rank` SIGKILLed as step 5
-    begins (`point` "record": once step 5 is applied, before it is recorded), stopped once
+                    back_for: int, timeout: float, point: str = "step",
+                    at: int = 5) -> tuple[str, list[int]]:
+    """`dtrain train -n nproc --max-restarts 1` of LIVE_JOB with `rank` SIGKILLed as step
+    `at` begins (`point` "record": once it is applied, before it is recorded), stopped once
     the metrics show the replicas whole again for `back_for` steps after one was lost (for
     "record", once it was started again: it may be back for step 6, and no step need show
     fewer): its output, and the replicas of each step. Checks that every step has one
-    record, none lost or repeated, and that the first 4 had every replica."""
+    record, none lost or repeated, and that the first `at` - 1 had every replica."""
     config, metrics = tmp_path / "job.toml", tmp_path / "metrics.jsonl"
     config.write_text(LIVE_JOB)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_FAULT": f"kill@{point}=5,rank={rank}"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_FAULT": f"kill@{point}={at},rank={rank}"}
     output = tmp_path / "job.out"
     job = forked.start(  # the launcher in a session of its own, forked: no import to wait for
         ["train", str(config), "-n", str(nproc), "--max-restarts", "1", "--metrics",
@@ -570,7 +571,7 @@ def lose_and_regain(tmp_path: Path, nproc: int, rank: int, sets: list[str],
     steps = [r["step"] for r in records()]
     assert steps == list(range(1, len(steps) + 1)), steps  # none lost or repeated
     seen = [r["live_replicas"] for r in records()]
-    assert seen[:4] == [seen[0]] * 4, seen
+    assert seen[:at - 1] == [seen[0]] * (at - 1), seen
     return out, seen
 
 
@@ -592,17 +593,34 @@ def test_the_step_a_killed_first_replica_applied_is_recorded_by_the_next(
 @pytest.mark.timeout(180)
 def test_dtrain_train_drops_a_killed_replica_and_takes_its_replacement_back(
         tmp_path: Path) -> None:
-    """`dtrain train -n 3 --max-restarts 1` with live replicas: replica 2 is SIGKILLed as
-    step 5 begins; the other two go on without any restart, its supervisor starts it again,
-    and it rejoins from a live peer: the metrics show 3 replicas, then 2, then 3 again, one
-    record per step, none skipped or repeated. (The run is long; the test stops it once the
-    replacement has taken part in 20 steps.)"""
-    out, seen = lose_and_regain(tmp_path, 3, 2, [], back_for=20, timeout=150)
+    """`dtrain train -n 3 --max-restarts 1` with live replicas, without warm standbys:
+    replica 2 is SIGKILLed as step 5 begins; the other two go on without any restart, its
+    supervisor starts it again in a fresh process, and it rejoins from a live peer: the
+    metrics show 3 replicas, then 2, then 3 again, one record per step, none skipped or
+    repeated. (The run is long; the test stops it once the replacement has taken part in
+    20 steps.)"""
+    out, seen = lose_and_regain(tmp_path, 3, 2, ["fault_tolerance.standby=false"],
+                                back_for=20, timeout=150)
     first_two = seen.index(2)
     assert first_two == 4 and seen[:4] == [3] * 4, seen[:20]  # step 5 averaged 2
     back = first_two + seen[first_two:].index(3)
     assert set(seen[first_two:back]) == {2} and set(seen[back:]) == {3}, seen
-    assert "replica 2 was killed by SIGKILL; started again" in out, out
+    assert "replica 2 was killed by SIGKILL; started again, it recovers" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_replacement_starts_from_its_warm_standby(tmp_path: Path) -> None:
+    """`dtrain train -n 2 --max-restarts 1` with live replicas (`fault_tolerance.standby`,
+    the default): each supervisor starts a standby process once its rank has taken part in
+    a step; replica 1 is SIGKILLed as step 30 begins, and its replacement is that standby
+    (the supervisor says so), which rejoins from the live peer as a fresh process does:
+    2 replicas, then 1, then 2 again, one record per step."""
+    out, seen = lose_and_regain(tmp_path, 2, 1, [], back_for=10, timeout=150, at=30)
+    assert "replica 1 was killed by SIGKILL; started again from its warm standby" in out, out
+    first_one = seen.index(1)
+    assert first_one == 29, seen[:40]  # step 30 averaged 1
+    assert set(seen[first_one + seen[first_one:].index(2):]) == {2}, seen
 
 
 @pytest.mark.slow

@@ -29,6 +29,11 @@ class FaultToleranceConfig:
     step_timeout: float = positive(5.0)
     """With mode = "live": seconds a step waits for a late live replica before it is
     dropped (also each collective's timeout)."""
+    standby: bool = True
+    """With mode = "live" and --max-restarts: each rank's supervisor keeps a warm standby
+    process (Python started, torch and the trainer imported, waiting) from which a
+    replacement rank starts, so it asks a live peer for the state seconds sooner; it costs
+    one idle process per rank (a few hundred MB of host memory)."""
     rdzv_backend: Literal["c10d", "etcd"] = "c10d"
     """Where the job's store lives: c10d (node 0's launcher, at --master: the job cannot
     lose node 0) or etcd (a cluster at rdzv_endpoints that survives losing any one of its

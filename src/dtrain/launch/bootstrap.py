@@ -35,17 +35,28 @@ MODULE = "dtrain.launch.bootstrap"
 _VALUED = ("-W", "-X", "--check-hash-based-pycs")  # interpreter options that take a value
 
 
-def command(argv: list[str]) -> list[str]:
-    """`argv` started through this module: `[python, *options, -m, MODULE, target...]` for a
-    Python command (`python [options] SCRIPT|-m MODULE ...`); any other command unchanged."""
+def split(argv: list[str]) -> tuple[list[str], list[str]] | None:
+    """A Python command `python [options] SCRIPT|-m MODULE ARGS...` as (the interpreter and
+    its options, the target: SCRIPT|-m MODULE ARGS...); None for any other command (not
+    Python, `-c`, stdin, or already started through this module)."""
     if not argv or not os.path.basename(argv[0]).startswith("python"):
-        return argv
+        return None
     k = 1
     while k < len(argv) and argv[k].startswith("-") and argv[k] not in ("-", "-c", "-m"):
         k += 2 if argv[k] in _VALUED else 1
     if k >= len(argv) or argv[k] in ("-", "-c") or argv[k:k + 2] == ["-m", MODULE]:
+        return None
+    return argv[:k], argv[k:]
+
+
+def command(argv: list[str]) -> list[str]:
+    """`argv` started through this module: `[python, *options, -m, MODULE, target...]` for a
+    Python command (`python [options] SCRIPT|-m MODULE ...`); any other command unchanged."""
+    parts = split(argv)
+    if parts is None:
         return argv
-    return [*argv[:k], "-m", MODULE, *argv[k:]]
+    interpreter, target = parts
+    return [*interpreter, "-m", MODULE, *target]
 
 
 def die_with_parent() -> None:

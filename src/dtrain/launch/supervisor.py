@@ -1,5 +1,5 @@
 """One rank of a live replica of `dtrain train` (`[fault_tolerance] mode = "live"`):
-`python -m dtrain.launch.supervisor RESTARTS -- COMMAND...`.
+`python -m dtrain.launch.supervisor RESTARTS [--standby] -- COMMAND...`.
 
 The elastic agent would stop every rank when one fails. Under live replicas each rank runs
 inside this supervisor instead. The job's ranks form replicas of DTRAIN_LIVE_RANKS consecutive
@@ -12,6 +12,15 @@ generation, up to RESTARTS times each. The new ranks recover the model, optimize
 position from a live replica. With no restart left the supervisor exits 0: the other
 replicas go on without this one, and the agent does not stop them. A rank that exits 2 (a
 mistake in the job, said in one line) is not started again.
+
+With `--standby` (`[fault_tolerance] standby`, the default) and a restart left, the
+supervisor keeps a warm standby beside the rank once the rank has taken part in a step
+(it says so through a pipe, DTRAIN_LIVE_READY_FD: the standby does not slow the job's
+start, when every rank imports and builds at once): a process that has started Python
+and imported what the rank imports, and waits (dtrain.launch.standby). The next
+generation's rank is that process, sent its environment, instead of a fresh one; if it
+died, a fresh one is started. The supervisor then keeps a new standby beside the new
+rank, while restarts are left.
 """
 
 from __future__ import annotations
@@ -25,15 +34,18 @@ import time
 import torch.distributed as dist
 
 from dtrain import env
-from dtrain.launch import bootstrap
+from dtrain.launch import standby as standby_mod
+from dtrain.launch.standby import Standby
 from dtrain.store import connect, prefixed
 
 POLL = 0.1  # seconds between looks at the rank and at its replica's generation
 
 
-def command(restarts: int, argv: list[str]) -> list[str]:
-    """`argv` run as a rank of a live replica, restarted in place up to `restarts` times."""
-    return [sys.executable, "-u", "-m", "dtrain.launch.supervisor", str(restarts), "--", *argv]
+def command(restarts: int, argv: list[str], standby: bool = True) -> list[str]:
+    """`argv` run as a rank of a live replica, restarted in place up to `restarts` times,
+    each time from a warm standby process when `standby` (and `argv` is a Python program)."""
+    return [sys.executable, "-u", "-m", "dtrain.launch.supervisor", str(restarts),
+            *(["--standby"] if standby else []), "--", *argv]
 
 
 RETIRED = "retired"  # a generation that never comes: a rank of the replica has no restart left
@@ -67,7 +79,8 @@ def next_generation(store: dist.Store, replica: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    restarts, program = int(argv[0]), argv[2:]  # after "--"
+    split = argv.index("--")
+    restarts, warm, program = int(argv[0]), "--standby" in argv[1:split], argv[split + 1:]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ranks = env.LIVE_RANKS.get()
     replica, position = divmod(rank, ranks)
@@ -88,32 +101,45 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     who = f"replica {replica}" + (f" (its rank {position})" if ranks > 1 else "")
-    for restart in range(restarts + 1):
-        generation = current()
-        if generation < 0:
-            break  # the replica is gone for good
-        env.LIVE_INCARNATION.set(generation)
-        env.ATTEMPT.set(f"{attempt}-live{replica}-g{generation}")
-        child = subprocess.Popen(bootstrap.command(program))  # dies with this process
-        while (code := child.poll()) is None and current() == generation:
-            time.sleep(POLL)
-        if code is None:  # another rank of the replica died: this one's groups are broken
-            child.kill()
-            child.wait()
-            how = "lost a rank"
-        elif code in (0, 2) or stopping:  # done, a mistake to fix (one line said), or stopped
-            return 128 - code if code < 0 else code
-        else:
-            bump(generation, retire=restart == restarts)
-            how = (f"was killed by {signal.Signals(-code).name}" if code < 0
-                   else f"exited with code {code}")
-        left = restarts - restart if current() >= 0 else 0
-        if left:
-            print(f"dtrain: {who} {how}; started again, it recovers from a live peer "
-                  f"({left - 1} restart(s) left)", file=sys.stderr, flush=True)
-        else:
-            print(f"dtrain: {who} {how}; the other replicas go on without it",
-                  file=sys.stderr, flush=True)
+    standby: Standby | None = None
+    try:
+        for restart in range(restarts + 1):
+            generation = current()
+            if generation < 0:
+                break  # the replica is gone for good
+            env.LIVE_INCARNATION.set(generation)
+            env.ATTEMPT.set(f"{attempt}-live{replica}-g{generation}")
+            taken = standby.take(os.environ) if standby is not None else None
+            # either way the rank dies with this process
+            child, ready = taken or standby_mod.start(program)
+            standby = None
+            while (code := child.poll()) is None and current() == generation:
+                if warm and standby is None and restart < restarts and ready.seen():
+                    standby = Standby.of(program)
+                    warm = standby is not None  # a program that is not Python: never
+                time.sleep(POLL)
+            ready.close()
+            if code is None:  # another rank of the replica died: this one's groups are broken
+                child.kill()
+                child.wait()
+                how = "lost a rank"
+            elif code in (0, 2) or stopping:  # done, a mistake to fix (one line said), or stopped
+                return 128 - code if code < 0 else code
+            else:
+                bump(generation, retire=restart == restarts)
+                how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+                       else f"exited with code {code}")
+            left = restarts - restart if current() >= 0 else 0
+            if left:
+                warmed = " from its warm standby" if standby is not None else ""
+                print(f"dtrain: {who} {how}; started again{warmed}, it recovers from a live "
+                      f"peer ({left - 1} restart(s) left)", file=sys.stderr, flush=True)
+            else:
+                print(f"dtrain: {who} {how}; the other replicas go on without it",
+                      file=sys.stderr, flush=True)
+    finally:
+        if standby is not None:
+            standby.close()
     return 0
 
 

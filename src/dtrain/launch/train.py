@@ -114,7 +114,8 @@ def train_command(args: argparse.Namespace) -> None:
     if live:  # each live replica restarted in place, not the whole job
         from dtrain.launch import supervisor
 
-        command, restarts = supervisor.command(args.max_restarts, command), 0
+        command, restarts = supervisor.command(
+            args.max_restarts, command, config.fault_tolerance.standby), 0
         contract.LIVE_RANKS.set(ranks, env)
     ft = config.fault_tolerance
     launch(LaunchSpec(

@@ -15,6 +15,7 @@ The training loop sees them as a `LiveMembership` (a dtrain.ft.membership.Member
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -79,6 +80,8 @@ class LiveMembership:
 
     def begin_step(self, step: int) -> int:
         self._writer = self._first_holder() if self.live.committed else None
+        if self.live.committed:
+            _say_ready()
         try:
             return self.live.begin_step(step)
         except RunOver:  # the others finished while this one waited to rejoin
@@ -133,6 +136,20 @@ class LiveMembership:
                       f"{gone}", flush=True)
         self.live.finish()
         self.live.close()
+
+
+def _say_ready() -> None:
+    """Tell this rank's supervisor, once, that it has taken part in a step (one byte into
+    DTRAIN_LIVE_READY_FD): it then starts the rank's warm standby (dtrain.launch.standby)."""
+    fd = env.LIVE_READY_FD.get()
+    if fd is None:
+        return
+    env.LIVE_READY_FD.unset()
+    try:
+        os.write(fd, b"1")
+        os.close(fd)
+    except OSError:  # the supervisor is gone: nothing to start
+        pass
 
 
 def _warn(seen: Comparison) -> None:
