@@ -9,6 +9,13 @@ machines need not agree on the time. The heartbeat uses a store connection of it
 (`connect`): a long wait on another must not silence it, and a store that cannot be
 reached is noted (`unreachable_for`) and connected to again.
 
+A member's silence is what this member saw of it: the time over which its own reads of
+the store found the other's counter standing still. While its own reads do not come back
+(the store electing a new etcd leader, or slowed down), it sees nothing, so it counts
+at most two periods of that wait (STALE_PERIODS) as anyone's silence: a store that
+stalls every member alike silences no one, while a member that stopped beating, read by
+one that reads, is silent from its last beat.
+
 The launchers name lost machines with it (dtrain.launch.nodes); live replicas drop a
 silent peer with it (dtrain.ft.live).
 """
@@ -18,8 +25,23 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch.distributed as dist
+
+STALE_PERIODS = 2
+"""How many periods of a wait for this member's own reads count as the others' silence."""
+
+
+@dataclass
+class _Heard:
+    """What this member saw of another: its counter, the silence seen since it last moved
+    (seconds up to the last read; negative at first: counted from when it was watched),
+    and when it last moved (time.monotonic())."""
+
+    count: int
+    quiet: float
+    moved: float
 
 
 class Heartbeat:
@@ -41,7 +63,8 @@ class Heartbeat:
                  name: str = "dtrain-heartbeat") -> None:
         self._connect, self._me, self._period, self._prefix = connect, me, period, prefix
         self._lock = threading.Lock()
-        self._heard: dict[str, tuple[int, float]] = {}  # member -> (its count, when it moved)
+        self._heard: dict[str, _Heard] = {}
+        self._read: float = time.monotonic()  # this member's last read of the counters
         self._unreachable_since: float | None = None
         self._stopped = threading.Event()
         self.watch(members)
@@ -53,21 +76,29 @@ class Heartbeat:
         from when its counter last moved, whichever is later."""
         now = time.monotonic()
         with self._lock:
-            self._heard = {m: (self._heard.get(m, (-1, now))[0], now)
+            since_read = self._since_read(now)
+            self._heard = {m: _Heard(self._heard[m].count if m in self._heard else -1,
+                                     -since_read, now)
                            for m in members if m != self._me}
 
     def silent_for(self, member: str) -> float:
-        """Seconds since `member`'s counter last moved (or it was first watched); 0 for a
-        member not watched."""
+        """Seconds this member's reads have seen `member`'s counter stand still since it
+        last moved (or it was first watched), and since the last read (at most
+        STALE_PERIODS periods of it); 0 for a member not watched."""
         with self._lock:
             heard = self._heard.get(member)
-        return 0.0 if heard is None else time.monotonic() - heard[1]
+            return 0.0 if heard is None else \
+                max(0.0, heard.quiet + self._since_read(time.monotonic()))
 
     def moved_since(self, member: str, moment: float) -> bool:
         """Whether `member`'s counter moved after `moment` (time.monotonic())."""
         with self._lock:
             heard = self._heard.get(member)
-        return heard is not None and heard[1] > moment
+        return heard is not None and heard.moved > moment
+
+    def _since_read(self, now: float) -> float:
+        """The time since the last read that counts as silence (under the lock)."""
+        return min(now - self._read, STALE_PERIODS * self._period)
 
     def unreachable_for(self) -> float | None:
         """Seconds the store has been out of reach; None while it answers."""
@@ -102,6 +133,13 @@ class Heartbeat:
         now = time.monotonic()
         with self._lock:
             self._unreachable_since = None
+            seen = self._since_read(now)  # the stretch this read vouches for
+            self._read = now
             for member, count in counts.items():
-                if member in self._heard and self._heard[member][0] != count:
-                    self._heard[member] = (count, now)
+                heard = self._heard.get(member)
+                if heard is None:
+                    continue
+                if heard.count != count:
+                    heard.count, heard.quiet, heard.moved = count, 0.0, now
+                else:
+                    heard.quiet += seen
