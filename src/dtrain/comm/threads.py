@@ -3,6 +3,12 @@
 Everything built on dtrain.comm — the algorithms, DataParallel — runs on it unchanged, so
 a test of distributed logic takes milliseconds and needs no ports or processes. Use it
 through `dtrain.testing.run_threads`. Tensors are copied on send, as a real transport would.
+
+A tensor whose memory was released (its storage resized to nothing, as ZeRO-3 releases a
+unit's parameters between its forward and backward and after the step) keeps its shape,
+and a copy of it would read through a dangling pointer: the whole process, every thread
+rank with it, dies of a segmentation fault. Every tensor a collective or a message reads or
+writes is checked first (`check_held`), and such a tensor is refused by name instead.
 """
 
 from __future__ import annotations
@@ -55,6 +61,24 @@ class Fabric:
             return result
 
 
+def check_held(tensor: torch.Tensor, what: str) -> None:
+    """Refuse `tensor` for `what` when its storage holds fewer bytes than its shape and
+    strides reach (a released storage: see the module docstring).
+
+    Raises:
+        ValueError: it does, with its shape and the likely cause.
+    """
+    if tensor.numel() == 0:
+        return
+    last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape,
+                                                                      tensor.stride(),
+                                                                      strict=True))
+    if tensor.untyped_storage().nbytes() < (last + 1) * tensor.element_size():
+        raise ValueError(f"{what}: a tensor of shape {tuple(tensor.shape)} whose memory was "
+                         "released (a ZeRO-3 parameter outside its unit's forward and "
+                         "backward? read the weights with ZeRO.state_dict())")
+
+
 class _Recv:
     def __init__(self, box: queue.Queue[torch.Tensor], tensor: torch.Tensor, timeout: float,
                  what: str) -> None:
@@ -91,12 +115,14 @@ class ThreadGroup(Group):
         return self.members[group_rank]
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Done:
+        check_held(tensor, f"send to rank {peer} on group {self.name!r}")
         self.fabric.mailbox(self.name, self.rank, peer, tag).put(tensor.detach().clone())
         return Done()
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> _Recv:
         box = self.fabric.mailbox(self.name, peer, self.rank, tag)
         what = f"recv from rank {peer} on group {self.name!r}"
+        check_held(tensor, what)
         return _Recv(box, tensor, self.fabric.timeout, what)
 
     def store_set(self, key: str, value: str) -> None:
@@ -110,6 +136,10 @@ class ThreadGroup(Group):
         return self.fabric.meet(self.name, self._native_seq, self.rank, self.size, value, what)
 
     def native(self, op: str, *args: Any, **kwargs: Any) -> Done:
+        for arg in [*args, *kwargs.values()]:  # the tensors, and a scatter's or gather's lists
+            for tensor in arg if isinstance(arg, list) else [arg]:
+                if isinstance(tensor, torch.Tensor):
+                    check_held(tensor, f"{op} on group {self.name!r} (rank {self.rank})")
         getattr(self, f"_native_{op}")(*args, **kwargs)
         return Done()
 

@@ -1,7 +1,7 @@
 """The training job's own sections: `[train]` (the run) and `[logging]` (what it shows).
 
 They are the Trainer's (dtrain.train), defined here, below it, because the layouts that
-build a model read `[train]` too (compile, FP8, the seed, gradient accumulation).
+build a model read `[train]` too (compile, FP8, the loss, the seed, gradient accumulation).
 
     [train]    steps = 400, batch_size = 32, eval_every = 100, out_dir = "runs/default"
     [logging]  metrics = "metrics.jsonl", log_every = 10
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from dtrain.models.chunked_loss import DEFAULT_CHUNK, LossKind
 from dtrain.models.float8 import Recipe
 from dtrain.schema import non_negative, positive
 
@@ -39,6 +40,14 @@ class TrainConfig:
     float8: Literal["none", Recipe] = "none"
     """Train the blocks' Linear layers in FP8 with torchao (tensorwise or rowwise scaling)
     on GPUs that have it (compute capability 8.9 and later); refused elsewhere."""
+    loss: LossKind = "auto"
+    """How the training loss meets the output head: plain (the logits of every token at
+    once), chunked (the head and cross-entropy computed loss_chunk tokens at a time,
+    forward and backward, so no rank holds every token's logits), or auto (chunked from a
+    vocabulary of 32000 token ids on, where the model can)."""
+    loss_chunk: int = positive(DEFAULT_CHUNK)
+    """Tokens per chunk of the chunked loss: its largest tensor is loss_chunk x the
+    vocabulary (this rank's block of it under tp) in fp32."""
 
 
 @dataclass
@@ -46,7 +55,8 @@ class LoggingConfig:
     metrics: str = ""
     """Path of a JSON-lines file with one record per step (and per evaluation)."""
     log_every: int = positive(10)
-    """Print a progress line every this many steps."""
+    """Print a progress line every this many steps; the metrics are gathered from every
+    rank then, once for the steps since the last line."""
     sample_tokens: int = non_negative(200)
     """Tokens of text to generate at the end; 0 skips the sample."""
     sample_prompt: str = "def "

@@ -35,7 +35,7 @@ from dtrain.mesh.config import ParallelConfig
 from dtrain.models import presets
 from dtrain.models.config import ModelConfig, with_preset
 from dtrain.models.recompute import MemoryConfig
-from dtrain.models.rules import check_layout
+from dtrain.models.rules import check_layout, check_loss
 from dtrain.optim.config import OptimizerConfig
 from dtrain.pipeline.schedules import check_config as check_pipeline
 from dtrain.ps.config import PsConfig
@@ -143,6 +143,7 @@ def _validate(config: Config) -> None:
     p, live = config.parallel, config.fault_tolerance.live
     model = with_preset(config.model, presets())
     check_layout(model, p)
+    check_loss(model, config.train.loss)
     check_checkpoint(config.checkpoint, {f"sync.method = {config.sync.method!r}":
                                          config.sync.method != "every_step"})
     check_data_parallel(p, config.comm)

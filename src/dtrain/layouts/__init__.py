@@ -34,7 +34,7 @@ from dtrain.layouts.parameter_server import ParameterServer
 from dtrain.layouts.pipeline import Pipelined
 from dtrain.layouts.zero import Sharded
 from dtrain.mesh import Dims, Mesh
-from dtrain.models import compiled, context, float8, init, moe, recompute
+from dtrain.models import chunked_loss, compiled, context, float8, init, moe, recompute
 from dtrain.models.weights import SlicedWeights
 from dtrain.sync.diloco import DiLoCo
 from dtrain.tensor_parallel.parallelize import sum_headwise_grads
@@ -94,6 +94,8 @@ def build(model: nn.Module, mesh: Mesh, config: Config,
     if config.train.float8 != "none":  # refused before anything is split or allocated
         float8.check_float8(mesh.world.device)
     skeleton = init.is_skeleton(model)
+    # the training loss over chunks of tokens (`train.loss`), set before tp splits the head
+    loss_note = chunked_loss.apply(model, config.train.loss, config.train.loss_chunk)
     if skeleton and weights is None:
         weights = init.Initial(model, config.train.seed)  # the whole model's names and rules
     dims = mesh.dims
@@ -117,7 +119,7 @@ def build(model: nn.Module, mesh: Mesh, config: Config,
     kind = kind_of(dims)
     if skeleton and kind in ("dp", "ps"):  # these hold their (tp blocks of the) model whole
         init.allocate(model, mesh.world.device)
-    notes = _notes(dims, config, recomputed, fp8_note)
+    notes = _notes(dims, config, recomputed, fp8_note, loss_note)
     held = HOLDINGS[kind](model, mesh, config, notes=notes,
                           **({"averaging": averaging} if averaging else {}))
     if skeleton:
@@ -140,12 +142,14 @@ def build(model: nn.Module, mesh: Mesh, config: Config,
     return held
 
 
-def _notes(dims: Dims, config: Config, recomputed: list[str], fp8: str) -> tuple[str, ...]:
-    """The banner's words for sequence parallelism, FP8 (`fp8`, if on) and what is
-    recomputed."""
+def _notes(dims: Dims, config: Config, recomputed: list[str], fp8: str,
+           loss: str) -> tuple[str, ...]:
+    """The banner's words for sequence parallelism, FP8 (`fp8`, if on), the chunked loss
+    (`loss`, if on) and what is recomputed."""
     notes = ["sequence parallel"] if dims.sequence_parallel else []
-    if fp8:
-        notes.append(fp8)
+    for note in (fp8, loss):
+        if note:
+            notes.append(note)
     if recomputed:
         mode = config.memory.recompute
         what = "modules" if config.memory.recompute_modules else \

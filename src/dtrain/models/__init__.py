@@ -12,7 +12,9 @@
 
 Every model's forward takes (token ids, targets) and returns (logits, loss), or logits
 without targets; a custom module may return a Hugging Face-style output with `.loss`
-instead. A model that names its parts (`Stages`) can be cut into pipeline stages.
+instead. A model that names its parts (`Stages`) can be cut into pipeline stages; one whose
+logits are a head on its final hidden states (`chunked_loss.ChunkableLM`: GPT, Llama, the
+Hugging Face families) can compute its training loss chunk by chunk, returning (None, loss).
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ def gpt_config(cfg: ModelConfig) -> GPTConfig:
 
 
 def loss_of_output(output: Any) -> torch.Tensor:
-    """The loss of a model's output: `(logits, loss)` or an object with `.loss`."""
+    """The loss of a model's output: `(logits, loss)` (logits None under the chunked loss)
+    or an object with `.loss`."""
     loss = getattr(output, "loss", None)
     return loss if loss is not None else output[1]

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtrain.models.chunked_loss import CrossEntropy
 from dtrain.models.rows import PackedDocuments
 from dtrain.models.stages import AttentionCore, StagedLM
 
@@ -82,7 +83,8 @@ class Block(nn.Module):
 
 
 class GPT(StagedLM):
-    """Decoder-only transformer returning logits, or (logits, loss) given targets."""
+    """Decoder-only transformer returning logits, or (logits, loss) given targets ((None,
+    loss) under the chunked loss: dtrain.models.chunked_loss)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -96,7 +98,7 @@ class GPT(StagedLM):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied embeddings, as in GPT-2
-        self.loss_fn = nn.CrossEntropyLoss()  # a module, so tensor parallelism can swap it
+        self.loss_fn = CrossEntropy()  # a module, so tensor parallelism can swap it
         self.apply(self._init)
 
     @staticmethod
@@ -117,5 +119,8 @@ class GPT(StagedLM):
     def stage_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return block(x, self.documents)
 
-    def stage_out(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(x))
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x)
+
+    def output_head(self) -> nn.Module:
+        return self.head

@@ -9,7 +9,9 @@ initialized from torch's current RNG (no download, no weights: `init_from` is lo
 the layouts through `hf_names`), and wraps it in `HFCausalLM`, which gives it dtrain's
 calls: forward(idx, targets) -> (logits, loss) through a `loss_fn` module (tensor
 parallelism swaps it for the vocab-parallel loss), pipeline stages for the Llama family
-(Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE) and GPT-2, and `after_split` for tensor
+(Llama, Mistral, Qwen2, Mixtral, Qwen3-MoE) and GPT-2, the chunked loss for the same
+families (dtrain.models.chunked_loss: their logits are `lm_head` on the base model's
+output; another model type keeps the plain loss), and `after_split` for tensor
 parallelism.
 
 Mixtral's and Qwen3-MoE's sparse blocks become dtrain's MoE layer (dtrain.models.moe)
@@ -36,6 +38,7 @@ from torch import nn
 
 from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import ConfigError
+from dtrain.models.chunked_loss import CrossEntropy, chunked_loss
 from dtrain.models.config import ModelConfig
 from dtrain.models.hf_places import HFName, expert_places
 from dtrain.models.kv_cache import KVCache
@@ -288,7 +291,9 @@ class HFCausalLM(nn.Module):
         self.transposed: set[str] = _convert_conv1d(hf, "hf.")
         _swap_moe(hf)
         self.family: Family | None = FAMILIES.get(hf.config.model_type)
-        self.loss_fn = nn.CrossEntropyLoss()  # a module, so tensor parallelism can swap it
+        # a module, so tensor parallelism can swap it
+        self.loss_fn: nn.Module = CrossEntropy()
+        self.loss_chunk = 0  # tokens per chunk of the loss (dtrain.models.chunked_loss)
         self.context: ContextParallel | None = None  # dtrain.models.context.apply sets it
         self.kv_cache: KVCache | None = None  # dtrain.models.generate.attach sets it
         self.documents: PackedDocuments | None = None  # the last forward's packed documents
@@ -297,10 +302,12 @@ class HFCausalLM(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None, weight: float | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits, or (logits, loss) with targets; `positions` and `weight` as dtrain's
-        own models take them (dtrain.models.stages.StagedLM.forward): packed documents
-        are given to transformers as their `position_ids` and a 4-D block-causal mask."""
+    ) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor]:
+        """Logits, or (logits, loss) with targets ((None, loss) under the chunked loss:
+        the base model's final hidden states through the head chunk by chunk,
+        dtrain.models.chunked_loss); `positions` and `weight` as dtrain's own models take
+        them (dtrain.models.stages.StagedLM.forward): packed documents are given to
+        transformers as their `position_ids` and a 4-D block-causal mask."""
         # No labels: transformers would shift them, and dtrain's targets are already the
         # next tokens.
         self.use_documents(positions)
@@ -310,6 +317,12 @@ class HFCausalLM(nn.Module):
                 self.kv_cache.hf = _transformers().DynamicCache()
             return self.hf(input_ids=idx, past_key_values=self.kv_cache.hf,
                            use_cache=True).logits
+        if targets is not None and self.loss_chunk:
+            # the families' logits are lm_head(base model's output): FAMILIES, output_head
+            hidden = self.hf.base_model(input_ids=idx, use_cache=False, **where)[0]
+            loss = chunked_loss(self, hidden, targets)
+            # finite without targets (0), so it carries its own zero where the weight is 0
+            return None, weighted(loss, weight, loss)
         logits = self.hf(input_ids=idx, use_cache=False, **where).logits
         if targets is None:
             return logits
@@ -398,8 +411,17 @@ class HFCausalLM(nn.Module):
         return out[0] if isinstance(out, tuple) else out  # older transformers return tuples
 
     def stage_out(self, h: torch.Tensor) -> torch.Tensor:
+        return self.hf.lm_head(self.final_hidden(h))
+
+    # How the chunked loss reaches the logits (dtrain.models.chunked_loss.ChunkableLM).
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
         norm = self.hf.model.norm if self.family is Family.ROTARY else self.hf.transformer.ln_f
-        return self.hf.lm_head(norm(h))
+        return norm(h)
+
+    def output_head(self) -> nn.Module | None:
+        """`lm_head` for the families dtrain knows, whose logits are it on the base model's
+        output (no scaling or soft-capping after it); None for the others."""
+        return self.hf.lm_head if self.family is not None else None
 
 
 def hf_names(model: HFCausalLM) -> dict[str, tuple[HFName, bool]]:

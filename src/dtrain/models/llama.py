@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.errors import ConfigError
+from dtrain.models.chunked_loss import CrossEntropy
 from dtrain.models.config import ModelConfig, moe_layer_indices
 from dtrain.models.moe import Experts, MoE, MoEConfig, Router, aux_loss
 from dtrain.models.rows import PackedDocuments
@@ -288,8 +289,8 @@ class Block(nn.Module):
 
 
 class Llama(StagedLM):
-    """Llama returning logits, or (logits, loss) given targets (its LlamaConfig has
-    checked the shape)."""
+    """Llama returning logits, or (logits, loss) given targets ((None, loss) under the
+    chunked loss: dtrain.models.chunked_loss); its LlamaConfig has checked the shape."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -300,7 +301,7 @@ class Llama(StagedLM):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        self.loss_fn = nn.CrossEntropyLoss()  # a module, so tensor parallelism can swap it
+        self.loss_fn = CrossEntropy()  # a module, so tensor parallelism can swap it
         self._rope_cache: tuple = (None, None)
         self.apply(self._init)
 
@@ -326,8 +327,11 @@ class Llama(StagedLM):
     def stage_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return block(x, self._rope(x), self.documents)
 
-    def stage_out(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(x))
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+    def output_head(self) -> nn.Module:
+        return self.head
 
     sequence_parts: int = 1
     """How many parts the blocks' input is of the whole sequence: tp under sequence

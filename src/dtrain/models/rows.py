@@ -73,12 +73,14 @@ class PackedDocuments:
 
 
 
-def weighted(loss: torch.Tensor, weight: float | None, logits: torch.Tensor) -> torch.Tensor:
+def weighted(loss: torch.Tensor, weight: float | None, anchor: torch.Tensor) -> torch.Tensor:
     """`loss` (the mean over this batch's targets) times `weight`; where the batch holds no
-    target (weight 0), a zero that still depends on `logits`, so backward runs (and its
-    collectives with it) with zero gradients instead of the mean's 0 / 0."""
+    target (weight 0), a zero that still depends on `anchor`, so backward runs (and its
+    collectives with it) with zero gradients instead of the mean's 0 / 0: the logits, or a
+    loss that is finite without targets (the chunked loss, dtrain.models.chunked_loss,
+    whose head gets its zero gradient through it)."""
     if weight is None:
         return loss
     if weight == 0:
-        return logits.float().sum() * 0.0
+        return anchor.float().sum() * 0.0
     return loss * weight

@@ -1,15 +1,16 @@
 """What each model can be laid out with, checked before any rank starts: experts under
 expert parallelism, sequences under context parallelism, heads under tensor parallelism
-(`check_layout`). The config (dtrain.config) calls it with the model's section as its
-preset fills it.
+(`check_layout`), and which models compute the chunked loss (`check_loss`). The config
+(dtrain.config) calls them with the model's section as its preset fills it.
 """
 
 from __future__ import annotations
 
 from dtrain.errors import ConfigError
 from dtrain.mesh.config import ParallelConfig
+from dtrain.models.chunked_loss import LossKind
 from dtrain.models.config import ModelConfig, check_moe, check_shape
-from dtrain.models.hf import ROTARY_FAMILY, hf_config_dict, hf_experts
+from dtrain.models.hf import FAMILIES, ROTARY_FAMILY, hf_config_dict, hf_experts
 from dtrain.models.llama import moe_config
 
 
@@ -80,3 +81,25 @@ def check_context(m: ModelConfig, p: ParallelConfig) -> None:
             raise ConfigError(f"parallel.cp_method = \"alltoall\" splits each rank's {heads} "
                               f"query and {kv} key/value heads over cp = {p.cp}, which does not "
                               "divide them: use cp_method = \"ring\" or \"allgather\"")
+
+
+def check_loss(m: ModelConfig, loss: LossKind) -> None:
+    """`train.loss = "chunked"` takes the logits apart into the output head and the final
+    hidden states (dtrain.models.chunked_loss): dtrain's GPT and Llama, and the Hugging
+    Face families whose logits are `lm_head` on the base model's output; "auto" leaves
+    the others the plain loss. What the built model holds (a LoRA adapter on its head) is
+    checked as it is built.
+
+    Raises:
+        ConfigError: "chunked" for a custom module or another Hugging Face model type.
+    """
+    if loss != "chunked" or m.arch in ("gpt", "llama"):
+        return
+    model_type = hf_config_dict(m).get("model_type") if m.arch == "hf" else None
+    if m.arch == "hf" and model_type in FAMILIES:
+        return
+    what = "model.arch = \"custom\" computes its own loss" if m.arch != "hf" else \
+        f"the Hugging Face model type {model_type!r} is not one whose head dtrain knows " \
+        f"({', '.join(FAMILIES)})"
+    raise ConfigError(f"train.loss = \"chunked\": {what}: use train.loss = \"plain\" or "
+                      "\"auto\"")

@@ -30,6 +30,7 @@ from torch import nn
 from dtrain.context_parallel import ContextParallel, positions_of
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.masks import compiled_flex_attention, document_mask
+from dtrain.models.chunked_loss import chunked_loss
 from dtrain.models.kv_cache import KVCache, LayerCache
 from dtrain.models.rows import PackedDocuments, weighted
 
@@ -65,16 +66,23 @@ class Stages(Protocol):
 
 class StagedLM(nn.Module):
     """A language model whose forward is its stages in a row: `stage_in`, every block of
-    `stage_parts()`, `stage_out`, then with targets the loss of `self.loss_fn` (a module,
-    so tensor parallelism can swap it for a vocab-parallel one). Subclasses set
-    `block_size` (the longest input) and the stage methods."""
+    `stage_parts()`, `stage_out` (`output_head()` on `final_hidden`), then with targets the
+    loss of `self.loss_fn` (a module, so tensor parallelism can swap it for a
+    vocab-parallel one): of the logits, or with `loss_chunk` set of the final hidden
+    states chunk by chunk (dtrain.models.chunked_loss). Subclasses set `block_size` (the
+    longest input), `stage_parts`, `stage_in`, `final_hidden` and `output_head`."""
 
     block_size: int
     loss_fn: nn.Module
-    # the stage methods (stage_block has a default below), which the subclasses define
+    # the stage methods (stage_block and stage_out have defaults below), which the
+    # subclasses define
     stage_parts: Callable[[], tuple[list[str], str, list[str]]]
     stage_in: Callable[[torch.Tensor], torch.Tensor]
-    stage_out: Callable[[torch.Tensor], torch.Tensor]
+    final_hidden: Callable[[torch.Tensor], torch.Tensor]
+    output_head: Callable[[], nn.Module]
+    loss_chunk: int = 0
+    """Tokens per chunk of the training loss (dtrain.models.chunked_loss.apply sets it);
+    0: the plain loss, of every token's logits at once."""
     context: ContextParallel | None = None
     """Context parallelism (dtrain.models.context.apply): the inputs are this rank's chunks
     of each sequence, whose positions are the global ones."""
@@ -100,8 +108,9 @@ class StagedLM(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None,
         positions: torch.Tensor | None = None, weight: float | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits of `idx` (batch, time), or (logits, loss) with `targets`.
+    ) -> torch.Tensor | tuple[torch.Tensor | None, torch.Tensor]:
+        """Logits of `idx` (batch, time), or (logits, loss) with `targets`; under the
+        chunked loss (`loss_chunk`) (None, loss), as no logits of every token exist.
 
         Args:
             positions: rows of packed documents: each token's place in its document
@@ -120,11 +129,17 @@ class StagedLM(nn.Module):
         x = self.stage_in(idx)
         for block in cast(nn.ModuleList, self.get_submodule(self.stage_parts()[1])):
             x = self.stage_block(block, x)
-        logits = self.stage_out(x)
         if targets is None:
-            return logits
-        loss = self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-        loss = weighted(loss, weight, logits)
+            return self.stage_out(x)
+        logits: torch.Tensor | None = None
+        if self.loss_chunk:
+            loss = chunked_loss(self, self.final_hidden(x), targets)
+            # finite without targets (0), so it carries its own zero where the weight is 0
+            loss = weighted(loss, weight, loss)
+        else:
+            logits = self.stage_out(x)
+            loss = self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            loss = weighted(loss, weight, logits)
         extra = self.extra_loss()
         return logits, loss if extra is None else loss + extra
 
@@ -141,6 +156,9 @@ class StagedLM(nn.Module):
 
     def stage_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return block(x)
+
+    def stage_out(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output_head()(self.final_hidden(x))
 
     def extra_loss(self) -> torch.Tensor | None:
         """A loss the blocks computed on the way, added to the model's (a mixture of

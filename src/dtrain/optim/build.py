@@ -19,13 +19,24 @@ tensor-parallel form and each of its pipeline pieces:
 pipeline rank passes its pieces as one nn.ModuleList: each piece is split on its own,
 under the whole model's names. Tensor-parallel blocks are found by their layers' `splits`
 and `group` (`tensor_blocks`), for Muon to orthogonalize each matrix whole.
+
+Every optimizer steps all its parameters at once (`step_kernel`), as torchtitan's do: on
+CUDA torch's fused kernels (`fused=True`: AdamW's whole update, every parameter, in a few
+kernel launches), elsewhere its multi-tensor path (`foreach=True`: one call per operation
+over the list of parameters, not a loop of small ops per parameter). On a CPU in fp32 the
+multi-tensor step is bit for bit the per-parameter one (tests/optim/test_fused_step.py),
+so runs compared with one process are unchanged; CUDA's fused kernel rounds differently in
+the last bits. The choice is made where the tensors the optimizer updates are known: here
+for a layout's parameters, and again by ZeRO for its shard pieces (on the host under
+optimizer offload). A choice a caller made (`foreach=False`, `fused=False`) is kept.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -62,10 +73,67 @@ def build_optimizer(params: Iterable[nn.Parameter] | nn.Module, cfg: OptimizerCo
     groups = decay_groups(params.parameters() if isinstance(params, nn.Module) else params,
                           cfg.weight_decay)
     betas = cast(tuple[float, float], tuple(cfg.betas))  # two: OptimizerConfig.check
+    kernel = step_kernel(device_of(p for g in groups for p in g["params"]))
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        return steps_follow_params(torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
+                                                   **kernel))
     optimizer = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-    return optimizer(groups, lr=cfg.lr, betas=betas)
+    return steps_follow_params(optimizer(groups, lr=cfg.lr, betas=betas, **kernel))
+
+
+StepKernel = dict[str, bool]
+"""An optimizer's `foreach` or `fused` option, as its constructor takes it ({}: torch's
+default)."""
+
+
+def device_of(params: Iterable[torch.Tensor]) -> torch.device | None:
+    """The one device `params` are on; None for none, several, or the meta device (a
+    module built in split form, allocated later)."""
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    return None if device.type == "meta" else device
+
+
+def step_kernel(device: torch.device | None) -> StepKernel:
+    """How an optimizer steps parameters on `device` all at once: {"fused": True} on CUDA,
+    {"foreach": True} on any other device, {} when it is not known (see the module
+    docstring)."""
+    if device is None:
+        return {}
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+
+def with_step_kernel(options: dict[str, Any], optimizer: type[torch.optim.Optimizer],
+                     device: torch.device | None) -> dict[str, Any]:
+    """`options` (a parameter group's, or an optimizer's defaults) with `step_kernel(device)`
+    in place of their `foreach` and `fused`, where `optimizer` takes them and `options`
+    did not turn either off (False: a caller's choice, kept)."""
+    kernel = step_kernel(device)
+    taken = inspect.signature(optimizer).parameters
+    if not kernel or options.get("foreach") is False or options.get("fused") is False \
+            or not all(key in taken for key in ("foreach", "fused")):
+        return options
+    return {**options, "foreach": kernel.get("foreach"), "fused": kernel.get("fused")}
+
+
+Built = TypeVar("Built", bound=torch.optim.Optimizer)
+
+
+def steps_follow_params(optimizer: Built) -> Built:
+    """`optimizer`, its step counts moved onto their parameter's device before each step
+    where a group steps by fused kernels, which read them there (torch makes them there;
+    a checkpoint's restored count, dtrain.layouts.parts, is a host scalar). Returns it."""
+    def before_step(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        for group in opt.param_groups:
+            for p in group["params"] if group.get("fused") else []:
+                count = opt.state.get(p, {}).get("step")
+                if isinstance(count, torch.Tensor) and count.device != p.device:
+                    opt.state[p]["step"] = count.to(p.device)
+
+    optimizer.register_step_pre_hook(before_step)
+    return optimizer
 
 
 def build_muon(module: nn.Module, cfg: OptimizerConfig) -> Muon:
@@ -76,11 +144,12 @@ def build_muon(module: nn.Module, cfg: OptimizerConfig) -> Muon:
     beta1, beta2 = cfg.betas
     groups = [{"params": matrices, "muon": True, "lr": cfg.muon_lr or cfg.lr},
               *({**g, "muon": False} for g in decay_groups(rest, cfg.weight_decay))]
-    return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+    muon = Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
                 nesterov=cfg.muon_nesterov, ns_coefficients=(a, b, c), eps=cfg.muon_eps,
                 ns_steps=cfg.muon_ns_steps, adjust_lr_fn=cfg.muon_adjust_lr,
                 ns_dtype=getattr(torch, cfg.muon_ns_dtype), betas=(beta1, beta2),
-                blocks=tensor_blocks(module))
+                blocks=tensor_blocks(module), **step_kernel(device_of(rest)))
+    return steps_follow_params(muon)
 
 
 def muon_split(module: nn.Module, exclude: Iterable[str] = (), include: Iterable[str] = ()

@@ -132,14 +132,16 @@ def apply_update(param: torch.Tensor, ortho: torch.Tensor, group: Mapping[str, A
 
 def step_adamw(state: Mapping[torch.Tensor, dict[str, Any]], group: Mapping[str, Any]) -> None:
     """AdamW on `group`'s parameters that have a gradient: torch's own functional step
-    (what torch.optim.AdamW runs), its state made here as torch.optim.AdamW makes it."""
+    (what torch.optim.AdamW runs, by the group's `foreach` or `fused` kernel), its state
+    made here as torch.optim.AdamW makes it."""
     params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
     for p in group["params"]:
         if p.grad is None:
             continue
         s = state[p]
-        if "step" not in s:
-            s["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if "step" not in s:  # fused kernels read it on the parameter's device
+            s["step"] = torch.tensor(0.0, dtype=torch.float32,
+                                     device=p.device if group.get("fused") else None)
         for key in ("exp_avg", "exp_avg_sq"):
             if key not in s:
                 s[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -149,8 +151,9 @@ def step_adamw(state: Mapping[torch.Tensor, dict[str, Any]], group: Mapping[str,
         exp_avg_sqs.append(s["exp_avg_sq"])
         steps.append(s["step"])
     beta1, beta2 = group["betas"]
-    adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, capturable=False,
-         differentiable=False, fused=None, has_complex=False, decoupled_weight_decay=True,
+    adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=group.get("foreach"),
+         capturable=False, differentiable=False, fused=group.get("fused"), has_complex=False,
+         decoupled_weight_decay=True,
          amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
          weight_decay=group["weight_decay"], eps=group["adam_eps"], maximize=False)
 
@@ -169,6 +172,9 @@ class Muon(torch.optim.Optimizer):
         adjust_lr_fn: None or "original" (Keller Jordan's), "match_rms_adamw" (Moonlight's).
         ns_dtype: the dtype Newton-Schulz computes in (torch's: bfloat16).
         betas, adam_eps: AdamW's.
+        foreach, fused: the kernel of AdamW's step, as torch.optim.AdamW takes them (None:
+            torch's choice; dtrain.optim.build_optimizer picks fused on CUDA, foreach
+            elsewhere).
         blocks: id(parameter) -> its tensor-parallel Block, for the matrices cut over tp
             ranks (orthogonalized whole; every rank of the block's group steps it alike).
 
@@ -184,6 +190,7 @@ class Muon(torch.optim.Optimizer):
                  eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: AdjustLr = None,
                  ns_dtype: torch.dtype = torch.bfloat16,
                  betas: tuple[float, float] = (0.9, 0.95), adam_eps: float = 1e-8,
+                 foreach: bool | None = None, fused: bool | None = None,
                  blocks: Mapping[int, Block] | None = None) -> None:
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
             raise DtrainError(f"Muon adjust_lr_fn={adjust_lr_fn!r}: use None, \"original\" "
@@ -192,7 +199,8 @@ class Muon(torch.optim.Optimizer):
                     "momentum": momentum, "nesterov": nesterov,
                     "ns_coefficients": tuple(ns_coefficients), "eps": eps,
                     "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn, "ns_dtype": ns_dtype,
-                    "betas": tuple(betas), "adam_eps": adam_eps}
+                    "betas": tuple(betas), "adam_eps": adam_eps, "foreach": foreach,
+                    "fused": fused}
         super().__init__(params, defaults)
         self.blocks = dict(blocks or {})
         self.check_matrices()

@@ -6,20 +6,23 @@ slice of the model's. The first piece also holds the input part (embeddings), th
 output part (final norm, head). A weight the two share (a head tied to the token
 embedding) is named by `tied_weights` (on one rank, the V placement's first, given a twin
 in the output part), so the Pipeline sums its gradients there as autograd does for one
-shared weight. A loss the blocks compute
-on the way (a mixture of experts' load balancing) is added by each piece for its own
+shared weight. Under a chunked loss (dtrain.models.chunked_loss) the last piece hands
+the loss its final hidden states, not its logits (`hidden_for_loss`). A loss the blocks
+compute on the way (a mixture of experts' load balancing) is added by each piece for its own
 blocks (`extra_loss_of`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
 
 from dtrain import comm
 from dtrain.errors import ConfigError
+from dtrain.models.chunked_loss import ChunkableLM, chunked_loss
 from dtrain.models.moe import moe_layers
 from dtrain.models.stages import Stages
 from dtrain.pipeline.partition import balanced_sizes, stage_sizes
@@ -54,10 +57,19 @@ class Piece(nn.Module):
         _place(self, blocks_name, nn.ModuleDict({str(i): every[i] for i in blocks}))
         self._model = (model,)  # a tuple: the whole model is not a submodule of the piece
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def hidden_for_loss(self) -> bool:
+        """Whether this is the last piece of a model whose loss is computed chunk by chunk
+        from the final hidden states (dtrain.models.chunked_loss): the pipeline asks it
+        for those (`forward(hidden=True)`) and `loss_of` applies the head."""
+        return self.last and bool(getattr(self._model[0], "loss_chunk", 0))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                hidden: bool = False) -> torch.Tensor:
         """The piece's stages on `x` (token ids into the first piece, hidden states into
         the others); `positions`: the micro-batch's packed documents, which every piece's
-        blocks need (dtrain.models.rows).
+        blocks need (dtrain.models.rows); `hidden`: the last piece returns the final
+        hidden states (after the output norm) instead of the logits, for a chunked loss.
 
         Raises:
             ConfigError: packed documents for a model that cannot take them.
@@ -73,7 +85,11 @@ class Piece(nn.Module):
             x = model.stage_in(x)
         for block in self.held_blocks:
             x = model.stage_block(block, x)
-        return model.stage_out(x) if self.last else x
+        if not self.last:
+            return x
+        if hidden:
+            return cast(ChunkableLM, model).final_hidden(x)
+        return model.stage_out(x)
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
@@ -123,10 +139,26 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def hidden_for_loss(piece: nn.Module) -> bool:
+    """Whether `piece` (a Piece, or a wrapper holding one as `.module`: DataParallel,
+    ZeRO) is a last piece that gives the loss its final hidden states
+    (`Piece.hidden_for_loss`)."""
+    while not isinstance(piece, Piece):
+        inner = getattr(piece, "module", None)
+        if not isinstance(inner, nn.Module):
+            return False
+        piece = inner
+    return piece.hidden_for_loss
+
+
 def loss_of(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The loss of `model` as it computes it (its `loss_fn` module, vocab-parallel once
-    tensor parallelism has replaced it), for the last piece's output; `lm_loss` for a
+    tensor parallelism has replaced it), for the last piece's output: its logits, or
+    under the chunked loss (`model.loss_chunk`, dtrain.models.chunked_loss) its final
+    hidden states, which the loss takes through the head chunk by chunk; `lm_loss` for a
     model without one."""
+    if getattr(model, "loss_chunk", 0):
+        return lambda hidden, targets: chunked_loss(model, hidden, targets)
     loss_fn = getattr(model, "loss_fn", None)
     if loss_fn is None:
         return lm_loss

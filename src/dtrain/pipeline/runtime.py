@@ -44,7 +44,7 @@ from dtrain.errors import ConfigError
 from dtrain.models.rows import weighted
 from dtrain.pipeline import schedules
 from dtrain.pipeline.p2p import Channels
-from dtrain.pipeline.pieces import ExtraLoss, Tie, counted_elsewhere
+from dtrain.pipeline.pieces import ExtraLoss, Tie, counted_elsewhere, hidden_for_loss
 from dtrain.pipeline.schedules import Action, Placement
 from dtrain.pipeline.split_backward import WeightGrads
 from dtrain.timeline import span
@@ -95,7 +95,9 @@ class Pipeline:
         schedule: "gpipe", "1f1b", "interleaved", or a zero-bubble one, each backward
             split in B and W (dtrain.pipeline.split_backward): "zb1p", and on two chunks
             per rank in a V "zbv" and "dualpipev".
-        loss_fn: `loss_fn(output, target)` on the last stage, a mean over the micro-batch.
+        loss_fn: `loss_fn(output, target)` on the last stage, a mean over the micro-batch;
+            a last piece that gives its loss the final hidden states
+            (dtrain.pipeline.pieces.hidden_for_loss: a chunked loss) is asked for those.
         tied: parameters shared with another stage (say input embedding and output head):
             (this rank's parameter, the other stage's rank in `group`, or the parameter on
             this rank it is a twin of: `Tie`). Their gradients are summed across both after
@@ -128,6 +130,8 @@ class Pipeline:
         self.pp, self.rank, self.chunks = self.group.size, self.group.rank, len(self.pieces)
         self.microbatches, self.schedule, self.loss_fn = microbatches, schedule, loss_fn
         self.extra_loss, self.overlap = extra_loss, overlap
+        self._hidden = [hidden_for_loss(piece) for piece in self.pieces]
+        """Per chunk: its piece gives `loss_fn` its final hidden states (a chunked loss)."""
         self.actions = schedules.build(schedule, self.pp, self.rank, microbatches, self.chunks)
         self.place = Placement.of(schedule, self.pp, self.chunks)
         self._last_backward = {a.chunk: i for i, a in enumerate(self.actions)
@@ -342,15 +346,18 @@ class Pipeline:
         """The piece's output (the last stage's: its loss share), kept for the backward,
         the losses counted."""
         chunk = action.chunk
+        hidden = self._hidden[chunk]  # the last piece's final hidden states, for the loss
+        given: dict[str, torch.Tensor | bool] = {"hidden": True} if hidden else {}
+        if self._micro_positions is not None:
+            given["positions"] = self._micro_positions[action.micro]
         with self._products(action):
-            if self._micro_positions is None:
-                out = self.pieces[chunk](inp)
-            else:
-                out = self.pieces[chunk](inp, positions=self._micro_positions[action.micro])
+            out = self.pieces[chunk](inp, **given)
         if self._is_last(chunk):
             loss = self.loss_fn(out, micro_tg[action.micro])
+            # a chunked loss is finite without targets (0), so it carries its own zero;
+            # the plain one (0 / 0 there) takes it from the logits
             out = loss / self.microbatches if self._weights is None else \
-                weighted(loss, self._weights[action.micro], out)
+                weighted(loss, self._weights[action.micro], loss if hidden else out)
         extra = self._extra(chunk)
         for loss in ([out] if self._is_last(chunk) else []) + ([extra] if extra is not None
                                                                  else []):

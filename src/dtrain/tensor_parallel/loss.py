@@ -11,15 +11,29 @@ the target contributes it). The gradient, softmax(z) - onehot(target), is comput
 rank's block, in place of the softmax forward kept (as Megatron-LM does: one block of
 logits alive in backward, so backward runs once per forward). Memory and traffic per
 token: O(V/n) and three floats instead of O(V).
+
+The same module computes the loss chunk by chunk from the hidden states and the
+column-parallel head (`chunked`, dtrain.models.chunked_loss): the three numbers are
+all-reduced per chunk of tokens, and no rank holds more than one chunk's block of logits.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
 from dtrain import comm
+from dtrain.errors import ConfigError
+from dtrain.models.chunked_loss import (
+    linear_cross_entropy,
+    plain_head,
+    softmax_cross_entropy_,
+    softmax_to_gradient_,
+)
+from dtrain.tensor_parallel.functions import copy_to_group, gather_sequence
+from dtrain.tensor_parallel.layers import ColumnParallelLinear
 
 
 class _CrossEntropyCtx(FunctionCtx):
@@ -36,23 +50,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx: _CrossEntropyCtx, logits: torch.Tensor, target: torch.Tensor,
                 group: comm.Group, algorithm: str, ignore_index: int) -> torch.Tensor:
         z = logits.float()
-        width = z.shape[-1]
-        first = group.rank * width
-        top = z.max(dim=-1).values
-        comm.all_reduce(top, op="max", group=group, algorithm=algorithm)
-        z = z - top.unsqueeze(-1)
-        outside = (target < first) | (target >= first + width)
-        local = (target - first).masked_fill(outside, 0)
-        picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = z.exp_()
-        sums = torch.stack([exp.sum(dim=-1), picked])
-        comm.all_reduce(sums, group=group, algorithm=algorithm)
-        total, picked = sums.unbind(0)
-        loss = total.log() - picked
-        ignored = target == ignore_index
-        loss = loss.masked_fill(ignored, 0.0)
-        exp.div_(total.unsqueeze(-1))  # softmax, kept for backward
-        ctx.save_for_backward(exp, local, outside | ignored, ignored)
+        if z is logits:  # the softmax is made in place: never in the caller's logits
+            z = z.clone()
+        loss, local, here = softmax_cross_entropy_(z, target, GroupVocabulary(group, algorithm),
+                                                   ignore_index)
+        ctx.save_for_backward(z, local, here, target == ignore_index)  # z: the softmax
         ctx.dtype, ctx.consumed = logits.dtype, False
         return loss
 
@@ -63,10 +65,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             raise RuntimeError("vocab_parallel_cross_entropy: backward runs once per forward "
                                "(it turns the saved softmax into the gradient in place)")
         ctx.consumed = True
-        softmax, local, not_here, ignored = ctx.saved_tensors
-        softmax.scatter_add_(-1, local.unsqueeze(-1), -(~not_here).unsqueeze(-1).float())
-        softmax.mul_(grad.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return softmax.to(ctx.dtype), None, None, None, None
+        softmax, local, here, ignored = ctx.saved_tensors
+        gradient = softmax_to_gradient_(softmax, local, here, grad.masked_fill(ignored, 0.0))
+        return gradient.to(ctx.dtype), None, None, None, None
+
+
+class GroupVocabulary:
+    """The vocabulary split in equal blocks over `group`, rank r holding the r-th: the
+    softmax's statistics all-reduced over it (dtrain.models.chunked_loss.VocabularySplit)."""
+
+    def __init__(self, group: comm.Group, algorithm: str = "auto") -> None:
+        self.group, self.algorithm = group, algorithm
+
+    def first(self, width: int) -> int:
+        return self.group.rank * width
+
+    def all_max(self, x: torch.Tensor) -> None:
+        comm.all_reduce(x, op="max", group=self.group, algorithm=self.algorithm)
+
+    def all_sum(self, x: torch.Tensor) -> None:
+        comm.all_reduce(x, group=self.group, algorithm=self.algorithm)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
@@ -94,7 +112,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    """`vocab_parallel_cross_entropy` as a module, in place of `nn.CrossEntropyLoss`."""
+    """`vocab_parallel_cross_entropy` as a module, in place of `nn.CrossEntropyLoss`; with
+    a column-parallel head, also chunk by chunk from the hidden states (`chunked`)."""
 
     def __init__(self, group: comm.GroupLike = None, ignore_index: int = -100,
                  reduction: str = "mean", algorithm: str = "auto") -> None:
@@ -105,3 +124,44 @@ class VocabParallelCrossEntropy(nn.Module):
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, target, self.group, self.reduction,
                                             self.ignore_index, self.algorithm)
+
+    def refusal(self, head: nn.Module) -> str | None:
+        """Why the loss cannot be computed chunk by chunk over `head` (None: it can): it
+        must be a plain ColumnParallelLinear over this loss's group, its output not
+        gathered, and the mean its reduction."""
+        if self.reduction != "mean":
+            return f"the vocab-parallel loss's reduction is {self.reduction!r}, not mean"
+        why = plain_head(head, ColumnParallelLinear)
+        if why is not None:
+            return why
+        assert isinstance(head, ColumnParallelLinear)  # plain_head checked its type
+        if head.gather_output or head.group.size != self.group.size \
+                or head.matmul is not F.linear:
+            return ("the column-parallel head gathers its output, multiplies otherwise, or "
+                    "is split over another group than the loss")
+        return None
+
+    def chunked(self, hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor,
+                chunk: int) -> torch.Tensor:
+        """The mean loss of `targets` under `head(hidden)`, `chunk` tokens at a time, each
+        rank multiplying its block of the head's rows (its vocabulary block).
+
+        `hidden` reaches the head as the head itself would take it: copied to the group
+        (its gradient, each rank's block's share, summed over it), or under sequence
+        parallelism gathered whole from the ranks' parts (the gradient summed and cut
+        back to this rank's part).
+
+        Raises:
+            ConfigError: `refusal(head)` says why not.
+        """
+        why = self.refusal(head)
+        if why is not None:
+            raise ConfigError(f"train.loss = \"chunked\": {why}: use train.loss = \"plain\"")
+        assert isinstance(head, ColumnParallelLinear)  # refusal checked it
+        if head.sequence_gather is not None:
+            whole = gather_sequence(hidden, self.group, self.algorithm)
+        else:
+            whole = copy_to_group(hidden, self.group, self.algorithm)
+        return linear_cross_entropy(whole, head.weight, head.bias, targets, chunk,
+                                    self.ignore_index, GroupVocabulary(self.group,
+                                                                      self.algorithm))

@@ -34,6 +34,8 @@ def _speed(figures: Mapping[str, float | int]) -> str:
 
 class Progress:
     """A tqdm bar when the output is a terminal, else a plain line every `log_every` steps.
+    The bar moves at each step (`tick`); the figures, gathered from every rank once per
+    `log_every` steps, are shown as they come (`step`).
 
     Args:
         total: steps planned.
@@ -50,15 +52,21 @@ class Progress:
         if enabled and self.stream.isatty():
             self.bar = tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=True)
 
+    def tick(self) -> None:
+        """A step is done: the bar moves on (its figures come with `step`, at the next log,
+        when they are gathered)."""
+        if self.bar is not None:
+            self.bar.update(1)
+
     def step(self, step: int, loss: float, tokens_per_s: float,
              speed: Mapping[str, float | int] | None = None) -> None:
         """Show `step`'s loss and speed: tokens/s and, from dtrain.train.speed's figures,
-        TFLOP/s per rank, MFU and peak memory."""
+        TFLOP/s per rank, MFU and peak memory (the bar's figures, or a line every
+        `log_every` steps and at the last)."""
         if not self.enabled:
             return
         speed = speed or {}
         if self.bar is not None:
-            self.bar.update(1)
             shown = {"loss": f"{loss:.4f}", "tok_s": f"{tokens_per_s:,.0f}"}
             if "mfu" in speed:
                 shown["mfu"] = f"{speed['mfu']:.1%}"

@@ -11,10 +11,15 @@ recomputation not counted), so `dtrain train`, `dtrain plan` and the cluster pla
 report the same MFU for the same step time. A Hugging Face or custom model has no shape
 for the planner: it counts 6 x its parameters (the attention term left out).
 
-Each step `StepSpeed.measure` gathers every rank's busy time and peak memory over the
-world in one small all-gather (a rank's busy time is its step time less what it spent
-blocked in dtrain.comm's collectives: in a synchronous step every rank's wall time is the
-slowest one's, so only what it did itself tells the slow rank apart).
+Every rank keeps its own figures of each step (`StepSpeed.keep`: its busy time, its peak
+memory, and one number of the caller's, the Trainer's loss), and they are gathered over
+the world in one small all-gather every `log_every` steps (`StepSpeed.take`), not every
+step: a collective each step costs a latency on every rank (on a GPU, a synchronization
+of the host with the device too) for figures read once a log line. Each step's figures
+come out as they would have been gathered that step. A rank's busy time is its step time
+less what it spent blocked in dtrain.comm's collectives: in a synchronous step every
+rank's wall time is the slowest one's, so only what it did itself tells the slow rank
+apart.
 """
 
 from __future__ import annotations
@@ -84,6 +89,33 @@ def slowest(busy: list[float]) -> Straggler:
     return Straggler(rank, busy[rank], busy[rank] / median if median > 0 else 1.0)
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A step's figures over the ranks, as `StepSpeed.take` gives them.
+
+    Attributes:
+        step: the step.
+        figures: its record's speed figures (tflops, mfu, peak_memory_gib, slowest_*).
+        straggler: a `straggler:` line at the end of a window that had one, else "".
+        carried: the number each rank kept with the step (`StepSpeed.keep`), in rank
+            order over the group; this rank's alone where nothing is gathered.
+    """
+
+    step: int
+    figures: dict[str, float | int]
+    straggler: str
+    carried: list[float]
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """What a rank keeps of a step until its figures are taken."""
+
+    step: int
+    tokens_per_s: float
+    row: tuple[float, float, float]  # busy seconds, peak memory bytes, the carried number
+
+
 class StepSpeed:
     """Each step's speed figures for the metrics, and now and then a straggler line.
 
@@ -93,8 +125,8 @@ class StepSpeed:
         ranks: the ranks that share the global batch.
         device: this rank's device.
         group: the ranks whose busy times and memory are gathered (None: the world).
-        gather: False where the ranks never wait on each other (parameter-server workers):
-            this rank's own figures, no collective.
+        gather: False where the ranks never meet after a step (parameter-server workers,
+            live replicas): this rank's own figures, no collective.
         every: at most one straggler line per this many steps.
     """
 
@@ -105,45 +137,70 @@ class StepSpeed:
         self.window: list[float] = []  # each rank's busy seconds since the last check
         self.window_steps = 0
         self.waited = comm.waited()
+        self.kept: list[_Kept] = []
 
     def begin(self) -> None:
         """Mark the start of a step (time blocked in collectives counts from here)."""
         self.waited = comm.waited()
 
+    def keep(self, step: int, seconds: float, tokens_per_s: float, carried: float = 0.0
+             ) -> None:
+        """Keep this rank's figures of `step` (its busy time out of `seconds`, its peak
+        memory so far) and `carried`, a number of the caller's to gather with them, until
+        `take`: no collective."""
+        busy = max(seconds - (comm.waited() - self.waited), 0.0)
+        self.kept.append(_Kept(step, tokens_per_s,
+                               (busy, float(peak_memory_bytes(self.device)), carried)))
+
+    def take(self) -> list[Measured]:
+        """The figures of every step kept since the last take, in step order (every rank
+        calls it after the same steps: one all-gather of them all, where `gather`). Each
+        step's are what that step alone would give; a straggler line comes with each
+        `every`-th step whose window of steps had one."""
+        if not self.kept:
+            return []
+        mine = torch.tensor([k.row for k in self.kept], dtype=torch.float64)
+        if self.gather:
+            # 24 bytes a rank and step: the backend's own, never auto's first-call measurement
+            every_rank = comm.all_gather(mine.view(-1).to(self.device), group=self.group,
+                                         algorithm="native").cpu().view(-1, *mine.shape)
+        else:
+            every_rank = mine.view(1, *mine.shape)
+        kept, self.kept = self.kept, []
+        return [self._measured(k, every_rank[:, i]) for i, k in enumerate(kept)]
+
     def measure(self, step: int, seconds: float, tokens_per_s: float
                 ) -> tuple[dict[str, float | int], str]:
-        """This step's figures (every rank calls it: a collective) and, every `every`
-        steps, a straggler line when one rank's busy time over those steps passes
-        STRAGGLER_RATIO x the median's (else "")."""
-        busy = max(seconds - (comm.waited() - self.waited), 0.0)
-        mine = torch.tensor([busy, float(peak_memory_bytes(self.device))], dtype=torch.float64)
-        if self.gather:
-            # 16 bytes a rank: the backend's own, never auto's first-call measurement
-            every_rank = comm.all_gather(mine.to(self.device), group=self.group,
-                                         algorithm="native").cpu().view(-1, 2)
-        else:
-            every_rank = mine.view(1, 2)
+        """`keep` and `take` of one step at once (a collective, where `gather`): its
+        figures and straggler line."""
+        self.keep(step, seconds, tokens_per_s)
+        (measured,) = self.take()
+        return measured.figures, measured.straggler
+
+    def _measured(self, kept: _Kept, every_rank: torch.Tensor) -> Measured:
+        """A step's figures from each rank's row of it ([ranks, 3]), its straggler window
+        advanced."""
         busy_all = every_rank[:, 0].tolist()
         worst = slowest(busy_all)
         figures: dict[str, float | int] = {
-            "tflops": achieved_tflops(self.flops.per_token, tokens_per_s, self.ranks),
+            "tflops": achieved_tflops(self.flops.per_token, kept.tokens_per_s, self.ranks),
             "peak_memory_gib": every_rank[:, 1].max().item() / GiB,
             "slowest_rank": worst.rank, "slowest_busy_s": worst.seconds,
             "slowest_vs_median": worst.ratio}
         if self.peak.known:
-            figures["mfu"] = mfu(self.flops.per_token, tokens_per_s, self.ranks,
+            figures["mfu"] = mfu(self.flops.per_token, kept.tokens_per_s, self.ranks,
                                  self.peak.tflops)
         if len(self.window) != len(busy_all):  # the first step of a window
             self.window, self.window_steps = [0.0] * len(busy_all), 0
         self.window = [a + b for a, b in zip(self.window, busy_all, strict=True)]
         self.window_steps += 1
         line = ""
-        if step % self.every == 0:  # over the window: one step's jitter is no straggler
+        if kept.step % self.every == 0:  # over the window: one step's jitter is no straggler
             window = slowest([b / self.window_steps for b in self.window])
             self.window, self.window_steps = [], 0
             if window.ratio > STRAGGLER_RATIO:
                 line = window.line()
-        return figures, line
+        return Measured(kept.step, figures, line, every_rank[:, 2].tolist())
 
     def describe(self) -> str:
         """One line for the banner: the FLOPs counted and the peak divided by."""

@@ -22,6 +22,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -66,6 +67,79 @@ def mean_over(value: float, group: comm.GroupLike, device: torch.device) -> floa
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
     return comm.all_reduce(t, op="avg", group=group).item()
+
+
+def _world_ranks(group: comm.GroupLike) -> list[int]:
+    """The world ranks of `group`'s members, in its order (None: this rank alone)."""
+    if group is None:
+        return [comm.resolve(None).rank]
+    g = comm.resolve(group)
+    return [g.global_rank(i) for i in range(g.size)]
+
+
+class StepLoss:
+    """A step's reported loss: each rank's own averaged over the Holding's loss group, then
+    over the sync groups.
+
+    Where the world's ranks meet after every step (`gathered`), each rank keeps its own loss
+    and the losses of the steps since the last log travel with their speed figures in one
+    all-gather over the world (dtrain.train.speed.StepSpeed.take); `of` averages them as
+    `mean_over`'s two all-reduces would: a sum of a few float32 losses is exact in float64
+    in any order, so the mean is the same number. Elsewhere (live replicas, whose worlds
+    may change between steps, and parameter-server workers) each step's loss is averaged
+    at once by those all-reduces, as it always was, and kept averaged.
+
+    Args:
+        loss_group: the Holding's `loss_group`.
+        sync_group: this rank's counterparts in the other sync groups.
+        device: where collectives take their tensors.
+        gathered: whether the losses are gathered with the speed figures.
+    """
+
+    def __init__(self, loss_group: comm.GroupLike, sync_group: comm.GroupLike,
+                 device: torch.device, gathered: bool) -> None:
+        self.loss_group, self.sync_group, self.device = loss_group, sync_group, device
+        self.gathered = gathered
+        # the world ranks averaged: for each sync group (this rank's counterpart in it), its
+        # ranks of this rank's loss group. sync is the mesh's outermost axis, so a
+        # counterpart's group is this rank's shifted by the distance between the two.
+        self.ranks: list[list[int]] = []
+        if gathered:
+            me, members = comm.resolve(None).rank, _world_ranks(loss_group)
+            self.ranks = [[q + other - me for q in members]
+                          for other in _world_ranks(sync_group)]
+
+    def now(self, own: float) -> float:
+        """`own` averaged over the groups at once (collectives over both)."""
+        return mean_over(mean_over(own, self.loss_group, self.device), self.sync_group,
+                         self.device)
+
+    def kept(self, own: float) -> float:
+        """What this rank keeps of a step's loss until its figures are taken: its own where
+        the losses are gathered, else the average (collectives, now)."""
+        return own if self.gathered else self.now(own)
+
+    def of(self, carried: list[float]) -> float:
+        """The step's loss from what the ranks kept of it (by world rank where gathered;
+        this rank's average alone elsewhere)."""
+        if not self.gathered:
+            return carried[0]
+        means = [sum(carried[r] for r in ranks) / len(ranks) for ranks in self.ranks]
+        return sum(means) / len(means)
+
+
+@dataclass(frozen=True)
+class Unrecorded:
+    """A step trained and not yet recorded: what its record holds besides the loss and the
+    speed figures gathered at the next log (`rest`: the gradient norm, bytes sent, and the
+    membership's, MoE's, tokens' and DPO's figures, in the record's order)."""
+
+    step: int
+    time: float
+    lr: float
+    seconds: float
+    tokens_per_s: float
+    rest: dict[str, Value]
 
 
 @torch.no_grad()
@@ -216,15 +290,18 @@ class Trainer:
             or members.joined_late, say=self.progress.write)
         peak = hardware.peak_of(config.logging.peak_tflops, world.device) if world.is_main \
             else hardware.Peak(0.0, "rank 0 reports")
+        # asynchronous workers, and live replicas (whose members change between steps),
+        # report their own figures and average each step's loss at once
+        gathered = self.holding.lockstep and members.steady
         self.speed = StepSpeed(flops_per_token(self.shape, self.n_params), peak,
                                ranks=world.world_size * members.worlds,
-                               device=world.device, group=None,
-                               # asynchronous workers, and live replicas (whose members
-                               # change between steps), report their own figures
-                               gather=self.holding.lockstep and members.steady,
+                               device=world.device, group=None, gather=gathered,
                                every=config.logging.log_every)
+        self.loss = StepLoss(self.holding.loss_group, mesh.group("sync"), world.device,
+                             gathered)
         self.grad_norm = 0.0  # the last step's, before clipping (recorded every step)
         self.recorded: tuple[int, dict[str, Value]] | None = None  # the last step's record
+        self.unrecorded: list[Unrecorded] = []  # steps kept since the last log
         tokenizer_file = self.data.tokenizer.path and str(Path(self.data.tokenizer.path).resolve())
         self.described = {"model": dataclasses.asdict(self.shape), "tokenizer": tokenizer_file,
                           **model_meta(self.model),
@@ -296,36 +373,32 @@ class Trainer:
             begin, sent = time.perf_counter(), comm.sent_total()
             self.speed.begin()
             with timeline.span("step", "step", step=step):
-                step_loss = self.step()
+                # this rank's loss, or where the ranks are not gathered the average (as ever)
+                kept_loss = self.loss.kept(self._step_here())
             elapsed, sent = time.perf_counter() - begin, comm.sent_total() - sent
             if step == self.start + 1 and config.train.compile:  # once, what compiling took
                 self.progress.write(compiled.report(compiled.compile_stats()))
-            self.losses.append(step_loss)
-            figures, straggler = self.speed.measure(step, elapsed, tokens_per_step / elapsed)
-            self.progress.step(step, step_loss, tokens_per_step / elapsed, figures)
-            if straggler:
-                self.progress.write(straggler)
+            self.progress.tick()
             every = config.checkpoint.every
             checkpoint = bool(every) and step % every == 0 and step < tc.steps
+            evaluating = bool(tc.eval_every) and step % tc.eval_every == 0 and step < tc.steps
             compared = self.membership.compare() if checkpoint else {}
-            record: dict[str, Value] = {
-                "time": time.time(), "loss": step_loss,
+            self.speed.keep(step, elapsed, tokens_per_step / elapsed, kept_loss)
+            self.unrecorded.append(Unrecorded(
+                step, time.time(),
                 # a float: dtrain's learning rates are not tensors
-                "lr": self.schedulers[0].get_last_lr()[0],  # type: ignore[dict-item]
-                "step_time_s": elapsed, "tokens_per_s": tokens_per_step / elapsed, **figures,
-                "grad_norm": self.grad_norm, "sent_bytes": sent,
-                **self.membership.step_metrics(), **compared,
-                **self._moe_metrics(), **self._token_metrics(tokens_per_step, elapsed),
-                **self._preference_metrics(training=True)}
-            faults.at("record", step)
-            if self.membership.writes():
-                before = self.recorded
-                if self.membership.took_over() and before is not None and \
-                        before[0] == step - 1 and not self.metrics.has(before[0]):
-                    self.metrics.record(*before)  # the writer gone may not have
-                self.metrics.record(step, record)
-            self.recorded = (step, record)
-            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                self.schedulers[0].get_last_lr()[0],  # type: ignore[arg-type]
+                elapsed, tokens_per_step / elapsed, {
+                    "grad_norm": self.grad_norm, "sent_bytes": sent,
+                    **self.membership.step_metrics(), **compared,
+                    **self._moe_metrics(), **self._token_metrics(tokens_per_step, elapsed),
+                    **self._preference_metrics(training=True)}))
+            # the records go out in step order before an evaluation's, and with the state a
+            # checkpoint saves (a run resumed from it misses none)
+            if step % config.logging.log_every == 0 or step >= tc.steps or checkpoint \
+                    or evaluating or not self.speed.gather:
+                self._record_kept()
+            if evaluating:
                 self.evaluate(step)
             if checkpoint:
                 if config.checkpoint.background:
@@ -373,8 +446,36 @@ class Trainer:
         if self.main:
             self.progress.write(f"sample{how}:\n" + text)
 
+    def _record_kept(self) -> None:
+        """Record every step kept since the last time, in step order: their speed figures
+        and losses taken from every rank at once (`StepSpeed.take`, one collective), each
+        step printed and written as it would have been at its end."""
+        for measured, kept in zip(self.speed.take(), self.unrecorded, strict=True):
+            step, loss = kept.step, self.loss.of(measured.carried)
+            self.losses.append(loss)
+            self.progress.step(step, loss, kept.tokens_per_s, measured.figures)
+            if measured.straggler:
+                self.progress.write(measured.straggler)
+            record: dict[str, Value] = {
+                "time": kept.time, "loss": loss, "lr": kept.lr, "step_time_s": kept.seconds,
+                "tokens_per_s": kept.tokens_per_s, **measured.figures, **kept.rest}
+            faults.at("record", step)
+            if self.membership.writes():
+                before = self.recorded
+                if self.membership.took_over() and before is not None and \
+                        before[0] == step - 1 and not self.metrics.has(before[0]):
+                    self.metrics.record(*before)  # the writer gone may not have
+                self.metrics.record(step, record)
+            self.recorded = (step, record)
+        self.unrecorded = []
+
     def step(self) -> float:
-        """Forward and backward of one global batch, the optimizer step; the mean loss."""
+        """Forward and backward of one global batch, the optimizer step; the mean loss (a
+        collective; the loop itself averages it at the next log, `_record_kept`)."""
+        return self.loss.now(self._step_here())
+
+    def _step_here(self) -> float:
+        """`step`, its loss this rank's own."""
         holding, device = self.holding, self.world.device
         data = []
         shares = self.shards[0] * self.dims.cp * holding.accum
@@ -395,8 +496,7 @@ class Trainer:
             holding.zero_grad()
             if self.moe:  # the step's load over the data-parallel (and cp) ranks: biases
                 moe.after_step(self.model, self.mesh.group("dp_cp"))
-        return mean_over(mean_over(loss.item(), holding.loss_group, device),
-                         self.mesh.group("sync"), device)
+        return loss.item()
 
     def _token_metrics(self, positions: int, elapsed: float) -> dict[str, Value]:
         """Where not every position is a target: the step's target tokens (the loss's

@@ -7,6 +7,10 @@ of each unit's master shard that fall in each group (an empty placeholder piece 
 group that meets no shard of this rank, so groups stay aligned across ranks). A Muon
 template (dtrain.optim.Muon), whose matrices cannot be orthogonalized in pieces, becomes
 the distributed one of dtrain.data_parallel.zero.muon.
+
+The shard optimizer steps its pieces all at once (dtrain.optim.build.step_kernel: fused
+kernels on CUDA, multi-tensor ones elsewhere), chosen by where the pieces are: the
+compute device, or the host under optimizer offload, whatever the template was built on.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dtrain.data_parallel.zero.muon import ShardedMuon
 from dtrain.data_parallel.zero.units import Unit
 from dtrain.errors import DtrainError
 from dtrain.optim import Muon
+from dtrain.optim.build import steps_follow_params, with_step_kernel
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -55,16 +60,19 @@ def shard_optimizer(template: torch.optim.Optimizer, units: list[Unit]
             piece = nn.Parameter(unit.master[lo:hi])
             pieces[group].append(piece)
             unit.pieces.append((group, lo, hi, piece))
+    kind, device = type(template), units[0].master.device  # the host's, offloaded
     groups = []
     for k, options in enumerate(template.param_groups):
         params = pieces[k] or [empty_piece(units[0].master)]  # keep groups aligned
-        groups.append({**{key: v for key, v in options.items() if key != "params"},
+        groups.append({**with_step_kernel({key: v for key, v in options.items()
+                                           if key != "params"}, kind, device),
                        "params": params})
     if isinstance(template, Muon):
-        return ShardedMuon(groups, template, units)
-    accepted = inspect.signature(type(template)).parameters  # defaults may hold more
-    return type(template)(groups, **{k: v for k, v in template.defaults.items()
-                                     if k in accepted})
+        return steps_follow_params(ShardedMuon(groups, template, units))
+    accepted = inspect.signature(kind).parameters  # defaults may hold more
+    defaults = with_step_kernel(template.defaults, kind, device)
+    return steps_follow_params(kind(groups, **{k: v for k, v in defaults.items()
+                                               if k in accepted}))
 
 
 def empty_piece(like: torch.Tensor) -> nn.Parameter:
