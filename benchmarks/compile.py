@@ -27,6 +27,18 @@ the MFU `dtrain train` prints for its built-in job, checked by hand.
    callback). Hidden = the time an all-reduce is in flight before that instant; exposed =
    after it (backward waiting for the network); the share hidden = hidden / in flight, all
    ranks and traced steps summed, unions of spans by dtrain.timeline.summarize.
+   Then the same for DataParallel, ZeRO-2 and ZeRO-3 (each eager and compiled, built from
+   the same seed, one untraced step first), from the spans the layouts record themselves:
+   "finish backward" starts when backward's compute has ended (the end-of-backward
+   callback) and ends with the gradients in place, so its length is the communication
+   backward waited for; ZeRO-3's "gather for backward" spans are a block waiting for its
+   parameters. Exposed = the "finish backward" of the rank whose compute ended last;
+   alone = the layout's gradient collectives (DataParallel's buckets, ZeRO's units'
+   reduce-scatters) on their own, blocking; share hidden = 1 - exposed / alone. Completed
+   before compute ended: the bytes of the all-reduces whose transfer (the timeline's
+   `completed_us`) ended before that instant, on that rank. ZeRO-3's prefetch lead: of
+   each block's backward, the share during which the next block's all-gather was in
+   flight before it was needed (the first block in backward has no prefetch).
 3. MFU. `dtrain train` with no config (the built-in GPT job, 2 ranks) for 40 steps without
    samples; the MFU its metrics report, against the planner's FLOPs per token x tokens/s /
    ranks / the calibrated CPU peak of ~/.cache/dtrain/cpu_peak.json, computed here.
@@ -55,6 +67,7 @@ SHAPE = {"arch": "llama", "n_layer": 8, "n_embd": 256, "n_head": 4, "block_size"
 BATCH = 16
 VOCAB = 256
 MODES = ("eager", "compiled")
+LAYOUTS = ("dp", "zero2", "zero3")
 DEFAULT_STEPS = 40
 SKIP = 5
 """The default job's first steps left out of its medians (the first step's allocations and
@@ -62,8 +75,9 @@ collective-algorithm measurements)."""
 
 
 # ------------------------------------------------------------------ one rank of a world
-def build(compiled: bool, cache: str, size: int):  # noqa: ANN201
-    """The Llama of SHAPE (seed 0), compiled or not, DataParallel on several ranks."""
+def build(compiled: bool, cache: str, size: int, layout: str = "dp"):  # noqa: ANN201
+    """The Llama of SHAPE (seed 0), compiled or not, DataParallel (or ZeRO-2, ZeRO-3:
+    `layout`) on several ranks; and what steps it."""
     import dtrain
     from dtrain import models
     from dtrain.config import OptimizerConfig
@@ -74,6 +88,10 @@ def build(compiled: bool, cache: str, size: int):  # noqa: ANN201
     model = models.build(models.resolve(models.ModelConfig(**SHAPE), VOCAB))
     if compiled:
         compile_blocks(model, cache_dir=cache)
+    if layout != "dp":
+        zero = dtrain.ZeRO(model, lambda p: build_optimizer(p, OptimizerConfig()),
+                           stage=int(layout[-1]))
+        return zero, zero
     wrapped = dtrain.DataParallel(model) if size > 1 else model
     return wrapped, build_optimizer(model.parameters(), OptimizerConfig())
 
@@ -107,6 +125,78 @@ def overlap(events: list[dict], rank: int) -> tuple[float, float, float]:
     in_flight = timeline.summarize(reduces)[rank]["comm"]
     hidden = timeline.summarize(before)[rank]["comm"]
     return in_flight, hidden, compute_end
+
+
+def finish(events: list[dict], op: str) -> dict:
+    """One rank's traced step of a layout, from the spans it records itself: when
+    backward's compute ended (`end`, µs since the epoch), how long backward then waited
+    for its collectives (`exposed`, s), the share of `op`'s bytes whose transfer completed
+    before `end`, the time ZeRO-3's blocks waited for their parameters after the first
+    (`gather_wait`, s), and the prefetch's lead over each block's backward (`lead`)."""
+    spans = [e for e in events if e.get("ph") == "X"]
+    done = next(e for e in spans if e["name"] == "finish backward")
+    sent = [e for e in spans if e.get("cat") == "comm" and e["name"] == op]
+    before = sum(e["args"]["bytes"] for e in sent
+                 if e["ts"] + e["args"]["completed_us"] <= done["ts"])
+    needs = sorted((e["ts"], e["dur"]) for e in spans if e["name"] == "gather for backward")
+    start = next(e["ts"] for e in spans if e["name"] == "backward")
+    lead = window = 0.0
+    for gather in (e for e in spans if e.get("cat") == "comm" and e["name"] == "all_gather"
+                   and e["ts"] >= start and needs):
+        j = next((j for j, (t, _) in enumerate(needs) if t >= gather["ts"]), 0)
+        if j:
+            lead += needs[j][0] - gather["ts"]
+            window += needs[j][0] - needs[j - 1][0]
+    return {"end": done["ts"], "exposed": done["dur"] / 1e6,
+            "completed_share": before / max(1, sum(e["args"]["bytes"] for e in sent)),
+            "gather_wait": sum(d for _, d in needs[1:]) / 1e6,
+            "lead": lead / window if window else None}
+
+
+def alone_seconds(sizes: list[tuple[int, torch.dtype]], op: str, steps: int) -> list[float]:
+    """`op` ("all_reduce", "reduce_scatter") over buffers of `sizes`, blocking, one after
+    the other: the transfers' own time, once per step after a warm-up."""
+    from dtrain import comm
+
+    buffers = [torch.zeros(n, dtype=dtype) for n, dtype in sizes]
+    seconds = []
+    for i in range(steps + 1):  # the first: warm-up
+        comm.barrier()
+        begin = time.perf_counter()
+        for buffer in buffers:
+            getattr(comm, op)(buffer)
+        if i:
+            seconds.append(time.perf_counter() - begin)
+    return seconds
+
+
+def traced_layouts(args: argparse.Namespace, rank: int, x: torch.Tensor, y: torch.Tensor
+                   ) -> dict[str, dict]:
+    """Each layout eager and compiled: its traced steps (`finish`) and its gradient
+    collectives alone."""
+    from dtrain import comm, timeline
+
+    out: dict[str, dict] = {}
+    for layout in LAYOUTS:
+        op = "all_reduce" if layout == "dp" else "reduce_scatter"
+        for mode in MODES:
+            model, optimizer = build(mode == "compiled", args.cache, 2, layout)
+            step(model, optimizer, x, y)  # untraced: a new model's first step
+            steps = []
+            for _ in range(args.traced):
+                recorder = timeline.Recorder("unused.json", rank)
+                comm.barrier()
+                timeline.install(recorder)
+                try:
+                    step(model, optimizer, x, y)
+                finally:
+                    timeline.install(None)
+                steps.append(finish(recorder.events(), op))
+            sizes = model.bucket_sizes() if layout == "dp" else \
+                [(u.flat.padded, u.full.dtype) for u in model.units]
+            out[f"{layout} {mode}"] = {"steps": steps,
+                                       "alone": alone_seconds(sizes, op, args.traced)}
+    return out
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -159,9 +249,11 @@ def worker(args: argparse.Namespace) -> None:
                 comm.all_reduce(buffer)
             if i:
                 alone.append(time.perf_counter() - start)
+    after = compiled.compile_stats()["frames"]
+    layouts = traced_layouts(args, rank, x, y) if size > 1 else {}
     record = {"rank": rank, "threads": torch.get_num_threads(), "first": first,
               "compile": stats, "seconds": seconds, "traced": traced, "alone": alone,
-              "after": compiled.compile_stats()["frames"]}
+              "after": after, "layouts": layouts}
     Path(f"{args.out}.rank-{rank}.json").write_text(json.dumps(record))
     dtrain.shutdown()
 
@@ -218,7 +310,25 @@ def world(ranks: int, args: argparse.Namespace, folder: Path) -> dict:
                                     "alone_s": alone, "share": max(0.0, 1 - exposed / alone),
                                     "span_share": hidden / in_flight, "per_step": per_step,
                                     "steps": steps}
+        result["layouts"] = {name: layout_figures([r["layouts"][name] for r in records])
+                             for name in records[0]["layouts"]}
     return result
+
+
+def layout_figures(ranks: list[dict]) -> dict:
+    """One layout and mode over its ranks and traced steps: each step's figures from the
+    rank whose compute ended last (the other's tail also waits for it), then their means;
+    the collectives alone, the median of the slowest rank."""
+    last = [max(steps, key=lambda s: s["end"]) for steps in zip(*(r["steps"] for r in ranks),
+                                                                strict=True)]
+    alone = statistics.median(max(ts) for ts in zip(*(r["alone"] for r in ranks),
+                                                    strict=True))
+    exposed = statistics.mean(s["exposed"] for s in last)
+    leads = [s["lead"] for s in last if s["lead"] is not None]
+    return {"exposed_s": exposed, "alone_s": alone, "share": max(0.0, 1 - exposed / alone),
+            "completed_share": statistics.mean(s["completed_share"] for s in last),
+            "gather_wait_s": statistics.mean(s["gather_wait"] for s in last),
+            "lead": statistics.mean(leads) if leads else None}
 
 
 def default_job(folder: Path) -> dict:
@@ -355,6 +465,32 @@ def section(results: list[dict], mfu: dict, summary: dict, args: argparse.Namesp
             f"{o['exposed_s'] * 1e3:.0f} ms | {o['skew_s'] * 1e3:.0f} ms | "
             f"{o['alone_s'] * 1e3:.0f} ms | "
             f"**{o['share']:.0%}** | {', '.join(f'{s:.0%}' for s in o['per_step'])} |")
+    lines += [
+        "",
+        "Eager and compiled side by side in DataParallel, ZeRO-2 and ZeRO-3 (2 ranks, "
+        f"{args.traced} traced steps each after an untraced one), from the spans the "
+        "layouts record: exposed = how long backward waited for its collectives after its "
+        "compute ended (the span \"finish backward\", on the rank whose compute ended "
+        "last); alone = the same gradient collectives on their own, blocking (DataParallel's "
+        "buckets all-reduced, ZeRO's units reduce-scattered); share hidden = 1 - exposed / "
+        "alone; all-reduce done before compute ended = the bytes whose transfer (the "
+        "timeline's `completed_us`) ended before it (gloo's reduce-scatter says so only when "
+        "waited for: not shown); ZeRO-3's parameter waits = the blocks after the first in "
+        "backward waiting for their all-gather, and the prefetch lead = the share of each "
+        "block's backward during which the next block's all-gather was in flight.",
+        "",
+        "| layout | model | exposed | gradient collectives alone | share hidden | "
+        "all-reduce done before compute ended | ZeRO-3 parameter waits | prefetch lead |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, o in two["layouts"].items():
+        layout, mode = name.split()
+        done = f"{o['completed_share']:.0%}" if layout == "dp" else "-"
+        waits = f"{o['gather_wait_s'] * 1e3:.0f} ms" if layout == "zero3" else "-"
+        lead = "-" if o["lead"] is None else f"{o['lead']:.0%}"
+        lines.append(
+            f"| {layout} | {mode} | {o['exposed_s'] * 1e3:.0f} ms | {o['alone_s'] * 1e3:.0f} ms "
+            f"| **{o['share']:.0%}** | {done} | {waits} | {lead} |")
     w = mfu
     lines += [
         "",

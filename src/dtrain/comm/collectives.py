@@ -24,7 +24,7 @@ import torch
 from dtrain import timeline
 from dtrain.comm import cost, debug
 from dtrain.comm.algorithms import halving_doubling, ring, tree
-from dtrain.comm.group import Done, Group, Handle, Then
+from dtrain.comm.group import Done, Group, Handle, Then, on_completion
 from dtrain.comm.ops import (
     AVAILABLE,
     ReduceOp,
@@ -80,15 +80,26 @@ class Result(Generic[_R]):
                  span: CommSpan | None = None) -> None:
         self._handle, self._g, self._what, self._seq, self._finish = handle, g, what, seq, finish
         self._span = span  # its timeline span (dtrain.timeline), ended when it completes
+        if span is not None:
+            on_completion(handle, lambda: _completed(span))
 
     def wait(self) -> _R:
         begin = time.perf_counter()
         debug.wait_or_diagnose(self._handle, self._g, self._what, self._seq)
         _waits.seconds = waited() + time.perf_counter() - begin
         if self._span is not None:
+            _completed(self._span)  # by now at the latest, if the transport did not say
             self._span.end()
             self._span = None
         return self._finish()
+
+
+def _completed(span: CommSpan) -> None:
+    """Note in `span` when its collective completed, once: `completed_us`, microseconds
+    after its issue. The span itself ends when the caller waits for it, which for
+    DataParallel's buckets is the end of backward whenever the transfer ended: this is
+    the instant the transfer did (what tells whether backward hid it)."""
+    span.args.setdefault("completed_us", (time.perf_counter_ns() - span.start_ns) / 1e3)
 
 
 class _Inline:

@@ -52,12 +52,12 @@ class Then:
     """A handle that runs `after` once, when `handle` has completed (e.g. AVG's division)."""
 
     def __init__(self, handle: Handle, after: Callable[[], object]) -> None:
-        self._handle = handle
+        self.inner = handle  # what completes the transfer (`on_completion` asks it)
         self._after: Callable[[], object] | None = after
 
     def wait(self) -> None:
         if self._after is not None:
-            self._handle.wait()
+            self.inner.wait()
             after, self._after = self._after, None
             after()
 
@@ -68,15 +68,50 @@ class Future:
     def __init__(self) -> None:
         self._event = threading.Event()
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] | None = []  # None once set
 
     def set(self, error: BaseException | None = None) -> None:
         self._error = error
         self._event.set()
+        with self._lock:
+            callbacks, self._callbacks = self._callbacks or [], None
+        for callback in callbacks:
+            callback()
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when the job has run (at once if it has), on the executor's
+        thread."""
+        with self._lock:
+            if self._callbacks is not None:
+                self._callbacks.append(callback)
+                return
+        callback()
 
     def wait(self) -> None:
         self._event.wait()
         if self._error is not None:
             raise self._error
+
+
+def on_completion(handle: Handle, callback: Callable[[], None]) -> None:
+    """Call `callback` once the transfer behind `handle` has completed, from whichever thread
+    completes it, without waiting for it (a collective's timeline span notes the instant:
+    dtrain.comm.collectives). The handles that can tell: a torch Work (its future), an
+    executor's `Future`, `Done`, and a `Then` over one of them; any other never calls it
+    (then only the end of its `wait()` bounds the completion)."""
+    if isinstance(handle, Then):
+        on_completion(handle.inner, callback)
+    elif isinstance(handle, Future):
+        handle.add_done_callback(callback)
+    elif isinstance(handle, Done):
+        callback()
+    elif isinstance(handle, dist.Work):
+        try:
+            future = handle.get_future()
+        except RuntimeError:  # a backend whose works have no future
+            return
+        future.add_done_callback(lambda _: callback())
 
 
 class SerialExecutor:

@@ -6,9 +6,17 @@ the middle road (Li et al., "PyTorch Distributed", VLDB 2020): a bucket is sent 
 all its gradients exist, while backward keeps computing the rest.
 
 Parameters are assigned in reverse registration order, which approximates the order in
-which backward produces their gradients. Each bucket's buffer ends with one *presence
-flag* per parameter (1 where this rank produced that gradient), reduced together with the
-gradients: after a sum, a flag of 0 means no rank used the parameter this step.
+which backward produces their gradients (DataParallel repacks them in the order its first
+backward saw). Some gradients come in bursts: a block compiled with torch.compile returns
+all its parameters' gradients at the end of its backward (dtrain.models.compiled
+`gradients_together`). A bucket is then cut between bursts, never inside one: a bucket
+that held the last blocks and a part of the next would wait for that next block's whole
+backward, and the bucket holding most of a model and a part of its first block would start
+only when backward has ended, with nothing left to hide it.
+
+Each bucket's buffer ends with one *presence flag* per parameter (1 where this rank
+produced that gradient), reduced together with the gradients: after a sum, a flag of 0
+means no rank used the parameter this step.
 
 A bucket's buffer is allocated the first time it is used (the first backward's first
 gradient for it), not when the buckets are packed: the gradients' memory is made during
@@ -19,9 +27,9 @@ backward, as one process makes it, so a model being built holds only its paramet
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -99,6 +107,7 @@ def build_buckets(
     params: list[nn.Parameter], bucket_bytes: int, grad_dtype: torch.dtype | None,
     first_bytes: int | None = None, last_bytes: int | None = None,
     apart: Callable[[nn.Parameter], bool] | None = None,
+    burst: Callable[[nn.Parameter], int | None] | None = None,
 ) -> list[Bucket]:
     """Pack `params` (in the given order) into buckets of about `bucket_bytes` each (their
     buffers are allocated when first used).
@@ -114,21 +123,37 @@ def build_buckets(
             early in backward (DDP's first bucket is 1 MB); default `bucket_bytes`.
         last_bytes: a smaller cap for the last: the parameters at the end of `params`
             that fit in it are packed on their own, so the one collective that cannot
-            overlap backward (it starts when backward ends) is short; default none.
+            overlap backward (it starts when backward ends) is short; default none. The
+            last burst (the first compiled block's gradients, which come at the end of
+            backward) goes to the last buckets whole, however large: the bucket before
+            must not wait for it.
         apart: a bucket never mixes parameters for which this says True with others
             (they are reduced over another group: split experts).
+        burst: consecutive parameters with the same key here (not None) get their
+            gradients at once (a compiled block's, `gradients_together`): a bucket is cut
+            before such a burst rather than inside it, unless the burst alone is over
+            the cap.
     """
+    def nbytes(p: nn.Parameter) -> int:
+        return _nbytes(p, grad_dtype)
+
+    def kind(p: nn.Parameter) -> Hashable:
+        return p.device, p.dtype, apart is not None and apart(p)
+
     tail = len(params)
     if last_bytes is not None:
         total = 0
-        while tail > 1 and total + _nbytes(params[tail - 1], grad_dtype) <= last_bytes:
+        while tail > 1 and total + nbytes(params[tail - 1]) <= last_bytes:
             tail -= 1
-            total += _nbytes(params[tail], grad_dtype)
-        head = sum(_nbytes(p, grad_dtype) for p in params[:tail])
+            total += nbytes(params[tail])
+        while 0 < tail < len(params) and _same_burst(burst, params[tail - 1], params[tail]):
+            tail -= 1  # a cut inside a burst moves to its start
+        tail = min(tail, _last_burst(params, burst))
+        head = sum(nbytes(p) for p in params[:tail])
         if tail == len(params) or head <= (first_bytes or 0):
             tail = len(params)  # nothing fits apart, or the rest is the first bucket anyway
-    groups = _groups(params[:tail], bucket_bytes, grad_dtype, first_bytes, apart)
-    groups += _groups(params[tail:], bucket_bytes, grad_dtype, None, apart)
+    groups = cut(params[:tail], bucket_bytes, nbytes, kind, burst, first_bytes)
+    groups += cut(params[tail:], bucket_bytes, nbytes, kind, burst)
     buckets = []
     for index, group in enumerate(groups):
         offsets, total = [], 0
@@ -144,28 +169,68 @@ def _nbytes(p: nn.Parameter, grad_dtype: torch.dtype | None) -> int:
     return p.numel() * (grad_dtype or p.dtype).itemsize
 
 
-def _groups(params: list[nn.Parameter], bucket_bytes: int, grad_dtype: torch.dtype | None,
-            first_bytes: int | None, apart: Callable[[nn.Parameter], bool] | None
-            ) -> list[list[nn.Parameter]]:
-    """`params` in order, cut into groups as `build_buckets` describes."""
-    groups: list[list[nn.Parameter]] = []
-    size = 0
-    for p in params:
-        nbytes = _nbytes(p, grad_dtype)
-        current = groups[-1] if groups else None
-        cap = first_bytes if len(groups) == 1 and first_bytes is not None else bucket_bytes
-        fits = current is not None and size + nbytes <= cap
-        same_kind = current is not None and (
-            current[0].device == p.device and current[0].dtype == p.dtype
-            and (apart is None or apart(current[0]) == apart(p))
-        )
-        if current is not None and fits and same_kind:
-            current.append(p)
-            size += nbytes
+_T = TypeVar("_T")  # what is cut into runs: parameters, or (name, tensor) pairs
+
+
+def _same_burst(burst: Callable[[_T], int | None] | None, a: _T, b: _T) -> bool:
+    """Whether `a` and `b` get their gradients in one burst (see `cut`)."""
+    if burst is None:
+        return False
+    key = burst(a)
+    return key is not None and key == burst(b)
+
+
+def _last_burst(items: Sequence[_T], burst: Callable[[_T], int | None] | None) -> int:
+    """Where the last burst of `items` starts (len(items) when there is none)."""
+    keyed = [k for k, item in enumerate(items) if burst is not None and burst(item) is not None]
+    if not keyed:
+        return len(items)
+    start = keyed[-1]
+    while start and _same_burst(burst, items[start - 1], items[start]):
+        start -= 1
+    return start
+
+
+def cut(items: Sequence[_T], cap: int, nbytes: Callable[[_T], int],
+        kind: Callable[[_T], Hashable], burst: Callable[[_T], int | None] | None = None,
+        first_cap: int | None = None) -> list[list[_T]]:
+    """`items` in order, cut into consecutive runs of about `cap` bytes (`first_cap` for
+    the first), each of one `kind` (device, dtype, ...); an item over the cap gets a run
+    of its own. Consecutive items of one `burst` key (gradients that come at once) start
+    a new run together rather than end the one before, unless the burst alone is over the
+    cap: then it is cut like single items, from a run of its own. The last burst always
+    starts a run (the first compiled block's gradients come at the end of backward: a run
+    holding the blocks before it too would wait for it)."""
+    def cap_of(run: int) -> int:
+        return first_cap if run == 0 and first_cap is not None else cap
+
+    last = _last_burst(items, burst)
+    runs: list[list[_T]] = []
+    size = start = 0
+    while start < len(items):
+        end = start + 1
+        while end < len(items) and _same_burst(burst, items[start], items[end]) \
+                and kind(items[end]) == kind(items[start]):
+            end += 1
+        whole = sum(nbytes(item) for item in items[start:end])
+        if runs and start != last and size + whole <= cap_of(len(runs) - 1) \
+                and kind(runs[-1][0]) == kind(items[start]):
+            runs[-1] += items[start:end]
+            size += whole
+        elif whole <= cap_of(len(runs)) or end - start == 1:
+            runs.append(list(items[start:end]))
+            size = whole
         else:
-            groups.append([p])
-            size = nbytes
-    return groups
+            runs.append([items[start]])
+            size = nbytes(items[start])
+            for item in items[start + 1 : end]:
+                if size + nbytes(item) > cap_of(len(runs) - 1):
+                    runs.append([])
+                    size = 0
+                runs[-1].append(item)
+                size += nbytes(item)
+        start = end
+    return runs
 
 
 def launch_ready(items: Sequence[Any], start: int, launch: Callable[[Any], None]) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dtrain import comm
+from dtrain import comm, timeline
 from dtrain.comm.group import Handle
 from dtrain.data_parallel import late_grads
 from dtrain.data_parallel.agreement import (
@@ -39,6 +39,7 @@ from dtrain.data_parallel.averaging import Averaging, Carried
 from dtrain.data_parallel.buckets import Bucket, build_buckets, launch_ready
 from dtrain.data_parallel.clip import GradPart
 from dtrain.errors import DtrainError
+from dtrain.models.compiled import gradients_together
 from dtrain.models.moe import split_experts
 from dtrain.sync import compression as compression_mod
 
@@ -49,10 +50,23 @@ LAST_BUCKET = 1 << 20
 """Bytes of the last bucket at most: its all-reduce starts only when backward has ended, so
 nothing hides it, while the one before it starts as the first layers' backward begins and
 is hidden by it (DDP's last bucket is whatever the cap leaves, often most of a small
-model)."""
+model). A compiled first block goes into it whole, however large: its gradients all come
+at the end of backward, and the bucket before must not wait for them."""
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def _layout(buckets: list[Bucket]) -> list[list[int]]:
+    """Which parameters (by id) each bucket holds, in order: two packings compared."""
+    return [[id(p) for p in bucket.params] for bucket in buckets]
+
+
+def agreeing_algorithm(algorithm: str) -> str:
+    """The algorithm a wrap checks and broadcasts its model with, given the one it sends
+    gradients with: that one where every collective has it ("auto", "native"), else
+    "native" ("ring" has no broadcast, "tree" no all-gather)."""
+    return algorithm if algorithm in ("auto", "native") else "native"
 
 
 def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
@@ -75,7 +89,9 @@ class DataParallel(nn.Module):
             communicating earlier, larger ones pay less per-message latency.
         grad_dtype: communicate gradients in this dtype ("bf16", "fp16" or a torch dtype)
             to halve the bytes sent; gradients are cast back to the parameter dtype.
-        algorithm: the allreduce algorithm for gradient buckets (see `dtrain.comm`).
+        algorithm: the allreduce algorithm for gradient buckets (see `dtrain.comm`); the
+            wrap's own checks and broadcasts take it where it is "auto" or "native", else
+            "native" (not every algorithm exists for every collective).
         averaging: average over live replicas that may change from step to step instead of a
             fixed group (dtrain.data_parallel.averaging; fault tolerance, dtrain.ft, hands
             one): the buckets are summed by it, and a step it does
@@ -141,6 +157,7 @@ class DataParallel(nn.Module):
             averaging.attach(Carried.of(module), None)
             self.group, self.size = None, 0  # size: the averaging's, per step
         self.algorithm = algorithm
+        self._agreeing = agreeing_algorithm(algorithm)
         self.grad_dtype = parse_dtype(grad_dtype)
         self.compressor = compressor if self.size > 1 else None
         # what a gradient is multiplied by as it enters its bucket (the compressor and an
@@ -169,24 +186,33 @@ class DataParallel(nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(k))
                        for k, p in enumerate(self._params)]
         if self.group is not None and self.size > 1:  # the group: no averaging
-            check_same_model(self._params, self.group, "DataParallel", algorithm)
-            broadcast_state(module, self.group, algorithm, skip=self._experts)
+            check_same_model(self._params, self.group, "DataParallel", self._agreeing)
+            broadcast_state(module, self.group, self._agreeing, skip=self._experts)
             if self.expert_group is not None and self.expert_group.size > 1:
-                broadcast_tensors(experts, self.expert_group, algorithm)
+                broadcast_tensors(experts, self.expert_group, self._agreeing)
 
     def _pack(self, order: list[int]) -> None:
-        """Buckets of the parameters in `order` (indices), the first of at most 1 MB; one
-        when compressing (reduced after backward anyway: each bucket costs round trips)."""
-        params = [self._params[k] for k in order]
-        if self.compressor is not None:
-            self._buckets = build_buckets(params, sys.maxsize, None)
-        else:
-            self._buckets = build_buckets(params, self._bucket_bytes, self.grad_dtype,
-                                          min(self._bucket_bytes, FIRST_BUCKET),
-                                          min(self._bucket_bytes, LAST_BUCKET),
-                                          apart=self._is_expert if self._experts else None)
+        """Use `_packed(order)`'s buckets."""
+        self._buckets = self._packed(order)
         self._where = {self._position[id(p)]: (bucket, i)
                        for bucket in self._buckets for i, p in enumerate(bucket.params)}
+
+    def _packed(self, order: list[int]) -> list[Bucket]:
+        """Buckets of the parameters in `order` (indices), the first of at most 1 MB, cut
+        between compiled blocks (whose gradients come at once: dtrain.models.compiled);
+        one when compressing (reduced after backward anyway: each bucket costs round
+        trips). Asked at each packing: blocks compiled after the wrap count from the
+        repacking after the first backward."""
+        params = [self._params[k] for k in order]
+        if self.compressor is not None:
+            return build_buckets(params, sys.maxsize, None)
+        burst = {id(p): k for k, block in enumerate(gradients_together(self.module))
+                 for p in block}
+        return build_buckets(params, self._bucket_bytes, self.grad_dtype,
+                             min(self._bucket_bytes, FIRST_BUCKET),
+                             min(self._bucket_bytes, LAST_BUCKET),
+                             apart=self._is_expert if self._experts else None,
+                             burst=lambda p: burst.get(id(p)))
 
     def _is_expert(self, p: nn.Parameter) -> bool:
         return id(p) in self._experts
@@ -278,7 +304,12 @@ class DataParallel(nn.Module):
 
     @torch.no_grad()
     def _finalize(self) -> None:
-        """At the end of backward: send what is left, wait, hand out averaged gradients."""
+        """At the end of backward: send what is left, wait, hand out averaged gradients
+        (a timeline span "finish backward" from the end of backward's compute)."""
+        with timeline.span("finish backward", "sync"):
+            self._finish()
+
+    def _finish(self) -> None:
         self._read_late()
         for bucket in self._buckets[self._next_launch :]:
             for i, p in enumerate(bucket.params):
@@ -326,9 +357,9 @@ class DataParallel(nn.Module):
         seen, self._seen = dict.fromkeys(self._seen or []), None
         order = [*seen, *(k for k in reversed(range(len(self._params))) if k not in seen)]
         agreed = torch.tensor(order, dtype=torch.int64, device=agreement_device(self._params))
-        comm.broadcast(agreed, src=0, group=self.group, algorithm=self.algorithm)
+        comm.broadcast(agreed, src=0, group=self.group, algorithm=self._agreeing)
         order = agreed.tolist()
-        if order == [self._position[id(p)] for b in self._buckets for p in b.params]:
+        if _layout(self._packed(order)) == _layout(self._buckets):
             return
         self._pack(order)
         self._unpacked.clear()

@@ -10,8 +10,18 @@ block's forward is replaced on the instance, as recomputation does (dtrain.model
 and never the module's call: the hooks that layouts put on a block stay outside the
 compiled region and run eagerly. ZeRO-3 gathers a block's parameters in a forward pre-hook
 and frees them after; DataParallel's and ZeRO's gradient hooks fire when the compiled
-backward has produced the block's gradients, so their communication still overlaps the
-backward of the blocks before. Module names, and so checkpoints and plans, are unchanged.
+backward has produced the block's gradients. Module names, and so checkpoints and plans, are
+unchanged.
+
+A compiled block's backward is one graph (AOTAutograd's), which returns all the block's
+parameter gradients at its end: eager autograd makes each as its own operation finishes,
+spread over the block's backward, but compiled they come in one burst
+(`gradients_together`). A strategy that sends gradients while backward goes cuts its
+buckets between blocks, never inside one (DataParallel's buckets, ZeRO's units): a bucket
+holding part of a block waits for that block's whole backward, and the bucket that held
+most of the model and a part of the first block started only when backward had ended,
+with nothing left to hide it. For the same reason ZeRO-3 prefetches the next block's
+parameters as a compiled block's backward starts, not at its first gradient (its last).
 
 What the compiler cannot trace (a collective inside tensor or context parallelism's
 autograd functions, a MoE layer's data-dependent routing) is a graph break: that call runs
@@ -85,6 +95,22 @@ def _cache_chosen() -> bool:
 def is_compiled(module: nn.Module) -> bool:
     """Whether `compile_blocks` compiled `module`'s forward."""
     return _COMPILED in vars(module)
+
+
+def gradients_together(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The trainable parameters of each block of `model` that `compile_blocks` compiled,
+    block by block (forward order): backward gives each list its gradients at once, at the
+    end of the block's compiled backward (see the module docstring). A parameter of two
+    blocks (tied) is left out: its gradient is whole only after both. Empty for a model
+    with no compiled block."""
+    blocks = [m for m in model.modules() if is_compiled(m)]
+    owners: dict[int, int] = {}
+    for k, block in enumerate(blocks):
+        for p in block.parameters():
+            owners[id(p)] = k if owners.get(id(p), k) == k else -1
+    together = [[p for p in block.parameters() if p.requires_grad and owners[id(p)] == k]
+                for k, block in enumerate(blocks)]
+    return [params for params in together if params]
 
 
 _SHARED: dict[tuple[Callable[..., Any], str], Callable[..., Any]] = {}

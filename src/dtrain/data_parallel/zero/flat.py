@@ -12,11 +12,14 @@ group's own options (lr, weight decay).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 from torch import nn
+
+from dtrain.data_parallel.buckets import cut
 
 
 @dataclass(frozen=True)
@@ -79,19 +82,16 @@ class FlatUnit:
 _T = TypeVar("_T", bound=torch.Tensor)  # parameters, or any tensors
 
 
-def split_by_size(named: list[tuple[str, _T]], max_bytes: int) -> list[list[tuple[str, _T]]]:
+def split_by_size(named: list[tuple[str, _T]], max_bytes: int,
+                  together: Sequence[Sequence[torch.Tensor]] = ()
+                  ) -> list[list[tuple[str, _T]]]:
     """Consecutive runs of parameters of about `max_bytes` each, never mixing dtypes or
-    devices (a parameter larger than the cap gets a run of its own)."""
-    runs: list[list[tuple[str, _T]]] = []
-    size = 0
-    for name, p in named:
-        nbytes = p.numel() * p.element_size()
-        last = runs[-1][-1][1] if runs else None
-        if last is not None and size + nbytes <= max_bytes and last.dtype == p.dtype \
-                and last.device == p.device:
-            runs[-1].append((name, p))
-            size += nbytes
-        else:
-            runs.append([(name, p)])
-            size = nbytes
-    return runs
+    devices (a parameter larger than the cap gets a run of its own). Consecutive
+    parameters of one list of `together` (a compiled block's, whose gradients come at
+    once: dtrain.models.compiled `gradients_together`) start a run together rather than
+    end the one before, unless they are over the cap together, and the last such list
+    always starts a run (dtrain.data_parallel.buckets `cut`)."""
+    burst = {id(p): k for k, params in enumerate(together) for p in params}
+    return cut(named, max_bytes, lambda item: item[1].numel() * item[1].element_size(),
+               lambda item: (item[1].dtype, item[1].device),
+               lambda item: burst.get(id(item[1])))

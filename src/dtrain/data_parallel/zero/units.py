@@ -20,6 +20,7 @@ from dtrain.comm.collectives import Result
 from dtrain.comm.quantized import DEFAULT_BLOCK, Decoding, WireDtype
 from dtrain.data_parallel.zero.flat import FlatUnit, Span, split_by_size
 from dtrain.errors import DtrainError
+from dtrain.models.compiled import gradients_together
 
 Named = list[tuple[str, nn.Parameter]]
 
@@ -353,10 +354,12 @@ def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage
                 wires: Wires | None = None) -> Built:
     """Pack `named` (trainable parameters) into units: stage 3 one per submodule of
     `units` (default every element of every nn.ModuleList) plus the root; stages 1-2
-    buckets of about `bucket_mb` in reverse order. Each sharding group of `sharding` gets
-    units of its own. `group_of` maps id(parameter) to its optimizer parameter group. The
-    parameters become views of the units' `full`. Stage 3 packs `frozen` (parameters
-    that do not train, of one dtype) into units of their own beside each module's.
+    buckets of about `bucket_mb` in reverse order, cut between compiled blocks rather than
+    inside one (their gradients come at once: dtrain.models.compiled
+    `gradients_together`). Each sharding group of `sharding` gets units of its own.
+    `group_of` maps id(parameter) to its optimizer parameter group. The parameters become
+    views of the units' `full`. Stage 3 packs `frozen` (parameters that do not train, of
+    one dtype) into units of their own beside each module's.
 
     Parameters on the meta device (a model built in split form, dtrain.models.init) get
     uninitialized memory on `device` instead of copies: at stage 3 only this rank's shard
@@ -373,9 +376,10 @@ def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage
                           device, wires or Wires())
 
     if stage != 3:
+        together = gradients_together(module)
         built = [make(bucket, group, scale, None)
                  for run, group, scale in sharding.runs(list(reversed(named)))
-                 for bucket in split_by_size(run, int(bucket_mb * 2**20))]
+                 for bucket in split_by_size(run, int(bucket_mb * 2**20), together)]
         return Built(built, [], [])
     still = frozen or []
     frozen_dtype = one_dtype(still) if still else param_dtype

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from dtrain import comm
+from dtrain import comm, timeline
 from dtrain.comm.collectives import Result
 from dtrain.comm.group import Handle
 from dtrain.comm.quantized import DEFAULT_BLOCK
@@ -32,7 +32,7 @@ from dtrain.data_parallel.agreement import (
 from dtrain.data_parallel.averaging import Averaging, Carried
 from dtrain.data_parallel.buckets import launch_ready
 from dtrain.data_parallel.clip import GradPart
-from dtrain.data_parallel.wrapper import parse_dtype
+from dtrain.data_parallel.wrapper import agreeing_algorithm, parse_dtype
 from dtrain.data_parallel.zero import state_io as zero_state
 from dtrain.data_parallel.zero.offload import Offload
 from dtrain.data_parallel.zero.optimizer import OptimizerFactory, group_index, shard_optimizer
@@ -51,6 +51,7 @@ from dtrain.data_parallel.zero.units import (
     unit_bytes,
 )
 from dtrain.errors import DtrainError
+from dtrain.models.compiled import gradients_together
 from dtrain.models.moe import split_experts
 
 GROWTH_INTERVAL = 2000  # fp16: steps without overflow before the loss scale doubles
@@ -74,7 +75,8 @@ class ZeRO(nn.Module):
         bucket_mb: size of a unit in stages 1 and 2 (gradients go out unit by unit).
         units: stage 3: the submodules to gather one at a time, in forward order
             (default: every element of every nn.ModuleList).
-        algorithm: collective algorithm (see dtrain.comm).
+        algorithm: collective algorithm (see dtrain.comm); the wrap's own checks and
+            broadcasts take it where it is "auto" or "native", else "native".
         device: where the units of a module built on the meta device are allocated
             (dtrain.models.init; each rank allocates its shards only, values to be
             restored, e.g. by dtrain.layouts); default the CPU.
@@ -166,15 +168,16 @@ class ZeRO(nn.Module):
             expert_ranks = comm.resolve(expert_group)
             sharding = Sharding(self.group, apart, expert_ranks,
                                 expert_ranks.size / self.size)
+        agreeing = agreeing_algorithm(algorithm)
         for over in (self.replicate, self.group):  # the replicas first, then inside one
             if over is None or over.size == 1:
                 continue
-            check_same_model([p for _, p in named], over, "ZeRO", algorithm)
-            broadcast_state(module, over, algorithm, skip=apart)
+            check_same_model([p for _, p in named], over, "ZeRO", agreeing)
+            broadcast_state(module, over, agreeing, skip=apart)
             if experts and over is self.replicate:
-                broadcast_tensors(experts, over, algorithm)
+                broadcast_tensors(experts, over, agreeing)
         if experts and expert_ranks.size > 1:  # the sharding's apart_group
-            broadcast_tensors(experts, expert_ranks, algorithm)
+            broadcast_tensors(experts, expert_ranks, agreeing)
         self.param_dtype = one_dtype(named)
         self.compute_dtype = parse_dtype(mixed_precision) or self.param_dtype
         self.mixed = self.compute_dtype != self.param_dtype
@@ -211,6 +214,7 @@ class ZeRO(nn.Module):
         self.offload = None if offload_device is None else \
             Offload(self.units, stage, torch.device(offload_device))  # before the optimizer
         self._place = {unit: k for k, units_of in enumerate(self._chain) for unit in units_of}
+        self._compiled = _compiled_units(module, self._chain, self.frozen)
         self.optimizer = shard_optimizer(template, self.units)
         self.averaging = averaging
         if averaging is not None:
@@ -318,13 +322,20 @@ class ZeRO(nn.Module):
             return
         for unit in units:
             unit.backward_started = True
-        self._gather(units)  # the prefetch of the unit before waits for its first gradient
+        with timeline.span("gather for backward", "sync"):  # from when the block needs them
+            self._gather(units)  # the prefetch of the unit before waits for its first gradient
+        if k in self._compiled and k > 0:  # ... which a compiled block makes at its end
+            self._start_gather(self._chain[k - 1])
 
     def _prefetch_before(self, unit: Unit) -> None:
         """Stage 3, at `unit`'s first gradient: start gathering the units whose backward
         comes next. Not earlier: while `unit`'s forward is recomputed, the reduce-scatter
         of the unit after it is still in flight (`_grad_hook`), and a prefetch then would
-        hold a third whole unit beside the two."""
+        hold a third whole unit beside the two. A compiled block's first gradient is its
+        last (its backward is one graph: dtrain.models.compiled), so a prefetch then
+        would have nothing left to hide behind: the unit before a compiled one is
+        prefetched as its backward starts (`_before_backward`), as FSDP's BACKWARD_PRE
+        does, holding that third unit while the reduce-scatter is in flight."""
         k = self._place.get(unit)
         if k is not None and k > 0:
             self._start_gather(self._chain[k - 1])
@@ -439,7 +450,12 @@ class ZeRO(nn.Module):
 
     @torch.no_grad()
     def _finalize(self) -> None:
-        """At the end of backward: send what is left, wait, keep each rank's shard."""
+        """At the end of backward: send what is left, wait, keep each rank's shard (a
+        timeline span "finish backward" from the end of backward's compute)."""
+        with timeline.span("finish backward", "sync"):
+            self._finish()
+
+    def _finish(self) -> None:
         self._finalize_queued = False
         self._take_late()
         self._free(self._held)  # ready for the next backward, with or without a forward
@@ -652,6 +668,19 @@ class ZeRO(nn.Module):
             return held
         return {**held, "master": self.offload.device_bytes(), "optimizer": 0,
                 **self.offload.host_bytes(held["optimizer"])}
+
+
+def _compiled_units(module: nn.Module, chain: list[list[Unit]], frozen: list[Unit]
+                    ) -> frozenset[int]:
+    """Stage 3: the places in `chain` whose trained parameters all get their gradients at
+    once, in one compiled block's backward (dtrain.models.compiled `gradients_together`)."""
+    block = {id(p): k for k, params in enumerate(gradients_together(module)) for p in params}
+    places = set()
+    for k, units in enumerate(chain):
+        blocks = {block.get(id(p)) for u in units if u not in frozen for p in u.flat.params}
+        if len(blocks) == 1 and None not in blocks:
+            places.add(k)
+    return frozenset(places)
 
 
 def _finish_gather(copy: torch.Tensor | None, work: Handle) -> None:
