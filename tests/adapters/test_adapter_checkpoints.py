@@ -94,10 +94,10 @@ def test_a_resumed_lora_run_equals_the_unbroken_one_and_saves_no_base(tmp_path: 
     base again and gives the adapted model's logits)."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
     whole = config(tmp_path, "whole", 4)
-    [unbroken] = run_ranks(train, 1, [whole], timeout=100)[0]
     at_2 = tmp_path / "whole" / "checkpoints" / "step-00000002"
     resumed_run = config(tmp_path, "resumed", 4, checkpoint={"resume": str(at_2)})
-    [resumed] = run_ranks(train, 1, [resumed_run], timeout=100)[0]
+    # one process runs both in turn (the resumed run after the whole one has saved step 2)
+    [unbroken, resumed] = run_ranks(train, 1, [whole, resumed_run], timeout=150)[0]
 
     torch.testing.assert_close(resumed["losses"], unbroken["losses"][2:], rtol=1e-5, atol=1e-6)
     theirs, ours = adapters_of(unbroken["checkpoint"]), adapters_of(resumed["checkpoint"])
