@@ -66,10 +66,12 @@ def _check_alive(procs: list, results: dict, deadline: float, timeout: float) ->
 
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dtrain", "dtrain.cli",
-            "dtrain.testing.processes"]
+            "dtrain.train.trainer", "transformers", "dtrain.testing.processes"]
 """What the fork server imports once, so that a rank starts by fork in milliseconds instead
 of importing torch for seconds (a rank's own modules, the caller's, load in the rank).
-torch._dynamo too: the first optimizer a process builds imports it (seconds more)."""
+torch._dynamo too: the first optimizer a process builds imports it (seconds more); the
+trainer, which most ranks run; and transformers, which a Hugging Face model's rank would
+import for seconds each."""
 
 
 def fork_server() -> mp.context.ForkServerContext:
