@@ -21,7 +21,6 @@ rounds. The losses agree (tests/models/test_chunked_loss.py checks it).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import platform
 import time
@@ -30,7 +29,7 @@ from collections.abc import Callable
 import torch
 from dp_vs_ddp import step_fn
 from recompute import alternate
-from results_md import replace_section
+from results_md import replace_section, run_summary
 
 from dtrain import models
 from dtrain.models.chunked_loss import DEFAULT_CHUNK, apply
@@ -81,9 +80,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load, started = os.getloadavg()[0], time.time()
     results = [compare(vocab, args) for vocab in VOCABULARIES]
-    summary = {"load_before": load, "load_after": os.getloadavg()[0],
-               "minutes": (time.time() - started) / 60,
-               "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    summary = run_summary(load, started)
     lines = section(results, summary, args)
     print("\n".join(lines))
     if args.write:

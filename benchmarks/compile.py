@@ -47,7 +47,6 @@ the MFU `dtrain train` prints for its built-in job, checked by hand.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -60,7 +59,7 @@ import time
 from pathlib import Path
 
 import torch
-from results_md import replace_section
+from results_md import replace_section, run_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = {"arch": "llama", "n_layer": 8, "n_embd": 256, "n_head": 4, "block_size": 512}
@@ -535,9 +534,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results = [world(ranks, args, Path(tmp)) for ranks in (1, 2)]
         mfu = default_job(Path(tmp))
-    summary = {"load_before": load, "load_after": os.getloadavg()[0],
-               "minutes": (time.time() - started) / 60,
-               "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    summary = run_summary(load, started)
     print(json.dumps({"results": results, "mfu": mfu}, default=str)[:4000])
     lines = section(results, mfu, summary, args)
     print("\n".join(lines))

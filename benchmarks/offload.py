@@ -24,7 +24,6 @@ their order reversed every round, each figure the median over rounds.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -32,7 +31,7 @@ import statistics
 import time
 
 import torch
-from results_md import replace_section
+from results_md import replace_section, run_summary
 
 import dtrain
 from dtrain import models
@@ -129,10 +128,8 @@ def main() -> None:
     load = os.getloadavg()[0]
     started = time.time()
     results = [compare(mixed, args, device) for mixed in (None, "bf16")]
-    summary = {"load_before": load, "load_after": os.getloadavg()[0],
-               "minutes": (time.time() - started) / 60, "device": str(device),
-               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "",
-               "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    summary = run_summary(load, started, device=str(device),
+                          gpu=torch.cuda.get_device_name() if device.type == "cuda" else "")
     lines = section(results, summary, args)
     print("\n".join(lines))
     if args.json:

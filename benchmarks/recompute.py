@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import os
 import platform
 import re
@@ -39,7 +38,7 @@ import time
 
 import torch
 from dp_vs_ddp import step_fn
-from results_md import replace_section
+from results_md import replace_section, run_summary
 
 from dtrain import models
 from dtrain.config import OptimizerConfig
@@ -151,9 +150,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     started = time.time()
     results = [compare(dropout, args) for dropout in (0.0, 0.1)]
-    summary = {"load_before": load, "load_after": os.getloadavg()[0],
-               "minutes": (time.time() - started) / 60,
-               "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    summary = run_summary(load, started)
     lines = section(results, summary, args)
     print("\n".join(lines))
     if args.write:

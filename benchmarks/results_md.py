@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import datetime
+import os
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -23,3 +26,11 @@ def replace_section(name: str, body: list[str]) -> None:
     else:
         text = text.rstrip() + "\n\n" + section + "\n"
     RESULTS.write_text(text)
+
+
+def run_summary(load_before: float, started: float, **more: str) -> dict:
+    """What a benchmark's section says of its run: the load average before (given) and
+    now, the minutes since `started` (time.time()), the date and time, and `more`."""
+    return {"load_before": load_before, "load_after": os.getloadavg()[0],
+            "minutes": (time.time() - started) / 60, **more,
+            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
