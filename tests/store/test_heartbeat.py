@@ -78,3 +78,19 @@ def test_a_stalled_store_silences_no_one() -> None:
         store.resume()
         a.stop()
         b.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_member_heard_by_other_means_is_not_silent_until_the_next_read() -> None:
+    """A member silent for long and heard from by other means (a live replica's arrival in
+    a round) is silent from that moment, not from its counter's last read: the member
+    that joined a live quorum is not dropped at the next round for a silence it ended."""
+    store = StallingStore()
+    a = Heartbeat(lambda: store, "a", 1000.0, members=["b"])  # type: ignore[arg-type, return-value]
+    try:
+        time.sleep(0.3)  # a read once, at start: b is silent from then, not read again
+        assert a.silent_for("b") >= 0.25
+        a.heard(["b", "nobody"])
+        assert a.silent_for("b") < 0.05 and a.silent_for("nobody") == 0.0
+    finally:
+        a.stop()

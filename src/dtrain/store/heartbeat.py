@@ -74,12 +74,24 @@ class Heartbeat:
     def watch(self, members: Iterable[str]) -> None:
         """Watch `members` (and only them) from now: a member's silence counts from now or
         from when its counter last moved, whichever is later."""
+        with self._lock:
+            self._heard = {m: self._heard.get(m, _Heard(-1, 0.0, 0.0))
+                           for m in members if m != self._me}
+            watched = list(self._heard)
+        self.heard(watched)
+
+    def heard(self, members: Iterable[str]) -> None:
+        """Note that `members` (those watched) gave a sign of life now by other means (a
+        post in the store): their silence counts from now, as if their counters moved.
+        Without it a member that was silent long and just came back could be read as
+        silent until this member's next read of its counter."""
         now = time.monotonic()
         with self._lock:
             since_read = self._since_read(now)
-            self._heard = {m: _Heard(self._heard[m].count if m in self._heard else -1,
-                                     -since_read, now)
-                           for m in members if m != self._me}
+            for member in members:
+                heard = self._heard.get(member)
+                if heard is not None:
+                    heard.quiet, heard.moved = -since_read, now
 
     def silent_for(self, member: str) -> float:
         """Seconds this member's reads have seen `member`'s counter stand still since it

@@ -338,6 +338,11 @@ class LiveReplicas:
             self._store.set("latest", str(g))
             lives = quorum.incarnations.get(str(self.replica_id), "").split("|")
             if self.replica_id in quorum.members and lives[self.position] == self._incarnation:
+                before = self._quorum.members if self._quorum is not None else []
+                # a member new to the quorum posted its arrival in this round: alive now,
+                # though its counter, silent while it was away, may not have been read since
+                self._beats.heard(self._beaters([i for i in quorum.members
+                                                 if i not in before]))
                 self._quorum = quorum
                 self._votes = 0
                 return quorum
@@ -362,11 +367,13 @@ class LiveReplicas:
     def _ranks(self, replicas: list[int]) -> list[str]:
         return [rank_key(i, p) for i in replicas for p in range(self.positions)]
 
+    def _beaters(self, replicas: list[int]) -> list[str]:
+        """The heartbeat names of the ranks of `replicas` (their job ranks)."""
+        return [str(i * self.positions + p) for i in replicas for p in range(self.positions)]
+
     def _silent_for(self, replica: int) -> float:
         """Seconds since the longest-silent rank of `replica` (but this one) last beat."""
-        me = self.replica_id * self.positions + self.position
-        ranks = range(replica * self.positions, (replica + 1) * self.positions)
-        return max((self._beats.silent_for(str(r)) for r in ranks if r != me), default=0.0)
+        return max(self._beats.silent_for(name) for name in self._beaters([replica]))
 
     def _alive(self, rank: str) -> bool:
         replica, position = (int(x) for x in rank.split("."))
