@@ -193,3 +193,70 @@ def test_layouts_convert_and_track_full_precision(tmp_path: Path) -> None:
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _sequence_parallel_step(sequence: bool) -> tuple[float, dict[str, torch.Tensor], int, int]:
+    """One forward and backward of dtrain's Llama at tp = 2 on this CPU rank of 2, FP8
+    (tensorwise) emulated, with or without sequence parallelism: (the loss, the gradients
+    of this rank's blocks of the weights, the gathered inputs still alive when forward
+    has returned, and the layers that took one again in backward)."""
+    import weakref
+
+    from dtrain import layouts
+    from dtrain.config import config_from_dict, dims_of
+    from dtrain.mesh import Mesh
+    from dtrain.tensor_parallel import functions
+
+    float8.check_float8 = lambda device: None  # this forked rank only: the CPU emulates FP8
+    gathered: list[weakref.ref] = []
+    gather, take = functions.gather_sequence, functions.Regather.take
+    retaken = [0]
+
+    def recording_gather(x: torch.Tensor, group: object, algorithm: str = "auto") -> torch.Tensor:
+        whole = gather(x, group, algorithm)  # type: ignore[arg-type]
+        gathered.append(weakref.ref(whole))
+        return whole
+
+    def counting_take(self: functions.Regather, part: torch.Tensor) -> torch.Tensor:
+        retaken[0] += 1
+        return take(self, part)
+
+    functions.gather_sequence = recording_gather  # type: ignore[assignment]
+    functions.Regather.take = counting_take  # type: ignore[method-assign]
+    config = config_from_dict({
+        "model": LLAMA, "train": {"batch_size": 4, "seed": 3, "float8": "tensorwise"},
+        "optimizer": SGD, "parallel": {"nproc": 2, "tp": 2, "sequence_parallel": sequence}})
+    model = init.skeleton(lambda: models.build(models.resolve(ModelConfig(**LLAMA), 256)))
+    held = layouts.build(model, Mesh(dims_of(config, 2)), config)
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    loss = held.loss_of((x, x.roll(-1, 1)))
+    alive = sum(ref() is not None for ref in gathered)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in held.module.named_parameters()
+             if p.grad is not None and ".blocks." in f".{name}"}
+    return float(loss), grads, alive, retaken[0]
+
+
+def _sequence_parallel_steps() -> list[tuple[float, dict[str, torch.Tensor], int, int]]:
+    return [_sequence_parallel_step(sequence) for sequence in (False, True)]
+
+
+@TORCHAO
+@pytest.mark.timeout(240)
+def test_fp8_under_sequence_parallelism_keeps_only_its_part_of_the_input() -> None:
+    """tp = 2 with sequence parallelism and FP8: each column-parallel layer's FP8 product
+    keeps this rank's part of the sequence for backward, not the gathered whole (which
+    torchao's Float8Linear would save in full precision): once forward has returned no
+    gathered input is alive, backward takes each again where a layer reads it (q, k, v,
+    gate and up in each block, and the output head, which stays out of FP8: before, only
+    the head did), and the loss and every gradient equal those of tp = 2 without
+    sequence parallelism (the same whole inputs, scaled alike)."""
+    ranks = run_ranks(_sequence_parallel_steps, 2, timeout=200)
+    for (plain_loss, plain, _, _), (loss, grads, alive, retaken) in ranks:
+        assert alive == 0
+        assert retaken == 5 * LLAMA["n_layer"] + 1  # type: ignore[operator]
+        assert loss == pytest.approx(plain_loss, rel=1e-6)
+        assert grads.keys() == plain.keys() and len(grads) > 0
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, plain[name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")

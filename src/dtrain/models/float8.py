@@ -35,7 +35,9 @@ split the model and before `train.compile`, as torchao recommends):
   between their collectives; conversion makes that product FP8's (torchao's Float8Linear
   run with the layer's weight block), so each rank multiplies its block in FP8 and the
   collectives carry the result in the compute dtype, as torchao's own tensor-parallel
-  styles do for DTensor.
+  styles do for DTensor. Under sequence parallelism the column-parallel layer's FP8
+  product keeps only this rank's part of the sequence for backward, where Float8Linear
+  would keep the gathered whole (dtrain.tensor_parallel.functions.matmul_keeping_part).
 - torch.compile (`train.compile`): convert first, then compile; the compiler fuses the
   scaling (the absolute maximum and the cast) into the kernels around the multiply, which
   is where most of the speed comes from.

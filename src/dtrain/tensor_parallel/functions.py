@@ -35,6 +35,7 @@ eagerly between compiled regions, which every block of the model shares.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from torch.autograd.function import FunctionCtx
 from dtrain import comm
 from dtrain.comm.collectives import Result
 from dtrain.graph_break import graph_break
+from dtrain.models.float8 import Matmul
 
 SEQUENCE = 1
 """The sequence dimension of a [batch, time, width] activation."""
@@ -371,6 +373,44 @@ class GatheredLinear(torch.autograd.Function):
             grad_weight = rows.t().matmul(whole.reshape(-1, whole.shape[-1]))
         grad_bias = rows.sum(0) if ctx.has_bias and wants_bias else None
         return None, grad_input, grad_weight, grad_bias, None
+
+
+@dataclass(frozen=True)
+class _KeptPart:
+    """What a column-parallel layer's own product saved in place of its whole input: this
+    rank's part, gathered whole again through `again` when backward reads it."""
+
+    part: torch.Tensor
+    again: Regather
+
+
+@graph_break
+def matmul_keeping_part(part: torch.Tensor, whole: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None, again: Regather, matmul: Matmul
+                        ) -> torch.Tensor:
+    """`matmul(whole, weight, bias)` for a product that saves its own input for backward
+    (FP8's: torchao's Float8Linear keeps it in high precision), with the saved input
+    replaced by `part`, gathered whole again (through `again`, shared with the other
+    layers reading it) when backward reads it: the whole sequence is held only while that
+    backward runs, as GatheredLinear holds it for F.linear. Only `whole` itself is
+    replaced (the same storage, shape, strides and offset: the gather lays its result out
+    otherwise than `again` does, so a view of it could not be rebuilt); anything else the
+    product saves is kept as it is."""
+    layout = (whole.untyped_storage().data_ptr(), whole.shape, whole.stride(),
+              whole.storage_offset())
+
+    def pack(saved: torch.Tensor) -> torch.Tensor | _KeptPart:
+        if (saved.untyped_storage().data_ptr(), saved.shape, saved.stride(),
+                saved.storage_offset()) != layout:
+            return saved
+        again.users += 1
+        return _KeptPart(part, again)
+
+    def unpack(kept: torch.Tensor | _KeptPart) -> torch.Tensor:
+        return kept.again.take(kept.part) if isinstance(kept, _KeptPart) else kept
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return matmul(whole, weight, bias)
 
 
 @graph_break

@@ -34,6 +34,7 @@ from dtrain.tensor_parallel.functions import (
     copy_to_group,
     gather_last,
     gathered_linear,
+    matmul_keeping_part,
     reduce_from_group,
     reduce_scatter_sequence,
     scatter_last,
@@ -101,11 +102,13 @@ class ColumnParallelLinear(nn.Module):
             y = self.matmul(whole, self.weight, self.bias)
         else:
             whole, again = self.sequence_gather.gathered(x)
-            if again is None or recomputed_within(self) or self.matmul is not F.linear:
-                # no backward, the kept part is made again, or FP8's product keeps its own
+            if again is None or recomputed_within(self):
+                # no backward, or the kept part is made again anyway
                 y = self.matmul(whole, self.weight, self.bias)
-            else:  # keep this rank's part for backward, not the whole
+            elif self.matmul is F.linear:  # keep this rank's part for backward, not the whole
                 y = gathered_linear(x, whole, self.weight, self.bias, again)
+            else:  # FP8's product saves its input: the part in its place
+                y = matmul_keeping_part(x, whole, self.weight, self.bias, again, self.matmul)
         y = self.added(whole, y)
         if not self.gather_output:
             return y
