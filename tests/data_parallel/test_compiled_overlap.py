@@ -64,6 +64,22 @@ def test_buckets_are_cut_between_bursts_and_the_last_takes_the_whole_first_block
     assert [len(bucket.params) for bucket in by_size] == [3, 4, 1]
 
 
+def test_two_compiled_blocks_never_share_a_bucket() -> None:
+    """Three compiled blocks of 1,000 bytes under a 10,000-byte cap, then an embedding:
+    each block goes out in a bucket of its own as its backward ends (by size, the first
+    two shared one, sent only once the second's backward had ended too); the embedding,
+    whose gradient comes after the last block's, joins that block's bucket. ZeRO's units
+    are cut alike."""
+    a, b, c, embed = _params(125, 125), _params(125, 125), _params(125, 125), _params(125)
+    params = [*a, *b, *c, *embed]
+    block = {id(p): k for k, ps in enumerate((a, b, c)) for p in ps}
+    buckets = build_buckets(params, 10_000, None, burst=lambda p: block.get(id(p)))
+    assert _ids([bucket.params for bucket in buckets]) == _ids([a, b, [*c, *embed]])
+    named = [(str(k), p) for k, p in enumerate(params)]
+    assert [len(run) for run in split_by_size(named, 10_000, [a, b, c])] == [2, 2, 3]
+    assert [len(run) for run in split_by_size(named, 10_000)] == [7]
+
+
 def test_a_burst_over_the_cap_is_cut_on_its_own() -> None:
     one, big = _params(250), _params(500, 500, 500)
     block = {id(p): 0 for p in big}

@@ -12,7 +12,8 @@ all its parameters' gradients at the end of its backward (dtrain.models.compiled
 `gradients_together`). A bucket is then cut between bursts, never inside one: a bucket
 that held the last blocks and a part of the next would wait for that next block's whole
 backward, and the bucket holding most of a model and a part of its first block would start
-only when backward has ended, with nothing left to hide it.
+only when backward has ended, with nothing left to hide it. Nor does a bucket hold two
+bursts: the earlier block's gradients would wait a block's backward for the later's.
 
 Each bucket's buffer ends with one *presence flag* per parameter (1 where this rank
 produced that gradient), reduced together with the gradients: after a sum, a flag of 0
@@ -196,15 +197,15 @@ def cut(items: Sequence[_T], cap: int, nbytes: Callable[[_T], int],
         first_cap: int | None = None) -> list[list[_T]]:
     """`items` in order, cut into consecutive runs of about `cap` bytes (`first_cap` for
     the first), each of one `kind` (device, dtype, ...); an item over the cap gets a run
-    of its own. Consecutive items of one `burst` key (gradients that come at once) start
-    a new run together rather than end the one before, unless the burst alone is over the
-    cap: then it is cut like single items, from a run of its own. The last burst always
-    starts a run (the first compiled block's gradients come at the end of backward: a run
-    holding the blocks before it too would wait for it)."""
+    of its own. Consecutive items of one `burst` key (gradients that come at once: a
+    compiled block's) start a run of their own, cut like single items if the burst alone
+    is over the cap; items after a burst may join its run. A burst never joins the run
+    before it: that run would wait for the burst, a whole block's backward later, where
+    alone it goes out as soon as its block's backward ends (FSDP2 under torchtitan's
+    regional compile likewise reduces one block at a time)."""
     def cap_of(run: int) -> int:
         return first_cap if run == 0 and first_cap is not None else cap
 
-    last = _last_burst(items, burst)
     runs: list[list[_T]] = []
     size = start = 0
     while start < len(items):
@@ -213,7 +214,8 @@ def cut(items: Sequence[_T], cap: int, nbytes: Callable[[_T], int],
                 and kind(items[end]) == kind(items[start]):
             end += 1
         whole = sum(nbytes(item) for item in items[start:end])
-        if runs and start != last and size + whole <= cap_of(len(runs) - 1) \
+        bursting = burst is not None and burst(items[start]) is not None
+        if runs and not bursting and size + whole <= cap_of(len(runs) - 1) \
                 and kind(runs[-1][0]) == kind(items[start]):
             runs[-1] += items[start:end]
             size += whole

@@ -88,9 +88,8 @@ def split_by_size(named: list[tuple[str, _T]], max_bytes: int,
     """Consecutive runs of parameters of about `max_bytes` each, never mixing dtypes or
     devices (a parameter larger than the cap gets a run of its own). Consecutive
     parameters of one list of `together` (a compiled block's, whose gradients come at
-    once: dtrain.models.compiled `gradients_together`) start a run together rather than
-    end the one before, unless they are over the cap together, and the last such list
-    always starts a run (dtrain.data_parallel.buckets `cut`)."""
+    once: dtrain.models.compiled `gradients_together`) start a run of their own, cut
+    only if they are over the cap together (dtrain.data_parallel.buckets `cut`)."""
     burst = {id(p): k for k, params in enumerate(together) for p in params}
     return cut(named, max_bytes, lambda item: item[1].numel() * item[1].element_size(),
                lambda item: (item[1].dtype, item[1].device),

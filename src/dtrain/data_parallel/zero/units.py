@@ -354,9 +354,9 @@ def build_units(module: nn.Module, named: Named, group_of: dict[int, int], stage
                 wires: Wires | None = None) -> Built:
     """Pack `named` (trainable parameters) into units: stage 3 one per submodule of
     `units` (default every element of every nn.ModuleList) plus the root; stages 1-2
-    buckets of about `bucket_mb` in reverse order, cut between compiled blocks rather than
-    inside one (their gradients come at once: dtrain.models.compiled
-    `gradients_together`). Each sharding group of `sharding` gets units of its own.
+    buckets of about `bucket_mb` in reverse order, each compiled block's in buckets of its
+    own (their gradients come at once: dtrain.models.compiled `gradients_together`). Each
+    sharding group of `sharding` gets units of its own.
     `group_of` maps id(parameter) to its optimizer parameter group. The parameters become
     views of the units' `full`. Stage 3 packs `frozen` (parameters that do not train, of
     one dtype) into units of their own beside each module's.
