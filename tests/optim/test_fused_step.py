@@ -128,6 +128,30 @@ def _zero_ranks(rank: int, base: Net, stage: int, name: str, offload: bool
     return {"kernels": kernels(zero.optimizer), "state": zero.state_dict()}
 
 
+def test_a_resume_keeps_its_own_step_kernel_and_takes_the_checkpoints_options() -> None:
+    """A checkpoint written where the step was fused (a GPU's), with another learning rate
+    and weight decay, restored into this CPU run's AdamW (foreach): the learning rate and
+    weight decay are the checkpoint's, the step kernel stays this machine's."""
+    from types import SimpleNamespace
+
+    from dtrain.checkpoint.training import restore
+
+    optimizer = build_optimizer([nn.Parameter(torch.zeros(3))],
+                                OptimizerConfig(name="adamw", lr=1e-3))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    saved = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    saved.update(lr=5e-4, weight_decay=0.25, foreach=None, fused=True, betas=[0.8, 0.9])
+    ckpt = SimpleNamespace(meta={"param_groups": [saved], "scheduler": scheduler.state_dict(),
+                                 "layout": {"tp": 1, "pp": 1}},
+                           index={"world_size": 2})  # another layout's: no RNG restored
+    held = SimpleNamespace(optimizers=[optimizer], loss_scale=1.0)
+    restore(ckpt, held, [scheduler], SimpleNamespace(world_size=1, sync=1, tp=1, pp=1),  # type: ignore[arg-type]
+            tensors=False)
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["betas"]) == (5e-4, 0.25, (0.8, 0.9))
+    assert (group["foreach"], group["fused"]) == (True, None)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stage, name, offload", [
     (1, "adamw", False), (3, "adamw", False), (2, "adamw", True), (3, "sgd", True),

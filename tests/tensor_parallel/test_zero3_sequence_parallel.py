@@ -6,8 +6,8 @@ The crash (a SIGSEGV of the whole test process): after a step ZeRO-3 has release
 units' parameters (their storage resized to nothing, their shapes kept), and the test
 read them (`tp.full_state_dict(model)`); the thread backend's copy of such a tensor reads
 through a dangling pointer, as gloo's does. Under ZeRO-3 the weights are read through
-`ZeRO.state_dict()`, and the thread backend checks every tensor it is handed
-(dtrain.comm.threads.check_held).
+`ZeRO.state_dict()`, and every dtrain.comm collective checks the tensor it is handed, on
+every backend, as the thread backend checks its messages too (dtrain.comm.ops.check_held).
 """
 
 from __future__ import annotations
@@ -103,6 +103,31 @@ def test_a_released_tensor_is_refused_by_the_thread_backend() -> None:
         assert len(errors) == 4
         assert errors[0].startswith("all_gather: all_gather on group 'world' (rank ")
         assert "shape (64,)" in errors[0] and "ZeRO.state_dict()" in errors[0]
+
+
+def _refused_on_gloo() -> list[str]:
+    """On a gloo rank: gloo's own all-reduce and all-gather and dtrain's ring with a
+    released tensor, each refused before anything is sent."""
+    calls = {
+        "all_reduce": lambda: comm.all_reduce(_released(), algorithm="native"),
+        "all_gather": lambda: comm.all_gather(_released(), algorithm="native"),
+        "ring": lambda: comm.all_reduce(_released(), algorithm="ring"),
+    }
+    errors = []
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="whose memory was released") as caught:
+            call()
+        errors.append(f"{name}: {caught.value}")
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_a_released_tensor_is_refused_on_gloo() -> None:
+    """Every dtrain.comm collective checks its tensor on every backend: on gloo such a
+    tensor gave a connection closed by its peer (or a crash), named as a slow network."""
+    for rank, errors in enumerate(run_ranks(_refused_on_gloo, 2, timeout=50)):
+        assert len(errors) == 3
+        assert errors[0].startswith(f"all_reduce: all_reduce on group '0' (rank {rank})")
 
 
 @pytest.mark.slow  # 4 ranks, two runs: ~20 s on 2 cores

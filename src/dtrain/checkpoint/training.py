@@ -215,6 +215,13 @@ def _state(held: Checkpointable, schedulers: list, config: dict[str, Any],
     return pieces, extra, json.loads(json.dumps(meta, default=str)), rng
 
 
+HOW_TO_STEP = frozenset({"foreach", "fused", "capturable", "differentiable"})
+"""A parameter group's options that say how this machine runs the step (dtrain.optim.build
+`step_kernel`), not what the step does: a resume keeps its own (a checkpoint written on a
+GPU, fused, resumes on a CPU with foreach kernels; one written before dtrain chose the
+kernel resumes with the kernel chosen now)."""
+
+
 def restore(ckpt: Checkpoint, held: Checkpointable, schedulers: list, dims: Dims,
             tensors: bool = True) -> None:
     """Model, optimizer state, options, schedule and loss scale from `ckpt`; the RNG and
@@ -228,7 +235,8 @@ def restore(ckpt: Checkpoint, held: Checkpointable, schedulers: list, dims: Dims
         for group, options in zip(optimizer.param_groups, ckpt.meta["param_groups"],
                                   strict=False):
             group.update({k: tuple(v) if isinstance(v, list) else v
-                          for k, v in options.items() if k in group})
+                          for k, v in options.items()
+                          if k in group and k not in HOW_TO_STEP})
         scheduler.load_state_dict(ckpt.meta["scheduler"])
     held.loss_scale = ckpt.meta.get("loss_scale", 1.0)
     saved = ckpt.meta["layout"]

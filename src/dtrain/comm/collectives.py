@@ -29,6 +29,7 @@ from dtrain.comm.ops import (
     AVAILABLE,
     ReduceOp,
     bus_factor,
+    check_held,
     finish_,
     same_place,
     shard_sizes,
@@ -116,6 +117,7 @@ def _run(what: str, g: Group, tensor: torch.Tensor, algorithm: str, async_op: bo
          native: Callable[[], Handle], algorithms: dict[str, Callable[[], None]],
          finish: Callable[[], _R], **details: Any) -> _R | Result[_R]:
     """Choose the algorithm, check consistency, run it on the right thread, and wait."""
+    check_held(tensor, f"{what} on group {g.name!r} (rank {g.rank})")  # gloo: a hang or crash
     g.seq += 1
     whole = tensor.numel() * tensor.element_size() * (g.size if what in PER_RANK_INPUT else 1)
     g.traffic[what] += int(bus_factor(what, g.size) * whole)

@@ -1,4 +1,5 @@
-"""Names of the collectives and their algorithms, reduction operators, and flat sharding.
+"""Names of the collectives and their algorithms, reduction operators, flat sharding, and
+the check that a tensor still holds its memory.
 
 A tensor is treated as its flattened elements. When its length does not divide by the
 group size, the first `numel % size` shards are one element longer (as in MPI's block
@@ -129,3 +130,21 @@ def shards(flat: torch.Tensor, parts: int) -> list[torch.Tensor]:
     """Views of `flat` as `parts` contiguous shards."""
     off = shard_offsets(flat.numel(), parts)
     return [flat[off[i] : off[i + 1]] for i in range(parts)]
+
+
+def check_held(tensor: torch.Tensor, what: str) -> None:
+    """Refuse `tensor` for `what` when its storage holds fewer bytes than its shape and
+    strides reach (a released storage: see the module docstring).
+
+    Raises:
+        ValueError: it does, with its shape and the likely cause.
+    """
+    if tensor.numel() == 0:
+        return
+    last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape,
+                                                                      tensor.stride(),
+                                                                      strict=True))
+    if tensor.untyped_storage().nbytes() < (last + 1) * tensor.element_size():
+        raise ValueError(f"{what}: a tensor of shape {tuple(tensor.shape)} whose memory was "
+                         "released (a ZeRO-3 parameter outside its unit's forward and "
+                         "backward? read the weights with ZeRO.state_dict())")

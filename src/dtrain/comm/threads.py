@@ -8,7 +8,8 @@ A tensor whose memory was released (its storage resized to nothing, as ZeRO-3 re
 unit's parameters between its forward and backward and after the step) keeps its shape,
 and a copy of it would read through a dangling pointer: the whole process, every thread
 rank with it, dies of a segmentation fault. Every tensor a collective or a message reads or
-writes is checked first (`check_held`), and such a tensor is refused by name instead.
+writes is checked first (dtrain.comm.ops `check_held`, which every dtrain.comm collective
+applies on every backend), and such a tensor is refused by name instead.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from dtrain.comm.group import CollectiveTimeout, Done, Group
-from dtrain.comm.ops import ReduceOp, combine_, shards
+from dtrain.comm.ops import ReduceOp, check_held, combine_, shards
 
 
 class Fabric:
@@ -59,24 +60,6 @@ class Fabric:
             if self._readers[key] == size:
                 del self._meetings[key], self._readers[key]
             return result
-
-
-def check_held(tensor: torch.Tensor, what: str) -> None:
-    """Refuse `tensor` for `what` when its storage holds fewer bytes than its shape and
-    strides reach (a released storage: see the module docstring).
-
-    Raises:
-        ValueError: it does, with its shape and the likely cause.
-    """
-    if tensor.numel() == 0:
-        return
-    last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape,
-                                                                      tensor.stride(),
-                                                                      strict=True))
-    if tensor.untyped_storage().nbytes() < (last + 1) * tensor.element_size():
-        raise ValueError(f"{what}: a tensor of shape {tuple(tensor.shape)} whose memory was "
-                         "released (a ZeRO-3 parameter outside its unit's forward and "
-                         "backward? read the weights with ZeRO.state_dict())")
 
 
 class _Recv:
