@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,16 @@ def _released(n: int = 64) -> torch.Tensor:
     return tensor
 
 
+def _refusals(calls: dict[str, Callable[[], object]]) -> list[str]:
+    """Each call's refusal of a released tensor, "name: message"."""
+    errors = []
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="whose memory was released") as caught:
+            call()
+        errors.append(f"{name}: {caught.value}")
+    return errors
+
+
 def _every_path_refuses(rank: int) -> list[str]:
     """On a thread rank: a native all-gather, all-reduce and point-to-point messages with
     a released tensor, each refused (ValueError) rather than read."""
@@ -83,12 +94,7 @@ def _every_path_refuses(rank: int) -> list[str]:
         "send": lambda: group.isend(_released(), 1 - rank),
         "recv": lambda: group.irecv(_released(), 1 - rank),
     }
-    errors = []
-    for name, call in calls.items():
-        with pytest.raises(ValueError, match="whose memory was released") as caught:
-            call()
-        errors.append(f"{name}: {caught.value}")
-    return errors
+    return _refusals(calls)
 
 
 def _refused_in_a_process_of_its_own() -> list[list[str]]:
@@ -113,12 +119,7 @@ def _refused_on_gloo() -> list[str]:
         "all_gather": lambda: comm.all_gather(_released(), algorithm="native"),
         "ring": lambda: comm.all_reduce(_released(), algorithm="ring"),
     }
-    errors = []
-    for name, call in calls.items():
-        with pytest.raises(ValueError, match="whose memory was released") as caught:
-            call()
-        errors.append(f"{name}: {caught.value}")
-    return errors
+    return _refusals(calls)
 
 
 @pytest.mark.timeout(60)
