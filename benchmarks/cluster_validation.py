@@ -3,11 +3,14 @@
     .venv/bin/python -m benchmarks.cluster_validation         # prints the markdown tables
 
 The rows that must hold are tests (tests/planner/test_plan_cluster.py: Megatron-LM's Table 1,
-Korthikanti et al.'s 530B runs and Llama 3 405B's Table 4); this script prints them for
-RESULTS.md with the published runs the cost model does not match, and why.
+Korthikanti et al.'s 530B runs and Llama 3 405B's Table 4; test_plan_moe_at_scale.py: the
+runs of other frameworks and the mixture-of-experts runs at scale); this script prints them
+for RESULTS.md.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from dtrain.planner.analytic.hardware import Cluster, hardware
 from dtrain.planner.analytic.published import (
@@ -16,17 +19,16 @@ from dtrain.planner.analytic.published import (
     LLAMA_3_TABLE_4,
     MEGATRON_2021,
     MEGATRON_TABLE_1,
+    MOE_NOT_MATCHED,
+    MOE_RUNS,
+    OTHER_FRAMEWORKS,
+    PublishedRun,
     llama_row,
     megatron_row,
     published_layout,
 )
-from dtrain.planner.analytic.search import best_layout, rank
+from dtrain.planner.analytic.search import rank
 from dtrain.planner.shape import ModelShape
-
-# Megatron-Turing NLG 530B (Smith et al., 2022, "Using DeepSpeed and Megatron to Train
-# Megatron-Turing NLG 530B", section 2.4): Megatron-DeepSpeed, A100 80GB, tp 8, pp 35,
-# global batch 1920, sequence 2048; nodes -> TFLOP/s per GPU (recomputation counted)
-MT_NLG = [(280, 126), (350, 121), (420, 113)]
 
 
 def megatron() -> None:
@@ -69,17 +71,38 @@ def llama() -> None:
               f"{meta:.1f} ({meta / 989:.1%}) | {meta / tflops:.3f} | {palm:.1f} |")
 
 
-def outside() -> None:
-    print("| run | layout | published | predicted | ratio |")
-    print("|---|---|---|---|---|")
-    shape = ModelShape(105, 20480, 128, 2048, 50272)
-    for nodes, tflops in MT_NLG:
-        cluster = Cluster(hardware("a100-80gb"), nodes, 8)
-        ours = best_layout(shape, cluster, 1920, 8, 35, nodes * 8 // 280, (1, 2), (1, 2, 3, 4, 6),
-                           (1,), ("full",), (False,), MEGATRON_2021,
-                           schedules=("1f1b",))  # DeepSpeed's pipeline engine: 1F1B
-        print(f"| MT-NLG 530B, {nodes * 8} A100s | {ours.label} | {tflops} TFLOP/s | "
-              f"{ours.tflops_per_gpu:.1f} | {ours.tflops_per_gpu / tflops:.3f} |")
+def _as_megatron(run: PublishedRun) -> float:
+    """The run's error planned as Megatron-LM would run it (the framework's share 1)."""
+    return dataclasses.replace(run, soft=dataclasses.replace(
+        run.soft, framework="megatron-lm")).error()
+
+
+def other_frameworks() -> None:
+    print("| run | source | layout, as planned | published TFLOP/s | as Megatron-LM | "
+          "as Megatron-DeepSpeed | error |")
+    print("|---|---|---|---|---|---|---|")
+    for run in OTHER_FRAMEWORKS:
+        ours = run.plan()
+        note = f" ({run.note})" if run.note else ""
+        print(f"| {run.name}{note} | {run.source} | {ours.label} | {run.published:.0f} | "
+              f"{_as_megatron(run):+.1%} | {run.predicted(ours):.1f} | {run.error(ours):+.1%} |")
+
+
+def moe(runs: list[PublishedRun] = MOE_RUNS) -> None:
+    print("| run | source | layout, as planned | software | recompute | memory | published "
+          "tokens/s per GPU | predicted | a2a exposed | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        ours = run.plan()
+        soft = run.soft
+        how = ("FP8, " if soft.float8 else "BF16, ") + \
+            f"{soft.dispatch}, {soft.a2a_overlap:.0%} of the all-to-all hidden" + \
+            (", forced balance" if run.forced_balance else "")
+        fits = "" if ours.fits else " (does not fit)"
+        print(f"| {run.name} | {run.source} | {ours.label} | {how} | "
+              f"{ours.planned.recompute} | {ours.memory['total'] / 2**30:.1f} GiB{fits} | "
+              f"{run.published:,.0f} | {run.predicted(ours):,.0f} | "
+              f"{ours.parts['ep'] / ours.step_s:.0%} of the step | {run.error(ours):+.1%} |")
 
 
 if __name__ == "__main__":
@@ -89,4 +112,8 @@ if __name__ == "__main__":
     print()
     llama()
     print()
-    outside()
+    other_frameworks()
+    print()
+    moe()
+    print()
+    moe(MOE_NOT_MATCHED)

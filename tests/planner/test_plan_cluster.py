@@ -213,6 +213,18 @@ BAD = [
     (["--hardware", "a100", "--model-shape", SHAPE_145B, "--precision", "fp8"],
      "a100-80gb has no FP8 tensor cores"),
     (["--precision", "fp8"], "--precision plan a GPU cluster"),
+    # mixture of experts at scale (test_plan_moe_at_scale.py): ep folded over dp x cp x tp
+    # must divide them, MLA's keys need attention=mla, the new options a cluster
+    (["--hardware", "h100", "--nodes", "4", "--model-shape",
+      "arch=llama,layers=8,hidden=512,heads=8,seq=512,vocab=1000,experts=8,top_k=2",
+      "--batch", "64", "--layout", "tp=2,pp=1,dp=16,ep=3"], "ep = 3 does not divide"),
+    (["--hardware", "h100", "--model-shape",
+      "arch=llama,layers=8,hidden=512,heads=8,seq=512,vocab=1000,kv_lora_rank=64"],
+     "add attention=mla"),
+    (["--hardware", "h100", "--model-shape", "arch=llama,layers=8,hidden=512,heads=8,"
+      "seq=512,vocab=1000", "--a2a-overlap", "2"], "--a2a-overlap 2 is a share"),
+    (["--dispatch", "deepep"], "--dispatch plan a GPU cluster"),
+    (["--framework", "megatron-deepspeed"], "--framework plan a GPU cluster"),
 ]
 
 

@@ -23,12 +23,8 @@ from dtrain.errors import ConfigError
 from dtrain.models import resolve
 from dtrain.models.config import ModelConfig
 from dtrain.models.llama import llama_config, parameter_count
-from dtrain.planner.analytic.cluster import (
-    all_to_all_bytes,
-    all_to_all_seconds,
-    evaluate,
-    planned_layout,
-)
+from dtrain.planner.analytic.cluster import evaluate, planned_layout
+from dtrain.planner.analytic.dispatch import all_to_all_bytes, all_to_all_seconds
 from dtrain.planner.analytic.hardware import Cluster, hardware
 from dtrain.planner.analytic.search import best_layout, check_layout, rank
 from dtrain.planner.shape import ModelShape, parse_shape

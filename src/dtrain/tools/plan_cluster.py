@@ -15,6 +15,10 @@
     dtrain plan ... --tokens 300e9          # days and GPU-hours to train on 300B tokens
     dtrain plan --hardware h100-80gb --nodes 1 --set model.preset=llama-3-8b \
         --set model.block_size=8192 --batch 8 --precision fp8   # the linears in FP8
+    dtrain plan --hardware h800 --nodes 256 --set model.arch=llama \
+        --set model.preset=deepseek-v3 --batch 15360 --layout tp=1,pp=16,dp=128,ep=64 \
+        --schedules dualpipev --microbatch 1 --zero 1 --precision fp8 --dispatch deepep \
+        --a2a-overlap 1      # DeepSeek-V3 as DeepSeek trained it
 
 Everything is arithmetic on the model's shape and the hardware's figures
 (dtrain.planner.analytic), so it runs in seconds for any size. docs/choosing-a-layout.md
@@ -41,6 +45,7 @@ from dtrain.planner.analytic.cluster import (
     check_precision,
     planned_layout,
 )
+from dtrain.planner.analytic.dispatch import DISPATCHES
 from dtrain.planner.analytic.hardware import Cluster, hardware
 from dtrain.planner.analytic.search import (
     best_layout,
@@ -50,6 +55,7 @@ from dtrain.planner.analytic.search import (
     recommend,
     training_time,
 )
+from dtrain.planner.analytic.software import FRAMEWORKS
 from dtrain.planner.planned import CP_METHODS, RECOMPUTE
 from dtrain.planner.shape import ModelShape, parse_shape
 from dtrain.tools import check_output, write_json
@@ -61,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`dtrain plan`'s options for GPU clusters."""
     group = parser.add_argument_group("GPU clusters (arithmetic, no tracing)")
     group.add_argument("--hardware", metavar="NAME|FILE", help="plan for a GPU cluster: "
-                       "a100-40gb, a100-80gb, h100-80gb, h200, or a TOML cluster file; "
+                       "a100-40gb, a100-80gb, h100-80gb, h200, h800, or a TOML cluster file; "
                        "--set hardware.KEY=VALUE overrides its figures")
     group.add_argument("--nodes", type=int, help="machines (default 1)")
     group.add_argument("--gpus-per-node", type=int, help="GPUs per machine (default: the "
@@ -70,12 +76,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "layers, hidden, heads, seq, vocab, and optionally arch (gpt|llama), "
                        "kv_heads, ffn, tied, dropout, head_dim, qk_norm; a mixture of "
                        "experts (arch=llama): experts, top_k, and optionally moe_ffn, "
-                       "shared_experts, moe_layers (default: the config's model)")
+                       "shared_experts, moe_layers, n_group, topk_group; latent attention: "
+                       "attention=mla, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, "
+                       "v_head_dim, and optionally q_lora_rank; mtp_depth (default: the "
+                       "config's model)")
     group.add_argument("--layout", metavar="tp=T,pp=P,dp=D[,cp=C][,ep=E][,dp_replicate=R]",
                        help="evaluate this layout only (its best micro-batch, virtual stages, "
                        "ZeRO stage, recomputation and cp method unless given); cp splits "
                        "every sequence over C GPUs (context parallelism, default 1); ep "
-                       "splits a MoE model's experts over E of the dp GPUs (default 1); "
+                       "splits a MoE model's experts over E consecutive GPUs of dp x cp x "
+                       "tp (folded, each expert whole; default 1); "
                        "dp_replicate: hybrid sharding, ZeRO inside R replicas of dp / R "
                        "GPUs (default 1)")
     group.add_argument("--cp-method", choices=CP_METHODS, help="how the cp GPUs attend over "
@@ -97,6 +107,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "hardware's FP8 rate, scaled from bf16 as torchao's float8 training "
                        "does: dtrain's [train] float8; attention's core, the head and the "
                        "rest stay bf16; MFU stays against the bf16 peak)")
+    group.add_argument("--dispatch", choices=tuple(DISPATCHES), default="nccl",
+                       help="how a MoE layer's tokens reach their experts: nccl (a plain "
+                       "all-to-all, default) or deepep (DeepEP-class kernels: a token crosses "
+                       "the network once per node, at DeepEP's published rate)")
+    group.add_argument("--a2a-overlap", type=float, default=0.0, metavar="F",
+                       help="the share of the MoE all-to-all hidden under compute, 0-1 "
+                       "(default 0: none; DeepSeek-V3's DualPipe 1; Megatron-Core's 1F1B "
+                       "overlap about 0.38, fitted on its Qwen3-235B runs)")
+    group.add_argument("--framework", choices=tuple(FRAMEWORKS), default="megatron-lm",
+                       help="the framework the run would use: megatron-lm (default) or "
+                       "megatron-deepspeed (2022's: its kernels at 0.81 of Megatron-LM's "
+                       "rate, gradients reduced after the last backward)")
     group.add_argument("--tokens", type=float, help="training tokens: adds days and "
                        "GPU-hours to train")
     group.add_argument("--top", type=int, default=15, help="rows of the table (default 15; "
@@ -165,9 +187,12 @@ def check_cluster_flags(args: argparse.Namespace, hw_overrides: dict[str, str]) 
         given.append("--attention")
     if args.precision != "bf16":
         given.append("--precision")
+    given += [flag for flag, value, default in (
+        ("--dispatch", args.dispatch, "nccl"), ("--a2a-overlap", args.a2a_overlap, 0.0),
+        ("--framework", args.framework, "megatron-lm")) if value != default]
     if given:
         raise ConfigError(f"{', '.join(given)} plan a GPU cluster: add --hardware NAME "
-                          "(a100-40gb, a100-80gb, h100-80gb, h200 or a TOML file)")
+                          "(a100-40gb, a100-80gb, h100-80gb, h200, h800 or a TOML file)")
 
 
 def cluster_plan(args: argparse.Namespace, config, hw_overrides: dict[str, str]) -> None:
@@ -194,7 +219,9 @@ def cluster_plan(args: argparse.Namespace, config, hw_overrides: dict[str, str])
         raise ConfigError(f"--tokens {args.tokens:g} must be a positive number")
     check_output("--json", args.json)
     flash = args.attention == "flash"
-    soft = Software(flash_attention=flash, lean_norms=flash, float8=args.precision == "fp8")
+    soft = Software(flash_attention=flash, lean_norms=flash, float8=args.precision == "fp8",
+                    dispatch=args.dispatch, a2a_overlap=args.a2a_overlap,
+                    framework=args.framework)
     check_precision(hw, soft)
     modes = RECOMPUTE if args.recompute == "auto" else (args.recompute,)
     seq = (False, True) if args.sequence_parallel == "auto" else \
@@ -216,7 +243,9 @@ def cluster_plan(args: argparse.Namespace, config, hw_overrides: dict[str, str])
             "hardware": dataclasses.asdict(hw), "nodes": cluster.nodes,
             "gpus_per_node": cluster.gpus_per_node, "gpus": cluster.gpus,
             "global_batch": batch, "seq_len": shape.seq, "attention": args.attention,
-            "precision": args.precision,
+            "precision": args.precision, "dispatch": args.dispatch,
+            "a2a_overlap": args.a2a_overlap, "framework": args.framework,
+            "kv_cache_bytes_per_token": shape.kv_cache_bytes(),
             "recommended": best.to_dict() if best else None, "why": why,
             "layouts": [e.to_dict() for e in estimates]}
     if args.tokens is not None and best is not None:
@@ -273,16 +302,21 @@ def _print(info: dict, shown: list[ClusterEstimate], count: int, hw, out=sys.std
           f"{active_text}; "
           f"{info['gpus']} GPUs ({info['nodes']} nodes x {info['gpus_per_node']}); global "
           f"batch {info['global_batch']} x {info['seq_len']} tokens", file=out)
-    fp8 = "; the blocks' linear layers in fp8" if info["precision"] == "fp8" else ""
-    print(f"hardware: {hw.describe()}; {info['attention']} attention{fp8}", file=out)
+    fp8 = "; the blocks' linear layers and experts in fp8" if info["precision"] == "fp8" \
+        else ""
+    framework = f"; as {info['framework']} runs it" if info["framework"] != "megatron-lm" \
+        else ""
+    print(f"hardware: {hw.describe()}; {info['attention']} attention{fp8}{framework}",
+          file=out)
     print("memory per GPU: bf16 weights, fp32 gradients and Adam state (ZeRO divides them), "
           "activations of the busiest stage; TFLOP/s counts recomputation, MFU does not",
           file=out)
     moe = active != info["parameters"]
     if moe:
-        print("experts: split over ep x tp GPUs (ZeRO: over the dp / ep GPUs holding the "
-              "same ones); FLOPs from the active parameters; a2a: the step's all-to-all time",
-              file=out)
+        print(f"experts: whole, over ep consecutive GPUs of dp x cp x tp (ZeRO: over the "
+              f"dp x cp x tp / ep holding the same ones); FLOPs from the active parameters; "
+              f"a2a: the step's wait for the all-to-all ({info['dispatch']}, "
+              f"{info['a2a_overlap']:.0%} of it hidden under compute)", file=out)
     a2a = f" {'a2a':>8}" if moe else ""
     width = max([34] + [len(e.label) for e in shown])
     header = (f"{'layout':{width}} {'recompute':>9} {'memory':>9} {'fits':>4} {'bubble':>6}{a2a} "

@@ -7,8 +7,12 @@ model's shape and the hardware's figures (`dtrain plan --hardware`).
     one = evaluate(shape, cluster, 2304, planned_layout(2304, tp=8, pp=8, dp=24))
 
 `hardware` holds the accelerators' figures and reads cluster files, `cluster` costs one
-layout (memory per GPU, step time, tokens/s, MFU), `search` ranks every layout and
-chooses each one's options. Nothing is traced, so a model of any size plans in seconds.
+layout (memory per GPU, step time, tokens/s, MFU), `dispatch` a MoE layer's all-to-all
+(experts folded over dp x cp x tp, a plain or DeepEP-class exchange, the share hidden under
+compute), `software` what the training code does beyond the layout (kernels, precision,
+dispatch, overlap, framework), `search` ranks every layout and chooses each one's options,
+and `published` holds the runs it is checked against. Nothing is traced, so a model of any
+size plans in seconds.
 """
 
 from __future__ import annotations

@@ -52,21 +52,31 @@ tp GPUs, each on its own network port) at each of the busiest GPU's stage bounda
 with another GPU (dtrain.planner.costs.sends: the V-shaped schedules twice 1F1B's).
 
 Mixture-of-experts blocks (a shape with `experts`): each MoE layer's routed experts are
-split over `ep` data-parallel GPUs (ep divides dp and the experts) and over tp (the
-experts' own tensor parallelism, Megatron-Core's default; dtrain's own ep keeps a MoE
-block whole on each tp rank for now), so weights, gradients and optimizer state of the
-experts are divided by ep x tp, and ZeRO divides them by the dp / ep GPUs holding the same
-experts; the dense parts are as above. In balance every GPU runs k expert products per
-token (grouped: E / ep experts of tokens x k x ep / E rows each), the router and the
-shared experts, and keeps their tensors (k x the expert's, the dispatched tokens in and
-out, the router's probabilities). Per MoE layer and micro-batch the tokens go to their
-experts' GPUs and back by all-to-all: 2 x tokens x k x hidden bf16 elements forward
-(dispatch and combine), the same again in backward (and in the recomputed forward), the
-tokens divided over tp (sequence parallelism, which Megatron-Core requires with ep and
-tp); (ep - 1) / ep of it leaves the GPU, on NVLink to the ep group's GPUs in the node and
-on the network to the others, both at once (the slower sets the time), exposed. An ep
-group is ep consecutive dp ranks, tp x ep consecutive GPUs; the experts' gradients are
-reduced over the dp / ep GPUs holding the same experts, tp x ep apart.
+folded over `ep` consecutive GPUs of a replica's dp x cp x tp, each expert whole on its
+GPU (Megatron-Core's parallel folding with expert tensor parallelism 1, as dtrain's mesh
+lays them out: dtrain.planner.analytic.dispatch), so weights, gradients and optimizer
+state of the experts are divided by ep, and ZeRO divides them by the edp = dp x cp x tp /
+ep GPUs holding the same experts; the dense parts are as above. Each GPU routes its own
+b·s / (cp·tp) tokens (each tp rank its 1/tp): in balance it runs their k expert products
+(grouped: E / ep experts of routed x k x ep / E rows each), the router and the shared
+experts (split over tp as a dense MLP), and keeps their tensors (k x the expert's, the
+dispatched tokens in and out, the router's probabilities); under sequence parallelism a
+MoE layer's MLP has no tp collective (its tokens stay sharded). Per MoE layer and
+micro-batch the tokens go to their experts' GPUs and back: two exchanges forward
+(dispatch and combine), two in backward, two more in a recomputed forward, each of
+`dispatch.exchange_seconds` (a plain all-to-all, or DeepEP-class kernels sending a token
+once per node: `Software.dispatch`), exposed but for the share `Software.a2a_overlap`
+hides under the stage's compute (`dispatch.exposed_seconds`). The experts' gradients are
+reduced over their edp GPUs, ep apart.
+
+Latent attention (MLA) and multi-token prediction (dtrain.planner.shape): each of
+attention's projections is a matrix multiply of its own, split over tp by heads or whole
+on every tp GPU (MLA's down-projections); attention's core has query/key heads of
+head_dim and value heads of v_head_dim; a layer keeps MLA's latents (whole on every tp GPU)
+beside its q, k, v and output; cp exchanges the decompressed keys and values. The stage
+with the head also runs each multi-token prediction depth: a block of the last block's
+kind, its 2h -> h projection and the head's logits again, and holds their parameters and
+one micro-batch of their activations and fp32 logits.
 
 The step is `m · slowest stage + fill · the other stages / v` for m micro-batches and v
 virtual stages, `fill` the schedule's fill and drain as a share of 1F1B's, from the
@@ -97,16 +107,23 @@ micro-batch, the replicas once a step.
 
 FP8 (`Software.float8`, `dtrain plan --precision fp8`; torchao's float8 training, dtrain's
 `[train] float8`): the blocks' linear layers (attention's projections, the MLP, a MoE
-layer's shared experts) multiply at the hardware's dense FP8 rate (`fp8_tflops`) at the
-same `gemm_efficiency`, their operands one byte each on the roofline, and each operand
-is scaled from bf16 first: read twice (its absolute maximum, then the cast) and written
-in one byte, 5 bytes per element at memory bandwidth (`linear_seconds`; backward, as
+layer's shared experts) and the routed experts' grouped products (torchao's FP8 grouped
+products for MoE, which issue 51 brings to `[train] float8`; DeepSeek-V3 trained them in
+FP8) multiply at the hardware's dense FP8 rate (`fp8_tflops`) at the same
+`gemm_efficiency`, their operands one byte each on the roofline, and each operand is
+scaled from bf16 first: read twice (its absolute maximum, then the cast) and written in
+one byte, 5 bytes per element at memory bandwidth (`linear_seconds`; backward, as
 everywhere here, twice forward). Attention's core (the scores and their weighted sum),
-the router and the routed experts (grouped products torchao's float8 linear does not
-convert), the output head, element-wise work and communication stay as in bf16.
+the router, the output head, element-wise work and communication stay as in bf16.
 Memory does not change: torchao keeps bf16 weights (and fp32 masters, gradients and
 Adam state) and saves each linear's input for backward in its high precision, casting
 it again in backward (`matmul_with_hp_or_float8_args` saves `input_hp, weight_hp_t`).
+
+Frameworks (`Software.framework`; dtrain.planner.analytic.software): all of the above is
+Megatron-LM's runtime; a run of another framework is timed with every kernel at its
+framework's share of that rate (the hardware's `gemm_efficiency` and `memory_efficiency`
+times the share) and its gradients reduced after the last backward where its runtime does
+so.
 
 Reported: `tflops_per_gpu` counts the FLOPs the GPUs execute, recomputation included
 (Megatron-LM's "achieved TFLOP/s"); `mfu` counts the model's alone (6N + 12·l·h·s per
@@ -119,6 +136,7 @@ FP8 run's MFU may pass what bf16 could reach).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -126,7 +144,15 @@ from dataclasses import dataclass
 from dtrain.errors import ConfigError
 from dtrain.mesh import Dims
 from dtrain.pipeline.schedules import SPLIT, V_SHAPED, build
+from dtrain.planner.analytic.dispatch import (
+    DISPATCHES,
+    all_to_all_seconds,
+    exchange_seconds,
+    exposed_seconds,
+    tokens_routed,
+)
 from dtrain.planner.analytic.hardware import Cluster, Hardware
+from dtrain.planner.analytic.software import Software, check_precision
 from dtrain.planner.costs import (
     chunk_sizes,
     fill_share,
@@ -158,14 +184,15 @@ def planned_layout(batch: int, tp: int, pp: int, dp: int, zero: int = 0, micro_b
     of a global batch of `batch`, `virtual` stages per pipeline GPU, the pipeline's
     `schedule` (default: 1f1b, or interleaved over several virtual stages; zbv and
     dualpipev run two), recomputation, sequence parallelism, the experts split over `ep`
-    of the dp GPUs, each sequence over `cp` GPUs meeting by `cp_method`, and the dp GPUs
-    in `replicas` hybrid-sharding replicas (dp_replicate; ZeRO inside each): one layout as
-    this planner plans it. A pipeline's micro-batches are those the batch leaves (without
-    one, they are gradient accumulation, as in dtrain's config). `check_layout` says
-    whether it can run.
+    consecutive GPUs of a replica's dp x cp x tp (folded: dtrain.planner.analytic.dispatch),
+    each sequence over `cp` GPUs meeting by `cp_method`, and the dp GPUs in `replicas`
+    hybrid-sharding replicas (dp_replicate; ZeRO inside each): one layout as this planner
+    plans it. A pipeline's micro-batches are those the batch leaves (without one, they are
+    gradient accumulation, as in dtrain's config). `check_layout` says whether it can run.
 
     Raises:
-        ConfigError: `replicas` does not divide dp (and what Dims refuses).
+        ConfigError: `replicas` does not divide dp (and what Dims refuses: an ep not
+            dividing the GPUs it is folded over).
     """
     if replicas < 1 or dp % replicas:
         raise ConfigError(f"dp_replicate={replicas} does not divide dp={dp}: the replicas "
@@ -183,8 +210,9 @@ def planned_layout(batch: int, tp: int, pp: int, dp: int, zero: int = 0, micro_b
 def cluster_label(planned: PlannedLayout) -> str:
     """A layout as this planner's tables show it, in Megatron-LM's order (tp innermost,
     first): `tp8 x cp16 x pp16 x dp8 x v8 mb1 zero1 sp allgather` (cp: the GPUs a
-    sequence is split over, and after the options how they attend; ep: the dp GPUs the
-    experts are split over, as in `tp1 x pp4 x dp16 ep8`; v: virtual stages of the
+    sequence is split over, and after the options how they attend; ep: the GPUs of a
+    MoE layer's experts, folded over dp x cp x tp, as in `tp2 x pp8 x dp16 ep32`; v:
+    virtual stages of the
     interleaved schedule; the other schedules but 1F1B by name, `tp8 x pp8 x dp24 zbv mb1`;
     mb: sequences per micro-batch; hybrid sharding's replicas as the Dims show them,
     `tp1 x pp1 x dp4x8 mb2 zero3`: 4 replicas of 8 GPUs)."""
@@ -203,38 +231,6 @@ def cluster_label(planned: PlannedLayout) -> str:
     return text + (f" zero{layout.zero}" if layout.zero else "") + \
         (" sp" if planned.sequence_parallel else "") + \
         (f" {planned.cp_method}" if layout.cp > 1 else "")
-
-
-@dataclass(frozen=True)
-class Software:
-    """What the training code does, beyond the layout.
-
-    flash_attention: attention's core in on-chip tiles (no s x s scores kept), its masked
-        half skipped; without it, scores on the roofline and kept (Megatron-LM in 2021).
-    overlap_dp: the gradient reduction behind the last micro-batch's backward.
-    lean_norms: each LayerNorm/RMSNorm keeps one tensor for backward, its output (which
-        the next matrix multiply keeps anyway; the normalized input is (y - β) / γ), not
-        also its input (`layer_activations`).
-    float8: the blocks' linear layers multiply in FP8 (`linear_seconds`; the hardware
-        needs an FP8 rate: `check_precision`).
-    """
-
-    flash_attention: bool = True
-    overlap_dp: bool = True
-    lean_norms: bool = True
-    float8: bool = False
-
-
-def check_precision(hw: Hardware, soft: Software) -> None:
-    """Refuse to plan FP8 on hardware without an FP8 rate.
-
-    Raises:
-        ConfigError: `soft.float8` and `hw.fp8_tflops` is 0 (an A100).
-    """
-    if soft.float8 and not hw.fp8_tflops:
-        raise ConfigError(f"--precision fp8: {hw.name} has no FP8 tensor cores (they came "
-                          "with compute capability 8.9: H100, H200, L4): use --precision "
-                          "bf16, or give its rate with --set hardware.fp8_tflops=N")
 
 
 @dataclass
@@ -320,15 +316,18 @@ def layer_activations(shape: ModelShape, b: int, tp: int, sp: bool, recompute: s
     if recompute == "full":
         return 2 * s * b * h * shared  # the layer's input
     drop = 1 if shape.dropout else 0
-    q, kv = shape.attention_width, shape.kv_heads * shape.head_dim
     # two norms' outputs feeding the column layers (and their inputs), dropout masks
     replicated = s * b * h * (2 + 2 + (0 if lean_norms else 2 + 2) + 2 * drop)
+    # MLA's normed latents feeding its up-projections (and their norms' inputs), whole
+    # on every tp rank, and the shared rotary key
+    latents = 2 * s * b * shape.latent_width * (1 if lean_norms else 2)
     # q, k, v, the attention output, the MLP's intermediate tensors
-    split = 2 * s * b * (q + 2 * kv) + 2 * s * b * q + _mlp_activations(shape, s * b, moe)
+    split = 2 * s * b * (shape.qkv_width + shape.value_width) + \
+        _mlp_activations(shape, s * b, moe)
     scores = 0.0
     if not flash and recompute == "none":  # softmax output (+ its dropout mask and output)
         scores = shape.heads * s * shape.seq * b * (2 + 3 * drop)  # its queries, every key
-    return replicated * shared + (split + scores) / tp
+    return replicated * shared + latents + (split + scores) / tp
 
 
 def _mlp_activations(shape: ModelShape, tokens: int, moe: bool) -> float:
@@ -495,21 +494,21 @@ def _layer_forward(shape: ModelShape, c: PlannedLayout, moe: bool, hw: Hardware,
     MoE layer."""
     s, h, t, b, cp = shape.seq, shape.hidden, c.dims.tp, c.micro_batch, c.dims.cp
     tokens = b * s // cp
-    q, kv = shape.attention_width, shape.kv_heads * shape.head_dim
-    fp8 = soft.float8  # the blocks' nn.Linear layers; not the router nor routed experts
-    linear_s = linear_seconds(tokens, (q + 2 * kv) / t, h, hw, float8=fp8) + \
-        linear_seconds(tokens, h, q / t, hw, float8=fp8)
+    fp8 = soft.float8  # the blocks' nn.Linear layers and the routed experts, not the router
+    linear_s = sum(linear_seconds(tokens, p.outputs / (t if p.split == "column" else 1),
+                                  p.inputs / (t if p.split == "row" else 1), hw, float8=fp8)
+                   for p in shape.attention_projections())
     width = 2 if shape.gated else 1  # gate and up side by side
     if not moe:
         linear_s += (linear_seconds(tokens, width * shape.ffn / t, h, hw, float8=fp8)
                      + linear_seconds(tokens, h, shape.ffn / t, hw, float8=fp8))
-    else:  # the router; E / ep local experts of tokens x k x ep / E rows; the shared ones
+    else:  # the router; E / ep whole experts of routed x k x ep / E rows; the shared ones
         local = shape.experts // c.dims.ep
-        rows = tokens * shape.top_k / local
+        rows = tokens_routed(shape, b, t, cp) * shape.top_k / local
         f, shared = shape.moe_ffn, shape.shared_experts * shape.moe_ffn
         linear_s += gemm_seconds(tokens / t, shape.experts, h, hw)
-        linear_s += (gemm_seconds(rows, width * f / t, h, hw, local)
-                     + gemm_seconds(rows, h, f / t, hw, local))
+        linear_s += (linear_seconds(rows, width * f, h, hw, local, fp8)
+                     + linear_seconds(rows, h, f, hw, local, fp8))
         if shared:
             linear_s += (linear_seconds(tokens, width * shared / t, h, hw, float8=fp8)
                          + linear_seconds(tokens, h, shared / t, hw, float8=fp8))
@@ -540,15 +539,15 @@ def _micro_key(tp: int, ep: int, cp: int, recompute: str, sp: bool, micro_batch:
 def attention_seconds(shape: ModelShape, c: PlannedLayout, hw: Hardware,
                       soft: Software) -> float:
     """One layer's attention core forward on a tp GPU of a cp group for one micro-batch:
-    the scores (s x d by d x s) and the weighted sum (s x s by s x d) of its s / cp
-    queries (the causal work balanced over cp: two mirrored chunks each)."""
+    the scores (s x d by d x s, d the query/key head's width) and the weighted sum (s x s
+    by s x v, v the value head's) of its s / cp queries (the causal work balanced over cp:
+    two mirrored chunks each)."""
     s, cp = shape.seq, c.dims.cp
     heads = c.micro_batch * shape.heads / c.dims.tp
+    d, v = shape.head_dim, shape.value_width // shape.heads
     if soft.flash_attention:  # tiles in on-chip memory, the masked half skipped
-        return 2 * 2 * s * s * shape.head_dim * heads / 2 / cp / \
-            (hw.peak_flops * hw.gemm_efficiency)
-    return (gemm_seconds(s // cp, s, shape.head_dim, hw, heads)
-            + gemm_seconds(s // cp, shape.head_dim, s, hw, heads))
+        return 2 * s * s * (d + v) * heads / 2 / cp / (hw.peak_flops * hw.gemm_efficiency)
+    return (gemm_seconds(s // cp, s, d, hw, heads) + gemm_seconds(s // cp, v, s, hw, heads))
 
 
 @functools.cache
@@ -557,21 +556,26 @@ def _stage_seconds(shape: ModelShape, c: PlannedLayout, layers: int, last: bool,
                    ) -> tuple[float, float, float, float, float, float, float]:
     """(compute, tp communication, cp exchanges, ep all-to-all, backward compute, forward
     compute, weight-gradient compute) of one micro-batch on one stage of `layers` layers,
-    the MoE layers among them in the model's proportion (`c` as `_per_micro_batch` gives
-    it: the key of its cache, which the searches hit for every data and pipeline degree,
-    ZeRO stage and schedule). The weights' gradients (W, which the zero-bubble schedules
-    run apart) are the products of forward's linear layers again; the input's gradient (B)
-    is the rest of backward, recomputation included."""
+    the MoE layers among them in the model's proportion, and with the head (`last`) the
+    multi-token prediction modules (`c` as `_per_micro_batch` gives it: the key of its
+    cache, which the searches hit for every data and pipeline degree, ZeRO stage and
+    schedule). The weights' gradients (W, which the zero-bubble schedules run apart) are
+    the products of forward's linear layers again; the input's gradient (B) is the rest of
+    backward, recomputation included. The all-to-all is what a step waits for of it
+    (dtrain.planner.analytic.dispatch: `Software.dispatch`, `Software.a2a_overlap`)."""
     hw = cluster.hardware
     h, t, cp = shape.hidden, c.dims.tp, c.dims.cp
     tokens = c.micro_batch * shape.seq // cp
     share = shape.moe_layers / shape.layers
+    mtp = shape.mtp_depth if last else 0  # each a block of the last block's kind
+    counts = {False: layers * (1 - share) + (0 if shape.mtp_moe else mtp),
+              True: layers * share + (mtp if shape.mtp_moe else 0)}
     compute = backward = cp_s = forwards = weights = 0.0
     # a LoRA base computes no weight gradients (its adapters' products are negligible);
     # DPO's reference forward runs beside each forward, without backward
     frozen = 1.0 if shape.lora else 0.0
     reference = 1.0 if shape.dpo else 0.0
-    for moe, count in ((False, layers * (1 - share)), (True, layers * share)):
+    for moe, count in counts.items():
         if not count:
             continue
         forward, attention_s, linear_s = _layer_forward(shape, c, moe, hw, soft)
@@ -585,27 +589,39 @@ def _stage_seconds(shape: ModelShape, c: PlannedLayout, layers: int, last: bool,
         forwards += count * (1 + reference) * forward
         weights += count * (1 - frozen) * linear_s
         cp_s += count * context_seconds(shape, c, attention_s, cluster)
-    if last:  # the output head: logits forward and backward, and the loss
-        logits = gemm_seconds(tokens, shape.vocab / t, h, hw)
-        loss = 12 * tokens * shape.vocab / t / _bandwidth(hw)
+    if last:  # the output head: logits forward and backward, and the loss; each
+        # multi-token prediction depth's too, and its 2h -> h projection
+        logits = (1 + mtp) * gemm_seconds(tokens, shape.vocab / t, h, hw) + \
+            mtp * gemm_seconds(tokens, h, 2 * h, hw)
+        loss = (1 + mtp) * 12 * tokens * shape.vocab / t / _bandwidth(hw)
         compute += (3 - frozen + reference) * logits + loss
         forwards += (1 + reference) * logits + loss
         weights += (1 - frozen) * logits
     link, latency = _link(t <= cluster.gpus_per_node, hw)
-    reductions = 4 + (2 if c.recompute == "full" else 0)
+    again = 2 if c.recompute == "full" else 0
     calls = 2 if c.sequence_parallel else 1
-    tp_s = layers * reductions * _collective(2 * tokens * h, t, 2 * (t - 1) / t, link,
-                                             latency, hw, calls)
-    exchanges = 4 + (2 if c.recompute == "full" else 0)  # dispatch and combine each way
-    ep_s = layers * share * exchanges * all_to_all_seconds(
-        all_to_all_bytes(shape, c.micro_batch, t, cp), c.dims.ep, t * cp, cluster)
+    # two collectives each way per layer, one of them the MLP's; a MoE layer's experts
+    # are folded over the tp GPUs, each routing its own tokens: under sequence
+    # parallelism its MLP has no tp collective (its tokens stay sharded)
+    reductions = (counts[False] + counts[True]) * (4 + again)
+    if c.sequence_parallel:
+        reductions -= counts[True] * (4 + again) / 2
+    tp_s = reductions * _collective(2 * tokens * h, t, 2 * (t - 1) / t, link, latency, hw,
+                                    calls)
+    exchanges = 4 + again  # dispatch and combine each way
+    dispatch = DISPATCHES[soft.dispatch]
+    ep_s = counts[True] * exchanges * exchange_seconds(shape, c.micro_batch, t, cp,
+                                                       c.dims.ep, cluster, dispatch)
+    ep_s = exposed_seconds(ep_s, compute, soft.a2a_overlap)
     return compute, tp_s, cp_s, ep_s, backward, forwards, weights
 
 
 def kv_block_bytes(shape: ModelShape, micro_batch: int, tp: int, cp: int) -> float:
     """One GPU's keys and values of one layer and micro-batch, bf16: its seq / cp tokens
-    x kv_heads / tp heads x head_dim x 2 bytes x 2 (K and V): the block a ring step sends."""
-    return 2 * 2 * micro_batch * shape.seq // cp * shape.kv_heads * shape.head_dim / tp
+    x their key/value width / tp (kv_heads x head_dim x 2, K and V; MLA's decompressed
+    heads x (nope + rope + v), which is what attention's core reads) x 2 bytes: the block a
+    ring step sends."""
+    return 2 * micro_batch * shape.seq // cp * shape.key_value_width / tp
 
 
 def context_bytes(shape: ModelShape, micro_batch: int, tp: int, cp: int,
@@ -619,8 +635,9 @@ def context_bytes(shape: ModelShape, micro_batch: int, tp: int, cp: int,
     block = kv_block_bytes(shape, micro_batch, tp, cp)
     if method != "alltoall":
         return (cp - 1) * block
-    q = 2 * micro_batch * shape.seq // cp * shape.attention_width / tp
-    return (cp - 1) / cp * (2 * q + block)
+    tokens = micro_batch * shape.seq // cp
+    q_out = 2 * tokens * (shape.attention_width + shape.value_width) / tp
+    return (cp - 1) / cp * (q_out + block)
 
 
 def context_seconds(shape: ModelShape, c: PlannedLayout, attention_s: float,
@@ -654,30 +671,10 @@ def context_seconds(shape: ModelShape, c: PlannedLayout, attention_s: float,
     if c.cp_method == "allgather":
         return 3 * _dp_seconds(cp * block, 1, cp, tp, cluster)
     tokens = c.micro_batch * shape.seq // cp
-    q = 2 * tokens * shape.attention_width / tp
-    one = sum(all_to_all_seconds(nbytes, cp, tp, cluster) for nbytes in (q, q, block / 2,
+    q, out = (2 * tokens * width / tp for width in (shape.attention_width, shape.value_width))
+    one = sum(all_to_all_seconds(nbytes, cp, tp, cluster) for nbytes in (q, out, block / 2,
                                                                          block / 2))
     return (2 + again) * one
-
-
-def all_to_all_bytes(shape: ModelShape, micro_batch: int, tp: int, cp: int = 1) -> float:
-    """Bytes one GPU hands one all-to-all of a MoE layer (a dispatch or a combine) per
-    micro-batch: its tokens' k assignments of `hidden` bf16 elements, the tokens divided
-    over tp (and cp); a layer sends two (dispatch, combine) forward and two in backward."""
-    return 2.0 * micro_batch * shape.seq * shape.top_k * shape.hidden / (tp * cp)
-
-
-def all_to_all_seconds(nbytes: float, ep: int, tp: int, cluster: Cluster) -> float:
-    """One all-to-all of `nbytes` per GPU over an ep group (ep GPUs tp apart): (ep - 1) /
-    ep of it leaves the GPU, on NVLink to the group's GPUs in the node and on the network
-    to the others, at once."""
-    if ep <= 1:
-        return 0.0
-    hw = cluster.hardware
-    near = min(ep, max(1, cluster.gpus_per_node // tp))  # the group's GPUs in one node
-    inside = _collective(nbytes, near, (near - 1) / ep, hw.intra_gbps, hw.intra_latency_us, hw)
-    across = _collective(nbytes, ep, (ep - near) / ep, hw.inter_gbps, hw.inter_latency_us, hw)
-    return max(inside, across)
 
 
 @functools.cache
@@ -692,6 +689,10 @@ def _stage_params(shape: ModelShape, layers: int, first: bool, last: bool,
         params += shape.embedding_params() - (0 if shape.tied else embedding)
     if last and (pp > 1 or not shape.tied):
         params += embedding  # the head (a copy of the tied embedding on the last stage)
+    if last:  # the multi-token prediction modules, beside the head they share
+        params += shape.mtp_parameters()
+        experts += shape.mtp_depth * shape.experts * shape.expert_params() \
+            if shape.mtp_moe else 0
     return params - experts, experts
 
 
@@ -711,8 +712,9 @@ def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
     """The figures of one layout for a global batch of `batch` sequences (the caller has
     checked it: `check_layout`; `memory`: its `memory_of`, if the caller has it)."""
     soft = soft or Software()
+    check_precision(cluster.hardware, soft)
+    cluster = as_run(cluster, soft)
     hw = cluster.hardware
-    check_precision(hw, soft)
     layout = c.dims
     pp, v = layout.pp, layout.virtual_stages
     m = batch // (layout.dp * c.micro_batch)
@@ -743,7 +745,7 @@ def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
                           for layers, first, last, _ in kinds), key=sum)
     weights = max((_held(shape, layers, first, last, layout)
                    for layers, first, last, _ in kinds), key=sum)
-    window = backward / v if soft.overlap_dp else 0.0  # one micro-batch's backward
+    window = backward / v if soft.overlaps_dp else 0.0  # one micro-batch's backward
     # hybrid sharding: the gradient shards' all-reduce across the replicas, once a step,
     # one more of the last micro-batch's collectives (the module doc); 0 without
     across = replica_seconds(GRAD, dense, experts, layout, cluster)
@@ -780,6 +782,18 @@ def evaluate(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayout,
         mfu=tokens_step * _flops(shape) / step / gpus / hw.peak_flops)
 
 
+def as_run(cluster: Cluster, soft: Software) -> Cluster:
+    """`cluster` as `soft.framework` runs on it: its kernels at the framework's share of
+    Megatron-LM's rate (the hardware's gemm and memory efficiencies times it)."""
+    share = soft.runs.kernel_efficiency
+    if share == 1.0:
+        return cluster
+    hw = cluster.hardware
+    return dataclasses.replace(cluster, hardware=dataclasses.replace(
+        hw, gemm_efficiency=hw.gemm_efficiency * share,
+        memory_efficiency=hw.memory_efficiency * share))
+
+
 @functools.cache
 def _most_sends(schedule: str, pp: int, virtual: int) -> int:
     """Messages per micro-batch of the pipeline GPU sending the most
@@ -797,9 +811,9 @@ def _flops(shape: ModelShape, recompute: str | None = None) -> float:
 def _held(shape: ModelShape, layers: int, first: bool, last: bool,
           layout: Dims) -> tuple[float, float]:
     """(dense, expert) parameters a GPU of a stage holds before ZeRO: the dense ones split
-    over tp, the routed experts over ep x tp."""
+    over tp, the routed experts (whole) over the ep GPUs they are folded over."""
     dense, experts = _stage_params(shape, layers, first, last, layout.pp)
-    return dense / layout.tp, experts / (layout.tp * layout.ep)
+    return dense / layout.tp, experts / layout.ep
 
 
 def _trained(shape: ModelShape, layers: int, first: bool, last: bool,
@@ -822,14 +836,15 @@ def _sharded_over(layout: Dims) -> int:
 
 
 def _expert_dp(layout: Dims) -> int:
-    """GPUs ZeRO shares the same experts out over: dp_shard x cp / ep."""
-    return layout.dp_shard * layout.cp // layout.ep
+    """GPUs ZeRO shares the same experts out over (expert data parallelism, the Dims' edp):
+    a replica's dp_shard x cp x tp GPUs / ep."""
+    return layout.dp_shard * layout.cp * layout.tp // layout.ep
 
 
 def replica_bytes(per_param: float, dense: float, experts: float, layout: Dims) -> float:
     """Bytes of the gradient shard a GPU all-reduces across hybrid sharding's replicas:
     `per_param` bytes of each parameter of its shard, `dense` / (dp_shard x cp) of the
-    dense ones it holds and `experts` / (dp_shard x cp / ep) of the experts'; 0 without
+    dense ones it holds and `experts` / edp of the experts' (`_expert_dp`); 0 without
     replicas."""
     if layout.dp_replicate == 1:
         return 0.0
@@ -863,13 +878,11 @@ def _replica_gap(layout: Dims) -> int:
 def _grad_seconds(per_param: float, dense: float, experts: float, passes: int,
                   c: PlannedLayout, cluster: Cluster) -> float:
     """A reduce-scatter (`passes` 1) or all-reduce (2) of `per_param` bytes of each
-    parameter held: the dense ones over dp x cp (tp apart), the experts' over the
-    dp x cp / ep GPUs holding them (tp x ep apart; with cp, counted as if all were as
-    near as the cp GPUs, tp apart)."""
+    parameter held: the dense ones over dp x cp (tp apart), the experts' over the edp GPUs
+    holding them (ep apart: the ep GPUs of a MoE layer are consecutive)."""
     layout = c.dims
-    apart = layout.tp * (layout.ep if layout.cp == 1 else 1)
     return _dp_seconds(per_param * dense, passes, _sharded_over(layout), layout.tp, cluster) + \
-        _dp_seconds(per_param * experts, passes, _expert_dp(layout), apart, cluster)
+        _dp_seconds(per_param * experts, passes, _expert_dp(layout), layout.ep, cluster)
 
 
 def _spread(n: int, apart: int, cluster: Cluster) -> tuple[int, int]:
@@ -941,21 +954,24 @@ def _memory(shape: ModelShape, c: PlannedLayout, m: int, hw: Hardware,
     pp = layout.pp
     per_layer, working, logits, block = activations
     # the largest block a ZeRO 3 GPU gathers, twice (the one computing, the next)
-    if _expert_dp(layout) > 1:  # experts not already whole on the GPU
-        block += shape.experts * shape.expert_params() / (layout.tp * layout.ep)
+    edp = _expert_dp(layout)
+    if edp > 1:  # experts not already whole on the GPU
+        block += shape.experts * shape.expert_params() / layout.ep
     out = []
     schedule = layout.schedule
     for chunks, rank in _stage_kinds(shape, pp, layout.virtual_stages, schedule):
         first, last = holds_ends(schedule, pp, layout.virtual_stages, rank)
         dense, experts = _held(shape, sum(chunks), first, last, layout)
         dense_t, experts_t = _trained(shape, sum(chunks), first, last, layout)
-        acts = layers_in_flight(pp, rank, m, chunks, schedule) * per_layer + working + \
-            (logits if last else 0.0)
+        # the stage with the head: its logits, and each multi-token prediction module's
+        # block (one micro-batch of it: its backward follows its forward) and logits
+        ends = (1 + shape.mtp_depth) * logits + shape.mtp_depth * per_layer if last else 0.0
+        acts = layers_in_flight(pp, rank, m, chunks, schedule) * per_layer + working + ends
         weights = WEIGHT * (dense + experts)
         grads = GRAD * (dense_t + experts_t)  # what trains: gradients, optimizer state
         state = STATE * (dense_t + experts_t)
-        sharded = dense / _sharded_over(layout) + experts / _expert_dp(layout)
-        sharded_t = dense_t / _sharded_over(layout) + experts_t / _expert_dp(layout)
+        sharded = dense / _sharded_over(layout) + experts / edp
+        sharded_t = dense_t / _sharded_over(layout) + experts_t / edp
         if layout.zero >= 1:
             state = STATE * sharded_t
         if layout.zero >= 2:

@@ -123,6 +123,9 @@ PRESETS: dict[str, Hardware] = {
     "h100-80gb": Hardware("h100-80gb", gpu_peak("H100"), 80 * GiB, 3350, 450, 50, fp8_tflops=1979),
     # H200 SXM: an H100 with 141 GB of HBM3e at 4.8 TB/s
     "h200": Hardware("h200", gpu_peak("H200"), 141 * GiB, 4800, 450, 50, fp8_tflops=1979),
+    # H800 SXM: an H100 whose NVLink carries 400 GB/s both ways (DeepSeek-V3's cluster,
+    # one 400 Gbit/s InfiniBand port per GPU)
+    "h800": Hardware("h800", gpu_peak("H800"), 80 * GiB, 3350, 200, 50, fp8_tflops=1979),
 }
 ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb",
            "h200-141gb": "h200"}

@@ -9,10 +9,19 @@ plans a published layout as its authors ran it. The Zero Bubble paper's bubble r
 the times they were computed from check the pipeline schedules' bubbles
 (dtrain.planner.costs; tests/planner/test_plan_zero_bubble.py,
 benchmarks/plan_zero_bubble.py).
+
+Runs of other frameworks and mixture-of-experts runs are `PublishedRun`s, each with its
+source, layout and what its software did (`OTHER_FRAMEWORKS`: 2022's Megatron-DeepSpeed
+runs, dense, on A100s; `MOE_RUNS`: DeepSeek-V3 as DeepSeek trained it and as
+Megatron-Core runs it, Qwen3-235B-A22B with and without Megatron-Core's all-to-all
+overlap). Two constants come from them, each fitted on one run and checked on the others:
+the Megatron-DeepSpeed framework's share of Megatron-LM's kernel rate
+(dtrain.planner.analytic.software.FRAMEWORKS) and `MEGATRON_1F1B_OVERLAP`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from dtrain.errors import DtrainError
@@ -105,6 +114,192 @@ def llama_row(row: tuple) -> tuple[ClusterEstimate, float]:
     if best is None or not best.fits:
         raise DtrainError("the published layout is predicted not to fit")
     return best, best.tokens_per_s * shape.model_flops_per_token(causal=True) / gpus / 1e12
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """A published training run, planned with its published layout and what its software
+    did (the options the authors did not publish left to the planner's fastest).
+
+    `published` is per GPU, in `unit`: "TFLOP/s" (the hardware's FLOPs, recomputation
+    counted, as Megatron-LM and its forks report them) or "tokens/s" (where the run's
+    FLOP count differs from the planner's, or only time is published).
+    """
+
+    name: str
+    source: str
+    shape: ModelShape
+    cluster: Cluster
+    batch: int
+    tp: int
+    pp: int
+    dp: int
+    published: float
+    unit: str
+    soft: Software
+    ep: int = 1
+    schedule: str = "1f1b"
+    chunks: tuple[int, ...] = (1,)
+    micro_batches: tuple[int, ...] = (1,)
+    zeros: tuple[int, ...] = (1,)
+    recompute: tuple[str, ...] = ("full",)
+    sequence_parallel: bool = False
+    forced_balance: bool = False
+    note: str = ""
+
+    @property
+    def gpus(self) -> int:
+        return self.cluster.gpus
+
+    def plan(self) -> ClusterEstimate:
+        """The published layout planned as run.
+
+        Raises:
+            DtrainError: no micro-batch size or stage count the run allows splits its batch.
+        """
+        best = best_layout(self.shape, self.cluster, self.batch, self.tp, self.pp, self.dp,
+                           self.micro_batches, self.chunks, self.zeros, self.recompute,
+                           (self.sequence_parallel,), self.soft, self.ep,
+                           schedules=(self.schedule,))
+        if best is None:
+            raise DtrainError(f"{self.name}: the published layout does not split the batch")
+        return best
+
+    def predicted(self, estimate: ClusterEstimate | None = None) -> float:
+        """The planner's figure in the run's `unit`, per GPU."""
+        estimate = estimate or self.plan()
+        if self.unit == "tokens/s":
+            return estimate.tokens_per_s / self.gpus
+        return estimate.tflops_per_gpu
+
+    def error(self, estimate: ClusterEstimate | None = None) -> float:
+        """predicted / published - 1."""
+        return self.predicted(estimate) / self.published - 1
+
+
+def _a100(nodes: int, **figures: str) -> Cluster:
+    return Cluster(hardware("a100-80gb", figures), nodes, 8)
+
+
+MT_NLG = ModelShape(105, 20480, 128, 2048, 50272)
+"""Megatron-Turing NLG 530B (the same shape as Megatron-LM's Table 1 row of 529.6B)."""
+BLOOM = ModelShape(70, 14336, 112, 2048, 250880)
+"""BLOOM 176B: GPT-like, its 250,680-token vocabulary padded to 250,880 (ALiBi for
+positions: the shape's learned positions, 0.02% of the parameters, stand in)."""
+GLM_130B = ModelShape(70, 12288, 96, 2048, 150528, "llama", ffn=32768, dropout=True)
+"""GLM-130B: GeGLU MLPs of 32,768 (3 matrices, as a llama shape's SwiGLU), 150,528 tokens,
+dropout 0.1; 130.5B parameters counted."""
+DEEPSPEED_2022 = dataclasses.replace(MEGATRON_2021, framework="megatron-deepspeed")
+"""2022's Megatron-DeepSpeed: Megatron-LM's kernels of that year (no flash attention),
+DeepSpeed's pipeline engine (1F1B, the gradients reduced after the last micro-batch)."""
+
+OTHER_FRAMEWORKS = [
+    *(PublishedRun(
+        f"MT-NLG 530B, {nodes * 8:,} A100 80GB", "Smith et al. 2022, arXiv 2201.11990, "
+        "section 2.4", MT_NLG, _a100(nodes), 1920, 8, 35, nodes * 8 // 280, tflops,
+        "TFLOP/s", DEEPSPEED_2022, micro_batches=(1, 2),
+        note="fitted: the framework's kernel share" if nodes == 280 else "")
+      for nodes, tflops in ((280, 126.0), (350, 121.0), (420, 113.0))),
+    PublishedRun(
+        "BLOOM 176B, 384 A100 80GB", "BigScience, bigscience-workshop/bigscience "
+        "train/tr11-176B-ml (README, slurm script; 'about 150 TFLOPs')", BLOOM,
+        _a100(48, inter_gbps="6.25"), 2048, 4, 12, 8, 150.0, "TFLOP/s", DEEPSPEED_2022,
+        micro_batches=(2,),
+        note="4 x 100 Gbit/s Omni-Path per node of 8: 6.25 GB/s per GPU"),
+    PublishedRun(
+        "GLM-130B, 768 A100 40GB", "Zeng et al. 2022, arXiv 2210.02414, section 2.3 "
+        "(HFU 43.3% of 312)", GLM_130B, Cluster(hardware("a100-40gb"), 96, 8), 4224, 4, 8,
+        24, 0.433 * 312, "TFLOP/s", DEEPSPEED_2022, micro_batches=(1, 2), zeros=(0, 1),
+        note="DeepSpeed's PipeDream-Flush; FP16"),
+]
+"""Dense runs of 2022 trained with Megatron-DeepSpeed (Megatron-LM's layers in DeepSpeed's
+pipeline engine), each recomputing whole layers as it ran: planned with that framework's
+share of Megatron-LM's kernel rate, fitted on the first (software.FRAMEWORKS)."""
+
+DEEPSEEK_V3 = ModelShape(61, 7168, 128, 4096, 129280, "llama", ffn=18432, experts=256,
+                         top_k=8, moe_ffn=2048, shared_experts=1, moe_layers=58, n_group=8,
+                         topk_group=4, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                         mtp_depth=1)
+"""DeepSeek-V3 (arXiv 2412.19437; its config.json): 671B parameters, 37.6B active, one
+multi-token prediction module, pretrained at 4,096 tokens."""
+QWEN3_235B = ModelShape(94, 4096, 64, 4096, 151936, "llama", kv_heads=4, head_dim=128,
+                        qk_norm=True, ffn=12288, experts=128, top_k=8, moe_ffn=1536)
+"""Qwen3-235B-A22B at 4,096 tokens."""
+MEGATRON_1F1B_OVERLAP = 0.38
+"""The share of the all-to-all Megatron-Core's 1F1B all-to-all overlap
+(--overlap-moe-expert-parallel-comm) hides, as this planner counts it: fitted on the
+Qwen3-235B pair of Megatron-Core's MoE model zoo (245 -> 276 TFLOP/s per H100 with it,
+`MOE_RUNS`), checked on DeepSeek-V3 on 1,024 H100s (Megatron-Bridge)."""
+DEEPSEEK_V3_RUN = Software(float8=True, dispatch="deepep", a2a_overlap=1.0)
+"""DeepSeek's own: FP8 linear layers (experts included), DeepEP's kernels, DualPipe
+hiding the all-to-all under compute (its report: 'near-zero all-to-all communication
+overhead')."""
+_H800 = Cluster(hardware("h800"), 256, 8)
+_H100_DEEPSEEK = Cluster(hardware("h100-80gb"), 128, 8)
+_H100_QWEN = Cluster(hardware("h100-80gb"), 32, 8)
+_MODEL_ZOO = ("Megatron-Core MoE model zoo, yanring/Megatron-MoE-ModelZoo "
+              "best_practice/qwen3/readme.md (its H100 table, BF16)")
+
+MOE_RUNS = [
+    PublishedRun(
+        "DeepSeek-V3, 2,048 H800, as run", "DeepSeek-AI, arXiv 2412.19437, sections 3.1-3.3 "
+        "and 4 (180K H800 GPU hours per trillion tokens)", DEEPSEEK_V3, _H800, 15360, 1, 16,
+        128, 1e12 / (180e3 * 3600), "tokens/s", DEEPSEEK_V3_RUN, ep=64,
+        schedule="dualpipev", chunks=(2,), recompute=("none",),
+        note="DualPipe planned as dualpipev; recomputing only norms and MLA's "
+        "up-projections (counted as none); micro-batch of 1 (not published)"),
+    PublishedRun(
+        "DeepSeek-V3, 2,048 H800, recomputing whole layers", "the same", DEEPSEEK_V3, _H800,
+        15360, 1, 16, 128, 1e12 / (180e3 * 3600), "tokens/s", DEEPSEEK_V3_RUN, ep=64,
+        schedule="dualpipev", chunks=(2,), recompute=("full",),
+        note="the fastest the planner finds to fit 80 GB"),
+    PublishedRun(
+        "DeepSeek-V3, 1,024 H100", "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md "
+        "(25.09 container, DGX-H100), scripts/performance/configs/deepseek", DEEPSEEK_V3,
+        _H100_DEEPSEEK, 8192, 2, 8, 64, 1297.0, "tokens/s",
+        Software(float8=True, dispatch="deepep", a2a_overlap=MEGATRON_1F1B_OVERLAP,
+                 overlap_dp=False), ep=64, schedule="interleaved", chunks=(4,),
+        recompute=("none",), sequence_parallel=True, forced_balance=True,
+        note="FP8 current scaling; MTP 1; 1F1B all-to-all overlap; gradient reduction not "
+        "overlapped (its recipe)"),
+    PublishedRun(
+        "Qwen3-235B-A22B, 256 H100", _MODEL_ZOO, QWEN3_235B, _H100_QWEN, 2048, 2, 8, 16,
+        2048 * 4096 / 19.7 / 256, "tokens/s", Software(dispatch="deepep"), ep=32,
+        schedule="interleaved", chunks=(4,), recompute=("none",), sequence_parallel=True,
+        note="245 TFLOP/s, 19.7 s a step; recomputing norms and activations (counted as "
+        "none)"),
+    PublishedRun(
+        "Qwen3-235B-A22B, 256 H100, 1F1B all-to-all overlap", _MODEL_ZOO, QWEN3_235B,
+        _H100_QWEN, 2048, 2, 8, 16, 2048 * 4096 / 17.6 / 256, "tokens/s",
+        Software(dispatch="deepep", a2a_overlap=MEGATRON_1F1B_OVERLAP), ep=32,
+        schedule="interleaved", chunks=(4,), recompute=("none",), sequence_parallel=True,
+        note="276 TFLOP/s, 17.6 s a step; fitted: MEGATRON_1F1B_OVERLAP"),
+]
+"""Mixture-of-experts runs with expert parallelism folded over dp x tp (Megatron-Core's
+expert tensor parallelism 1), each in tokens/s per GPU (the published step time or GPU
+hours; their FLOP counts differ from the planner's)."""
+
+MOE_NOT_MATCHED = [
+    PublishedRun(
+        "Qwen3-235B-A22B, 256 H100, ep8 in a node, FSDP", _MODEL_ZOO, QWEN3_235B,
+        _H100_QWEN, 2048, 2, 1, 128, 2048 * 4096 / 17.6 / 256, "tokens/s",
+        Software(dispatch="deepep"), ep=8, micro_batches=(4,), zeros=(3,),
+        sequence_parallel=True, note="276 TFLOP/s; Megatron-FSDP, full recomputation"),
+    PublishedRun(
+        "Qwen3-235B-A22B, 256 H100, ep8 in a node, plain all-to-all", _MODEL_ZOO, QWEN3_235B,
+        _H100_QWEN, 2048, 2, 32, 4, 2048 * 4096 / 24.2 / 256, "tokens/s", Software(), ep=8,
+        schedule="interleaved", chunks=(3,), recompute=("none",), sequence_parallel=True,
+        note="200 TFLOP/s; Megatron-Core's alltoall dispatcher"),
+    PublishedRun(
+        "Qwen3-235B-A22B, 256 H100, tp4, ep8 in a node", _MODEL_ZOO, QWEN3_235B, _H100_QWEN,
+        2048, 4, 8, 8, 2048 * 4096 / 29.0 / 256, "tokens/s", Software(dispatch="deepep"),
+        ep=8, schedule="interleaved", chunks=(4,), recompute=("none",),
+        sequence_parallel=True, note="167 TFLOP/s; no recomputation"),
+]
+"""The model zoo's other Qwen3-235B layouts, which the planner does not match (not in the
+tests; benchmarks/RESULTS.md shows them): it ranks the layouts keeping ep inside a node
+above the published best, and the runs were slower than it."""
 
 
 # Qi et al., "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241, ICLR 2024), GPT-3-like

@@ -7,8 +7,9 @@
 A layout is tp x cp x pp x dp = the cluster's GPUs with tp dividing the heads and the
 key/value heads and staying inside a node, cp cutting each sequence into 2 x cp chunks
 (the sequence divides by 2 x cp), pp at most the layers, and dp x micro-batch dividing the
-global batch; a mixture-of-experts model's experts are split over ep of the dp GPUs (ep
-dividing dp and the experts: every such ep is a layout of its own); it may take a ZeRO
+global batch; a mixture-of-experts model's experts are split over ep consecutive GPUs of
+dp x cp x tp (folded, each expert whole: ep dividing those GPUs and the experts, every
+such ep a layout of its own; dtrain.planner.analytic.dispatch); it may take a ZeRO
 stage (3 only without pipelining) and, with pp > 1, each pipeline schedule asked for
 (`SCHEDULES` by default): 1f1b; interleaved over v virtual stages (at least pp x v - 2
 layers, the two end chunks may hold only the embedding and the head, and the
@@ -101,10 +102,9 @@ def check_layout(shape: ModelShape, cluster: Cluster, batch: int, c: PlannedLayo
     if ep > 1 and not shape.experts:
         raise ConfigError(f"--layout ep={ep} splits experts, and this model has none: give "
                           "the shape experts= and top_k=, or leave ep out")
-    if ep > 1 and (dp % ep or shape.experts % ep):
-        which = f"dp={dp}" if dp % ep else f"the model's {shape.experts} experts"
-        raise ConfigError(f"--layout ep={ep} does not divide {which}: pick an ep that "
-                          "divides both dp and the experts")
+    if ep > 1 and shape.experts % ep:  # the GPUs it is folded over: the Dims check them
+        raise ConfigError(f"--layout ep={ep} does not divide the model's {shape.experts} "
+                          "experts: pick an ep that divides them")
 
 
 def _check_context(shape: ModelShape, c: PlannedLayout) -> None:
@@ -213,15 +213,19 @@ def layouts(shape: ModelShape, cluster: Cluster, batch: int,
                     for zero in range(4 if pp == 1 else 3) if dp * cp > 1 else (0,):
                         found += [planned_layout(batch, tp, pp, dp, zero, b, v, ep=ep, cp=cp,
                                                  schedule=schedule, replicas=r)
-                                  for ep in shape.expert_degrees(dp)
+                                  for ep in shape.expert_degrees(dp * cp * tp)
                                   for r in _replicas(dp, tp * cp, cluster, ep, zero)]
     return found
 
 
 def _replicas(dp: int, inner: int, cluster: Cluster, ep: int, zero: int) -> list[int]:
     """1, and with ZeRO the hybrid-sharding degrees of dp GPUs, each with `inner` (cp x
-    tp) beside it, on the cluster's nodes (dtrain.planner.costs.replica_degrees)."""
-    return [1, *(replica_degrees(dp, inner, cluster.gpus_per_node, ep) if zero else [])]
+    tp) beside it, on the cluster's nodes (dtrain.planner.costs.replica_degrees), whose
+    replicas' dp x cp x tp GPUs the experts can be folded over (ep dividing them)."""
+    if not zero:
+        return [1]
+    return [1, *(r for r in replica_degrees(dp, inner, cluster.gpus_per_node)
+                 if dp // r * inner % ep == 0)]
 
 
 def best_of(shape: ModelShape, cluster: Cluster, batch: int, planned: PlannedLayout,
