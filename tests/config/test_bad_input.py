@@ -190,7 +190,8 @@ CONFIGS = [
                  "parallel.ep = 3 does not divide model.n_experts = 8", 2,
                  id="ep-not-dividing-experts"),
     pytest.param(None, [*MOE, "--set", "parallel.ep=4"],
-                 "parallel.ep = 4 does not divide the data-parallel ranks (dp = 2)", 2,
+                 "parallel.ep = 4 does not divide the ranks it is folded over (dp x cp x tp "
+                 "= 2 x 1 x 1 = 2): choose an ep that divides 2", 2,
                  id="ep-not-dividing-dp"),
     pytest.param(None, [*MOE, "--set", "model.experts_per_token=9"],
                  "model.experts_per_token = 9 must lie in [1, model.n_experts = 8]", 2,
@@ -224,9 +225,15 @@ CONFIGS = [
                  "parallel.ep > 1 with comm.compression is not supported yet", 2,
                  id="ep-with-compression"),
     pytest.param(None, [*MOE, "--set", "parallel.tp=2", "--set",
-                        "parallel.sequence_parallel=true"],
-                 "parallel.sequence_parallel with a mixture-of-experts model is not supported",
-                 2, id="sp-with-moe"),
+                        "parallel.sequence_parallel=true", "--set", "model.capacity_factor=1.0"],
+                 "parallel.sequence_parallel with model.capacity_factor or "
+                 "model.aux_loss_weight: both are per whole sequence", 2,
+                 id="sp-with-moe-capacity"),
+    pytest.param(None, [*MOE, "--set", "parallel.ep=2", "--set", "parallel.ep_overlap_chunks=0"],
+                 "parallel.ep_overlap_chunks", 2, id="zero-overlap-chunks"),
+    pytest.param(None, [*MOE, "--set", "parallel.ep_overlap_chunks=2"],
+                 "parallel.ep_overlap_chunks = 2 overlaps expert parallelism's all-to-all with "
+                 "the experts' compute: set parallel.ep > 1", 2, id="overlap-without-ep"),
     pytest.param(None, ["--set", "parallel.cp=2", "--set", "model.dropout=0.1"],
                  "parallel.cp = 2 with model.dropout = 0.1: attention dropout is not split", 2,
                  id="cp-with-dropout"),

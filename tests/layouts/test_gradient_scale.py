@@ -3,8 +3,9 @@ sees it when it does not: negative controls.
 
 Each case trains `dtrain train`'s Trainer two steps of plain SGD without a clip, in a
 layout whose gradients an axis divides or sums (dp; dp x cp; the experts over ep and over
-the ranks holding the same experts; ZeRO's shards; tp's replicated parameters under
-sequence parallelism; a pipeline's tied embedding), and compares every step's loss and
+the ranks holding the same experts; ep folded over tp, each tp rank sending its share of
+the tokens; ZeRO's shards; tp's replicated parameters under sequence parallelism; a
+pipeline's tied embedding), and compares every step's loss and
 gradient norm (before any clip) with one process on the same global batch: equal. Then
 the same case with that divisor changed on purpose, inside the ranks (a patch of the one
 place that applies it): the comparison fails. A test of "equals one process" that trained
@@ -46,6 +47,7 @@ CASES: dict[str, tuple[dict, dict]] = {
     "dp x cp": (GPT, {"cp": 2}),
     "ep": (MOE, {"ep": 2}),
     "edp (ZeRO)": (MOE, {"ep": 2, "zero": 2}),
+    "ep folded over tp": (MOE, {"tp": 2, "ep": 2}),
     "ZeRO shards": (GPT, {"zero": 2}),
     "tp, replicated parameters": (GPT, {"tp": 2, "sequence_parallel": True}),
     "pp, tied embedding": (GPT, {"pp": 2, "microbatches": 2}),
@@ -83,6 +85,14 @@ def _experts_times_ep(original: Callable) -> Callable:
     return fill
 
 
+def _every_token_on_every_tp_rank(original: Callable) -> Callable:
+    """ep folded over tp without the tp ranks' shares: each sends every token to the
+    experts, whose gradients then count each token tp times."""
+    def split(self, group, rank, size, tp_group=None, overlap_chunks=1) -> None:
+        original(self, group, rank, size, None, overlap_chunks)
+    return split
+
+
 def _apart_times_two(original: Callable) -> Callable:
     """ZeRO's scale of the experts' shards (edp / the shard group) doubled."""
     def init(self, *args, **kwargs) -> None:
@@ -109,6 +119,7 @@ def _wrong(case: str) -> contextlib.AbstractContextManager:
     """The patch that divides (or sums) `case`'s gradients wrong, in this process."""
     from dtrain.data_parallel import DataParallel
     from dtrain.data_parallel.zero.units import Sharding, Unit
+    from dtrain.models.moe import MoE
     from dtrain.pipeline.runtime import Pipeline
     from dtrain.tensor_parallel.summed import SumAtEnd
 
@@ -117,6 +128,8 @@ def _wrong(case: str) -> contextlib.AbstractContextManager:
         "dp x cp": lambda: _patched(DataParallel, "__init__", _times_two_after_init),
         "ep": lambda: _patched(DataParallel, "_fill_slot", _experts_times_ep),
         "edp (ZeRO)": lambda: _patched(Sharding, "__init__", _apart_times_two),
+        "ep folded over tp": lambda: _patched(MoE, "expert_parallel",
+                                              _every_token_on_every_tp_rank),
         "ZeRO shards": lambda: _patched(Unit, "__init__", _units_times_two),
         "tp, replicated parameters": lambda: _patched(SumAtEnd, "finish", _skipped),
         "pp, tied embedding": lambda: _patched(Pipeline, "_sum_tied", _skipped),

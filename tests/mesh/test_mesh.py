@@ -3,7 +3,8 @@
 Expectations are written independently of the mesh's arithmetic: by hand, or by reading
 each axis of degree 2 as one bit of the rank (tp the lowest bit, then cp, dp_shard,
 dp_replicate, pp, sync), so that the group of a rank over some axes is every rank that agrees with
-it on the bits of the other axes.
+it on the bits of the other axes. The expert axes read the same way on their own order,
+ep's bits the lowest of dp_shard x cp x tp's (ep folded over them, innermost first).
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from dtrain.testing import run_ranks
 
 ORDER = ("sync", "pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first, as documented
 FLAT = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
-        "edp_cp": ("dp_replicate", "edp", "cp")}  # the flattened names, as documented
+        "edp_cp": ("dp_replicate", "edp")}  # the flattened names, as documented
 NAMES = (*ORDER, "dp", "dp_cp")
 
 
-EXPERT_ORDER = ("sync", "pp", "dp_replicate", "edp", "ep", "cp", "tp")  # dp_shard = (edp, ep)
+EXPERT_ORDER = ("sync", "pp", "dp_replicate", "edp", "ep")  # dp_shard x cp x tp = (edp, ep)
+FOLDED = ("dp_shard", "cp", "tp")
 
 
 def _bits(degrees: dict[str, int], order: tuple[str, ...] = ORDER) -> dict[str, int]:
@@ -42,7 +44,7 @@ def _expected(degrees: dict[str, int], rank: int, names: tuple[str, ...],
     (a flattened name stands for its axes; on the expert axes' order, dp_shard is edp and
     ep together)."""
     axes = {a for n in names for a in FLAT.get(n, (n,))} if names else set(order)
-    if order == EXPERT_ORDER and "dp_shard" in axes:
+    if order == EXPERT_ORDER and axes & set(FOLDED):  # all of them asked, of degree 2
         axes |= {"edp", "ep"}
     if order == ORDER and "edp" in axes:  # without ep, edp is all of dp_shard
         axes = (axes - {"edp"}) | {"dp_shard"}
@@ -137,7 +139,10 @@ def test_dp_replicate_and_dp_shard_make_the_data_parallel_world() -> None:
     ({"tp": 2.0}, "mesh degree tp=2.0 must be a positive integer"),
     ({"tp": None}, "mesh degrees dp_shard, tp are unset: give all but one"),
     ({"dp": 2, "dp_shard": 4}, "dp is dp_shard's other name; give one of the two"),
-    ({"dp": 8, "ep": 3}, "ep = 3 does not divide the data-parallel ranks \\(dp_shard = 8\\)"),
+    ({"dp": 8, "ep": 3}, "ep = 3 does not divide the ranks it is folded over \\(dp_shard x "
+                         "cp x tp = 8 x 1 x 1 = 8\\): choose an ep that divides 8"),
+    ({"dp": 4, "tp": 2, "ep": 16}, "ep = 16 does not divide the ranks it is folded over "
+                                  "\\(dp_shard x cp x tp = 4 x 1 x 2 = 8\\)"),
     ({"dp": 8, "ep": 0}, "mesh degree ep=0 must be a positive integer"),
 ])
 def test_bad_degrees_are_one_line(kwargs: dict, message: str) -> None:
@@ -167,8 +172,11 @@ def test_every_bad_option_is_refused_by_the_dims_in_one_line(dims: dict, message
     ({"pp": 3}, 2, None, "tp\\*pp = 1\\*3 = 3 does not divide the world size 2"),
     ({"dp": 3, "tp": 2}, 8, None, "dp\\*tp\\*pp = 3\\*2\\*1 = 6 but the world has 8 ranks"),
     ({"cp": 3}, 8, None, "cp\\*tp\\*pp = 3\\*1\\*1 = 3 does not divide the world size 8"),
-    ({"ep": 4, "dp": 2}, 2, None, "parallel.ep = 4 does not divide the data-parallel ranks "
-                                  "\\(dp = 2\\)"),
+    ({"ep": 4, "dp": 2}, 2, None, "parallel.ep = 4 does not divide the ranks it is folded "
+                                  "over \\(dp x cp x tp = 2 x 1 x 1 = 2\\)"),
+    ({"ep": 3, "tp": 2, "dp_replicate": 2, "zero": 1}, 8, None,
+     "parallel.ep = 3 does not divide the ranks it is folded over \\(dp x cp x tp = 2 x 1 x "
+     "2 = 4 in each of parallel.dp_replicate = 2 replicas\\): choose an ep that divides 4"),
     ({"sequence_parallel": True}, 2, None, "parallel.sequence_parallel needs parallel.tp > 1"),
     ({"exchange": "ps", "tp": 2}, 2, None,
      "parallel.exchange = \"ps\" .* set parallel.tp = 2 back"),
@@ -223,8 +231,8 @@ def _every_group(degrees: dict[str, int]) -> dict:
     over group() (so the group holds exactly those members)."""
     mesh = dtrain.Mesh(**degrees)
     out = {"coords": dict(mesh.coords), "groups": {}}
-    experts = [("ep",), ("edp",), ("ep", "tp"), ("edp", "pp"), ("edp_cp",)] \
-        if "ep" in degrees else []
+    experts = [("ep",), ("edp",), ("ep", "pp"), ("edp", "pp"), ("edp_cp",),
+               ("ep", "dp", "cp", "tp")] if "ep" in degrees else []
     for names in [*_subsets(), *experts]:
         t = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(t, group=mesh.group(*names))
@@ -236,33 +244,57 @@ def _every_group(degrees: dict[str, int]) -> dict:
 @pytest.mark.parametrize("degrees", [
     {"pp": 2, "dp": 2, "tp": 2},  # today's layouts
     {"sync": 2, "dp_replicate": 2, "cp": 2},  # sync groups, each data and context parallel
-    {"pp": 2, "dp": 4, "ep": 2},  # experts split over pairs of data-parallel ranks
-    {"dp": 2, "cp": 2, "ep": 2, "tp": 2},  # ep at each cp coordinate
-], ids=["pp-dp-tp", "sync-dp-cp", "pp-dp-ep", "dp-cp-ep-tp"])
+    {"pp": 2, "dp_replicate": 2, "dp": 2, "ep": 2},  # experts over dp_shard, two replicas
+    {"sync": 2, "dp": 2, "cp": 2, "ep": 2},  # ep folded over cp
+    {"pp": 2, "dp": 2, "tp": 2, "ep": 2},  # ep folded over tp
+], ids=["pp-dp-tp", "sync-dp-cp", "pp-hsdp-ep", "dp-cp-ep", "dp-tp-ep"])
 def test_group_of_every_combination_holds_its_ranks(degrees: dict[str, int]) -> None:
     results = run_ranks(_every_group, 8, degrees)
     full = {"dp_shard" if a == "dp" else a: n for a, n in degrees.items()}
-    order = ORDER
-    if "ep" in full:  # the ranks on the expert axes: dp_shard factored into (edp, ep)
-        ep = full.pop("ep")
-        full = {**full, "edp": full.pop("dp_shard") // ep, "ep": ep}
-        order = EXPERT_ORDER
+    ep = full.pop("ep", 1)
+    folded = full.get("dp_shard", 1) * full.get("cp", 1) * full.get("tp", 1)
+    replicas = full.get("dp_replicate", 1)
+    experts = {**{a: full.get(a, 1) for a in EXPERT_ORDER[:3]}, "edp": folded // ep, "ep": ep}
     for rank, result in enumerate(results):
-        coords = {a: int(bool(rank & bit)) for a, bit in _bits(full, order).items()}
-        if order == EXPERT_ORDER:
-            d = coords.get("edp", 0) * full["ep"] + coords.get("ep", 0)
-            want = {**{a: coords.get(a, 0) for a in ORDER if a != "dp_shard"},
-                    "dp_shard": d, "ep": coords.get("ep", 0), "edp": coords.get("edp", 0)}
-        else:
-            want = {**_coords(full, rank), "ep": 0, "edp": _coords(full, rank)["dp_shard"]}
-        for name in ("dp", "dp_cp", "edp_cp"):  # a rank's place in its group
-            want[name] = _expected(full, rank, (name,), order).index(rank)
+        # ep the innermost of the folded block's ranks, edp the rest; edp_cp adds replicas
+        inner = rank % folded
+        want = {**_coords(full, rank), "ep": inner % ep, "edp": inner // ep,
+                "edp_cp": (rank // folded) % replicas * (folded // ep) + inner // ep}
+        for name in ("dp", "dp_cp"):  # a rank's place in its group
+            want[name] = _expected(full, rank, (name,)).index(rank)
         assert result["coords"] == want
         for names, (ranks, size, total, reversed_ranks) in result["groups"].items():
-            expected = _expected(full, rank, names, order)
+            if {"ep", "edp", "edp_cp"} & set(names):
+                expected = _expected(experts, rank, names, EXPERT_ORDER)
+            else:
+                expected = _expected(full, rank, names)
             assert (ranks, size, total) == (expected, len(expected), float(sum(expected))), \
                 (rank, names)
             assert reversed_ranks == expected
+
+
+def test_ep_is_folded_over_the_innermost_ranks_first() -> None:
+    """ep over dp_shard x cp x tp (2 x 2 x 2): ep consecutive ranks, tp's first, then cp's,
+    then dp's; edp the ranks at the same place in the other ep groups; the expert axes with
+    some but not all of the axes they are folded over have no one grid and are refused."""
+    for ep, groups, same in (
+            (2, [[0, 1], [2, 3], [4, 5], [6, 7]], [0, 2, 4, 6]),  # ep = tp
+            (4, [[0, 1, 2, 3], [4, 5, 6, 7]], [0, 4]),  # ep = tp x cp
+            (8, [list(range(8))], [0])):  # ep over every rank
+        dims = Dims.fit(8, dp_shard=2, cp=2, tp=2, ep=ep)
+        assert dims.edp == 8 // ep
+        assert sorted({tuple(dims.ranks(r, "ep")) for r in range(8)}) == \
+            [tuple(g) for g in groups]
+        assert dims.ranks(0, "edp") == dims.ranks(0, "edp_cp") == same
+        assert [dims.coords(r)["ep"] for r in range(8)] == [r % ep for r in range(8)]
+    dims = Dims.fit(16, dp_shard=2, tp=2, ep=2, dp_replicate=2, pp=2)
+    assert dims.ranks(5, "edp") == [5, 7] and dims.ranks(5, "edp_cp") == [1, 3, 5, 7]
+    assert dims.ranks(5, "ep", "dp_shard", "cp", "tp") == [4, 5, 6, 7]
+    with pytest.raises(ConfigError, match="mesh axes ep, tp: ep and edp are laid over "
+                                          "dp_shard x cp x tp together; ask for them with all "
+                                          "of dp_shard, tp or none") as raised:
+        dims.ranks(0, "ep", "tp")
+    assert "\n" not in str(raised.value)
 
 
 def _mesh_sums() -> dict:

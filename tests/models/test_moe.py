@@ -361,7 +361,8 @@ def test_runs_in_expert_parallel_layouts_equal_one_process(tmp_path: Path) -> No
     """`dtrain train` of moe-tiny (sigmoid_bias router, a capacity that drops), against one
     process: two steps at ep = 4 on four ranks, resumed for one at ep = 2 on two, then for
     one on one process (the checkpoints hold experts by global index, and the routers'
-    biases); tp = 2 x ep = 2 on four ranks (the MoE blocks whole on each tp rank); ep = 2
+    biases); tp = 2 x ep = 2 on four ranks (ep folded over tp: each tp rank computing the
+    experts of its share of the tokens); ep = 2
     with every block recomputed in backward; pp = 2 x ep = 2 (two micro-batches); ZeRO-2 x
     ep = 2 on four ranks (the experts sharded over the two ranks holding the same ones; the
     routers' biases, which no optimizer steps, held whole beside the shards) resumed as
@@ -430,10 +431,10 @@ def test_live_replicas_with_expert_parallelism_equal_them_without(tmp_path: Path
 def test_expert_parallelism_with_context_parallelism_equals_one_process(tmp_path: Path
                                                                         ) -> None:
     """moe-tiny, dropless, balanced by the sigmoid_bias router, at cp = 2 x ep = 2 with
-    ZeRO-2 on four ranks: a rank's tokens (its two chunks of each sequence) go to the
-    experts of the ranks holding the same chunks, the experts average over edp x cp, and
-    the routers' biases move by the load summed over dp x cp: every step's loss and the
-    final weights (biases too) equal one process's."""
+    ZeRO-2 on four ranks: ep folded over cp (a rank's tokens, its two chunks of each
+    sequence, go to the experts of its cp pair), the experts average over the dp ranks
+    holding the same ones, and the routers' biases move by the load summed over dp x cp:
+    every step's loss and the final weights (biases too) equal one process's."""
     dropless = ["--set", "model.capacity_factor=0.0"]
     one, one_ckpt = moe_run(tmp_path / "one", ["-n", "1", *dropless], 4)
     split, split_ckpt = moe_run(tmp_path / "cp", ["-n", "4", *dropless, "--set",
@@ -559,7 +560,7 @@ block_size = 16
 def test_arch_hf_moe_trains_in_expert_parallel_layouts(tmp_path: Path) -> None:
     """`dtrain train` of a Qwen3-MoE folder (`arch = "hf"`, `init_from`; a dense first block
     and two MoE blocks of 8 experts) on one process, at tp = 2 x ep = 2 on four ranks (the
-    Qwen3 plan: attention split by heads, MoE blocks whole) and at ZeRO-2 x ep = 4 on four:
+    Qwen3 plan: attention split by heads; ep folded over tp) and at ZeRO-2 x ep = 4 on four:
     every step's loss and the final weights equal; `dtrain export --format hf` writes a
     folder transformers loads with the logits of dtrain's trained model."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM

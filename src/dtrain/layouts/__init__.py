@@ -65,8 +65,10 @@ def build(model: nn.Module, mesh: Mesh, config: Config,
 
     tp > 1 splits `model`'s layers in place first, by its family's plan or `[model]
     tp_plan` (dtrain.tensor_parallel.plan_of), with `parallel.sequence_parallel` if set;
-    ep > 1 then keeps each rank's share of every MoE layer's experts (whole on each tp
-    rank), averaged over the ranks that hold the same experts (mesh group "edp");
+    ep > 1 then keeps each rank's share of every MoE layer's experts, ep folded over dp x
+    cp x tp (dtrain.mesh.dims: each tp rank sends its share of the tokens), averaged over
+    the ranks that hold the same experts (mesh group "edp_cp"), the exchange cut into
+    `parallel.ep_overlap_chunks` chunks hidden under compute;
     `train.float8` swaps the blocks' linear layers for FP8 ones (dtrain.models.float8),
     before `train.compile` compiles the blocks;
     `[memory]` chooses the modules recomputed in backward (dtrain.models.recompute). cp > 1
@@ -107,7 +109,11 @@ def build(model: nn.Module, mesh: Mesh, config: Config,
     if dims.tp > 1:
         split_model(model, mesh.group("tp"), config.model.tp_plan)
     if dims.ep > 1:  # each rank keeps its E / ep experts of every MoE layer
-        moe.expert_parallel(model, mesh.group("ep"), mesh.coords["ep"], dims.ep)
+        # folded over tp: the tp ranks hold the same tokens (unless sequence parallelism
+        # gave each its own part) and send a share of them each
+        shares = mesh.group("tp") if dims.tp > 1 and not sequence else None
+        moe.expert_parallel(model, mesh.group("ep"), mesh.coords["ep"], dims.ep, shares,
+                            config.parallel.ep_overlap_chunks)
     fp8_note = ""
     if config.train.float8 != "none":  # before compiling, as torchao recommends
         converted = float8.convert_to_float8(model, config.train.float8)

@@ -66,8 +66,8 @@ class Names:
             later pipeline stage).
         ep: (ep rank, ep size): which E / ep of every MoE layer's experts this rank holds
             (dtrain.models.moe.split_experts), by global index.
-        edp: (rank, size) among the ranks holding the same experts (edp, x cp under
-            context parallelism).
+        edp: (rank, size) among the ranks holding the same experts (mesh group "edp_cp":
+            ep is folded over dp_shard x cp x tp, so they may be other cp or tp ranks).
         twins: id of a parameter -> the one it copies (a tied weight's twin where one
             pipeline rank holds both ends: dtrain.pipeline.tied_weights), named as it.
     """
@@ -104,8 +104,10 @@ class Names:
                 if self.canonical[id(p)] != n}
 
     def is_split(self, p: nn.Parameter) -> bool:
-        """Whether `p` is a tensor-parallel block (its squares sum over tp)."""
-        return id(p) in self.split
+        """Whether `p` differs between the tp ranks, so that its squares sum over tp and
+        every tp rank writes its own: a tensor-parallel block, or split experts where tp
+        > 1 (ep is folded over tp first: dtrain.mesh.dims)."""
+        return id(p) in self.split or (id(p) in self.experts and self.tp[1] > 1)
 
     def sharers(self, p: nn.Parameter, dp: tuple[int, int]) -> tuple[int, int]:
         """(rank, size) among the ranks that hold the same values of `p` and split its
@@ -118,8 +120,9 @@ class Names:
         return id(p) not in self.skip
 
     def writes(self, p: nn.Parameter) -> bool:
-        """Whether this rank writes (its tp block of) `p`: replicated tensors come from tp
-        rank 0 only, a tied copy from the lowest stage only."""
+        """Whether this rank writes (its tp block of, or its share of its experts in) `p`:
+        replicated tensors come from tp rank 0 only, a tied copy from the lowest stage
+        only."""
         return self.counted(p) and (self.is_split(p) or self.tp[0] == 0)
 
     def placement(self, p: nn.Parameter) -> tuple[int, int, Split | None]:

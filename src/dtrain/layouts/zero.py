@@ -34,8 +34,9 @@ class ShardGroups:
         replicate: hybrid sharding: the ranks holding the same shards in the other
             replicas (dp_replicate), across which each reduced shard is averaged; None
             without it.
-        experts: under expert parallelism, the ranks among `shard` holding the same
-            experts (edp x cp, and dp_replicate without hybrid sharding); None without.
+        experts: under expert parallelism, the ranks holding the same experts, over which
+            they are sharded (edp: ep is folded over dp_shard x cp x tp; and dp_replicate
+            without hybrid sharding); None without.
         first_replica: whether this rank is in the first replica, which writes the
             shards to checkpoints (the others hold the same).
     """
@@ -49,7 +50,7 @@ class ShardGroups:
     def of(cls, mesh: Mesh) -> ShardGroups:
         if mesh.size("dp_replicate") == 1:
             return cls(mesh.group("dp_cp"), None, expert_group(mesh), True)
-        experts = mesh.group("edp", "cp") if mesh.size("ep") > 1 else None
+        experts = mesh.group("edp") if mesh.size("ep") > 1 else None
         return cls(mesh.group("dp_shard", "cp"), mesh.group("dp_replicate"), experts,
                    mesh.coords["dp_replicate"] == 0)
 

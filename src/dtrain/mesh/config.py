@@ -68,8 +68,16 @@ class ParallelConfig:
     nproc workers push gradients and pull parameters: dtrain.ps, tuned in [ps])."""
     ep: int = positive(1)
     """Expert-parallel degree: each mixture-of-experts layer's experts split over this many
-    of the data-parallel ranks (carved from dp, which it must divide), tokens sent to their
-    experts' ranks and back by all-to-all; the other layers stay data parallel over dp."""
+    ranks, tokens sent to their experts' ranks and back by all-to-all. The MoE layers are
+    laid out over the same ranks as the rest, folded over dp x cp x tp (which ep must
+    divide), the innermost ranks first: tp's, then cp's, then dp's (dtrain.mesh.dims); the
+    other layers keep their own layout."""
+    ep_overlap_chunks: int = positive(1)
+    """With ep > 1: cut each MoE layer's exchange into this many chunks (by the experts the
+    tokens go to), so that one chunk's all-to-all runs while another's experts compute,
+    and the shared experts compute during the first dispatch; forward and backward. 1 is
+    one exchange each way, waited for at once. At most one chunk per expert a rank holds
+    (more are as many as that)."""
     cp: int = positive(1)
     """Context-parallel degree: every sequence cut into 2 x cp chunks, each of cp ranks
     holding two (chunk i and its mirror 2cp-1-i, balanced for causal attention) through the
@@ -96,6 +104,10 @@ class ParallelConfig:
     def check(self) -> None:
         """The rules between the section's own keys (the degrees against the world are
         `Dims.of`'s)."""
+        if self.ep_overlap_chunks > 1 and self.ep == 1:
+            raise ConfigError(f"parallel.ep_overlap_chunks = {self.ep_overlap_chunks} overlaps "
+                              "expert parallelism's all-to-all with the experts' compute: set "
+                              "parallel.ep > 1 (or ep_overlap_chunks = 1)")
         if self.dp_replicate > 1 and not self.zero:
             raise ConfigError(f"parallel.dp_replicate = {self.dp_replicate} shards the model "
                               "state inside each replica: set parallel.zero = 1, 2 or 3 (or "

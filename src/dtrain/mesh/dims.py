@@ -31,16 +31,29 @@ Groups over several axes have names of their own (FLATTENED):
                   own slice of the global batch (within its sync group).
     dp_cp         dp x cp: the ranks that hold the same parameters; gradients and the
                   reported loss average over them.
-    edp_cp        under expert parallelism, the ranks holding the same experts, over which
-                  the experts' gradients average: dp_replicate x edp x cp.
+    edp_cp        under expert parallelism, every rank holding the same experts, over
+                  which the experts' gradients average: dp_replicate x edp (edp spans the
+                  cp and tp ranks too, as ep is folded over them; the name is the one it
+                  had when ep lived in dp alone).
 
-Expert parallelism (`ep`) is carved from dp_shard, as torchtitan carves it: dp_shard
-factors into (edp, ep), ep innermost, a second Grid over the same ranks in which
-dp_shard's place holds those two axes (EXPERT_AXES), so no rank moves:
+Expert parallelism (`ep`) is folded over the ranks of one replica of one stage, dp_shard x
+cp x tp, as Megatron-Core's "parallel folding" lays the MoE layers out over the same ranks
+as attention but on a mesh of their own (Liu et al., 2025, arXiv 2504.14960; expert tensor
+parallelism 1). Those ranks factor into (edp, ep), ep innermost: a second Grid over the same
+ranks in which the three axes' place holds those two (EXPERT_AXES), so no rank moves:
 
     ep            the ranks that split each MoE layer's experts between them (E / ep each)
-                  and exchange tokens by all-to-all: ep consecutive dp_shard ranks.
-    edp           expert data parallel: dp_shard / ep ranks holding the same experts.
+                  and exchange tokens by all-to-all: ep consecutive ranks of dp_shard x cp
+                  x tp, the innermost axes first (tp's ranks share a machine, then cp's):
+                  an exchange over them takes the fastest links there are.
+    edp           expert data parallel: the dp_shard x cp x tp / ep ranks of a replica
+                  holding the same experts.
+
+With tp > 1 the tp ranks of an ep group see the same tokens (or, under sequence
+parallelism, each its own part of them); their MoE layers then each take 1/tp of the
+tokens' assignments (dtrain.models.moe), so that every assignment reaches its expert once.
+ep need only divide dp_shard x cp x tp; a request for ep or edp with some but not all of
+the axes they are folded over has no single grid, and is refused.
 
 Beside the degrees, Dims holds how the axes are used where that changes what a rank holds
 or sends: the ZeRO stage over dp_cp, the pipeline's schedule, context parallelism's
@@ -86,12 +99,16 @@ AXES: tuple[Axis, ...] = (Axis.SYNC, Axis.PP, Axis.DP_REPLICATE, Axis.DP_SHARD, 
 """The mesh's axes, outermost first."""
 
 EXPERT_AXES: tuple[Axis, ...] = (Axis.EDP, Axis.EP)
-"""The two axes dp_shard factors into under expert parallelism, outermost first."""
+"""The two axes FOLDED factors into under expert parallelism, outermost first."""
+
+FOLDED: tuple[Axis, ...] = (Axis.DP_SHARD, Axis.CP, Axis.TP)
+"""The axes expert parallelism is folded over, outermost first: the innermost block of the
+grid (one replica of one stage), which (edp, ep) lay out again."""
 
 FLATTENED: dict[Axis, tuple[Axis, ...]] = {
     Axis.DP: (Axis.DP_REPLICATE, Axis.DP_SHARD),
     Axis.DP_CP: (Axis.DP_REPLICATE, Axis.DP_SHARD, Axis.CP),
-    Axis.EDP_CP: (Axis.DP_REPLICATE, Axis.EDP, Axis.CP),
+    Axis.EDP_CP: (Axis.DP_REPLICATE, Axis.EDP),
 }
 """Groups over several axes, by the one name they are asked for by."""
 
@@ -205,7 +222,7 @@ class Dims:
         microbatches, schedule, virtual_stages: the pipeline's (read where pp > 1).
         exchange: "collective", or "ps": parameter servers hold the model and every rank
             is a worker training a whole copy (no other axis may be split).
-        ep: expert-parallel degree, carved from dp_shard (it adds no ranks).
+        ep: expert-parallel degree, folded over dp_shard x cp x tp (it adds no ranks).
         cp, dp_replicate: the degrees of the mesh's axes of those names.
         sync: how many sync groups train alone between synchronizations.
         cp_method: context parallelism's attention (read where cp > 1).
@@ -213,7 +230,7 @@ class Dims:
 
     Raises:
         ConfigError: in one line naming what to change, when a degree is not a positive
-            integer, ep does not divide dp_shard, an option does not fit the degrees
+            integer, ep does not divide dp_shard x cp x tp, an option does not fit the degrees
             (sequence parallelism without tp, parameter servers with any split), or a
             name is unknown.
     """
@@ -256,16 +273,14 @@ class Dims:
             if value not in allowed:
                 raise ConfigError(f"{key(name)}={value!r}: use one of "
                                   f"{', '.join(map(str, allowed))}")
-        if self.dp_shard % self.ep:
-            dp = key("dp_shard").rpartition(".")[2]
-            ranks = f"{dp} = {self.dp_shard}"
+        folded = self.dp_shard * self.cp * self.tp
+        if folded % self.ep:
+            names = " x ".join(key(a).rpartition(".")[2] for a in FOLDED)
+            ranks = f"{names} = {self.dp_shard} x {self.cp} x {self.tp} = {folded}"
             if self.dp_replicate > 1:
-                ranks = (f"{self.dp_shard} in each of {key('dp_replicate')} = "
-                         f"{self.dp_replicate} replicas")
-            raise ConfigError(f"{key('ep')} = {self.ep} does not divide the data-parallel "
-                              f"ranks ({ranks}): experts split "
-                              "over data-parallel ranks; choose an ep that divides "
-                              f"{self.dp_shard}")
+                ranks += f" in each of {key('dp_replicate')} = {self.dp_replicate} replicas"
+            raise ConfigError(f"{key('ep')} = {self.ep} does not divide the ranks it is folded "
+                              f"over ({ranks}): choose an ep that divides {folded}")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError(f"{key('sequence_parallel')} needs {key('tp')} > 1 (it splits "
                               "the sequence across the tensor-parallel ranks): set "
@@ -335,8 +350,9 @@ class Dims:
 
     @property
     def edp(self) -> int:
-        """Expert data parallel: the dp_shard ranks that hold the same experts."""
-        return self.dp_shard // self.ep
+        """Expert data parallel: the dp_shard x cp x tp ranks of a replica that hold the
+        same experts."""
+        return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
     def dp(self) -> int:
@@ -349,17 +365,18 @@ class Dims:
 
     @property
     def expert_grid(self) -> Grid:
-        """The same ranks with dp_shard factored into (edp, ep)."""
+        """The same ranks with dp_shard x cp x tp factored into (edp, ep)."""
         return Grid({a.value: getattr(self, a) for a in (Axis.SYNC, Axis.PP, Axis.DP_REPLICATE,
-                                                         Axis.EDP, Axis.EP, Axis.CP, Axis.TP)})
+                                                         Axis.EDP, Axis.EP)})
 
     def axes_of(self, names: Iterable[str]) -> tuple[Grid, tuple[str, ...]]:
         """The grid that has `names` (the expert grid when an expert axis is among them,
-        dp_shard then standing for its two factors) and the axes, flattened names
-        expanded, in its order; no names: every axis.
+        dp_shard x cp x tp then standing for its two factors) and the axes, flattened
+        names expanded, in its order; no names: every axis.
 
         Raises:
-            ConfigError: a name is not an axis.
+            ConfigError: a name is not an axis, or an expert axis is asked for with some
+                but not all of the axes ep is folded over (of degree above 1).
         """
         names = tuple(names)
         unknown = [n for n in names if n not in Axis.__members__.values()]
@@ -369,7 +386,13 @@ class Dims:
         expanded = {a for n in names for a in FLATTENED.get(Axis(n), (Axis(n),))}
         if not expanded & set(EXPERT_AXES):
             return self.grid, tuple(a.value for a in AXES if a in expanded or not names)
-        if Axis.DP_SHARD in expanded:
+        split = {a for a in FOLDED if getattr(self, a) > 1}  # of degree 1: no ranks to name
+        if expanded & split and not split <= expanded:
+            raise ConfigError(
+                f"mesh axes {', '.join(names)}: ep and edp are laid over "
+                f"{' x '.join(a.value for a in FOLDED)} together; ask for them with all of "
+                f"{', '.join(a.value for a in FOLDED if a in split)} or none")
+        if split and split <= expanded:  # the whole block: both of its factors
             expanded |= set(EXPERT_AXES)
         grid = self.expert_grid
         return grid, tuple(a for a in grid.shape if a in expanded)

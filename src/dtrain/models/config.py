@@ -25,6 +25,10 @@ Arch = Literal["gpt", "llama", "hf", "custom"]
 user's module."""
 ARCHS: tuple[str, ...] = get_args(Arch)
 
+AttentionKind = Literal["mha", "mla"]
+"""dtrain's Llama's attention: grouped-query (mha, the default: n_kv_head key/value heads,
+which may be n_head) or DeepSeek's multi-head latent attention (mla, dtrain.models.mla)."""
+
 
 
 @dataclass
@@ -90,6 +94,36 @@ class ModelConfig:
     capacity_factor: float = non_negative(0.0)
     """With n_experts: assignments an expert takes per sequence, as a multiple of an even
     share (later ones are dropped); 0 is dropless."""
+    n_group: int = positive(1)
+    """With n_experts: groups of experts for group-limited routing (DeepSeek-V3: 8): each
+    token picks its experts within its topk_group best groups; 1 is no limit."""
+    topk_group: int = positive(1)
+    """With n_group: the groups each token picks its experts from (DeepSeek-V3: 4)."""
+    routed_scaling_factor: float = positive(1.0)
+    """With n_experts: what the routed experts' weights are multiplied by (DeepSeek-V3:
+    2.5)."""
+    attention: AttentionKind = "mha"
+    """Llama: mha (grouped-query attention, n_kv_head key/value heads) or mla (DeepSeek's
+    multi-head latent attention: each head's keys and values decompressed from a latent of
+    kv_lora_rank per token)."""
+    q_lora_rank: int = non_negative(0)
+    """With attention = "mla": the queries' bottleneck width; 0 is one plain query
+    projection (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = non_negative(0)
+    """With attention = "mla": the latent's width (what generation's cache keeps per
+    token, with qk_rope_head_dim)."""
+    qk_nope_head_dim: int = non_negative(0)
+    """With attention = "mla": each head's query and key part without positions."""
+    qk_rope_head_dim: int = non_negative(0)
+    """With attention = "mla": each query's, and the key's shared, rotary part; even."""
+    v_head_dim: int = non_negative(0)
+    """With attention = "mla": each head's value width."""
+    mtp_depth: int = non_negative(0)
+    """Llama: DeepSeek-V3's multi-token prediction modules, each predicting one token
+    further ahead while training; 0 is off."""
+    mtp_loss_weight: float = non_negative(0.3)
+    """With mtp_depth: the weight of the mean of the modules' losses added to the training
+    loss (DeepSeek-V3: 0.3, then 0.1)."""
     tp_plan: dict[str, str] = field(default_factory=dict)
     """Tensor-parallel plan for a model without a built-in one: module-name pattern ->
     colwise, rowwise, vocab or vocab_loss (dtrain.tensor_parallel.parallelize)."""
@@ -101,12 +135,20 @@ class ModelConfig:
 
 
 MOE_KEYS = ("n_experts", "experts_per_token", "n_shared_experts", "moe_inter_size",
-            "moe_layers", "router", "norm_topk_prob", "aux_loss_weight", "capacity_factor")
+            "moe_layers", "router", "norm_topk_prob", "aux_loss_weight", "capacity_factor",
+            "n_group", "topk_group", "routed_scaling_factor")
 """The mixture-of-experts keys (dtrain's Llama only)."""
+
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim")
+"""The widths of multi-head latent attention (dtrain's Llama with attention = "mla")."""
+
+MTP_KEYS = ("mtp_depth", "mtp_loss_weight")
+"""The multi-token prediction keys (dtrain's Llama only)."""
 
 SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head",
               "ffn_hidden", "rope_theta", "norm_eps", "tie_embeddings", "head_dim", "qk_norm",
-              *MOE_KEYS)
+              *MOE_KEYS, "attention", *MLA_KEYS, *MTP_KEYS)
 
 
 def with_preset(cfg: ModelConfig, presets: dict[str, tuple[str, dict]]) -> ModelConfig:
@@ -192,3 +234,34 @@ def check_moe(cfg: ModelConfig) -> None:
     if cfg.n_experts < 0:
         raise ConfigError(f"model.n_experts = {cfg.n_experts} must be 0 (dense) or positive")
     moe_layer_indices(cfg.moe_layers, cfg.n_layer)
+
+
+def check_attention(cfg: ModelConfig) -> None:
+    """The attention and multi-token prediction keys: only dtrain's Llama has them, and
+    the latent widths only with attention = "mla" (dtrain.models.llama.mla_config checks
+    their values; the layouts they run in are dtrain.models.rules').
+
+    Raises:
+        ConfigError: such a key on another arch, a latent width with attention = "mha", or
+            more prediction depths than a row has tokens.
+    """
+    default = ModelConfig()
+    changed = [k for k in ("attention", *MLA_KEYS, *MTP_KEYS)
+               if getattr(cfg, k) != getattr(default, k)]
+    if cfg.arch != "llama" and changed:
+        raise ConfigError(f"model.{changed[0]} is a key of dtrain's Llama (model.arch = "
+                          f"\"llama\"), not of {cfg.arch!r}")
+    latent = [k for k in MLA_KEYS if getattr(cfg, k)]
+    if cfg.attention == "mha" and latent:
+        raise ConfigError(f"model.{latent[0]} = {getattr(cfg, latent[0])} is a width of "
+                          "multi-head latent attention: set model.attention = \"mla\", or "
+                          f"model.{latent[0]} = 0")
+    grouped = [k for k in ("n_kv_head", "head_dim", "qk_norm") if getattr(cfg, k)]
+    if cfg.attention == "mla" and grouped:
+        raise ConfigError(f"model.{grouped[0]} is a key of grouped-query attention, and "
+                          "model.attention = \"mla\" decompresses each head's keys from its "
+                          "latent (widths qk_nope_head_dim, qk_rope_head_dim, v_head_dim): "
+                          f"leave model.{grouped[0]} unset")
+    if cfg.mtp_depth >= cfg.block_size:
+        raise ConfigError(f"model.mtp_depth = {cfg.mtp_depth} predicts beyond a row of "
+                          f"model.block_size = {cfg.block_size} tokens: lower it")

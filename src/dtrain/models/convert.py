@@ -2,10 +2,13 @@
 
 dtrain's GPT is Hugging Face's `GPT2LMHeadModel` and dtrain's Llama its `LlamaForCausalLM`,
 weight for weight (with MoE blocks, its `MixtralForCausalLM`, or with per-head norms its
-`Qwen3MoeForCausalLM`); only the names differ, GPT-2 keeps its linear layers' weights as
-[in, out] (its `Conv1D`), transposed from nn.Linear's [out, in], and the MoE models' files
-keep a tensor per expert where dtrain stacks them (`Stacked`). `dtrain export --format hf`
-writes a model through these maps, and `init_from` reads a Hugging Face folder through them.
+`Qwen3MoeForCausalLM`; with latent attention its `DeepseekV3ForCausalLM`, whose folders
+also hold the multi-token prediction modules after the last layer, as DeepSeek's own
+checkpoint does, where transformers' model ignores them); only the names differ, GPT-2
+keeps its linear layers' weights as [in, out] (its `Conv1D`), transposed from nn.Linear's
+[out, in], and the MoE models' files keep a tensor per expert where dtrain stacks them
+(`Stacked`). `dtrain export --format hf` writes a model through these maps, and
+`init_from` reads a Hugging Face folder through them.
 
     config = hf_config_of(cfg)                # -> config.json
     for name, tensor in model.state_dict().items():
@@ -62,6 +65,10 @@ def hf_config_of(cfg: ModelConfig) -> dict[str, Any]:
     if family == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
                 **shape, "mlp_bias": False}
+    if family == "deepseek_v3":
+        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                **common, **{k: v for k, v in shape.items() if k != "head_dim"},
+                **_deepseek_shape(llama)}
     moe = llama.moe
     assert moe is not None
     routed = {"num_experts_per_tok": moe.experts_per_token, "output_router_logits": False,
@@ -77,13 +84,55 @@ def hf_config_of(cfg: ModelConfig) -> dict[str, Any]:
             "use_sliding_window": False, "sliding_window": None}
 
 
+def _deepseek_shape(llama: LlamaConfig) -> dict[str, Any]:
+    """DeepseekV3Config's keys for latent attention, its MoE blocks (all but the first
+    `first_k_dense_replace`; none: every block dense) and its prediction modules."""
+    mla, moe = llama.mla, llama.moe
+    assert mla is not None
+    return {"q_lora_rank": mla.q_lora_rank or None, "kv_lora_rank": mla.kv_lora_rank,
+            "qk_nope_head_dim": mla.qk_nope_head_dim, "qk_rope_head_dim": mla.qk_rope_head_dim,
+            "v_head_dim": mla.v_head_dim, "rope_interleave": True,
+            "first_k_dense_replace": llama.n_layer - len(llama.moe_layers),
+            "n_routed_experts": moe.n_experts if moe else 1,
+            "num_experts_per_tok": moe.experts_per_token if moe else 1,
+            "moe_intermediate_size": moe.hidden if moe else llama.ffn_hidden,
+            "n_shared_experts": moe.n_shared_experts if moe else 0,
+            "n_group": moe.n_group if moe else 1, "topk_group": moe.topk_group if moe else 1,
+            "norm_topk_prob": moe.norm_topk_prob if moe else True,
+            "routed_scaling_factor": llama.routed_scaling_factor,
+            "num_nextn_predict_layers": llama.mtp_depth}
+
+
+def _deepseek_family(llama: LlamaConfig) -> str:
+    """"deepseek_v3" for latent attention, if DeepseekV3ForCausalLM computes this shape:
+    a sigmoid router over all but the first blocks, no per-head norms.
+
+    Raises:
+        ConfigError: a shape it does not compute.
+    """
+    moe = llama.moe
+    if llama.qk_norm:
+        raise ConfigError("Hugging Face's DeepseekV3ForCausalLM has no per-head norms: this "
+                          "model (model.qk_norm) has no Hugging Face format in dtrain")
+    if moe is not None and moe.router != "sigmoid_bias":
+        raise ConfigError("Hugging Face's DeepseekV3ForCausalLM routes by sigmoid_bias: this "
+                          "model (model.router) has no Hugging Face format in dtrain")
+    if llama.moe_layers != tuple(range(llama.n_layer - len(llama.moe_layers), llama.n_layer)):
+        raise ConfigError("Hugging Face's DeepseekV3ForCausalLM has MoE blocks after its first "
+                          "dense ones: set model.moe_layers = \"after K\"")
+    return "deepseek_v3"
+
+
 def _llama_family(llama: LlamaConfig) -> str:
     """Which Hugging Face model dtrain's Llama of this shape is: llama (dense), mixtral
-    (MoE in every block, no per-head norms) or qwen3_moe (MoE, per-head norms).
+    (MoE in every block, no per-head norms), qwen3_moe (MoE, per-head norms) or
+    deepseek_v3 (latent attention).
 
     Raises:
         ConfigError: a shape none of them has.
     """
+    if llama.mla is not None:
+        return _deepseek_family(llama)
     moe = llama.moe
     if moe is None:
         if llama.qk_norm:
@@ -120,30 +169,56 @@ def _gpt_names(cfg: ModelConfig) -> dict[str, tuple[HFName, bool]]:
     return names
 
 
+LATENT_ATTENTION = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                    "kv_a_layernorm", "kv_b_proj", "o_proj")
+"""The weighted modules of latent attention, named as in transformers' DeepseekV3Attention
+(q_proj without a query bottleneck, q_a_proj to q_b_proj with one)."""
+
+
+def _block_names(llama: LlamaConfig, family: str, ours: str, theirs: str, moe: bool
+                 ) -> dict[str, tuple[HFName, bool]]:
+    """The names of one block: dtrain's under `ours` ("blocks.3"), the folder's under
+    `theirs` ("model.layers.3"); `moe`: its MLP is the mixture of experts."""
+    block = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    if llama.mla is not None:
+        wanted = ("q_a_proj", "q_a_layernorm", "q_b_proj") if llama.mla.q_lora_rank else \
+            ("q_proj",)
+        block.update({f"attn.{n}": f"self_attn.{n}" for n in LATENT_ATTENTION
+                      if n in wanted or not n.startswith("q_")})
+    else:
+        block.update({f"attn.{n}": f"self_attn.{n}"
+                      for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
+    if llama.qk_norm:
+        block.update({"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"})
+    if not moe or llama.moe is None:
+        block.update({"mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj",
+                      "mlp.down": "mlp.down_proj"})
+    names: dict[str, tuple[HFName, bool]] = {
+        f"{ours}.{a}.weight": (f"{theirs}.{b}.weight", False) for a, b in block.items()}
+    if moe and llama.moe is not None:
+        places = expert_places(family, theirs, llama.moe.n_experts,
+                               llama.moe.n_shared_experts > 0)
+        names.update({f"{ours}.mlp.{a}": (place, False) for a, place in places.items()})
+    return names
+
+
 def _llama_names(cfg: ModelConfig) -> dict[str, tuple[HFName, bool]]:
     llama = llama_config(cfg)
     family = _llama_family(llama)
     names: dict[str, tuple[HFName, bool]] = {"embed.weight": ("model.embed_tokens.weight", False)}
-    block = {"attn_norm": "input_layernorm", "attn.q_proj": "self_attn.q_proj",
-             "attn.k_proj": "self_attn.k_proj", "attn.v_proj": "self_attn.v_proj",
-             "attn.o_proj": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm"}
-    if llama.qk_norm:
-        block.update({"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"})
-    dense = {"mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
     for i in range(cfg.n_layer):
-        layer = f"model.layers.{i}"
-        for ours, theirs in block.items():
-            names[f"blocks.{i}.{ours}.weight"] = (f"{layer}.{theirs}.weight", False)
-        if i not in llama.moe_layers:
-            for ours, theirs in dense.items():
-                names[f"blocks.{i}.{ours}.weight"] = (f"{layer}.{theirs}.weight", False)
-            continue
-        assert llama.moe is not None
-        for ours, place in expert_places(family, layer, llama.moe.n_experts).items():
-            names[f"blocks.{i}.mlp.{ours}"] = (place, False)
+        names.update(_block_names(llama, family, f"blocks.{i}", f"model.layers.{i}",
+                                  i in llama.moe_layers))
     names["norm.weight"] = ("model.norm.weight", False)
     if not cfg.tie_embeddings:
         names["head.weight"] = ("lm_head.weight", False)
+    last_moe = cfg.n_layer - 1 in llama.moe_layers
+    for d in range(llama.mtp_depth):  # DeepSeek's layout: layers after the last one
+        ours, theirs = f"mtp.depths.{d}", f"model.layers.{cfg.n_layer + d}"
+        names.update(_block_names(llama, family, f"{ours}.block", theirs, last_moe))
+        for a, b in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                     ("norm", "shared_head.norm")):
+            names[f"{ours}.{a}.weight"] = (f"{theirs}.{b}.weight", False)
     return names
 
 

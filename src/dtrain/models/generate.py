@@ -21,17 +21,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from dtrain.errors import ConfigError
-from dtrain.models.kv_cache import KVCache, LayerCache
+from dtrain.models.kv_cache import KVCache, LatentCache, LayerCache
+from dtrain.models.mla import LatentAttention
 from dtrain.models.stages import AttentionCore, StagedLM
 
 
-def _cores(model: nn.Module) -> list[AttentionCore]:
-    return [m for m in model.modules() if isinstance(m, AttentionCore)]
+def _holders(model: nn.Module) -> list[AttentionCore | LatentAttention]:
+    """The modules that keep a layer's cache, in module order: each latent attention (its
+    cache is compressed: its core is fed the decompressed keys) and every other attention
+    core."""
+    holders: list[AttentionCore | LatentAttention] = []
+    inside: set[int] = set()
+    for m in model.modules():  # a latent attention comes before its core
+        if isinstance(m, LatentAttention):
+            holders.append(m)
+            inside.add(id(m.core))
+        elif isinstance(m, AttentionCore) and id(m) not in inside:
+            holders.append(m)
+    return holders
 
 
 def attach(model: nn.Module, staged: bool = False) -> KVCache | None:
     """Give `model` (dtrain's GPT or Llama, or a Hugging Face causal LM) an empty KV
-    cache, its layer caches on its attention cores; None for a model that cannot keep one
+    cache, its layer caches on its attention cores (on its latent attentions, a
+    `LatentCache` of their compressed latents); None for a model that cannot keep one
     (a user's own module; a Hugging Face model run in pipeline stages, `staged`, whose
     blocks dtrain calls one by one), which is then fed its whole window each step.
 
@@ -48,10 +61,15 @@ def attach(model: nn.Module, staged: bool = False) -> KVCache | None:
     hf = getattr(model, "hf", None) is not None and hasattr(model, "kv_cache")
     if not isinstance(model, StagedLM) and not (hf and not staged):
         return None
-    cores = _cores(model)
-    cache = KVCache([LayerCache() for _ in cores])
-    for core, layer in zip(cores, cache.layers, strict=True):
-        core.cache = layer
+    layers: list[LayerCache | LatentCache] = []
+    for holder in _holders(model):
+        if isinstance(holder, LatentAttention):
+            holder.cache = LatentCache()
+            layers.append(holder.cache)
+        else:
+            holder.cache = LayerCache()
+            layers.append(holder.cache)
+    cache = KVCache(layers)
     # an attribute of the model's class (StagedLM, HFCausalLM), not a submodule
     model.kv_cache = cache  # type: ignore[assignment]
     return cache
@@ -59,8 +77,8 @@ def attach(model: nn.Module, staged: bool = False) -> KVCache | None:
 
 def detach(model: nn.Module) -> None:
     """Take `attach`'s cache off `model` again: its forward is the full one again."""
-    for core in _cores(model):
-        core.cache = None
+    for holder in _holders(model):
+        holder.cache = None
     if getattr(model, "kv_cache", None) is not None:
         model.kv_cache = None  # type: ignore[assignment]  # as in attach
 

@@ -18,6 +18,10 @@ Mixtral's and Qwen3-MoE's sparse blocks become dtrain's MoE layer (dtrain.models
 holding the same parameters under the same names: it computes what theirs does (softmax
 top-k routing, dropless), with grouped expert products instead of a Python loop over
 experts, and splits over an expert-parallel group (`parallel.ep`) like dtrain's Llama.
+DeepSeek-V3's (`DeepseekV3ForCausalLM`) do too: its grouped sigmoid router with its
+correction bias (which dtrain's layer then moves toward even load after every step, as
+DeepSeek-V3 trained it; transformers leaves it still), its routed scaling and its shared
+experts; its latent attention stays transformers'.
 
 Attention is SDPA: without a mask it is causal, so the pipeline's stages call the blocks
 with `attention_mask=None`. GPT-2's `Conv1D` layers (an nn.Linear with its weight stored
@@ -57,13 +61,15 @@ class Family(enum.Enum):
 
 
 FAMILIES = {"llama": Family.ROTARY, "mistral": Family.ROTARY, "qwen2": Family.ROTARY,
-            "mixtral": Family.ROTARY, "qwen3_moe": Family.ROTARY, "gpt2": Family.GPT2}
+            "mixtral": Family.ROTARY, "qwen3_moe": Family.ROTARY, "deepseek_v3": Family.ROTARY,
+            "gpt2": Family.GPT2}
 """Hugging Face model_type -> the family whose pipeline stages dtrain knows."""
 
 ROTARY_FAMILY = tuple(t for t, family in FAMILIES.items() if family is Family.ROTARY)
 """The model types of the Llama family (rotary positions, the attention interface)."""
 
-SPARSE_BLOCKS = {"mixtral": "MixtralSparseMoeBlock", "qwen3_moe": "Qwen3MoeSparseMoeBlock"}
+SPARSE_BLOCKS = {"mixtral": "MixtralSparseMoeBlock", "qwen3_moe": "Qwen3MoeSparseMoeBlock",
+                 "deepseek_v3": "DeepseekV3MoE"}
 """Hugging Face model_type -> the class of its sparse MoE blocks, which dtrain swaps for its
 own MoE layer of the same parameters."""
 
@@ -186,13 +192,24 @@ def build_hf(cfg: ModelConfig, saved: dict[str, Any] | None = None) -> HFCausalL
     return HFCausalLM(hf, cfg.block_size)
 
 
+LATENT_ATTENTION = ("deepseek_v3",)
+"""Hugging Face model types whose attention is multi-head latent attention (no q, k and v
+projections: tensor and context parallelism do not split it yet)."""
+
+
 def moe_config_of(config: PretrainedConfig) -> MoEConfig:
-    """dtrain's MoE layer computing a Mixtral or Qwen3-MoE sparse block of `config`."""
+    """dtrain's MoE layer computing a Mixtral, Qwen3-MoE or DeepSeek-V3 sparse block of
+    `config` (DeepSeek-V3's: a grouped sigmoid router with its shared experts)."""
+    deepseek = config.model_type == "deepseek_v3"
     return MoEConfig(n_experts=getattr(config, "num_local_experts", None) or config.num_experts,
                      experts_per_token=config.num_experts_per_tok,
                      hidden=getattr(config, "moe_intermediate_size", None)
                      or config.intermediate_size,
-                     norm_topk_prob=getattr(config, "norm_topk_prob", True))
+                     norm_topk_prob=bool(getattr(config, "norm_topk_prob", True)),
+                     router="sigmoid_bias" if deepseek else "softmax_topk",
+                     n_shared_experts=config.n_shared_experts if deepseek else 0,
+                     n_group=config.n_group if deepseek else 1,
+                     topk_group=config.topk_group if deepseek else 1)
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
@@ -216,12 +233,14 @@ def hf_experts(cfg: ModelConfig) -> int:
     data = hf_config_dict(cfg)
     if data.get("model_type") not in SPARSE_BLOCKS:
         return 0
-    return int(data.get("num_local_experts") or data.get("num_experts") or 0)
+    return int(data.get("num_local_experts") or data.get("num_experts")
+               or data.get("n_routed_experts") or 0)
 
 
 def _swap_moe(hf: nn.Module) -> None:
-    """Replace each sparse MoE block of a Mixtral or Qwen3-MoE model by dtrain's MoE layer
-    holding the same parameters (router weight, stacked experts) under the same names.
+    """Replace each sparse MoE block of a Mixtral, Qwen3-MoE or DeepSeek-V3 model by
+    dtrain's MoE layer holding the same parameters (router weight, stacked experts;
+    DeepSeek-V3's correction bias and shared experts) under the same names.
 
     Raises:
         ConfigError: Mixtral's router jitter, which dtrain's router does not add.
@@ -243,7 +262,23 @@ def _swap_moe(hf: nn.Module) -> None:
         moe.gate.weight = block.gate.weight
         moe.experts.gate_up_proj = block.experts.gate_up_proj
         moe.experts.down_proj = block.experts.down_proj
+        if config.model_type == "deepseek_v3":
+            _take_deepseek_parts(moe, block, config)
         layer.mlp = moe
+
+
+def _take_deepseek_parts(moe: MoE, block: nn.Module, config: PretrainedConfig) -> None:
+    """What a DeepSeek-V3 block adds: its router's correction bias (a buffer there, a
+    parameter without gradient here, moved by the load after each step), its routed
+    scaling, and its shared experts' weights."""
+    moe.gate.expert_bias = nn.Parameter(block.gate.e_score_correction_bias.detach(),
+                                        requires_grad=False)
+    moe.gate.scale = float(config.routed_scaling_factor)
+    if moe.shared is not None:
+        shared = block.shared_experts
+        moe.shared.gate.weight = shared.gate_proj.weight
+        moe.shared.up.weight = shared.up_proj.weight
+        moe.shared.down.weight = shared.down_proj.weight
 
 
 def _linear_of(conv: nn.Module) -> nn.Linear:
@@ -427,8 +462,8 @@ class HFCausalLM(nn.Module):
 def hf_names(model: HFCausalLM) -> dict[str, tuple[HFName, bool]]:
     """dtrain parameter name (as `model.named_parameters()` gives it: a tied head is not
     listed) -> (where the tensor lives in a Hugging Face folder, whether it is stored
-    transposed there: GPT-2's Conv1D weights). A MoE layer's tensors are where Mixtral's
-    and Qwen3-MoE's files keep them (dtrain.models.hf_places.expert_places)."""
+    transposed there: GPT-2's Conv1D weights). A MoE layer's tensors are where Mixtral's,
+    Qwen3-MoE's and DeepSeek-V3's files keep them (dtrain.models.hf_places.expert_places)."""
     names: dict[str, tuple[HFName, bool]] = {
         name: (name.removeprefix("hf."), name in model.transposed)
         for name, _ in model.named_parameters()}
@@ -436,6 +471,8 @@ def hf_names(model: HFCausalLM) -> dict[str, tuple[HFName, bool]]:
     for name, module in model.named_modules():
         if isinstance(module, MoE):
             layer = name.removeprefix("hf.").removesuffix(".mlp")
-            for ours, place in expert_places(model_type, layer, module.cfg.n_experts).items():
+            places = expert_places(model_type, layer, module.cfg.n_experts,
+                                   module.shared is not None)
+            for ours, place in places.items():
                 names[f"{name}.{ours}"] = (place, False)
     return names

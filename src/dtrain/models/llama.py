@@ -6,6 +6,12 @@ weights map one to one onto that model's (dtrain.models.convert) and its logits 
 float rounding. `PRESETS` names the published shapes, and a tiny one for tests and demos.
 
     model = Llama(llama_config(resolve(ModelConfig(arch="llama", preset="llama-tiny"), 256)))
+
+The same family holds the mixture-of-experts models (Mixtral, Qwen3-MoE: dtrain.models.moe)
+and DeepSeek-V3's architecture: multi-head latent attention in place of grouped-query
+attention (dtrain.models.mla), dense first blocks then MoE blocks with a shared expert and
+a grouped sigmoid router, and multi-token prediction modules after the last block
+(dtrain.models.mtp); the `deepseek-v3` and `kimi-k2` presets are those published shapes.
 """
 
 from __future__ import annotations
@@ -19,8 +25,12 @@ from torch import nn
 
 from dtrain.errors import ConfigError
 from dtrain.models.chunked_loss import CrossEntropy
-from dtrain.models.config import ModelConfig, moe_layer_indices
+from dtrain.models.config import ModelConfig, check_attention, moe_layer_indices
+from dtrain.models.llama_parts import RMSNorm, rotary, rotate
+from dtrain.models.mla import LatentAttention, MLAConfig
 from dtrain.models.moe import Experts, MoE, MoEConfig, Router, aux_loss
+from dtrain.models.moe.router import check_groups
+from dtrain.models.mtp import MultiTokenPrediction
 from dtrain.models.rows import PackedDocuments
 from dtrain.models.stages import Activation, AttentionCore, StagedLM
 
@@ -28,6 +38,12 @@ _LLAMA_3 = {"vocab_size": 128256, "rope_theta": 500000.0, "norm_eps": 1e-5}
 _QWEN3 = {"vocab_size": 151936, "rope_theta": 1000000.0, "norm_eps": 1e-6, "head_dim": 128,
           "qk_norm": True, "n_kv_head": 4, "n_experts": 128, "experts_per_token": 8,
           "block_size": 40960, "tie_embeddings": False, "norm_topk_prob": True}
+_DEEPSEEK_V3 = {"n_layer": 61, "n_embd": 7168, "ffn_hidden": 18432, "block_size": 4096,
+                "norm_eps": 1e-6, "tie_embeddings": False, "attention": "mla",
+                "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                "qk_rope_head_dim": 64, "v_head_dim": 128, "experts_per_token": 8,
+                "n_shared_experts": 1, "moe_inter_size": 2048, "router": "sigmoid_bias",
+                "norm_topk_prob": True}
 PRESETS: dict[str, tuple[str, dict]] = {
     "llama-tiny": ("llama", {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_kv_head": 2,
                              "ffn_hidden": 352, "vocab_size": 0, "block_size": 128,
@@ -55,10 +71,32 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                 "ffn_hidden": 6144, "moe_inter_size": 768}),
     "qwen3-235b-a22b": ("llama", {**_QWEN3, "n_layer": 94, "n_embd": 4096, "n_head": 64,
                                   "ffn_hidden": 12288, "moe_inter_size": 1536}),
+    "deepseek-tiny": ("llama", {"n_layer": 3, "n_embd": 128, "n_head": 4, "ffn_hidden": 352,
+                                "vocab_size": 0, "block_size": 128, "tie_embeddings": False,
+                                "rope_theta": 10000.0, "norm_eps": 1e-6, "attention": "mla",
+                                "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 32,
+                                "qk_rope_head_dim": 16, "v_head_dim": 32, "n_experts": 8,
+                                "experts_per_token": 2, "n_shared_experts": 1,
+                                "moe_inter_size": 64, "moe_layers": "after 1",
+                                "router": "sigmoid_bias", "n_group": 4, "topk_group": 2,
+                                "routed_scaling_factor": 2.5, "mtp_depth": 1}),
+    "deepseek-v3": ("llama", {**_DEEPSEEK_V3, "vocab_size": 129280, "n_head": 128,
+                              "rope_theta": 10000.0, "n_experts": 256, "moe_layers": "after 3",
+                              "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                              "mtp_depth": 1}),
+    "kimi-k2": ("llama", {**_DEEPSEEK_V3, "vocab_size": 163840, "n_head": 64,
+                          "rope_theta": 50000.0, "n_experts": 384, "moe_layers": "after 1",
+                          "routed_scaling_factor": 2.827}),
 }
 """Named shapes: preset -> ("llama", ModelConfig shape keys). Llama 3.2's published model
 also scales its rotary frequencies for long contexts ("llama3" rope scaling), which dtrain's
-Llama does not: the shape is the same, the positions past 8192 are not."""
+Llama does not: the shape is the same, the positions past 8192 are not.
+
+`deepseek-v3` is DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3) and `kimi-k2` Kimi
+K2's (moonshotai/Kimi-K2-Instruct, a DeepSeek-V3 shape with 384 experts, 64 heads, one
+dense block, one expert group, no MTP module), both at their pretraining context of 4096
+tokens: their longer contexts come from yarn rope scaling, which dtrain's Llama does not
+do."""
 
 
 @dataclass
@@ -100,16 +138,32 @@ class LlamaConfig:
     """The mixture-of-experts MLP of the blocks in `moe_layers` (None: every block dense)."""
     moe_layers: tuple[int, ...] = ()
     """The blocks whose MLP is `moe` (the others keep the dense SwiGLU)."""
+    routed_scaling_factor: float = 1.0
+    """What the MoE routers' weights are multiplied by (DeepSeek-V3: 2.5)."""
+    mla: MLAConfig | None = None
+    """Multi-head latent attention's widths (None: grouped-query attention)."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules after the last block (0: none)."""
+    mtp_loss_weight: float = 0.3
+    """The weight of the mean of the prediction modules' losses."""
 
     @property
     def head_size(self) -> int:
-        """Each attention head's width."""
+        """Each attention head's width (grouped-query attention)."""
         return self.head_dim or self.n_embd // self.n_head
 
+    @property
+    def rope_dim(self) -> int:
+        """The width the rotary angles turn: a head's, or latent attention's rotary part."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_size
+
     def __post_init__(self) -> None:
-        if self.n_head <= 0 or (self.n_embd % self.n_head and not self.head_dim):
+        if self.n_head <= 0 or (self.n_embd % self.n_head and not self.head_dim
+                                and self.mla is None):
             raise ConfigError(f"model.n_head = {self.n_head} does not divide model.n_embd = "
                               f"{self.n_embd}: choose a head count that divides it")
+        if self.mla is not None:
+            return  # latent attention's widths are its own (MLAConfig checks them)
         if self.n_kv_head <= 0 or self.n_head % self.n_kv_head:
             raise ConfigError(f"model.n_kv_head = {self.n_kv_head} does not divide model.n_head"
                               f" = {self.n_head}: choose a key/value head count that divides it")
@@ -133,14 +187,33 @@ def llama_config(cfg: ModelConfig) -> LlamaConfig:
     """
     ffn_hidden = cfg.ffn_hidden or llama_ffn_hidden(cfg.n_embd)
     moe = moe_config(cfg)
+    mla = mla_config(cfg)
     return LlamaConfig(vocab_size=cfg.vocab_size, block_size=cfg.block_size,
                        n_layer=cfg.n_layer, n_head=cfg.n_head,
-                       n_kv_head=cfg.n_kv_head or cfg.n_head, n_embd=cfg.n_embd,
-                       ffn_hidden=ffn_hidden, rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps,
-                       tie_embeddings=cfg.tie_embeddings, dropout=cfg.dropout,
-                       head_dim=cfg.head_dim, qk_norm=cfg.qk_norm, moe=moe,
+                       n_kv_head=cfg.n_head if mla else cfg.n_kv_head or cfg.n_head,
+                       n_embd=cfg.n_embd, ffn_hidden=ffn_hidden, rope_theta=cfg.rope_theta,
+                       norm_eps=cfg.norm_eps, tie_embeddings=cfg.tie_embeddings,
+                       dropout=cfg.dropout, head_dim=cfg.head_dim, qk_norm=cfg.qk_norm, moe=moe,
                        moe_layers=moe_layer_indices(cfg.moe_layers, cfg.n_layer)
-                       if moe is not None else ())
+                       if moe is not None else (),
+                       routed_scaling_factor=cfg.routed_scaling_factor, mla=mla,
+                       mtp_depth=cfg.mtp_depth, mtp_loss_weight=cfg.mtp_loss_weight)
+
+
+def mla_config(cfg: ModelConfig) -> MLAConfig | None:
+    """Multi-head latent attention's widths of a `[model]` section (None: attention =
+    "mha").
+
+    Raises:
+        ConfigError: a latent width with attention = "mha", or one out of range
+            (MLAConfig's checks).
+    """
+    check_attention(cfg)
+    if cfg.attention != "mla":
+        return None
+    return MLAConfig(kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
+                     qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
+                     q_lora_rank=cfg.q_lora_rank)
 
 
 def moe_config(cfg: ModelConfig) -> MoEConfig | None:
@@ -148,69 +221,64 @@ def moe_config(cfg: ModelConfig) -> MoEConfig | None:
     moe_inter_size 0 means the dense MLP's width.
 
     Raises:
-        ConfigError: a rule out of range (MoEConfig's checks).
+        ConfigError: a rule out of range (MoEConfig's checks, and the router's groups').
     """
     if not cfg.n_experts:
         return None
-    return MoEConfig(
+    moe = MoEConfig(
         n_experts=cfg.n_experts, experts_per_token=cfg.experts_per_token,
         hidden=cfg.moe_inter_size or cfg.ffn_hidden or llama_ffn_hidden(cfg.n_embd),
         n_shared_experts=cfg.n_shared_experts, router=cfg.router,
         norm_topk_prob=cfg.norm_topk_prob, aux_loss_weight=cfg.aux_loss_weight,
-        capacity_factor=cfg.capacity_factor)
+        capacity_factor=cfg.capacity_factor, n_group=cfg.n_group, topk_group=cfg.topk_group)
+    check_groups(moe.n_experts, moe.experts_per_token, moe.n_group, moe.topk_group)
+    return moe
 
 
-def parameter_count(cfg: LlamaConfig, active: bool = False) -> int:
+def parameter_count(cfg: LlamaConfig, active: bool = False, mtp: bool = True) -> int:
     """Parameters of `Llama(cfg)` (a tied head counted once), without building it; with
     `active`, those one token uses: of each MoE layer's routed experts only the k it goes
-    to (the router, its bias included, and the shared experts count in both)."""
-    head_dim = cfg.head_size
-    attention = 2 * cfg.n_embd * cfg.n_head * head_dim + 2 * cfg.n_embd * cfg.n_kv_head * head_dim
-    attention += 2 * head_dim if cfg.qk_norm else 0
-    dense = 3 * cfg.n_embd * cfg.ffn_hidden
+    to (the router, its bias included, and the shared experts count in both; the embedding
+    whole, as for a dense model). `mtp`: with the multi-token prediction modules; without,
+    the main model alone, as DeepSeek counts its 671B (their checkpoint's 685B adds the
+    module with its own copies of the embedding and head)."""
+    dim = cfg.n_embd
     total = 0
     for i in range(cfg.n_layer):
-        mlp = dense
-        if cfg.moe is not None and i in cfg.moe_layers:
-            m = cfg.moe
-            used = m.experts_per_token if active else m.n_experts
-            mlp = (m.n_experts * (cfg.n_embd + 1) + used * 3 * cfg.n_embd * m.hidden
-                   + m.n_shared_experts * 3 * cfg.n_embd * m.hidden)
-        total += attention + mlp + 2 * cfg.n_embd
-    embeddings = cfg.vocab_size * cfg.n_embd * (1 if cfg.tie_embeddings else 2)
-    return embeddings + total + cfg.n_embd
+        total += _block_count(cfg, cfg.moe is not None and i in cfg.moe_layers, active)
+    if mtp and cfg.mtp_depth:  # each: 3 norms, the projection, a block like the last one
+        last_moe = cfg.moe is not None and cfg.n_layer - 1 in cfg.moe_layers
+        total += cfg.mtp_depth * (3 * dim + 2 * dim * dim + _block_count(cfg, last_moe, active))
+    embeddings = cfg.vocab_size * dim * (1 if cfg.tie_embeddings else 2)
+    return embeddings + total + dim
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 and cast back, as Hugging Face's Llama."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def rotary(t: int, head_dim: int, theta: float, device: torch.device,
-           dtype: torch.dtype, positions: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of positions 0..t-1 (or the `t` given `positions`), each (t, head_dim):
-    the frequencies repeated across the two halves of a head, as Hugging Face's
-    rotate-half convention pairs them."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    at = torch.arange(t, device=device) if positions is None else positions
-    freqs = at.float()[:, None] * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+def _block_count(cfg: LlamaConfig, moe: bool, active: bool) -> int:
+    """Parameters of one block: its attention, its MLP (dense, or MoE with `active`'s
+    experts) and its two norms."""
+    dim = cfg.n_embd
+    mlp = 3 * dim * cfg.ffn_hidden
+    if moe and cfg.moe is not None:
+        m = cfg.moe
+        used = m.experts_per_token if active else m.n_experts
+        mlp = (m.n_experts * (dim + 1) + used * 3 * dim * m.hidden
+               + m.n_shared_experts * 3 * dim * m.hidden)
+    return _attention_count(cfg) + mlp + 2 * dim
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+def _attention_count(cfg: LlamaConfig) -> int:
+    """Parameters of one block's attention: grouped-query, or latent (its projections and
+    the two latent norms)."""
+    dim, heads, m = cfg.n_embd, cfg.n_head, cfg.mla
+    if m is None:
+        head_dim = cfg.head_size
+        count = 2 * dim * heads * head_dim + 2 * dim * cfg.n_kv_head * head_dim
+        return count + (2 * head_dim if cfg.qk_norm else 0)
+    queries = (dim * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim
+               if m.q_lora_rank else dim * heads * m.qk_head_dim)
+    latent = dim * m.cached_per_token + m.kv_lora_rank
+    decompressed = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return queries + latent + decompressed + heads * m.v_head_dim * dim
 
 
 class Attention(nn.Module):
@@ -246,8 +314,7 @@ class Attention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         cos, sin = rope if rope is not None else rotary(t, self.head_dim, self.theta,
                                                         x.device, q.dtype)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return self.o_proj(self.core(q, k, v, documents).transpose(1, 2).reshape(b, t, -1))
 
 
@@ -274,12 +341,20 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-norm transformer block: grouped-query or latent attention (`cfg.mla`), then a
+    SwiGLU MLP or, with `moe`, the mixture of experts `cfg.moe`."""
+
     def __init__(self, cfg: LlamaConfig, moe: bool = False) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn: nn.Module = Attention(cfg) if cfg.mla is None else LatentAttention(
+            cfg.n_embd, cfg.n_head, cfg.mla, cfg.rope_theta, cfg.dropout)
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.mlp = MoE(cfg.moe, cfg.n_embd) if moe and cfg.moe is not None else MLP(cfg)
+        self.mlp: nn.Module = MLP(cfg)
+        if moe and cfg.moe is not None:
+            layer = MoE(cfg.moe, cfg.n_embd)
+            layer.gate.scale = cfg.routed_scaling_factor  # not (yet) a MoEConfig field
+            self.mlp = layer
 
     def forward(self, x: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -301,6 +376,12 @@ class Llama(StagedLM):
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+        self.mtp: MultiTokenPrediction | None = None
+        if cfg.mtp_depth:  # each module's block is of the last block's kind (DeepSeek-V3: MoE)
+            last_moe = cfg.n_layer - 1 in cfg.moe_layers
+            self.mtp = MultiTokenPrediction(
+                [Block(cfg, last_moe) for _ in range(cfg.mtp_depth)], cfg.n_embd,
+                cfg.norm_eps, cfg.mtp_loss_weight)
         self.loss_fn = CrossEntropy()  # a module, so tensor parallelism can swap it
         self._rope_cache: tuple = (None, None)
         self.apply(self._init)
@@ -316,6 +397,15 @@ class Llama(StagedLM):
     def extra_loss(self) -> torch.Tensor | None:
         """The weighted load-balancing loss of the MoE blocks in the last forward."""
         return aux_loss(self) if self.cfg.moe is not None else None
+
+    def ahead_loss(self, idx: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor,
+                   weight: float | None) -> torch.Tensor | None:
+        """The multi-token prediction modules' weighted loss, while training
+        (dtrain.models.mtp); None without them."""
+        if self.mtp is None or not self.training:
+            return None
+        positions = self.documents.positions if self.documents is not None else None
+        return self.mtp(self, idx, hidden, targets, weight, positions)
 
     # How the pipeline cuts it (dtrain.models.Stages).
     def stage_parts(self) -> tuple[list[str], str, list[str]]:
@@ -347,7 +437,7 @@ class Llama(StagedLM):
         key = (t, x.device, x.dtype, type(x), id(self.context), offset,  # fake: not real
                self.documents is not None and self.documents_given)
         if self._rope_cache[0] != key:
-            head_dim = self.cfg.head_size
+            head_dim = self.cfg.rope_dim
             cos, sin = rotary(t, head_dim, self.cfg.rope_theta, x.device, x.dtype,
                               self.positions(t, x.device).reshape(-1))
             if self.documents is not None:  # each row its own positions: (batch, 1, t, d)

@@ -1,17 +1,27 @@
 """What each model can be laid out with, checked before any rank starts: experts under
-expert parallelism, sequences under context parallelism, heads under tensor parallelism
+expert parallelism, sequences under context parallelism, heads under tensor parallelism,
+latent attention and multi-token prediction in the layouts built for them so far
 (`check_layout`), and which models compute the chunked loss (`check_loss`). The config
 (dtrain.config) calls them with the model's section as its preset fills it.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from dtrain.errors import ConfigError
 from dtrain.mesh.config import ParallelConfig
 from dtrain.models.chunked_loss import LossKind
-from dtrain.models.config import ModelConfig, check_moe, check_shape
-from dtrain.models.hf import FAMILIES, ROTARY_FAMILY, hf_config_dict, hf_experts
-from dtrain.models.llama import moe_config
+from dtrain.models.config import ModelConfig, check_attention, check_moe, check_shape
+from dtrain.models.hf import (
+    FAMILIES,
+    LATENT_ATTENTION,
+    ROTARY_FAMILY,
+    hf_config_dict,
+    hf_experts,
+)
+from dtrain.models.llama import mla_config, moe_config
 
 
 def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
@@ -23,6 +33,7 @@ def check_layout(m: ModelConfig, p: ParallelConfig) -> None:
     check_shape(m, p.tp)
     check_experts(m, p)
     check_context(m, p)
+    check_latent(m, p)
 
 
 def check_experts(m: ModelConfig, p: ParallelConfig) -> None:
@@ -34,9 +45,11 @@ def check_experts(m: ModelConfig, p: ParallelConfig) -> None:
         experts = hf_experts(m)
     if experts and m.arch == "llama":
         moe_config(m)  # its rules: top-k within the experts, a known router, ...
-    if experts and p.sequence_parallel:
-        raise ConfigError("parallel.sequence_parallel with a mixture-of-experts model is not "
-                          "supported yet: leave sequence_parallel off")
+    if experts and p.sequence_parallel and (m.capacity_factor or m.aux_loss_weight):
+        raise ConfigError("parallel.sequence_parallel with model.capacity_factor or "
+                          "model.aux_loss_weight: both are per whole sequence, and a tp rank "
+                          "holds a part of each; use a dropless MoE (capacity_factor = 0) "
+                          "balanced by model.router = \"sigmoid_bias\" (aux_loss_weight = 0)")
     if p.ep == 1:
         return
     if not experts:
@@ -46,6 +59,59 @@ def check_experts(m: ModelConfig, p: ParallelConfig) -> None:
     if experts % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep} does not divide model.n_experts = {experts}: "
                           "choose an expert-parallel degree that divides it")
+
+
+def check_latent(m: ModelConfig, p: ParallelConfig) -> None:
+    """Multi-head latent attention and multi-token prediction: their keys, the layouts
+    built for them so far (data parallel, ZeRO and ep for both; pipeline stages for latent
+    attention), and an `init_from` folder whose positions dtrain's Llama computes."""
+    check_attention(m)
+    if m.arch == "llama":
+        mla_config(m)  # the latent widths' rules
+        check_rope_of_folder(m)
+    latent = m.arch == "llama" and m.attention == "mla"
+    if m.arch == "hf" and (p.tp > 1 or p.cp > 1):  # its config.json says
+        latent = hf_config_dict(m).get("model_type") in LATENT_ATTENTION
+    for degree, name in ((p.tp, "tp"), (p.cp, "cp")):
+        if latent and degree > 1:
+            raise ConfigError(f"parallel.{name} = {degree} with multi-head latent attention is "
+                              f"not supported yet: use parallel.{name} = 1 (dp, ZeRO, ep and "
+                              "pp split it)")
+    for degree, name in ((p.pp, "pp"), (p.tp, "tp"), (p.cp, "cp")):
+        if m.arch == "llama" and m.mtp_depth and degree > 1:
+            raise ConfigError(f"model.mtp_depth = {m.mtp_depth} with parallel.{name} = "
+                              f"{degree} is not supported yet: use parallel.{name} = 1 (dp, "
+                              "ZeRO and ep split it), or a model without MTP modules")
+
+
+def check_rope_of_folder(m: ModelConfig) -> None:
+    """dtrain's Llama started from a Hugging Face folder (`init_from`) whose config.json
+    asks for yarn rope scaling (DeepSeek-V3's and Kimi K2's long contexts), which it does
+    not compute (its frequencies and softmax scale differ at every position), or for
+    latent attention's rotary part not interleaved, as DeepSeek's weights are.
+
+    Raises:
+        ConfigError: such a folder.
+    """
+    file = Path(m.init_from) / "config.json" if m.init_from else None
+    if file is None or not file.is_file():
+        return
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return  # the weights' reader says what is wrong with the folder
+    if not isinstance(data, dict):
+        return
+    scaling = data.get("rope_scaling") or data.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if kind == "yarn":
+        raise ConfigError(f"model.init_from = {m.init_from!r} scales rotary positions by yarn "
+                          f"({file}), which dtrain's Llama does not compute: use model.arch = "
+                          "\"hf\" (transformers does), or a config without rope scaling")
+    if m.attention == "mla" and data.get("rope_interleave") is False:
+        raise ConfigError(f"model.init_from = {m.init_from!r} keeps latent attention's rotary "
+                          f"part not interleaved (rope_interleave = false in {file}), which "
+                          "dtrain's Llama does not read: use model.arch = \"hf\"")
 
 
 def check_context(m: ModelConfig, p: ParallelConfig) -> None:

@@ -131,17 +131,25 @@ class StagedLM(nn.Module):
             x = self.stage_block(block, x)
         if targets is None:
             return self.stage_out(x)
-        logits: torch.Tensor | None = None
+        logits, loss = self.head_loss(self.final_hidden(x), targets, weight)
+        # before extra_loss: the predictions ahead run blocks of their own (MoE ones too)
+        for more in (self.ahead_loss(idx, x, targets, weight), self.extra_loss()):
+            if more is not None:
+                loss = loss + more
+        return logits, loss
+
+    def head_loss(self, final: torch.Tensor, targets: torch.Tensor, weight: float | None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(logits, loss) of final hidden states (after `final_hidden`) against `targets`
+        through `output_head()` and `loss_fn`, the loss weighed by `weight` (`weighted`);
+        under the chunked loss (None, loss), with no logits of every token at once."""
         if self.loss_chunk:
-            loss = chunked_loss(self, self.final_hidden(x), targets)
+            loss = chunked_loss(self, final, targets)
             # finite without targets (0), so it carries its own zero where the weight is 0
-            loss = weighted(loss, weight, loss)
-        else:
-            logits = self.stage_out(x)
-            loss = self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-            loss = weighted(loss, weight, logits)
-        extra = self.extra_loss()
-        return logits, loss if extra is None else loss + extra
+            return None, weighted(loss, weight, loss)
+        logits = self.output_head()(final)
+        loss = self.loss_fn(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, weighted(loss, weight, logits)
 
     def use_documents(self, positions: torch.Tensor | None) -> None:
         """Make the next stages' forwards run rows of packed documents at `positions`
@@ -163,6 +171,13 @@ class StagedLM(nn.Module):
     def extra_loss(self) -> torch.Tensor | None:
         """A loss the blocks computed on the way, added to the model's (a mixture of
         experts' load balancing); None by default."""
+        return None
+
+    def ahead_loss(self, idx: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor,
+                   weight: float | None) -> torch.Tensor | None:
+        """A loss of predictions further ahead than the next token, from the last block's
+        output `hidden` and the forward's `idx` and `targets` (multi-token prediction,
+        dtrain.models.mtp), added to the model's; None by default."""
         return None
 
 
@@ -196,9 +211,15 @@ class AttentionCore(nn.Module):
         self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                documents: PackedDocuments | None = None) -> torch.Tensor:
+                documents: PackedDocuments | None = None, before: int = 0) -> torch.Tensor:
         """Attention of q to k and v, causal, or inside each of the rows' packed
-        `documents` (dtrain.models.rows)."""
+        `documents` (dtrain.models.rows). Values may be narrower or wider than queries and
+        keys (multi-head latent attention's are); the scale is 1 / sqrt(q's head size).
+
+        Args:
+            before: how many of k's and v's tokens come before q's first, read from a cache
+                kept outside the core (multi-head latent attention's compressed one,
+                dtrain.models.mla); the core's own `cache` counts its own."""
         drop = self.dropout if self.training else 0.0
         if self.context is not None:
             if drop:
@@ -215,7 +236,6 @@ class AttentionCore(nn.Module):
                 return compiled_flex_attention()(q, k, v, block_mask=documents.mask,
                                                  enable_gqa=q.shape[1] != k.shape[1])
             mask = document_mask(documents.positions)  # flex attention has no dropout
-        before = 0
         if self.cache is not None:
             k, v, before = self.cache.extend(k, v)
         group = q.shape[1] // k.shape[1]

@@ -38,8 +38,9 @@ def llama_plan(cfg: LlamaConfig) -> dict[str, Style | str]:
     (`qk_norm`) too, their gradients summed over the heads' ranks ("headwise").
 
     A mixture-of-experts block's MLP stays whole on every tensor-parallel rank (its router,
-    experts and shared experts; expert parallelism splits the experts over data-parallel
-    ranks instead): only the dense blocks' MLPs are split.
+    experts and shared experts): only the dense blocks' MLPs are split. Expert parallelism
+    then splits the experts over ep ranks folded over tp first (dtrain.mesh.dims), each tp
+    rank computing the experts of its share of the tokens.
 
     `parallelize` raises ConfigError when tp does not divide the heads, the key/value heads,
     the MLP width or the vocabulary.

@@ -17,10 +17,14 @@ An all-gather and a reduce-scatter move what the all-reduce they replace moved, 
 communication is the same and the activations kept around the split layers are 1/tp.
 What a column-parallel layer keeps for backward is this rank's part of its input; backward
 gathers it again for the weight gradient (dtrain.tensor_parallel.functions.GatheredLinear).
-Replicated parameters used on the parts (the norms, the row-parallel biases) get only
-their part's gradient: one all-reduce at the end of backward sums all of them over the
-group (dtrain.tensor_parallel.summed). Dropout there draws each rank's own masks
-(dtrain.tensor_parallel.rng), as each rank holds its own tokens.
+Replicated parameters used on the parts (the norms, the row-parallel biases, a
+mixture-of-experts block's router and shared experts) get only their part's gradient: one
+all-reduce at the end of backward sums all of them over the group
+(dtrain.tensor_parallel.summed). A MoE block routes each part's tokens on its own rank;
+its experts, where ep splits them (folded over tp first), are each rank's own and not
+summed, and the step's load counts sum over the group (`MoE.split_sequence`). Dropout
+there draws each rank's own masks (dtrain.tensor_parallel.rng), as each rank holds its
+own tokens.
 
     parallelize(model, llama_plan(cfg), group)
     apply_sequence_parallel(model, group)      # dtrain.tensor_parallel.split_model does both
@@ -35,6 +39,7 @@ from dtrain import comm
 from dtrain.errors import ConfigError
 from dtrain.mesh.config import ParallelConfig
 from dtrain.models.config import ModelConfig
+from dtrain.models.moe import moe_layers, split_experts
 from dtrain.models.stages import AttentionCore, Stages
 from dtrain.tensor_parallel.functions import SEQUENCE, SequenceGather, scatter_sequence
 from dtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -155,6 +160,11 @@ def apply_sequence_parallel(model: nn.Module, group: comm.GroupLike = None,
     skip = before | {id(named[name]) for name in placements(model) if name in named}
     skip |= {id(p) for m in model.modules() if getattr(m, "headwise", None) is not None
              for p in m.parameters()}  # summed over the heads already, whatever the part
+    # experts split over ep, folded over tp: each tp rank holds others, summed over the
+    # ranks holding the same ones by the data-parallel wrap (dtrain.mesh.dims)
+    skip |= {id(p) for p in split_experts(model)}
+    for layer in moe_layers(model):  # each part routes its own tokens
+        layer.split_sequence(g)
     summed: dict[int, nn.Parameter] = {}
     for part in after:
         for p in part.parameters():

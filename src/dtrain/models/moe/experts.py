@@ -5,20 +5,30 @@ brings each token to the rank holding its expert (expert parallelism).
 models lay theirs out (`gate_up_proj` (E, 2F, D): the gate's rows, then the up
 projection's; `down_proj` (E, D, F)), so weights convert by name alone. Rows sorted by
 expert are computed in two grouped matrix products (`torch._grouped_mm`) where this torch
-has one for the device and dtype, else one matrix product per expert over its contiguous
-slice: never a Python call per token.
+has one for the device and dtype, else one expert at a time over its contiguous slice
+(`swiglu`): never a Python call per token.
 
 Under expert parallelism the E experts are split over the `ep` ranks of a group, E / ep
-consecutive ones each (`Experts.shard`). `dispatch` sends each row to the rank of its
-expert with one uneven all-to-all (the counts are exchanged first, so each rank knows
-what it receives), and `combine` returns the results the same way back; both are
-differentiable (their backward is the opposite exchange).
+consecutive ones each (`Experts.shard`). `Dispatch` sends each row to the rank of its
+expert with one uneven all-to-all (the counts are exchanged first, `Counts`, so each rank
+knows what it receives), and `combine` returns the results the same way back; both are
+differentiable (their backward is the opposite exchange). dtrain.models.moe.overlap cuts
+the same exchange into chunks hidden under the experts' compute.
+
+When ep is folded over tensor-parallel ranks that see the same tokens (dtrain.mesh.dims),
+each of them sends only its share of the assignments (`take_share`: a contiguous 1/tp of
+them, in expert order) and the results are all-gathered back (`gather_shares`), as
+Megatron-Core does with expert tensor parallelism 1: every assignment reaches its expert
+once, and every tp rank ends with the whole layer's output, as replicated computation
+expects (Megatron's scatter to and gather from the tensor-parallel region: each the
+other's gradient).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +36,7 @@ from torch import nn
 
 from dtrain import comm, timeline
 from dtrain.comm import GroupLike
+from dtrain.comm.collectives import Result
 from dtrain.split import Split
 
 EXPERTS = Split(0)
@@ -87,6 +98,32 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch
     return torch.cat(parts) if parts else x @ w[0].t()
 
 
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int]
+           ) -> torch.Tensor:
+    """Rows of `x` sorted by expert (counts[e] rows for expert e) through the SwiGLU MLPs
+    of stacked weights `gate_up` (n, 2F, D) and `down` (n, D, F): (rows, D) -> (rows, D).
+
+    Without grouped products each expert's rows go through its whole MLP on their own, so
+    that an expert's outputs and gradients are the same bits whichever other experts'
+    rows share the call (the chunked exchange of dtrain.models.moe.overlap computes a
+    few experts at a time and equals one exchange bit for bit)."""
+    if x.shape[0] and _grouped_mm_works(x, gate_up) and _grouped_mm_works(x, down):
+        gate, up = grouped_matmul(x, gate_up, counts).chunk(2, dim=-1)
+        return grouped_matmul(F.silu(gate) * up, down, counts)
+    parts = []
+    for e, piece in enumerate(x.split(counts)):
+        if counts[e]:
+            gate, up = (piece @ gate_up[e].t()).chunk(2, dim=-1)
+            parts.append((F.silu(gate) * up) @ down[e].t())
+    if parts:
+        return torch.cat(parts)
+    # No rows: still the products, so that backward reaches this rank's all-to-all
+    # exchanges as it does on every other rank (a rank that skipped them would hang its
+    # peers).
+    gate, up = (x @ gate_up[0].t()).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ down[0].t()
+
+
 class Experts(nn.Module):
     """E SwiGLU MLPs (dim -> hidden -> dim), stacked: `gate_up_proj` (E, 2 hidden, dim)
     and `down_proj` (E, dim, hidden). After `shard`, this rank's E / size of them."""
@@ -111,9 +148,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows sorted by (local) expert, counts[e] of them for expert e -> their outputs."""
-        h = grouped_matmul(x, self.gate_up_proj, counts)
-        gate, up = h.chunk(2, dim=-1)
-        return grouped_matmul(F.silu(gate) * up, self.down_proj, counts)
+        return swiglu(x, self.gate_up_proj, self.down_proj, counts)
 
 
 class _AllToAllCtx(torch.autograd.function.FunctionCtx):
@@ -143,12 +178,61 @@ class _AllToAll(torch.autograd.Function):
 def exchange(x: torch.Tensor, group: GroupLike, send: list[int], recv: list[int]
              ) -> torch.Tensor:
     """Rows of `x` (rows, width): send[j] consecutive rows to rank j, receive recv[j]
-    from rank j, stacked in rank order."""
+    from rank j, stacked in rank order (waited for at once: a "moe wait" span on the
+    timeline)."""
+    return wait_rows(start_exchange(x, group, send, recv))
+
+
+@dataclass
+class Pending:
+    """An exchange of rows in flight: `wait_rows` completes it."""
+
+    result: Result[torch.Tensor]
+    shape: tuple[int, ...]
+    """The received rows' shape."""
+
+
+def start_exchange(x: torch.Tensor, group: GroupLike, send: list[int], recv: list[int]
+                   ) -> Pending:
+    """`exchange` started, not waited for (dtrain.comm's async all-to-all)."""
     width = math.prod(x.shape[1:])
-    out = comm.all_to_all(x.reshape(-1), group=group,
-                          send_sizes=[n * width for n in send],
-                          recv_sizes=[n * width for n in recv])
-    return out.view(sum(recv), *x.shape[1:])
+    result = comm.all_to_all(x.contiguous().reshape(-1), group=group, async_op=True,
+                             send_sizes=[n * width for n in send],
+                             recv_sizes=[n * width for n in recv])
+    return Pending(result, (sum(recv), *x.shape[1:]))
+
+
+def wait_rows(pending: Pending) -> torch.Tensor:
+    """The rows `start_exchange` receives, once they have arrived; the time this rank
+    waits for them (what computing did not hide) is a "moe wait" span on the timeline."""
+    with timeline.span("all-to-all wait", "moe wait"):
+        return pending.result.wait().view(pending.shape)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """How many rows each rank of an expert-parallel group sends each other rank's local
+    experts: `sent[j][e]` this rank sends rank j's local expert e, `received[j][e]` rank j
+    sends this rank's local expert e (one all-to-all of E counts tells every rank)."""
+
+    sent: torch.Tensor
+    received: torch.Tensor
+
+    @classmethod
+    def exchanged(cls, counts: torch.Tensor, group: GroupLike, size: int,
+                  device: torch.device) -> Counts:
+        """From this rank's rows per global expert (E,), the E / size experts of each of
+        the `size` ranks of `group` consecutive: the counts every rank sends (exchanged on
+        `device`, the rows' device, which NCCL needs; held on the host)."""
+        local = counts.numel() // size
+        mine = counts.to(torch.int64).cpu()
+        received = comm.all_to_all(mine.to(device), group=group).cpu().view(size, local)
+        return cls(mine.view(size, local), received)
+
+    @property
+    def local(self) -> int:
+        """Experts each rank holds."""
+        return self.sent.shape[1]
 
 
 class Dispatch:
@@ -164,18 +248,14 @@ class Dispatch:
 
     def __init__(self, rows: torch.Tensor, counts: torch.Tensor, group: GroupLike,
                  size: int) -> None:
-        local = counts.numel() // size
-        # Every rank's count for each of this rank's experts: (size, local).
-        received = comm.all_to_all(counts.to(torch.int64), group=group).view(size, local)
+        exchanged = Counts.exchanged(counts, group, size, rows.device)
+        received = exchanged.received
         self.group = group
-        self.send = counts.view(size, local).sum(1).tolist()
+        self.send = exchanged.sent.sum(1).tolist()
         self.recv = received.sum(1).tolist()
         with timeline.span("moe dispatch", "moe"):
             arrived = _AllToAll.apply(rows, group, self.send, self.recv)
-        # Arrived rows come by source rank, then local expert: order them by local expert.
-        expert_of_row = torch.arange(local, device=rows.device).repeat(size) \
-            .repeat_interleave(received.reshape(-1).to(rows.device))
-        self.order = torch.argsort(expert_of_row, stable=True)
+        self.order = by_local_expert(received, rows.device)
         self.tokens = arrived.index_select(0, self.order)
         self.counts = received.sum(0).tolist()
 
@@ -185,3 +265,93 @@ class Dispatch:
         back = torch.empty_like(out).index_copy(0, self.order, out)
         with timeline.span("moe combine", "moe"):
             return _AllToAll.apply(back, self.group, self.recv, self.send)
+
+
+def by_local_expert(received: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Rows that arrived by source rank, then local expert (`received[j][e]` rows from
+    rank j for expert e) -> the order that sorts them by local expert, each expert's rows
+    still by source rank."""
+    size, local = received.shape
+    expert_of_row = torch.arange(local, device=device).repeat(size) \
+        .repeat_interleave(received.reshape(-1).to(device))
+    return torch.argsort(expert_of_row, stable=True)
+
+
+# ------------------------------------------------------------------ ep folded over tp
+def share_of(n: int, rank: int, size: int) -> tuple[int, int]:
+    """[lo, hi): rank `rank`'s share of `n` rows among `size` ranks: ceil(n / size) rows
+    each in rank order, the last shares shorter or empty (so the shares padded to the same
+    length and concatenated hold the rows first, in order)."""
+    each = -(-n // size)
+    lo = min(rank * each, n)
+    return lo, min(lo + each, n)
+
+
+def counts_within(counts: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Of rows sorted by expert, `counts[e]` for expert e: how many of rows [lo, hi) each
+    expert has."""
+    ends = counts.cumsum(0)
+    starts = ends - counts
+    return (ends.clamp(lo, hi) - starts.clamp(lo, hi)).clamp_min(0)
+
+
+class _ShareCtx(torch.autograd.function.FunctionCtx):
+    """The ctx of _TakeShare and _GatherShares as their forward fills it."""
+
+    group: comm.Group
+    n: int
+    lo: int
+    hi: int
+
+
+def _gather_padded(share: torch.Tensor, n: int, group: comm.Group) -> torch.Tensor:
+    """Every rank's share (`share_of`) of n rows, all-gathered into the n rows."""
+    each = -(-n // group.size)
+    padded = share.new_zeros(each, *share.shape[1:])
+    padded[:share.shape[0]] = share
+    return comm.all_gather(padded, group=group)[:n]
+
+
+class _TakeShare(torch.autograd.Function):
+    """This rank's share of rows every rank of the group holds alike, in forward; the
+    shares' gradients all-gathered in backward (each rank's gradient of the whole rows is
+    then the same, as the replicated computation around it needs): Megatron's scatter to
+    the tensor-parallel region."""
+
+    @staticmethod
+    def forward(ctx: _ShareCtx, rows: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        ctx.group, ctx.n = group, rows.shape[0]
+        lo, hi = share_of(rows.shape[0], group.rank, group.size)
+        return rows[lo:hi].contiguous()
+
+    @staticmethod
+    def backward(ctx: _ShareCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_padded(grad.contiguous(), ctx.n, ctx.group), None
+
+
+class _GatherShares(torch.autograd.Function):
+    """Every rank's share all-gathered into the whole rows in forward; this rank's share of
+    their gradient (the same on every rank) in backward: Megatron's gather from the
+    tensor-parallel region."""
+
+    @staticmethod
+    def forward(ctx: _ShareCtx, share: torch.Tensor, n: int, group: comm.Group
+                ) -> torch.Tensor:
+        ctx.lo, ctx.hi = share_of(n, group.rank, group.size)
+        return _gather_padded(share.contiguous(), n, group)
+
+    @staticmethod
+    def backward(ctx: _ShareCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad[ctx.lo:ctx.hi].contiguous(), None, None
+
+
+def take_share(rows: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    """This rank's share (`share_of`) of `rows`, which every rank of `group` holds alike;
+    differentiable (see _TakeShare)."""
+    return _TakeShare.apply(rows, group)
+
+
+def gather_shares(share: torch.Tensor, n: int, group: comm.Group) -> torch.Tensor:
+    """The n rows whose shares the ranks of `group` hold, on every rank; differentiable
+    (see _GatherShares)."""
+    return _GatherShares.apply(share, n, group)

@@ -23,7 +23,12 @@ between ranks or micro-batches (a run on any layout equals one process):
 
 Under expert parallelism (`expert_parallel`, dtrain.models.moe.expert_parallel does it for a
 model) a rank holds E / ep of the experts; the tokens routed to the others go there and
-back by all-to-all (experts.py).
+back by all-to-all (experts.py), in one exchange each way or in chunks hidden under the
+experts' compute (overlap.py). Where ep is folded over tensor-parallel ranks that see the
+same tokens (dtrain.mesh.dims), the router, capacity, balance loss and shared experts run
+on all of them alike, and each sends its 1/tp share of the assignments to the experts,
+the results all-gathered back (`tp_group`). Under sequence parallelism each tp rank holds
+its own part of every sequence and routes it alone (`split_sequence`).
 
 While training, each layer counts the assignments per expert (`load`) and the dropped
 ones; `after_step` sums them over the data-parallel ranks once per optimizer step, moves
@@ -44,7 +49,16 @@ from dtrain import comm, timeline
 from dtrain.comm import GroupLike
 from dtrain.errors import ConfigError
 from dtrain.graph_break import graph_break
-from dtrain.models.moe.experts import EXPERTS, Dispatch, Experts
+from dtrain.models.moe.experts import (
+    EXPERTS,
+    Dispatch,
+    Experts,
+    counts_within,
+    gather_shares,
+    share_of,
+    take_share,
+)
+from dtrain.models.moe.overlap import Overlapped
 from dtrain.models.moe.router import ROUTERS, Router
 
 BIAS_UPDATE_RATE = 1e-3
@@ -77,6 +91,10 @@ class MoEConfig:
     capacity_factor: float = 0.0
     """Assignments an expert takes per sequence, as a multiple of an even share; 0 is
     dropless."""
+    n_group: int = 1
+    """Groups the experts are in for group-limited routing (router.py); 1: no limit."""
+    topk_group: int = 1
+    """The groups each token picks its experts from (at most n_group)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.experts_per_token <= self.n_experts:
@@ -119,12 +137,20 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.gate = Router(dim, cfg.n_experts, cfg.experts_per_token, cfg.router,
-                           cfg.norm_topk_prob)
+                           cfg.norm_topk_prob, cfg.n_group, cfg.topk_group)
         self.experts = Experts(cfg.n_experts, dim, cfg.hidden)
         self.shared = SwiGLU(dim, cfg.n_shared_experts * cfg.hidden) \
             if cfg.n_shared_experts else None
         self.ep_group: GroupLike = None
         self.ep_rank, self.ep_size = 0, 1
+        self.tp_group: comm.Group | None = None
+        """The tensor-parallel ranks that see this rank's tokens, over which ep is folded:
+        each computes the experts of its share of the assignments (None: all of them)."""
+        self.overlap_chunks = 1
+        """Chunks of the exchange hidden under the experts' compute (1: one exchange)."""
+        self.sequence_group: GroupLike = None
+        """Under sequence parallelism, the ranks holding the other parts of these
+        sequences, which route their own tokens: the step's load sums over them too."""
         self.aux_loss: torch.Tensor | None = None
         """This forward's load-balancing loss (weighted), while training with a weight."""
         self.load = torch.zeros(cfg.n_experts, dtype=torch.int64, device="cpu")
@@ -136,10 +162,18 @@ class MoE(nn.Module):
         """(max / mean assignments per expert, dropped fraction) of the last step, over
         the data-parallel ranks."""
 
-    def expert_parallel(self, group: GroupLike, rank: int, size: int) -> None:
+    def expert_parallel(self, group: GroupLike, rank: int, size: int,
+                        tp_group: GroupLike = None, overlap_chunks: int = 1) -> None:
         """Keep experts [rank * E / size, (rank + 1) * E / size) of the E only (sliced in
         place; a model on the meta device stays there), and exchange tokens over
         `group` (the `size` ranks that hold the others, in rank order).
+
+        Args:
+            tp_group: where ep is folded over tensor-parallel ranks that hold the same
+                tokens (not under sequence parallelism): their group; each rank then sends
+                only its share of the assignments and the results are all-gathered.
+            overlap_chunks: cut the exchange into this many chunks by local expert, each
+                one's all-to-all under another's compute (dtrain.models.moe.overlap).
 
         Raises:
             ConfigError: size does not divide E.
@@ -153,6 +187,15 @@ class MoE(nn.Module):
             part = EXPERTS.shard(whole.detach(), rank, size)
             setattr(self.experts, name, nn.Parameter(part, requires_grad=whole.requires_grad))
         self.ep_group, self.ep_rank, self.ep_size = group, rank, size
+        shares = comm.resolve(tp_group) if tp_group is not None else None
+        self.tp_group = shares if shares is not None and shares.size > 1 else None
+        self.overlap_chunks = overlap_chunks
+
+    def split_sequence(self, group: GroupLike) -> None:
+        """This layer's input is this rank's part of each sequence, the other parts on the
+        ranks of `group` (sequence parallelism), which route theirs: `after_step` sums the
+        load over `group` too."""
+        self.sequence_group = group
 
     @graph_break  # data-dependent shapes: eager between a block's compiled parts
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,19 +222,38 @@ class MoE(nn.Module):
         token, weight = token[order], weight[order]
         counts = torch.bincount(expert, minlength=n_experts)
         rows = flat.index_select(0, token)
-        if self.ep_size > 1:
-            dispatch = Dispatch(rows, counts.cpu(), self.ep_group, self.ep_size)
-            with timeline.span("moe experts", "moe"):
-                out = self.experts(dispatch.tokens, dispatch.counts)
-            out = dispatch.combine(out)
-        else:
+        shared = None
+        if self.ep_size == 1:
             with timeline.span("moe experts", "moe"):
                 out = self.experts(rows, counts.tolist())
+        elif self.tp_group is None:
+            out, shared = self._exchanged(rows, counts.cpu(), flat)
+        else:  # ep folded over tp: this rank's share of the assignments, then all of them
+            lo, hi = share_of(rows.shape[0], self.tp_group.rank, self.tp_group.size)
+            mine, shared = self._exchanged(take_share(rows, self.tp_group),
+                                           counts_within(counts.cpu(), lo, hi), flat)
+            out = gather_shares(mine, rows.shape[0], self.tp_group)
         out = out * weight.to(out.dtype)[:, None]
         y = torch.zeros_like(flat).index_add(0, token, out)
         if self.shared is not None:
-            y = y + self.shared(flat)
+            y = y + (self.shared(flat) if shared is None else shared)
         return y.view(b, t, dim)
+
+    def _exchanged(self, rows: torch.Tensor, counts: torch.Tensor, flat: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows sorted by global expert (`counts[e]` for expert e) through their experts on
+        the ranks of the expert-parallel group: their outputs in the same order, and the
+        shared experts' output of `flat` where the chunked exchange computed it during
+        its first dispatch (else None)."""
+        if self.overlap_chunks > 1:
+            exchange = Overlapped(rows, counts, self.ep_group, self.ep_size,
+                                  self.overlap_chunks)
+            shared = self.shared(flat) if self.shared is not None else None  # meanwhile
+            return exchange.finish(self.experts.gate_up_proj, self.experts.down_proj), shared
+        dispatch = Dispatch(rows, counts, self.ep_group, self.ep_size)
+        with timeline.span("moe experts", "moe"):
+            out = self.experts(dispatch.tokens, dispatch.counts)
+        return dispatch.combine(out), None
 
     def _within_capacity(self, experts: torch.Tensor) -> torch.Tensor:
         """(batch, time, k) experts -> whether each assignment fits its expert's capacity in
@@ -217,15 +279,17 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def expert_parallel(model: nn.Module, group: GroupLike, rank: int, size: int) -> None:
+def expert_parallel(model: nn.Module, group: GroupLike, rank: int, size: int,
+                    tp_group: GroupLike = None, overlap_chunks: int = 1) -> None:
     """Split the experts of every MoE layer of `model` over the `size` ranks of `group`,
-    this rank (`rank` in it) keeping its E / size (`MoE.expert_parallel`).
+    this rank (`rank` in it) keeping its E / size (`MoE.expert_parallel`, whose `tp_group`
+    and `overlap_chunks` these are).
 
     Raises:
         ConfigError: size does not divide a layer's expert count.
     """
     for layer in moe_layers(model):
-        layer.expert_parallel(group, rank, size)
+        layer.expert_parallel(group, rank, size, tp_group, overlap_chunks)
 
 
 def split_experts(model: nn.Module) -> list[nn.Parameter]:
@@ -246,14 +310,19 @@ def aux_loss(model: nn.Module) -> torch.Tensor | None:
 @torch.no_grad()
 def after_step(model: nn.Module, group: GroupLike = None) -> None:
     """Once per optimizer step, on every rank: sum each MoE layer's counts over `group`
-    (the data-parallel ranks: those that see different tokens), move the sigmoid_bias
-    routers' biases toward even load, and keep the step's balance for the metrics."""
+    (the data-parallel ranks: those that see different tokens; and under sequence
+    parallelism over the tp ranks holding the sequences' other parts, `split_sequence`),
+    move the sigmoid_bias routers' biases toward even load, and keep the step's balance
+    for the metrics."""
     layers = moe_layers(model)
     if not layers:
         return
     counts = torch.cat([torch.cat([m.load, m.dropped.view(1)]) for m in layers]).double()
     if group is not None or dist.is_initialized():  # else one process, not yet a job
         counts = comm.all_reduce(counts, group=group)
+    parts = next((m.sequence_group for m in layers if m.sequence_group is not None), None)
+    if parts is not None:  # sequence parallelism: every layer's tokens cut alike
+        counts = comm.all_reduce(counts, group=parts)
     for m, row in zip(layers, counts.view(len(layers), -1), strict=True):
         load, dropped = row[:-1], float(row[-1])
         total = float(load.sum())
