@@ -414,3 +414,26 @@ def test_packed_documents_under_flex_attention_equal_the_dense_mask() -> None:
     torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-5)
     for a, b in zip(flex_grads, dense_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_fused_rms_norm_equals_the_written_out_norm_in_bf16() -> None:
+    """dtrain's RMSNorm runs torch's F.rms_norm (one kernel on CUDA): in bf16 on the GPU,
+    its values and gradients equal Hugging Face's written-out norm within bf16's rounding
+    (bit for bit on a CPU: tests/models/test_llama.py)."""
+    from dtrain.models.llama_parts import RMSNorm
+    from tests.models.test_llama import _written_out_rms_norm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(2048, 1e-5).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(4, 512, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    weight = norm.weight.detach().clone().requires_grad_()
+    grad = torch.randn_like(x)
+    got, want = norm(x), _written_out_rms_norm(x_ref, weight, 1e-5)
+    got.backward(grad)
+    want.backward(grad)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(norm.weight.grad, weight.grad, rtol=1.6e-2, atol=1e-1)

@@ -229,3 +229,33 @@ def test_two_rank_pipeline_equals_one_process() -> None:
         for name, value in r["state"].items():
             torch.testing.assert_close(value, state[name], msg=name)
     assert set().union(*(r["state"] for r in results)) == set(state)
+
+
+def _written_out_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm, written out: in float32 (float64 for float64), cast
+    back, then the weight."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rms_norm_is_the_written_out_norm_bit_for_bit(dtype: torch.dtype) -> None:
+    """dtrain's RMSNorm (torch's F.rms_norm, one kernel on CUDA) gives Hugging Face's
+    written-out norm's values and gradients exactly on a CPU (tests/gpu: within bf16's
+    rounding on CUDA)."""
+    from dtrain.models.llama_parts import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 5, 64, dtype=dtype, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    weight = norm.weight.detach().clone().requires_grad_()
+    grad = torch.randn(3, 5, 64, dtype=dtype)
+    got, want = norm(x), _written_out_rms_norm(x_ref, weight, 1e-5)
+    got.backward(grad)
+    want.backward(grad)
+    assert torch.equal(got, want)
+    assert torch.equal(x.grad, x_ref.grad) and torch.equal(norm.weight.grad, weight.grad)
