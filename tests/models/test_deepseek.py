@@ -315,12 +315,12 @@ def test_arch_hf_deepseek_trains_as_dtrains_llama_from_the_same_folder(tmp_path:
     (TINY, ["model.qk_rope_head_dim=7"], "model.qk_rope_head_dim = 7 is odd"),
     (TINY, ["model.topk_group=5"], "model.topk_group = 5 is above model.n_group = 4"),
     (TINY, ["model.n_group=3"], "model.n_group = 3 does not divide model.n_experts = 8"),
-    (TINY, ["parallel.tp=2", "model.mtp_depth=0"],
-     "parallel.tp = 2 with multi-head latent attention is not supported yet"),
+    (TINY, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.aux_loss_weight=0"],
+     "model.mtp_depth = 1 with parallel.sequence_parallel is not supported yet"),
     (TINY, ["parallel.pp=2"], "model.mtp_depth = 1 with parallel.pp = 2 is not supported yet"),
     (NOT_TINY, ["model.mtp_depth=1"], "model.mtp_depth is a key of dtrain's Llama"),
 ], ids=["latent-width-with-mha", "odd-rope", "topk-group-above-groups", "groups-not-dividing",
-        "mla-tp", "mtp-pp", "mtp-on-gpt"])
+        "mtp-sequence-parallel", "mtp-pp", "mtp-on-gpt"])
 def test_bad_deepseek_keys_are_one_line(tmp_path: Path, text: str, overrides: list[str],
                                         message: str) -> None:
     """`dtrain train --set ...`: exit 2, one line naming the key, nothing written."""

@@ -7,6 +7,7 @@ attention of the same width."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -80,6 +81,25 @@ def reference(attn: LatentAttention, x: torch.Tensor, positions: torch.Tensor | 
             heads.append(torch.softmax(scores.masked_fill(~seen, -math.inf), -1) @ v)
     out = torch.stack(heads).view(b, HEADS, t, cfg.v_head_dim).transpose(1, 2)
     return out.reshape(b, t, -1) @ attn.o_proj.weight.T
+
+
+DRAWING = threading.Lock()
+
+
+def reference_case(q_lora_rank: int, t: int
+                   ) -> tuple[LatentAttention, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the attention, an input x of `t` tokens with its gradient, the output's gradient,
+    the reference's output) after the reference's backward: what the parallel tests
+    split, alike on every rank (float64; one thread at a time: `attention` draws from
+    torch's global generator)."""
+    with DRAWING:
+        attn = attention(q_lora_rank)
+    gen = torch.Generator().manual_seed(1)  # threads: each its own, all alike
+    x = torch.randn(2, t, DIM, dtype=torch.float64, generator=gen, requires_grad=True)
+    dout = torch.randn(2, t, DIM, dtype=torch.float64, generator=gen)
+    want = reference(attn, x)
+    want.backward(dout)
+    return attn, x, dout, want.detach()
 
 
 @pytest.mark.parametrize("q_lora_rank", [0, 16], ids=["plain-queries", "query-bottleneck"])

@@ -29,11 +29,22 @@ computes the others under that mask (by the plain formulas, the fused kernel tak
 mask); all-gather builds the same mask against the gathered keys; all-to-all gathers the
 positions of the whole sequence and builds the block-causal mask over it.
 
+Values may be narrower or wider than queries and keys (multi-head latent attention's,
+dtrain.models.mla: keys of qk_nope + qk_rope per head, values of v_head_dim): the ring
+sends each block's keys and values concatenated on their last dimension, one message per
+step, and all-gather and all-to-all move them as two tensors. Latent attention exchanges
+its decompressed per-head keys and values, not its latent: the latent (kv_lora_rank +
+qk_rope_head_dim per token) is smaller to send, but every rank would then decompress every
+other chunk's latent through kv_b_proj, at every step of the ring and again in backward,
+and the core would have to know the model's projection; the per-head exchange keeps the
+core a plain attention.
+
 The ring computes its blocks in float32 (float64 inputs in float64) and returns the input
 dtype: each block by torch's fused CPU attention, which returns the log-sum-exp the merge
 needs, and whose backward takes the whole attention's output and log-sum-exp (so a block's
 gradients are its share of the whole's); by the plain formulas where that kernel is
-missing (another device). The other two methods call torch's scaled_dot_product_attention.
+missing (another device, or values not as wide as keys). The other two methods call
+torch's scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -196,7 +207,8 @@ def _fused(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch's fused CPU attention (which returns the log-sum-exp, forward and
     backward) computes ring blocks here: on the CPU in float32 and float64, where this
     torch has it; otherwise the blocks use the plain formulas (tests check both against
-    scaled_dot_product_attention)."""
+    scaled_dot_product_attention). The kernel takes one head size: values not as wide as
+    keys (latent attention's) take the plain formulas too (the ring checks)."""
     kernels = ("_scaled_dot_product_flash_attention_for_cpu",
                "_scaled_dot_product_flash_attention_for_cpu_backward")
     return (device_type == "cpu" and dtype in (torch.float32, torch.float64)
@@ -274,12 +286,13 @@ class _Ring(torch.autograd.Function):
                 group: comm.Group, causal: bool, scale: float,
                 starts: torch.Tensor | None = None) -> torch.Tensor:
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
-        fused = _fused(q.device.type, work)
+        widths = (k.shape[-1], v.shape[-1])
+        fused = _fused(q.device.type, work) and widths[0] == widths[1]
         size, rank, local, heads = group.size, group.rank, q.shape[2], q.shape[1]
         qw = q.to(work)
-        out = torch.zeros_like(qw)
+        out = torch.zeros(*q.shape[:3], widths[1], dtype=work, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=work, device=q.device)
-        block = torch.stack((k, v)).to(work)
+        block = _kv_block(k, v, work)
         for step in range(size):
             pending = _pass_on(block, group, KV_TAG) if step < size - 1 else None
             rows, cols, masked = _part(step, rank, size, local, causal)
@@ -289,7 +302,7 @@ class _Ring(torch.autograd.Function):
                     block = pending()
                 continue
             with timeline.span("cp ring step", "cp", step=step, backward=False):
-                kb, vb = (_expand(t[:, :, cols], heads) for t in block.unbind(0))
+                kb, vb = (_expand(t[:, :, cols], heads) for t in block.split(widths, -1))
                 part_out, part_lse = _forward(qw[:, :, rows], kb, vb, masked, scale, fused,
                                               visible)
                 merged = torch.logaddexp(lse[:, :, rows], part_lse)
@@ -311,11 +324,11 @@ class _Ring(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, scale = ctx.group, ctx.causal, ctx.scale
         size, rank, local, heads = group.size, group.rank, q.shape[2], q.shape[1]
-        work, kv_heads = out.dtype, k.shape[1]
-        fused = _fused(q.device.type, work)
+        work, kv_heads, widths = out.dtype, k.shape[1], (k.shape[-1], v.shape[-1])
+        fused = _fused(q.device.type, work) and widths[0] == widths[1]
         qw, dout = q.to(work), grad.to(work).contiguous()
         dq = torch.zeros_like(qw)
-        block = torch.stack((k, v)).to(work)
+        block = _kv_block(k, v, work)
         # the gradient of the block in hand from the ranks before
         arriving: Callable[[], torch.Tensor] | None = None
         for step in range(size):
@@ -325,20 +338,28 @@ class _Ring(torch.autograd.Function):
             mine_grad = torch.zeros_like(block)
             if visible is None or visible.any():  # else no query saw this block
                 with timeline.span("cp ring step", "cp", step=step, backward=True):
-                    kb, vb = (_expand(t[:, :, cols], heads) for t in block.unbind(0))
+                    kb, vb = (_expand(t[:, :, cols], heads) for t in block.split(widths, -1))
                     dq_part, dk, dv = _backward(dout[:, :, rows], qw[:, :, rows], kb, vb,
                                                 out[:, :, rows], lse[:, :, rows], masked,
                                                 scale, fused, visible)
                     dq[:, :, rows] += dq_part
-                    mine_grad[0][:, :, cols] = _fold(dk, kv_heads)
-                    mine_grad[1][:, :, cols] = _fold(dv, kv_heads)
+                    mine_grad[:, :, cols, :widths[0]] = _fold(dk, kv_heads)
+                    mine_grad[:, :, cols, widths[0]:] = _fold(dv, kv_heads)
             carried = mine_grad if arriving is None else arriving() + mine_grad
             arriving = _pass_on(carried, group, GRAD_TAG)  # on with the block, then home
             if pending is not None:
                 block = pending()
         assert arriving is not None  # the loop ran at least once (size >= 1)
-        dk, dv = arriving().unbind(0)
+        dk, dv = arriving().split(widths, -1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _kv_block(k: torch.Tensor, v: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    """The keys and values that travel the ring as one tensor (batch, kv heads, tokens,
+    key width + value width), in the working dtype: one message per step, whatever the
+    two widths (latent attention's values are narrower than its keys); split back by
+    `Tensor.split((key width, value width), -1)`."""
+    return torch.cat((k, v), dim=-1).to(work)
 
 
 def _pass_on(t: torch.Tensor, group: comm.Group, tag: int) -> Callable[[], torch.Tensor]:

@@ -3,6 +3,9 @@
 - `gather_sequence`: every rank's tokens, concatenated in rank order along the sequence
   (dimension 2 of (batch, heads, time, head dim)); backward sums the gradient over the
   group and keeps this rank's tokens' (a reduce-scatter).
+- `whole_sequence`: the whole of a (batch, time) tensor of token ids, targets or
+  positions from every rank's chunks, in sequence order (not differentiable: what crosses
+  chunk boundaries as integers, as multi-token prediction's tokens ahead do).
 - `all_to_all`: split along one dimension, send part j to rank j, concatenate what
   arrives along another (Ulysses turns sequence shards into head shards with it, and
   back); backward is the exchange the other way.
@@ -13,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from dtrain import comm
+from dtrain.context_parallel.chunks import unshard
 
 Ctx = torch.autograd.function.FunctionCtx
 
@@ -53,6 +57,15 @@ class _Gather(torch.autograd.Function):
 def gather_sequence(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
     """(batch, heads, time, dim) of every rank, concatenated along time in rank order."""
     return x if group.size == 1 else _Gather.apply(x, group)
+
+
+def whole_sequence(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    """(batch, 2 x cp chunks) in sequence order from every rank's (batch, its two chunks)
+    of `x` (dtrain.context_parallel.chunks.shard's layout): one all-gather, no gradient."""
+    if group.size == 1:
+        return x
+    every = comm.all_gather(x.contiguous(), group=group).view(group.size, *x.shape)
+    return unshard(list(every.unbind(0)), dim=1)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -126,6 +126,12 @@ class LatentAttention(nn.Module):
         else:
             self.q_proj = nn.Linear(dim, n_head * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(dim, cfg.cached_per_token, bias=False)
+        self.share_rope = nn.Identity()
+        """Hands the rotary key part every head reads to the heads: itself here; under
+        tensor parallelism (dtrain.tensor_parallel.latent_attention_plan) a layer that
+        sums its gradient over the tp ranks' heads and, under sequence parallelism, gathers
+        the sequence. The latents need none: q_b_proj and kv_b_proj, split by heads, do
+        it."""
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank,
                                    n_head * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
@@ -141,14 +147,15 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
-        return q.view(*x.shape[:2], -1, self.cfg.qk_head_dim).transpose(1, 2)
+        # time from q: under sequence parallelism x is this rank's part, q_b_proj gathers
+        return q.view(*q.shape[:2], -1, self.cfg.qk_head_dim).transpose(1, 2)
 
     def compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x's normalized latents (batch, time, kv_lora_rank) and its shared rotary key
         parts (batch, 1, time, qk_rope_head_dim), before the rotation."""
         latent, k_rope = self.kv_a_proj_with_mqa(x).split(
             [self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        return self.kv_a_layernorm(latent), k_rope.unsqueeze(1)
+        return self.kv_a_layernorm(latent), self.share_rope(k_rope).unsqueeze(1)
 
     def decompress(self, latent: torch.Tensor, k_rope: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +163,7 @@ class LatentAttention(nn.Module):
         time, v_head_dim) from the latents and the rotated shared key parts."""
         cfg = self.cfg
         kv = self.kv_b_proj(latent)
-        kv = kv.view(*latent.shape[:2], -1, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        kv = kv.view(*kv.shape[:2], -1, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.transpose(1, 2).split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         return k, v
@@ -167,9 +174,9 @@ class LatentAttention(nn.Module):
         """`rope`: the (cos, sin) of x's positions over qk_rope_head_dim, computed once per
         forward by the model (here when not given); `documents`: the rows' packed documents
         (dtrain.models.rows)."""
-        b, t = x.shape[:2]
         q_nope, q_rope = self.queries(x).split(
             [self.cfg.qk_nope_head_dim, self.cfg.qk_rope_head_dim], dim=-1)
+        b, t = q_nope.shape[0], q_nope.shape[2]  # the whole sequence under tp's parts
         latent, k_rope = self.compress(x)
         cos, sin = rope if rope is not None else rotary(t, self.cfg.qk_rope_head_dim,
                                                         self.theta, x.device, x.dtype)

@@ -30,8 +30,17 @@ position), so the rotary angles, the packed documents' masks and the block's sha
 main model's. In packed rows a position whose token k ahead lies in the next document has
 no target either.
 
+Under context parallelism (the model's `context`) a rank holds two chunks of each row, and
+the tokens k ahead of its last positions are in other ranks' chunks: the rows' token ids,
+targets and document positions (integers) are all-gathered once per forward over the cp
+group, shifted as above on the whole rows, and each rank keeps its chunks' part. A cp
+group's MTP loss is the mean over the whole rows' targets of each depth: a rank's mean over
+its own targets weighs by its share of the group's (the last k positions of a row are all
+on rank 0's second chunk), and by the group's mean next-token `weight`. One all-reduce of
+those counts per forward.
+
 A pipeline's last stage would hold the modules; that is not built (pp > 1 with MTP is
-refused, dtrain.models.rules), nor tensor or context parallelism around them.
+refused, dtrain.models.rules), nor tensor parallelism around them.
 """
 
 from __future__ import annotations
@@ -41,14 +50,21 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
+from dtrain import comm
+from dtrain.context_parallel import ContextParallel, chunks
+from dtrain.context_parallel.exchange import whole_sequence
 from dtrain.data.sequences import IGNORE
 from dtrain.models.llama_parts import RMSNorm
 
 
 class PredictsAhead(Protocol):
     """What the modules need of the main model: its embedding, one of its blocks run at
-    this forward's positions, and its head and loss (dtrain.models.stages.StagedLM)."""
+    this forward's positions, its head and loss, and its context parallelism
+    (dtrain.models.stages.StagedLM)."""
+
+    context: ContextParallel | None
 
     def stage_in(self, idx: torch.Tensor) -> torch.Tensor: ...
 
@@ -125,9 +141,44 @@ class MultiTokenPrediction(nn.Module):
             positions: packed rows' places of each token in its document (None: one
                 sequence per row).
         """
+        cp = model.context if model.context is not None and model.context.size > 1 else None
+        weights: Sequence[float | None]
+        if cp is None:
+            aheads = [(torch.roll(idx, -k, dims=1), shifted_targets(targets, k, positions))
+                      for k in range(1, len(self.depths) + 1)]
+            weights = [weight] * len(aheads)
+        else:
+            aheads, weights = chunks_ahead(cp, len(self.depths), idx, targets, positions,
+                                           weight)
         losses = []
-        for k, depth in enumerate(self.depths, start=1):
-            hidden, final = depth(model, model.stage_in(torch.roll(idx, -k, dims=1)), hidden)
-            ahead = shifted_targets(targets, k, positions)
-            losses.append(model.head_loss(final, ahead, weight)[1])
+        for depth, (tokens, ahead), share in zip(self.depths, aheads, weights, strict=True):
+            hidden, final = depth(model, model.stage_in(tokens), hidden)
+            losses.append(model.head_loss(final, ahead, share)[1])
         return self.loss_weight * torch.stack(losses).mean()
+
+
+def chunks_ahead(cp: ContextParallel, depths: int, idx: torch.Tensor, targets: torch.Tensor,
+                 positions: torch.Tensor | None, weight: float | None
+                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[float]]:
+    """Under context parallelism: for each depth k, this rank's chunks of the tokens k
+    ahead and of depth k's targets (shifted on the whole rows, gathered over `cp`), and
+    the weight of this rank's mean loss over its targets of depth k: its share of the cp
+    group's targets (x cp: the trainer averages over cp) times the group's mean `weight`
+    (1 where None). See the module doc."""
+    whole = [whole_sequence(t, cp.group) for t in (idx, targets)]
+    every_position = None if positions is None else whole_sequence(positions, cp.group)
+    aheads = []
+    for k in range(1, depths + 1):
+        tokens = chunks.shard(torch.roll(whole[0], -k, dims=1), cp.rank, cp.size)
+        ahead = chunks.shard(shifted_targets(whole[1], k, every_position), cp.rank, cp.size)
+        aheads.append((tokens, ahead))
+    if isinstance(idx, FakeTensor):  # the planner's trace (dtrain.planner.traced): shapes
+        return aheads, [1.0 if weight is None else weight] * depths  # only, nothing to count
+    counts = torch.tensor([float((ahead != IGNORE).sum()) for _, ahead in aheads]
+                          + [1.0 if weight is None else weight], dtype=torch.float64,
+                          device=idx.device)
+    *totals, summed_weight = comm.all_reduce(counts.clone(), group=cp.group).tolist()
+    group_weight = summed_weight / cp.size
+    weights = [mine * cp.size / max(1.0, total) * group_weight
+               for mine, total in zip(counts.tolist()[:-1], totals, strict=True)]
+    return aheads, weights

@@ -63,8 +63,9 @@ def check_experts(m: ModelConfig, p: ParallelConfig) -> None:
 
 def check_latent(m: ModelConfig, p: ParallelConfig) -> None:
     """Multi-head latent attention and multi-token prediction: their keys, the layouts
-    built for them so far (data parallel, ZeRO and ep for both; pipeline stages for latent
-    attention), and an `init_from` folder whose positions dtrain's Llama computes."""
+    built for them so far (data parallel, ZeRO, ep and cp for both; pipeline stages for
+    dtrain's latent attention), and an `init_from` folder whose positions dtrain's Llama
+    computes."""
     check_attention(m)
     if m.arch == "llama":
         mla_config(m)  # the latent widths' rules
@@ -72,16 +73,24 @@ def check_latent(m: ModelConfig, p: ParallelConfig) -> None:
     latent = m.arch == "llama" and m.attention == "mla"
     if m.arch == "hf" and (p.tp > 1 or p.cp > 1):  # its config.json says
         latent = hf_config_dict(m).get("model_type") in LATENT_ATTENTION
-    for degree, name in ((p.tp, "tp"), (p.cp, "cp")):
+    # dtrain's Llama's latent attention runs under cp (its per-head keys and values go
+    # through dtrain.context_parallel); transformers' DeepSeek-V3 attention is not wired to it
+    # dtrain's Llama's also under tp (dtrain.tensor_parallel.latent_attention_plan)
+    for degree, name in ((p.tp if m.arch == "hf" else 1, "tp"),
+                         (p.cp if m.arch == "hf" else 1, "cp")):
         if latent and degree > 1:
             raise ConfigError(f"parallel.{name} = {degree} with multi-head latent attention is "
                               f"not supported yet: use parallel.{name} = 1 (dp, ZeRO, ep and "
                               "pp split it)")
-    for degree, name in ((p.pp, "pp"), (p.tp, "tp"), (p.cp, "cp")):
-        if m.arch == "llama" and m.mtp_depth and degree > 1:
-            raise ConfigError(f"model.mtp_depth = {m.mtp_depth} with parallel.{name} = "
-                              f"{degree} is not supported yet: use parallel.{name} = 1 (dp, "
-                              "ZeRO and ep split it), or a model without MTP modules")
+    if m.arch == "llama" and m.mtp_depth and p.tp > 1 and p.sequence_parallel:
+        raise ConfigError(f"model.mtp_depth = {m.mtp_depth} with parallel.sequence_parallel "
+                          "is not supported yet: the MTP modules stay whole on each tp rank, "
+                          "reading the whole sequence; set parallel.sequence_parallel = false")
+    # tp: whole on each tp rank; cp: the tokens ahead gathered over the group (models.mtp)
+    if m.arch == "llama" and m.mtp_depth and p.pp > 1:
+        raise ConfigError(f"model.mtp_depth = {m.mtp_depth} with parallel.pp = {p.pp} is not "
+                          "supported yet: use parallel.pp = 1 (dp, ZeRO, ep, tp and cp split "
+                          "it), or a model without MTP modules")
 
 
 def check_rope_of_folder(m: ModelConfig) -> None:

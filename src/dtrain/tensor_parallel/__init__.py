@@ -38,7 +38,12 @@ from dtrain.tensor_parallel.layers import (
 from dtrain.tensor_parallel.loss import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from dtrain.tensor_parallel.parallelize import Colwise, Rowwise, Vocab, VocabLoss, parallelize
 from dtrain.tensor_parallel.plan_of import plan_of, split_model
-from dtrain.tensor_parallel.plans import bert_plan, gpt_plan, llama_plan
+from dtrain.tensor_parallel.plans import (
+    bert_plan,
+    gpt_plan,
+    latent_attention_plan,
+    llama_plan,
+)
 from dtrain.tensor_parallel.sequence import apply_sequence_parallel
 from dtrain.tensor_parallel.whole import (
     clip_grad_norm_,
@@ -55,7 +60,7 @@ __all__ = [
     "Split", "Vocab", "VocabLoss", "VocabParallelCrossEntropy", "VocabParallelEmbedding",
     "apply_sequence_parallel", "bert_plan", "clip_grad_norm_", "copy_to_group", "full_grads",
     "full_optimizer_state", "full_state_dict", "gather_last", "gather_sequence", "gpt_plan",
-    "hf_plan", "llama_plan", "load_full_state_dict", "parallelize", "parameter_bytes",
-    "placements", "plan_of", "reduce_from_group", "reduce_scatter_sequence", "scatter_last",
-    "scatter_sequence", "split_model", "vocab_parallel_cross_entropy",
+    "hf_plan", "latent_attention_plan", "llama_plan", "load_full_state_dict", "parallelize",
+    "parameter_bytes", "placements", "plan_of", "reduce_from_group", "reduce_scatter_sequence",
+    "scatter_last", "scatter_sequence", "split_model", "vocab_parallel_cross_entropy",
 ]

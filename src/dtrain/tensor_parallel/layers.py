@@ -3,6 +3,7 @@
     ColumnParallelLinear   Y_i = X A_i       output features split; gather optional
     RowParallelLinear      Y = sum_i X_i A_i  input features split; all-reduce, bias once
     VocabParallelEmbedding rows of the table split; ids outside a rank's rows give zeros
+    SharedAcrossGroup      no weight: an activation every rank reads whole, gradient summed
 
 A column-parallel layer followed by a row-parallel one (an MLP, or attention's QKV and
 output projection) communicates once forward and once backward. Under sequence
@@ -33,6 +34,7 @@ from dtrain.tensor_parallel.functions import (
     SequenceGather,
     copy_to_group,
     gather_last,
+    gather_sequence,
     gathered_linear,
     matmul_keeping_part,
     reduce_from_group,
@@ -193,6 +195,29 @@ class RowParallelLinear(nn.Module):
         return (f"in_features={self.in_features} ({self.weight.shape[1]} here), "
                 f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}"
                 f", sequence_parallel={self.sequence_parallel}")
+
+
+class SharedAcrossGroup(nn.Module):
+    """An activation computed whole on every rank by a replicated layer and read by every
+    rank's split layers without a column-parallel layer between (latent attention's rotary
+    key part, which all heads share): identity forward, its gradient (this rank's heads'
+    part) summed over `group` backward, Megatron's `f`; under sequence parallelism
+    (`sequence_parallel`, set by dtrain.tensor_parallel.sequence) the input is this rank's
+    part of the sequence, gathered whole (the gradient summed and cut back to the part)."""
+
+    def __init__(self, group: comm.GroupLike = None, algorithm: str = "auto",
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.group, self.algorithm = comm.resolve(group), algorithm
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return gather_sequence(x, self.group, self.algorithm)
+        return copy_to_group(x, self.group, self.algorithm)
+
+    def extra_repr(self) -> str:
+        return f"tp={self.group.size}, sequence_parallel={self.sequence_parallel}"
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -9,6 +9,8 @@ one dotted component (`blocks.*.mlp.fc` names the fc of every block, not of nest
     "vocab_loss"  nn.CrossEntropyLoss -> VocabParallelCrossEntropy (after a colwise head)
     "headwise"    a module applied to each head with weights all heads share (Qwen3's
                   per-head q_norm and k_norm): whole on every rank, its gradients summed
+    "shared"      nn.Identity -> SharedAcrossGroup: an activation every rank's heads read
+                  whole (latent attention's rotary key part), its gradient summed
 
 A headwise module's gradient on a rank comes from that rank's heads only; a hook sums it
 over the group as backward reaches it (`sum_headwise_grads`: parallelize hooks the
@@ -40,6 +42,7 @@ from dtrain.tensor_parallel.adapted import split_adapter
 from dtrain.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    SharedAcrossGroup,
     VocabParallelEmbedding,
 )
 from dtrain.tensor_parallel.loss import VocabParallelCrossEntropy
@@ -131,6 +134,18 @@ class Headwise:
         return module
 
 
+@dataclass(frozen=True)
+class Shared:
+    """Replace an nn.Identity marking an activation every rank's heads read whole (latent
+    attention's `share_rope`) by a SharedAcrossGroup, which sums its gradient over the
+    group."""
+
+    def build(self, name: str, module: nn.Module, group: comm.Group,
+              algorithm: str) -> nn.Module:
+        _expect(name, module, nn.Identity, "shared")
+        return SharedAcrossGroup(group, algorithm)
+
+
 def sum_headwise_grads(model: nn.Module) -> None:
     """Hook the allocated parameters of `model`'s headwise modules so that their gradients
     are summed over the tensor-parallel group: parallelize does it for parameters that
@@ -158,9 +173,10 @@ class VocabLoss:
                                          algorithm)
 
 
-Style = Colwise | Rowwise | Vocab | VocabLoss | Headwise
+Style = Colwise | Rowwise | Vocab | VocabLoss | Headwise | Shared
 STYLES: dict[str, Style] = {"colwise": Colwise(), "rowwise": Rowwise(), "vocab": Vocab(),
-                            "vocab_loss": VocabLoss(), "headwise": Headwise()}
+                            "vocab_loss": VocabLoss(), "headwise": Headwise(),
+                            "shared": Shared()}
 
 
 def _style(pattern: str, value: Style | str) -> Style:

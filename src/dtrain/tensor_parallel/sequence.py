@@ -42,7 +42,11 @@ from dtrain.models.config import ModelConfig
 from dtrain.models.moe import moe_layers, split_experts
 from dtrain.models.stages import AttentionCore, Stages
 from dtrain.tensor_parallel.functions import SEQUENCE, SequenceGather, scatter_sequence
-from dtrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from dtrain.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SharedAcrossGroup,
+)
 from dtrain.tensor_parallel.rng import RankRNG, fork_dropouts
 from dtrain.tensor_parallel.summed import SumAtEnd
 from dtrain.tensor_parallel.whole import placements
@@ -151,6 +155,8 @@ def apply_sequence_parallel(model: nn.Module, group: comm.GroupLike = None,
             elif isinstance(module, RowParallelLinear):
                 module.sequence_parallel = True
                 module.sequence_gather = gather
+            elif isinstance(module, SharedAcrossGroup):  # MLA's rotary key part
+                module.sequence_parallel = True
     for caller in callers.values():  # the layers reading one input have all run
         caller.register_forward_hook(lambda *_: gather.forget())
     fork_dropouts(after, RankRNG(g))

@@ -249,10 +249,10 @@ class Profile:
 
     def sequence_parallel(self, tp: int, cp: int = 1) -> bool:
         """Whether sequence parallelism can run at `tp` and context-parallel degree `cp`
-        (dtrain's GPT and Llama without experts, a rank's tokens of each sequence dividing
-        by tp)."""
+        (dtrain's GPT and Llama without experts or MTP modules, a rank's tokens of each
+        sequence dividing by tp)."""
         return tp > 1 and self.shape is not None and not self.shape.experts and \
-            (self.shape.seq // cp) % tp == 0
+            not self.shape.mtp_depth and (self.shape.seq // cp) % tp == 0
 
     def context_degrees(self, devices: int) -> list[int]:
         """Context-parallel degrees for `devices` ranks: 1, and each cp > 1 dividing them
