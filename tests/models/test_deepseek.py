@@ -243,37 +243,31 @@ def test_deepseek_tiny_trains_equal_with_accumulation_chunked_loss_and_recompute
     assert want[-1]["loss"] < want[0]["loss"]
 
 
-WITHOUT_PRESET = TINY.replace('preset = "deepseek-tiny"', """attention = "mla"
-n_experts = 8
-experts_per_token = 2
-n_shared_experts = 1
-moe_layers = "after 1"
-router = "sigmoid_bias"
-n_group = 4
-topk_group = 2
-routed_scaling_factor = 2.5""")
-"""deepseek-tiny's shape without its MTP module (a preset's mtp_depth = 1 is not overridden
-by 0, the default: with_preset), for the pipeline."""
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_deepseek_tiny_in_two_rank_layouts_equals_one_process(tmp_path: Path) -> None:
     """deepseek-tiny on two ranks, data parallel, ZeRO-3 (each MTP module a unit of its
-    own), ep = 2 and ZeRO-2 x ep = 2 (the MTP module's MoE block split too), and without
-    its MTP module in two pipeline stages: every step's loss and gradient norm equal one
+    own), ep = 2 and ZeRO-2 x ep = 2 (the MTP module's MoE block split too), and in two
+    pipeline stages, its MTP module on the last with a copy of the embedding tied to the
+    first stage's (1F1B; and zero-bubble ZB-1P with the chunked loss, the MTP module's
+    products split in B and W too): every step's loss and gradient norm equal one
     process's on the same global batch."""
     text = TINY.replace("batch_size = 4", "batch_size = 8")
-    plain = WITHOUT_PRESET.replace("batch_size = 4", "batch_size = 8")
-    (want, _), (want_plain, _) = cli.train_rows_together(
-        [(tmp_path / "one", text, [], 3), (tmp_path / "one-plain", plain, [], 3)], 1)
+    ((want, _),) = cli.train_rows_together([(tmp_path / "one", text, [], 3)], 1)
+    pp2 = ["parallel.pp=2", "parallel.microbatches=2"]
     runs = cli.train_rows_together([
         (tmp_path / "dp2", text, [], 3), (tmp_path / "zero3", text, ["parallel.zero=3"], 3),
         (tmp_path / "ep2", text, ["parallel.ep=2"], 3),
         (tmp_path / "zero2-ep2", text, ["parallel.zero=2", "parallel.ep=2"], 3),
-        (tmp_path / "pp2", plain, ["parallel.pp=2", "parallel.microbatches=2"], 3)], 2)
-    for (got, _), one in zip(runs, [want] * 4 + [want_plain], strict=True):
-        cli.assert_same_steps(got, one)
+        (tmp_path / "pp2", text, pp2, 3),
+        (tmp_path / "pp2-zb1p-chunked", text, [*pp2, "parallel.schedule='zb1p'",
+                                               "train.loss='chunked'"], 3)], 2)
+    for name, (got, _) in zip(["dp2", "zero3", "ep2", "zero2-ep2", "pp2", "pp2-zb1p"], runs,
+                              strict=True):
+        try:
+            cli.assert_same_steps(got, want)
+        except AssertionError as exc:
+            raise AssertionError(f"{name}: {exc}") from None
 
 
 NOT_TINY = TINY[TINY.index("[data]"):]
@@ -317,10 +311,11 @@ def test_arch_hf_deepseek_trains_as_dtrains_llama_from_the_same_folder(tmp_path:
     (TINY, ["model.n_group=3"], "model.n_group = 3 does not divide model.n_experts = 8"),
     (TINY, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.aux_loss_weight=0"],
      "model.mtp_depth = 1 with parallel.sequence_parallel is not supported yet"),
-    (TINY, ["parallel.pp=2"], "model.mtp_depth = 1 with parallel.pp = 2 is not supported yet"),
+    (TINY, ["parallel.pp=2", "parallel.schedule='dualpipev'", "parallel.microbatches=4"],
+     'model.mtp_depth = 1 with parallel.schedule = "dualpipev" is not supported yet'),
     (NOT_TINY, ["model.mtp_depth=1"], "model.mtp_depth is a key of dtrain's Llama"),
 ], ids=["latent-width-with-mha", "odd-rope", "topk-group-above-groups", "groups-not-dividing",
-        "mtp-sequence-parallel", "mtp-pp", "mtp-on-gpt"])
+        "mtp-sequence-parallel", "mtp-dualpipev", "mtp-on-gpt"])
 def test_bad_deepseek_keys_are_one_line(tmp_path: Path, text: str, overrides: list[str],
                                         message: str) -> None:
     """`dtrain train --set ...`: exit 2, one line naming the key, nothing written."""

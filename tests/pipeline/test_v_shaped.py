@@ -17,7 +17,8 @@ import torch
 
 from dtrain import Mesh, pipeline
 from dtrain.checkpoint import universal
-from dtrain.pipeline.schedules import V_SHAPED, Placement, check_actions, peak_live, simulate
+from dtrain.mesh.dims import V_SHAPED
+from dtrain.pipeline.schedules import Placement, check_actions, peak_live, simulate
 from dtrain.testing import run_ranks
 from tests.models.test_models_train import assert_same_run, run
 from tests.pipeline.test_pipeline import float32, gpt, serial, threads_equal_serial, tokens

@@ -115,6 +115,9 @@ FLATTENED: dict[Axis, tuple[Axis, ...]] = {
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev"]
 """A pipeline schedule (dtrain.pipeline.schedules)."""
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
+V_SHAPED = ("zbv", "dualpipev")
+"""The schedules that place a rank's two chunks in a V (dtrain.pipeline.schedules.Placement):
+its first and last stages on one rank."""
 
 CpMethod = Literal["ring", "allgather", "alltoall"]
 """How context parallelism's ranks attend over the whole sequence

@@ -407,9 +407,16 @@ class Llama(StagedLM):
         positions = self.documents.positions if self.documents is not None else None
         return self.mtp(self, idx, hidden, targets, weight, positions)
 
-    # How the pipeline cuts it (dtrain.models.Stages).
+    @property
+    def predicts_ahead(self) -> bool:
+        return self.mtp is not None
+
+    # How the pipeline cuts it (dtrain.models.Stages). The MTP modules go with the last
+    # stage, and the embedding they read with them too: a pipeline ties its two holders'
+    # copies (dtrain.pipeline.tied_weights), as it does a head tied to it.
     def stage_parts(self) -> tuple[list[str], str, list[str]]:
-        return ["embed"], "blocks", ["norm", "head"]
+        ahead = ["mtp", "embed"] if self.mtp is not None else []
+        return ["embed"], "blocks", ["norm", "head", *ahead]
 
     def stage_in(self, idx: torch.Tensor) -> torch.Tensor:
         return self.embed(idx)

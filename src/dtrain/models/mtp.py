@@ -39,8 +39,13 @@ its own targets weighs by its share of the group's (the last k positions of a ro
 on rank 0's second chunk), and by the group's mean next-token `weight`. One all-reduce of
 those counts per forward.
 
-A pipeline's last stage would hold the modules; that is not built (pp > 1 with MTP is
-refused, dtrain.models.rules), nor tensor parallelism around them.
+Under pipeline parallelism the modules go with the last stage (Llama.stage_parts), with a
+copy of the embedding they read: the pipeline ties it to the first stage's (their
+gradients summed after each step, as a head tied to the embedding is,
+dtrain.pipeline.tied_weights), and gives the last stage each micro-batch's token ids
+besides its targets (dtrain.pipeline.Piece's `ahead`). The V-shaped schedules (zbv,
+dualpipev) hold the first and last stages on one rank and are refused with MTP
+(dtrain.models.rules). Under tensor parallelism the modules stay whole on every tp rank.
 """
 
 from __future__ import annotations

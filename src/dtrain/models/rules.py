@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dtrain.errors import ConfigError
 from dtrain.mesh.config import ParallelConfig
+from dtrain.mesh.dims import V_SHAPED
 from dtrain.models.chunked_loss import LossKind
 from dtrain.models.config import ModelConfig, check_attention, check_moe, check_shape
 from dtrain.models.hf import (
@@ -86,11 +87,13 @@ def check_latent(m: ModelConfig, p: ParallelConfig) -> None:
         raise ConfigError(f"model.mtp_depth = {m.mtp_depth} with parallel.sequence_parallel "
                           "is not supported yet: the MTP modules stay whole on each tp rank, "
                           "reading the whole sequence; set parallel.sequence_parallel = false")
-    # tp: whole on each tp rank; cp: the tokens ahead gathered over the group (models.mtp)
-    if m.arch == "llama" and m.mtp_depth and p.pp > 1:
-        raise ConfigError(f"model.mtp_depth = {m.mtp_depth} with parallel.pp = {p.pp} is not "
-                          "supported yet: use parallel.pp = 1 (dp, ZeRO, ep, tp and cp split "
-                          "it), or a model without MTP modules")
+    # tp: whole on each tp rank; cp: the tokens ahead gathered over the group (models.mtp);
+    # pp: on the last stage, with a copy of the embedding tied to the first stage's
+    if m.arch == "llama" and m.mtp_depth and p.pp > 1 and p.schedule in V_SHAPED:
+        raise ConfigError(f"model.mtp_depth = {m.mtp_depth} with parallel.schedule = "
+                          f"\"{p.schedule}\" is not supported yet: its V placement holds the "
+                          "first and last stages on one rank, whose pieces would share the "
+                          "embedding; use schedule \"1f1b\", \"interleaved\" or \"zb1p\"")
 
 
 def check_rope_of_folder(m: ModelConfig) -> None:

@@ -173,6 +173,13 @@ class StagedLM(nn.Module):
         experts' load balancing); None by default."""
         return None
 
+    @property
+    def predicts_ahead(self) -> bool:
+        """Whether `ahead_loss` adds a loss (multi-token prediction's modules): a pipeline
+        then gives its last stage the micro-batches' token ids too (dtrain.pipeline.Piece).
+        False by default."""
+        return False
+
     def ahead_loss(self, idx: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor,
                    weight: float | None) -> torch.Tensor | None:
         """A loss of predictions further ahead than the next token, from the last block's

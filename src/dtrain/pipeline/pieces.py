@@ -15,7 +15,7 @@ blocks (`extra_loss_of`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from torch import nn
@@ -42,6 +42,17 @@ def _place(root: nn.Module, dotted: str, module: nn.Module) -> None:
     root.add_module(leaf, module)
 
 
+class Ahead(NamedTuple):
+    """What the last piece of a model predicting ahead (multi-token prediction) needs of a
+    micro-batch besides its hidden states: its token ids, its next-token targets, and its
+    loss's weight (`dtrain.models.rows.weighted`; None: the micro-batches' mean, which the
+    pipeline applies after)."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    weight: float | None
+
+
 class Piece(nn.Module):
     """Consecutive blocks of a model, with its input part (first piece) or output part
     (last piece); runs them through the model's own `stage_*` methods."""
@@ -56,6 +67,8 @@ class Piece(nn.Module):
         self.held_blocks = [every[i] for i in blocks]
         _place(self, blocks_name, nn.ModuleDict({str(i): every[i] for i in blocks}))
         self._model = (model,)  # a tuple: the whole model is not a submodule of the piece
+        self.ahead_loss: torch.Tensor | None = None
+        """The last forward's loss of predictions ahead (given `ahead`), else None."""
 
     @property
     def hidden_for_loss(self) -> bool:
@@ -64,12 +77,21 @@ class Piece(nn.Module):
         for those (`forward(hidden=True)`) and `loss_of` applies the head."""
         return self.last and bool(getattr(self._model[0], "loss_chunk", 0))
 
+    @property
+    def predicts_ahead(self) -> bool:
+        """Whether this is the last piece of a model with multi-token prediction
+        (`StagedLM.predicts_ahead`): the pipeline gives it the micro-batch's token ids and
+        targets (`forward(ahead=...)`) and adds `ahead_loss` to its loss."""
+        return self.last and bool(getattr(self._model[0], "predicts_ahead", False))
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                hidden: bool = False) -> torch.Tensor:
+                hidden: bool = False, ahead: Ahead | None = None) -> torch.Tensor:
         """The piece's stages on `x` (token ids into the first piece, hidden states into
         the others); `positions`: the micro-batch's packed documents, which every piece's
         blocks need (dtrain.models.rows); `hidden`: the last piece returns the final
-        hidden states (after the output norm) instead of the logits, for a chunked loss.
+        hidden states (after the output norm) instead of the logits, for a chunked loss;
+        `ahead`: the last piece of a model predicting ahead also computes that loss, kept
+        in `ahead_loss` (inside the forward, where a wrapper holds the parameters: ZeRO-3).
 
         Raises:
             ConfigError: packed documents for a model that cannot take them.
@@ -87,6 +109,9 @@ class Piece(nn.Module):
             x = model.stage_block(block, x)
         if not self.last:
             return x
+        self.ahead_loss = None
+        if ahead is not None and self.training:
+            self.ahead_loss = model.ahead_loss(ahead.tokens, x, ahead.targets, ahead.weight)
         if hidden:
             return cast(ChunkableLM, model).final_hidden(x)
         return model.stage_out(x)
@@ -139,16 +164,22 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def hidden_for_loss(piece: nn.Module) -> bool:
-    """Whether `piece` (a Piece, or a wrapper holding one as `.module`: DataParallel,
-    ZeRO) is a last piece that gives the loss its final hidden states
-    (`Piece.hidden_for_loss`)."""
-    while not isinstance(piece, Piece):
-        inner = getattr(piece, "module", None)
+def piece_in(wrapper: nn.Module) -> Piece | None:
+    """The Piece `wrapper` is, or holds as `.module` (DataParallel, ZeRO), at any depth;
+    None if none."""
+    while not isinstance(wrapper, Piece):
+        inner = getattr(wrapper, "module", None)
         if not isinstance(inner, nn.Module):
-            return False
-        piece = inner
-    return piece.hidden_for_loss
+            return None
+        wrapper = inner
+    return wrapper
+
+
+def hidden_for_loss(piece: nn.Module) -> bool:
+    """Whether `piece` (a Piece, or a wrapper holding one) is a last piece that gives the
+    loss its final hidden states (`Piece.hidden_for_loss`)."""
+    found = piece_in(piece)
+    return found is not None and found.hidden_for_loss
 
 
 def loss_of(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -44,7 +44,14 @@ from dtrain.errors import ConfigError
 from dtrain.models.rows import weighted
 from dtrain.pipeline import schedules
 from dtrain.pipeline.p2p import Channels
-from dtrain.pipeline.pieces import ExtraLoss, Tie, counted_elsewhere, hidden_for_loss
+from dtrain.pipeline.pieces import (
+    Ahead,
+    ExtraLoss,
+    Tie,
+    counted_elsewhere,
+    hidden_for_loss,
+    piece_in,
+)
 from dtrain.pipeline.schedules import Action, Placement
 from dtrain.pipeline.split_backward import WeightGrads
 from dtrain.timeline import span
@@ -132,6 +139,10 @@ class Pipeline:
         self.extra_loss, self.overlap = extra_loss, overlap
         self._hidden = [hidden_for_loss(piece) for piece in self.pieces]
         """Per chunk: its piece gives `loss_fn` its final hidden states (a chunked loss)."""
+        self._ahead = [found if found is not None and found.predicts_ahead else None
+                       for found in map(piece_in, self.pieces)]
+        """Per chunk: the last Piece of a model predicting ahead (multi-token prediction),
+        given each micro-batch's tokens and targets, whose `ahead_loss` joins the loss."""
         self.actions = schedules.build(schedule, self.pp, self.rank, microbatches, self.chunks)
         self.place = Placement.of(schedule, self.pp, self.chunks)
         self._last_backward = {a.chunk: i for i, a in enumerate(self.actions)
@@ -147,6 +158,7 @@ class Pipeline:
         self.timeline, self.events = timeline, []
         self.peak_live = 0
         self._micro_positions: list[torch.Tensor] | None = None  # this step's, if packed
+        self._micro_in: list[torch.Tensor] | None = None  # this step's, where a chunk reads them
         self._weights: Sequence[float] | None = None
         first = next((p for piece in self.pieces for p in piece.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
@@ -189,8 +201,12 @@ class Pipeline:
         return list(batch.chunk(self.microbatches))
 
     def _needs(self, kind: str) -> bool:
-        return any((self._is_first if kind == "input" else self._is_last)(c)
-                   for c in range(self.chunks))
+        """Whether a chunk of this rank reads the micro-batches' "input"s (the first stage,
+        and a last one predicting ahead) or their "target"s (the last stage)."""
+        if kind == "input":
+            return any(self._is_first(c) or self._ahead[c] is not None
+                       for c in range(self.chunks))
+        return any(self._is_last(c) for c in range(self.chunks))
 
     # ------------------------------------------------------------------ step
     def step(self, inputs: torch.Tensor | None = None,
@@ -243,7 +259,8 @@ class Pipeline:
              targets: torch.Tensor | None, backward: bool,
              positions: torch.Tensor | None = None,
              weights: Sequence[float] | None = None) -> torch.Tensor:
-        micro_in = self._split(inputs, "input") if self._needs("input") else None
+        micro_in = self._micro_in = self._split(inputs, "input") if self._needs("input") \
+            else None
         micro_tg = self._split(targets, "target") if self._needs("target") else None
         self._micro_positions = None if positions is None else self._split(positions,
                                                                            "position")
@@ -347,17 +364,24 @@ class Pipeline:
         the losses counted."""
         chunk = action.chunk
         hidden = self._hidden[chunk]  # the last piece's final hidden states, for the loss
-        given: dict[str, torch.Tensor | bool] = {"hidden": True} if hidden else {}
+        given: dict[str, torch.Tensor | bool | Ahead] = {"hidden": True} if hidden else {}
         if self._micro_positions is not None:
             given["positions"] = self._micro_positions[action.micro]
+        weight = None if self._weights is None else self._weights[action.micro]
+        ahead = self._ahead[chunk]
+        if ahead is not None and backward and self._micro_in is not None:
+            given["ahead"] = Ahead(self._micro_in[action.micro], micro_tg[action.micro], weight)
         with self._products(action):
             out = self.pieces[chunk](inp, **given)
         if self._is_last(chunk):
             loss = self.loss_fn(out, micro_tg[action.micro])
             # a chunked loss is finite without targets (0), so it carries its own zero;
             # the plain one (0 / 0 there) takes it from the logits
-            out = loss / self.microbatches if self._weights is None else \
-                weighted(loss, self._weights[action.micro], loss if hidden else out)
+            out = loss / self.microbatches if weight is None else \
+                weighted(loss, weight, loss if hidden else out)
+            more = None if ahead is None else ahead.ahead_loss  # weighed as the loss is
+            if more is not None:
+                out = out + (more / self.microbatches if weight is None else more)
         extra = self._extra(chunk)
         for loss in ([out] if self._is_last(chunk) else []) + ([extra] if extra is not None
                                                                  else []):

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from dtrain.errors import ConfigError, DtrainError
 from dtrain.mesh import dims
 from dtrain.mesh.config import ParallelConfig
+from dtrain.mesh.dims import V_SHAPED
 from dtrain.models.config import ModelConfig
 
 SCHEDULES = dims.SCHEDULES  # the mesh's vocabulary: Dims.schedule is one of them
@@ -71,10 +72,6 @@ class Action:
     def __repr__(self) -> str:
         return (f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
                 + ("&" if self.with_next else ""))
-
-
-V_SHAPED = ("zbv", "dualpipev")
-"""The schedules that place a rank's two chunks in a V (`Placement`)."""
 
 
 @dataclass(frozen=True)

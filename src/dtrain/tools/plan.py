@@ -321,7 +321,7 @@ def schedule_table(schedule: str, pp: int, microbatches: int, chunks: int,
 
 def schedule_table_command(args: argparse.Namespace, config: Config) -> None:
     """Run `dtrain plan --schedule-table`: the flags, else the config's `[parallel]`."""
-    from dtrain.pipeline.schedules import V_SHAPED
+    from dtrain.mesh.dims import V_SHAPED
 
     if args.hardware is not None:
         raise ConfigError("--schedule-table prints one pipeline's actions: leave --hardware "

@@ -143,7 +143,8 @@ from dataclasses import dataclass
 
 from dtrain.errors import ConfigError
 from dtrain.mesh import Dims
-from dtrain.pipeline.schedules import SPLIT, V_SHAPED, build
+from dtrain.mesh.dims import V_SHAPED
+from dtrain.pipeline.schedules import SPLIT, build
 from dtrain.planner.analytic.dispatch import (
     DISPATCHES,
     all_to_all_seconds,

@@ -31,7 +31,7 @@ import functools
 import math
 
 from dtrain.errors import ConfigError
-from dtrain.pipeline.schedules import V_SHAPED
+from dtrain.mesh.dims import V_SHAPED
 from dtrain.planner.analytic.cluster import (
     CHUNKS,
     DEFAULT_CP_METHOD,

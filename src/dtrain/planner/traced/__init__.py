@@ -43,7 +43,7 @@ import math
 from collections.abc import Callable
 
 from dtrain.mesh import Dims
-from dtrain.pipeline.schedules import V_SHAPED
+from dtrain.mesh.dims import V_SHAPED
 from dtrain.planner.costs import replica_degrees
 from dtrain.planner.traced.estimate import Estimate, estimate
 from dtrain.planner.traced.links import Links
