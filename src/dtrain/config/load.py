@@ -63,11 +63,21 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every section as plain values, and under EXPLICIT the `[model]` keys the user
+        set (which a preset does not override: dtrain.models.config.with_preset)."""
+        values = dataclasses.asdict(self)
+        if self.model.explicit:
+            values[EXPLICIT] = sorted(self.model.explicit)
+        return values
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
+
+EXPLICIT = "model_explicit"
+"""The entry of `Config.to_dict()` listing the `[model]` keys the user set (in the file or
+with `--set`), so that the ranks, a resume and `dtrain generate` apply a preset as the
+loader did; a dict without it (an older dtrain's) counts only keys off their defaults."""
 
 MOVED = {
     "parallel.backend": "comm.backend",
@@ -105,11 +115,13 @@ def _suggest(name: str, options: typing.Iterable[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-def _apply(config: Config, values: dict[str, Any], origin: str, migrate: bool = False) -> None:
+def _apply(config: Config, values: dict[str, Any], origin: str,
+           migrate: bool = False) -> list[str]:
     """Set `values` (section -> key -> value) into `config`, each checked for its type;
     `migrate`: a moved key goes to its new place (a config an older dtrain saved) instead
-    of being refused."""
+    of being refused. Returns the keys set, as `section.key` at their places."""
     sections = {f.name: f for f in dataclasses.fields(Config)}
+    written: list[str] = []
     for section, body in values.items():
         if not isinstance(body, dict) and section in sections:
             raise ConfigError(f"{origin}: '{section}' is a section: write its keys under "
@@ -134,6 +146,14 @@ def _apply(config: Config, values: dict[str, Any], origin: str, migrate: bool = 
                 known = [f"{home}.{k}" for k in hints]
                 raise ConfigError(f"{origin}: unknown key '{dotted}'{_suggest(dotted, known)}")
             setattr(target, name, coerce(dotted, value, hints[name]))
+            written.append(dotted)
+    return written
+
+
+def _model_keys(written: typing.Iterable[str]) -> frozenset[str]:
+    """The `[model]` keys among `written` (`section.key`)."""
+    return frozenset(key.removeprefix("model.") for key in written
+                     if key.startswith("model."))
 
 
 def _validate(config: Config) -> None:
@@ -179,6 +199,7 @@ def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Confi
         ConfigError: the file is missing or malformed, or a key or value is invalid.
     """
     config = Config()
+    written: list[str] = []
     if path:
         try:
             values = tomllib.loads(Path(path).read_text())
@@ -188,18 +209,27 @@ def load_config(path: str | None, overrides: typing.Sequence[str] = ()) -> Confi
             raise ConfigError(f"cannot read config {path!r}: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-        _apply(config, values, path)
+        written += _apply(config, values, path)
     for text in overrides:
         section, name, value = parse_override(text)
-        _apply(config, {section: {name: value}}, "--set")
+        written += _apply(config, {section: {name: value}}, "--set")
+    config.model.explicit = _model_keys(written)  # they win over a preset, even at defaults
     _validate(config)
     return config
 
 
 def config_from_dict(values: dict[str, Any]) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (how ranks receive it, and what a
-    checkpoint keeps: one an older dtrain saved has its moved keys moved)."""
+    checkpoint keeps: one an older dtrain saved has its moved keys moved), the `[model]`
+    keys the user set (EXPLICIT) recorded again.
+
+    Raises:
+        ConfigError: a key or value is invalid.
+    """
     config = Config()
-    _apply(config, values, "config", migrate=True)
+    sections = {k: v for k, v in values.items() if k != EXPLICIT}
+    _apply(config, sections, "config", migrate=True)
+    explicit = coerce(EXPLICIT, values.get(EXPLICIT, []), list[str])
+    config.model.explicit = frozenset(typing.cast(list[str], explicit))
     _validate(config)
     return config

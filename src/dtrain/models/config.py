@@ -6,8 +6,9 @@
     arch = "custom"; factory = "my_pkg.models:build"   # your own nn.Module
 
 The shape keys (n_layer, n_embd, ...) serve the built-in models; a `preset` fills them
-with a published shape, and any key set to something other than its default overrides
-the preset. `vocab_size = 0` takes the data's vocabulary (256 for bytes).
+with a published shape, and a key the config sets (in its file or with `--set`) overrides
+the preset, even when set to its default (`mtp_depth = 0` drops a preset's MTP module).
+`vocab_size = 0` takes the data's vocabulary (256 for bytes).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ which may be n_head) or DeepSeek's multi-head latent attention (mla, dtrain.mode
 
 @dataclass
 class ModelConfig:
+    # `explicit` (set in __post_init__) lives in a slot, beside the fields' __dict__: which
+    # keys were written is no key of [model], so it stays out of the fields, asdict, vars()
+    # (`ModelConfig(**vars(cfg))` copies a config) and ==.
+    __slots__ = ("explicit", "__dict__", "__weakref__")
+
     arch: Arch = "gpt"
     """gpt (dtrain's GPT-2-style model), llama (dtrain's Llama), hf (a Hugging Face causal
     LM from hf_config or init_from) or custom (your own module from factory)."""
@@ -128,6 +134,13 @@ class ModelConfig:
     """Tensor-parallel plan for a model without a built-in one: module-name pattern ->
     colwise, rowwise, vocab or vocab_loss (dtrain.tensor_parallel.parallelize)."""
 
+    def __post_init__(self) -> None:
+        # The keys set explicitly (the config loader records those of the [model] table
+        # and of --set): each keeps its value over the preset's, even its default
+        # (with_preset). Config.to_dict carries it to the ranks; copies keep it,
+        # dataclasses.replace does not.
+        self.explicit: frozenset[str] = frozenset()
+
     def check(self) -> None:
         if self.dropout >= 1:
             raise ConfigError(f"model.dropout = {self.dropout} must be below 1 (a probability)")
@@ -152,8 +165,16 @@ SHAPE_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_h
 
 
 def with_preset(cfg: ModelConfig, presets: dict[str, tuple[str, dict]]) -> ModelConfig:
-    """`cfg` with its preset's shape filled in (keys left at their defaults take the
-    preset's value).
+    """`cfg` with its preset's shape filled in: a key the user set keeps its value, every
+    other key the preset names takes the preset's. A key counts as set when it is in
+    `cfg.explicit` (a config file's `[model]` table or `--set`: `mtp_depth = 0` there
+    turns a preset's MTP module off) or its value differs from ModelConfig's default.
+
+    A ModelConfig built in Python records no explicit keys, so a keyword passed at its
+    default (`ModelConfig(arch="llama", preset="deepseek-tiny", mtp_depth=0)`) cannot be
+    told from one left out and takes the preset's value; to keep it, name it in
+    `cfg.explicit` first, or `dataclasses.replace` the resolved config. The result keeps
+    `cfg.explicit`, so applying the preset again changes nothing.
 
     Raises:
         ConfigError: an unknown preset, or one of another arch.
@@ -168,8 +189,11 @@ def with_preset(cfg: ModelConfig, presets: dict[str, tuple[str, dict]]) -> Model
         raise ConfigError(f"model.preset = {cfg.preset!r} is a shape of arch {arch!r}: set "
                           f"model.arch = {arch!r}")
     default = ModelConfig()
-    return dataclasses.replace(cfg, **{k: v for k, v in shape.items()
-                                       if getattr(cfg, k) == getattr(default, k)})
+    filled = dataclasses.replace(cfg, **{k: v for k, v in shape.items()
+                                         if k not in cfg.explicit
+                                         and getattr(cfg, k) == getattr(default, k)})
+    filled.explicit = cfg.explicit
+    return filled
 
 
 def check_shape(cfg: ModelConfig, tp: int) -> None:
