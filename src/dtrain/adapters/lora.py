@@ -11,17 +11,34 @@ its submodules `lora_A` and `lora_B`, as PEFT names them (`...q_proj.lora_A.weig
 a model built in split form (dtrain.models.init) draws A and B by their own rules.
 
 Default targets (`[adapter] targets` empty), by architecture: the attention's and the
-MLP's projections, not the embeddings or the output head (PEFT's choice for Llama):
+MLP's projections, not the embeddings or the output head (PEFT's choice for Llama; for
+DeepSeek-V3's latent attention, the projections PEFT recipes name for DeepseekV3):
 
 | arch           | layers                                                    |
 |----------------|-----------------------------------------------------------|
-| llama          | q_proj, k_proj, v_proj, o_proj, gate, up, down            |
+| llama          | q_proj, k_proj, v_proj, o_proj, gate, up, down; latent    |
+|                | attention's q_a_proj, q_b_proj (q_proj without a query    |
+|                | bottleneck), kv_a_proj_with_mqa, kv_b_proj, o_proj        |
 | gpt            | qkv, proj (attention's and MLP's), fc                     |
 | hf             | q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,       |
-|                | down_proj (Llama family); c_attn, c_proj, c_fc (GPT-2)    |
+|                | down_proj (Llama family); q_a_proj, q_b_proj,             |
+|                | kv_a_proj_with_mqa, kv_b_proj and the shared experts      |
+|                | (DeepSeek-V3: dtrain's MoE layer in its blocks, its       |
+|                | `shared.gate`, `shared.up`, `shared.down`); c_attn,       |
+|                | c_proj, c_fc (GPT-2)                                      |
 
-A mixture of experts' routed experts are grouped tensors, not nn.Linear layers: they stay
-frozen and unadapted (the attention and any dense MLP are adapted).
+A mixture of experts' shared experts are a SwiGLU MLP of nn.Linear layers, adapted as a
+dense MLP is (dtrain's Llama: `mlp.shared.gate`, `.up`, `.down`, matched by gate, up,
+down). Its routed experts are grouped tensors, not nn.Linear layers, and its router a
+weight of its own: both stay frozen and unadapted. A multi-token prediction module's
+block (`mtp.depths.*.block`) is a block like the others and adapted alike; its eh_proj
+is not.
+
+Under tensor parallelism (dtrain.tensor_parallel.adapted) an adapter is split with its
+layer; the latent projections q_a_proj and kv_a_proj_with_mqa stay whole on every tp
+rank (dtrain.tensor_parallel.latent_attention_plan), and so do their adapters: the
+gradients reaching them are already summed over tp by the up-projections (under
+sequence parallelism, with the other replicated parameters' at the end of backward).
 """
 
 from __future__ import annotations
@@ -41,11 +58,19 @@ from dtrain.errors import ConfigError
 from dtrain.models.config import ModelConfig
 from dtrain.models.init import Init, constant
 
+LATENT_ATTENTION = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+"""Latent attention's projections beside q_proj and o_proj, named as in transformers'
+DeepseekV3Attention and dtrain.models.mla."""
+HF_SHARED_EXPERTS = tuple(f"hf.model.layers.*.mlp.shared.{name}" for name in ("gate", "up",
+                                                                               "down"))
+"""A transformers DeepSeek-V3's shared experts, once dtrain's MoE layer holds them
+(dtrain.models.hf swaps each sparse block for it): its SwiGLU's gate, up and down."""
 DEFAULTS = {
-    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate", "up", "down"),
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", *LATENT_ATTENTION, "gate", "up",
+              "down"),
     "gpt": ("qkv", "proj", "fc"),
-    "hf": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "c_attn", "c_proj", "c_fc"),
+    "hf": ("q_proj", "k_proj", "v_proj", "o_proj", *LATENT_ATTENTION, "gate_proj", "up_proj",
+           "down_proj", *HF_SHARED_EXPERTS, "c_attn", "c_proj", "c_fc"),
 }
 
 
