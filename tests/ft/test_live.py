@@ -524,6 +524,14 @@ sample_tokens = 0
 """
 
 
+FRESH = "fault_tolerance.standby=false"
+"""Replacements started as fresh processes, not from warm standbys (test_a_replacement_
+starts_from_its_warm_standby, and the tp layout of the replicas of two ranks, keep them):
+each standby imports torch and the trainer beside the ranks (on 4 ranks, 6 of them in a
+run: seconds of the 2 cores each), and a replacement from one takes the same path whatever
+the layout or the moment of the kill."""
+
+
 def lose_and_regain(tmp_path: Path, nproc: int, rank: int, sets: list[str],
                     back_for: int, timeout: float, point: str = "step",
                     at: int = 5) -> tuple[str, list[int]]:
@@ -584,7 +592,8 @@ def test_the_step_a_killed_first_replica_applied_is_recorded_by_the_next(
     step's writer (a replacement sent the state has no record of the step before), finds
     step 5 missing and records it (its own record: 3 replicas took part), then its own
     steps: one record per step, none lost or repeated."""
-    out, seen = lose_and_regain(tmp_path, 3, 0, [], back_for=5, timeout=150, point="record")
+    out, seen = lose_and_regain(tmp_path, 3, 0, [FRESH], back_for=5, timeout=150,
+                                point="record")
     assert seen[:5] == [3] * 5, seen[:20]
     assert "replica 0 was killed by SIGKILL; started again" in out, out
 
@@ -599,7 +608,7 @@ def test_dtrain_train_drops_a_killed_replica_and_takes_its_replacement_back(
     metrics show 3 replicas, then 2, then 3 again, one record per step, none skipped or
     repeated. (The run is long; the test stops it once the replacement has taken part in
     20 steps.)"""
-    out, seen = lose_and_regain(tmp_path, 3, 2, ["fault_tolerance.standby=false"],
+    out, seen = lose_and_regain(tmp_path, 3, 2, [FRESH],
                                 back_for=20, timeout=150)
     first_two = seen.index(2)
     assert first_two == 4 and seen[:4] == [3] * 4, seen[:20]  # step 5 averaged 2
@@ -627,18 +636,19 @@ def test_a_replacement_starts_from_its_warm_standby(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", [
     ["parallel.tp=2"],
-    ["parallel.pp=2", "model.n_layer=2", "train.batch_size=16"],
-    ["parallel.zero=2", "parallel.dp=2"],
-    ["parallel.zero=3", "parallel.dp=2", "parallel.mixed_precision='bf16'"],
+    ["parallel.pp=2", "model.n_layer=2", "train.batch_size=16", FRESH],
+    ["parallel.zero=2", "parallel.dp=2", FRESH],
+    ["parallel.zero=3", "parallel.dp=2", "parallel.mixed_precision='bf16'", FRESH],
 ], ids=["tp", "pp", "zero", "zero3-bf16"])
 def test_dtrain_train_replicas_of_two_ranks_lose_and_regain_one(tmp_path: Path,
                                                                 layout: list[str]) -> None:
     """`dtrain train -n 4 --max-restarts 1` with live replicas of two ranks each (tp=2, a
     pipeline of 2 stages, ZeRO-2 over 2, or ZeRO-3 over 2 in bf16): rank 3 (replica 1's
     second) is SIGKILLed as step 5 begins; its supervisor and its partner's start the
-    replica again and it rejoins from the live replica: the metrics show 2 replicas, 1 from
-    step 5, then 2 again, one record per step, none lost or repeated. (The run is long; the
-    test stops it once the replica is back for 10 steps.)"""
+    replica again (tp's from their warm standbys, the others' as fresh processes: FRESH)
+    and it rejoins from the live replica: the metrics show 2 replicas, 1 from step 5, then
+    2 again, one record per step, none lost or repeated. (The run is long; the test stops
+    it once the replica is back for 10 steps.)"""
     out, counts = lose_and_regain(tmp_path, 4, 3, layout, back_for=10, timeout=180)
     assert "2 live replica(s) of 2 rank(s)" in out, out
     assert "replica 1 (its rank 1) was killed by SIGKILL; started again" in out, out

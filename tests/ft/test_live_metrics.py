@@ -22,6 +22,7 @@ import pytest
 from tests.ft.test_elastic import launchers
 from tests.ft.test_live import LIVE_JOB
 from tests.support import forked
+from tests.support.held import stopped_descendants
 from tests.support.poll import until
 
 __all__ = ["launchers"]  # the fixture that stops the job if the test fails
@@ -36,26 +37,6 @@ def records(metrics: Path) -> list[dict[str, object]]:
     if not metrics.exists():
         return []
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
-
-
-def stopped_descendant(pid: int) -> int | None:
-    """A process under `pid` (at any depth) that is stopped (state T), if one is."""
-    parents: dict[int, int] = {}
-    states: dict[int, str] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, parent = stat.read_text().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError):
-            continue
-        child = int(stat.parent.name)
-        parents[child], states[child] = int(parent), state
-    for child, state in states.items():
-        above = parents.get(child)
-        while above is not None and above != pid:
-            above = parents.get(above)
-        if above == pid and state == "T":
-            return child
-    return None
 
 
 @pytest.mark.slow
@@ -80,9 +61,9 @@ def test_a_stalled_writers_late_record_goes_in_step_order(
 
     until(lambda: max(steps(), default=0) >= 9, 120, "steps 6-9 by live replica 1",
           running=[job.poll], describe=describe, every=0.2)
-    held = stopped_descendant(job.pid)
-    assert held is not None, describe()
-    os.kill(held, signal.SIGCONT)
+    held = stopped_descendants(job.pid)
+    assert held, describe()
+    os.kill(held[0], signal.SIGCONT)
     assert job.wait(timeout=150) == 0, describe()
     assert "the 2 live replicas end with the same weights" in output.read_text(), describe()
     recorded = steps()

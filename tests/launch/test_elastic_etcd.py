@@ -33,6 +33,7 @@ from tests.store.test_etcd import cluster
 from tests.support import forked
 from tests.support.cli import EXACT_OPTIMIZER, assert_same_steps, train_rows
 from tests.support.etcd_cluster import EtcdCluster
+from tests.support.held import release_when_told_to_stop
 from tests.support.poll import until
 
 __all__ = ["cluster", "launchers"]  # fixtures this module's test takes
@@ -94,6 +95,9 @@ def test_an_elastic_job_on_etcd_goes_from_2_to_1_to_2_nodes_as_one_process_would
           running=[a.poll], describe=lambda: outputs(tmp_path), every=0.2)
     c = start(tmp_path, "c", cluster.endpoints)
     launchers.append(c)
+    # A's one rank is held: let it go once A's agent has ended it for the round with C
+    release_when_told_to_stop(a, 60, "node A's agent ending its held rank for C",
+                              describe=lambda: outputs(tmp_path))
     assert a.wait(timeout=240) == 0, outputs(tmp_path)
     assert c.wait(timeout=60) == 0, outputs(tmp_path)
 

@@ -10,6 +10,8 @@ block's graph costs seconds (later ones load it from inductor's cache).
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from dtrain.config import config_from_dict, dims_of
 from dtrain.errors import ConfigError
 from dtrain.mesh import Mesh
 from dtrain.models import init
-from dtrain.models.compiled import compile_blocks, compile_stats, is_compiled
+from dtrain.models.compiled import CACHE_ENV, compile_blocks, compile_stats, is_compiled
 from dtrain.models.config import ModelConfig
 from dtrain.testing import run_ranks
 from tests.support import cli
@@ -93,8 +95,10 @@ def test_a_model_without_blocks_is_refused_in_one_line() -> None:
 # ------------------------------------------------------------------ every layout
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One out_dir for the layout tests: the graphs they share (the same block in several
-    layouts) are compiled once and loaded from its compile_cache after."""
+    """One out_dir for the layout tests. Their graphs and kernels go to the session's
+    inductor cache (tests/conftest.py's `hermetic` chooses it, so compile_blocks leaves
+    out_dir/compile_cache unused): what they share (the same block in several layouts, the
+    same shapes in several tests) is compiled once and loaded from there after."""
     return tmp_path_factory.mktemp("compiled")
 
 
@@ -183,15 +187,36 @@ def test_a_hugging_face_model_compiled_equals_eager(layout: str, tmp_path: Path,
 def test_context_parallel_and_experts_compiled_equal_eager(shared: Path) -> None:
     """cp's attention and the MoE layer are graph breaks; the rest of the block compiles."""
     _compare(SHAPES["llama"], "cp2", shared)
-    moe = {"arch": "llama", "preset": "moe-tiny", "n_layer": 2, "n_embd": 32, "n_head": 2,
-           "n_kv_head": 2, "moe_inter_size": 32, "ffn_hidden": 64, "block_size": BLOCK,
-           "moe_layers": "after 1", "capacity_factor": 0.0, "router": "sigmoid_bias",
-           "aux_loss_weight": 0.0}
+    # moe-tiny's dense block is llama-tiny's (the same width, heads and feed-forward):
+    # its graph on each rank is the one test_compiled_layouts_equal_eager[dp-llama]
+    # compiled, loaded from the cache instead of built again
+    moe = {"arch": "llama", "preset": "moe-tiny", "n_layer": 2, "moe_inter_size": 32,
+           "block_size": BLOCK, "moe_layers": "after 1", "capacity_factor": 0.0,
+           "router": "sigmoid_bias", "aux_loss_weight": 0.0}
     LAYOUTS["ep2"] = ({"ep": 2}, {})
     _compare(moe, "ep2", shared)
 
 
 # ------------------------------------------------------------------ dtrain train
+GRAPH_CACHES = ("fxgraph", "aotautograd", "locks")
+"""The folders of an inductor cache that hold compiled graphs (and its file locks); the
+others hold built kernels, each found by the hash of its source and build command."""
+
+
+def _seed_kernels(session: Path, cache: Path) -> None:
+    """Copy the built kernels of the session's inductor cache into `cache`, not its graphs.
+
+    The block of dtrain train's tiny GPT is the one the layout tests compiled (the same
+    shapes on each rank), so its C++ kernels load instead of being built again (g++, most
+    of a cold compile's time); every graph is still traced, lowered and written into
+    `cache` by the run itself, whose restart then loads them from there."""
+    if not session.is_dir():
+        return  # this test alone: the run builds every kernel itself
+    for folder in session.iterdir():
+        if folder.is_dir() and folder.name not in GRAPH_CACHES:
+            shutil.copytree(folder, cache / folder.name, dirs_exist_ok=True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dtrain_train_compiled_reports_compile_time_and_a_restart_uses_the_cache(
@@ -201,11 +226,14 @@ def test_dtrain_train_compiled_reports_compile_time_and_a_restart_uses_the_cache
     from out_dir/compile_cache."""
     text = cli.TINY_MODEL + "[train]\nbatch_size = 4\neval_every = 0\n[logging]\n" \
                             "sample_tokens = 0\n"
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # the run's own cache
+    session = Path(os.environ[CACHE_ENV])
+    monkeypatch.delenv(CACHE_ENV, raising=False)  # the run's own cache
     eager, eager_saved = cli.train_rows(tmp_path / "eager", text, ["-n", "2"], 3)
     args = ["-n", "2", "--set", "train.compile=true"]
+    cache = tmp_path / "compiled" / "run" / "compile_cache"
+    _seed_kernels(session, cache)
     first, first_saved = cli.train_rows(tmp_path / "compiled", text, args, 3)
-    assert list((tmp_path / "compiled" / "run" / "compile_cache").iterdir())
+    assert list((cache / "fxgraph").iterdir()), "the first run cached no graph in its out_dir"
     torch.testing.assert_close(torch.tensor([r["loss"] for r in first]),
                                torch.tensor([r["loss"] for r in eager]), rtol=1e-5, atol=0)
     want = universal.Checkpoint(eager_saved).model_state()

@@ -5,8 +5,9 @@ shard has its `copies` copies again and the next death is survived the same way.
 Servers run as processes of their own (forked with torch imported), the workers as
 threads of the test. A server is lost as a process (SIGKILL: its sockets close at once)
 or as a machine (a network namespace whose link is cut, then every process in it
-killed: nothing tells the others, whose connections' heartbeat finds it within 10 s); its
-replacement starts in the same place, or on a spare machine. With 2 and 3 copies, the
+killed: nothing tells the others, whose connections' heartbeat finds it, within
+HEARTBEAT_TIMEOUT_MS here, 10 s by default); its replacement starts in the same place, or
+on a spare machine. With 2 and 3 copies, the
 head of shard 0 is lost first, then another server once the chain is whole again.
 Counted on every copy at the end: each worker's pushes applied exactly once (a copy made
 from another's state counts the pushes in that state: neither lost nor applied twice), and
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from dtrain import ps
-from dtrain.ps import chain
+from dtrain.ps import chain, link
 from dtrain.testing import fork_server
 from dtrain.testing.ps_drill import (
     PER_WORKER,
@@ -48,13 +49,20 @@ from tests.support.poll import until
 
 SUBNET = "10.216.0"
 _fixtures = itertools.count()
+HEARTBEAT_TIMEOUT_MS = 4000
+"""How long a connection to a lost machine's server goes unanswered before it counts as
+lost, in the machine drills: the ZeroMQ heartbeat's (dtrain.ps.link, a PING every second),
+cut from its 10 s so that each of a drill's two losses waits 4 s for it, not 10. Its
+pings are answered by ZeroMQ's own threads, whatever the load on the processes."""
 
 
 def _serve(index: int, peers: list[str], bind: str, join: bool, netns: str | None) -> None:
     """A server process: slot `index` of the servers at `peers`, bound at `bind`, in
-    network namespace `netns` (None: this one's); with `join`, in place of peers[index]."""
+    network namespace `netns` (None: this one's, with the default heartbeat; a machine's,
+    with HEARTBEAT_TIMEOUT_MS); with `join`, in place of peers[index]."""
     if netns is not None:
         forked.enter(netns)
+        link.HEARTBEAT_TIMEOUT_MS = HEARTBEAT_TIMEOUT_MS
     server = ps.Server(WORKERS, SECRET, numel(model()), index=index, servers=len(peers),
                        bind=bind, join=join)
     server.set_peers(peers)
@@ -246,10 +254,12 @@ def test_servers_killed_in_turn_are_replaced_every_time() -> None:
 
 # ------------------------------------------------------------------ machines lost
 @pytest.fixture
-def machines() -> Iterator[list[Host]]:
+def machines(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Host]]:
     """Five network namespaces on a bridge: three to run servers, two spare ones for
     their replacements. The bridge has an address on the machines' subnet, so the workers
-    (threads of this process) reach the servers as another machine would."""
+    (threads of this process) reach the servers as another machine would; their
+    connections, like the servers', give up on a silent one after HEARTBEAT_TIMEOUT_MS."""
+    monkeypatch.setattr(link, "HEARTBEAT_TIMEOUT_MS", HEARTBEAT_TIMEOUT_MS)
     tag = f"{os.getpid() % 10000}{next(_fixtures)}"  # new names for each test
     hosts = [Host(f"dtrain-ps{i}-{tag}", f"dtps{i}{tag}"[:15], f"{SUBNET}.{i + 1}")
              for i in range(5)]
@@ -257,7 +267,7 @@ def machines() -> Iterator[list[Host]]:
         yield made
 
 
-@pytest.mark.slow  # waits out the connections' 10 s heartbeat twice, by design
+@pytest.mark.slow  # waits out the connections' heartbeat twice, by design
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("copies", [2, 3])
 def test_a_lost_machine_is_replaced_on_another_and_the_next_loss_survived(

@@ -95,31 +95,37 @@ def _tolerance(dtype: torch.dtype, size: int) -> dict:
     return {}
 
 
-def expected(rank: int, size: int, case: tuple, salt: int) -> torch.Tensor | None:
+def expected(size: int, case: tuple, salt: int) -> list[torch.Tensor | None]:
+    """Each rank's result of `case` (None where a rank receives nothing), from every rank's
+    input made once: the matrix's million-element cases would otherwise make every input
+    again for each rank, `size` times the work of the check."""
     op, _algorithm, dtype, length, reduce_op, root = case
     root %= size
     inputs = [make_input(r, length, dtype, salt) for r in range(size)]
-    if op == "all_reduce":
-        return _reduce(inputs, reduce_op)
-    if op == "reduce":
-        return _reduce(inputs, reduce_op) if rank == root else inputs[rank]
-    if op == "reduce_scatter":
-        return _shard(_reduce(inputs, reduce_op), rank, size)
+    ranks = range(size)
+    if op in ("all_reduce", "reduce", "reduce_scatter"):
+        combined = _reduce(inputs, reduce_op)
+        if op == "all_reduce":
+            return [combined] * size
+        if op == "reduce":
+            return [combined if rank == root else inputs[rank] for rank in ranks]
+        return [_shard(combined, rank, size) for rank in ranks]
     if op == "broadcast":
-        return inputs[root]
+        return [inputs[root]] * size
     if op == "scatter":
-        return _shard(inputs[root], rank, size)
+        return [_shard(inputs[root], rank, size) for rank in ranks]
     if op == "all_gather":
-        return torch.cat(inputs)
+        return [torch.cat(inputs)] * size
     if op == "gather":
-        return torch.cat(inputs) if rank == root else None
-    return torch.cat([_shard(x, rank, size) for x in inputs])  # all_to_all
+        return [torch.cat(inputs) if rank == root else None for rank in ranks]
+    return [torch.cat([_shard(x, rank, size) for x in inputs]) for rank in ranks]  # all_to_all
 
 
 def check(results: list[list], size: int, todo: list[tuple]) -> None:
     for salt, case in enumerate(todo):
+        wants = expected(size, case, salt)
         for rank in range(size):
-            got, want = results[rank][salt], expected(rank, size, case, salt)
+            got, want = results[rank][salt], wants[rank]
             label = f"{case} on rank {rank} of {size}"
             if want is None:
                 assert got is None, label

@@ -20,6 +20,8 @@ import pytest
 from dtrain.errors import DtrainError
 from dtrain.planner.traced.links import Links
 from dtrain.tools.emulated_links import EmulatedHosts, Link, check_environment, sweep
+from tests.support import forked
+from tests.support.held import children
 from tests.support.poll import until
 from tests.support.tools import missing
 
@@ -101,19 +103,6 @@ def alive(pid: int) -> bool:
         return "zombie" not in Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def ping_and_bulk(net: EmulatedHosts, pings: int, bulk: int) -> dict:
@@ -208,17 +197,16 @@ def test_calibration_measures_the_emulated_link(prefix: str, tmp_path: Path) -> 
     link = Link(rate_mbit=500, delay_ms=5)
     calibration = tmp_path / "calibration.json"
     with EmulatedHosts.over(link, prefix=prefix) as net:
-        jobs = []
-        for host in range(2):
-            env = net.env(host, {**os.environ, "OMP_NUM_THREADS": "1",
-                                 "DTRAIN_CALIBRATION": str(calibration)})
-            with open(tmp_path / f"host{host}.log", "w") as log:
-                jobs.append(net.popen(host, [
-                    sys.executable, "-m", "dtrain.cli", "run", "--nnodes", "2",
-                    "--node-rank", str(host), "--master", f"{net.address(0)}:{PORT}",
-                    "--join-timeout", "60", "-n", "2", "-m", "dtrain.tools.comm_bench",
-                    "--calibrate", "--ops", "all_reduce", "--algorithms", "native",
-                    "--max-bytes", "4K"], env=env, stdout=log, stderr=subprocess.STDOUT))
+        # each host's launcher forked into its namespace (tests.support.forked: no import
+        # of torch to wait for); after the calibration the table times one size, 4 KiB
+        jobs = [forked.start(
+            ["run", "--nnodes", "2", "--node-rank", str(host), "--master",
+             f"{net.address(0)}:{PORT}", "--join-timeout", "60", "-n", "2",
+             "-m", "dtrain.tools.comm_bench", "--calibrate", "--ops", "all_reduce",
+             "--algorithms", "native", "--min-bytes", "4K", "--max-bytes", "4K"],
+            env=net.env(host, {**os.environ, "OMP_NUM_THREADS": "1",
+                               "DTRAIN_CALIBRATION": str(calibration)}),
+            out=tmp_path / f"host{host}.log", netns=net.namespace(host)) for host in range(2)]
         codes = [job.wait(timeout=500) for job in jobs]
     logs = "".join((tmp_path / f"host{h}.log").read_text() for h in range(2))
     assert codes == [0, 0], logs
