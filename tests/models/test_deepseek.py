@@ -243,6 +243,12 @@ def test_deepseek_tiny_trains_equal_with_accumulation_chunked_loss_and_recompute
     assert want[-1]["loss"] < want[0]["loss"]
 
 
+WITHOUT_MTP = TINY.replace('preset = "deepseek-tiny"', 'preset = "deepseek-tiny"\nmtp_depth = 0')
+"""deepseek-tiny's shape without its MTP module (a key the config sets wins over the preset,
+even at its default)."""
+assert "mtp_depth = 0" in WITHOUT_MTP
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_deepseek_tiny_in_two_rank_layouts_equals_one_process(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from dtrain.models.llama_parts import rotary
 from dtrain.models.mla import LatentAttention
 from dtrain.testing import run_threads
 from tests.context_parallel.test_context_parallel import exported
-from tests.models.test_deepseek import WITHOUT_PRESET
+from tests.models.test_deepseek import WITHOUT_MTP
 from tests.models.test_mla import THETA, WIDTHS, attention, reference
 from tests.models.test_mtp import DEEPSEEK, SHAPE, model_of
 from tests.support import cli
@@ -124,7 +124,7 @@ def test_multi_token_prediction_on_chunks_equals_one_process(cfg: ModelConfig, n
             torch.testing.assert_close(grads[name], want, msg=name)
 
 
-TINY_CP = WITHOUT_PRESET.replace("aux_loss_weight = 0.01\n", "")
+TINY_CP = WITHOUT_MTP.replace("aux_loss_weight = 0.01\n", "")
 """deepseek-tiny's shape (latent attention, a dense block then grouped sigmoid routing with
 a shared expert) without its MTP module and without the balance loss (context
 parallelism wants a dropless MoE balanced by its router's bias)."""

@@ -25,12 +25,12 @@ from dtrain import comm
 from dtrain.tensor_parallel import latent_attention_plan, parallelize
 from dtrain.testing import run_threads
 from tests.context_parallel.test_context_parallel import exported
-from tests.models.test_deepseek import TINY, WITHOUT_PRESET
+from tests.models.test_deepseek import TINY, WITHOUT_MTP
 from tests.models.test_mla import HEADS, reference_case
 from tests.support import cli
 
 T = 12
-DROPLESS_WITHOUT_MTP = WITHOUT_PRESET.replace("aux_loss_weight = 0.01\n", "")
+DROPLESS_WITHOUT_MTP = WITHOUT_MTP.replace("aux_loss_weight = 0.01\n", "")
 """deepseek-tiny's test shape without its MTP module (refused with sequence parallelism:
 tests/models/test_deepseek.py) and the balance loss (sequence parallelism wants a dropless
 MoE balanced by its router's bias)."""

@@ -56,7 +56,9 @@ def resolve(cfg: ModelConfig, data_vocab: int) -> ModelConfig:
                           f"{', '.join(ARCHS)}")
     cfg = with_preset(cfg, presets())
     if cfg.vocab_size == 0:
-        return dataclasses.replace(cfg, vocab_size=data_vocab)
+        fixed = dataclasses.replace(cfg, vocab_size=data_vocab)
+        fixed.explicit = cfg.explicit  # resolving it again applies the preset alike
+        return fixed
     if cfg.vocab_size < data_vocab:
         raise ConfigError(f"model.vocab_size = {cfg.vocab_size} is smaller than the data's "
                           f"vocabulary of {data_vocab} token ids: set it to at least "

@@ -294,7 +294,8 @@ def _given(shape, cluster: Cluster, batch: int, layout: dict[str, int],
     return best
 
 
-def _print(info: dict, shown: list[ClusterEstimate], count: int, hw, out=sys.stdout) -> None:
+def _print(info: dict, shown: list[ClusterEstimate], count: int, hw) -> None:
+    out = sys.stdout  # the stream at the call, not the one at import (a test may swap it)
     gib = 2**30
     active = info["active_parameters"]
     active_text = f" ({active / 1e9:.2f}B active)" if active != info["parameters"] else ""
