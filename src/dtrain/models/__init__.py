@@ -19,14 +19,13 @@ Hugging Face families) can compute its training loss chunk by chunk, returning (
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from dtrain.errors import ConfigError
-from dtrain.models.config import ARCHS, ModelConfig, with_preset
+from dtrain.models.config import ARCHS, ModelConfig, replaced, with_preset
 from dtrain.models.gpt import GPTConfig
 from dtrain.models.stages import Stages
 
@@ -56,9 +55,7 @@ def resolve(cfg: ModelConfig, data_vocab: int) -> ModelConfig:
                           f"{', '.join(ARCHS)}")
     cfg = with_preset(cfg, presets())
     if cfg.vocab_size == 0:
-        fixed = dataclasses.replace(cfg, vocab_size=data_vocab)
-        fixed.explicit = cfg.explicit  # resolving it again applies the preset alike
-        return fixed
+        return replaced(cfg, vocab_size=data_vocab)  # resolved again, the preset applies alike
     if cfg.vocab_size < data_vocab:
         raise ConfigError(f"model.vocab_size = {cfg.vocab_size} is smaller than the data's "
                           f"vocabulary of {data_vocab} token ids: set it to at least "

@@ -137,8 +137,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         # The keys set explicitly (the config loader records those of the [model] table
         # and of --set): each keeps its value over the preset's, even its default
-        # (with_preset). Config.to_dict carries it to the ranks; copies keep it,
-        # dataclasses.replace does not.
+        # (with_preset). Config.to_dict carries it to the ranks; copies and `replaced`
+        # keep it, dataclasses.replace does not.
         self.explicit: frozenset[str] = frozenset()
 
     def check(self) -> None:
@@ -189,11 +189,17 @@ def with_preset(cfg: ModelConfig, presets: dict[str, tuple[str, dict]]) -> Model
         raise ConfigError(f"model.preset = {cfg.preset!r} is a shape of arch {arch!r}: set "
                           f"model.arch = {arch!r}")
     default = ModelConfig()
-    filled = dataclasses.replace(cfg, **{k: v for k, v in shape.items()
-                                         if k not in cfg.explicit
-                                         and getattr(cfg, k) == getattr(default, k)})
-    filled.explicit = cfg.explicit
-    return filled
+    return replaced(cfg, **{k: v for k, v in shape.items()
+                            if k not in cfg.explicit and getattr(cfg, k) == getattr(default, k)})
+
+
+def replaced(cfg: ModelConfig, **changes: object) -> ModelConfig:
+    """`dataclasses.replace(cfg, **changes)` that keeps `cfg.explicit` (the keys the user
+    set, which a fresh ModelConfig starts without), so that a preset applied to the result
+    again changes nothing."""
+    out = dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]  # field values
+    out.explicit = cfg.explicit
+    return out
 
 
 def check_shape(cfg: ModelConfig, tp: int) -> None:
